@@ -1,0 +1,46 @@
+# neuroshard: `make demo` and `make test` do all set-up on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel by default; override for a CUDA build, e.g. make install TORCH_SPEC=torch==2.13.0+cu124
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := $(wildcard protos/shared/proto/*.proto)
+PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
+
+.PHONY: install protos demo test lint bench-train bench-memory clean
+
+install: $(STAMP) $(PROTO_OUT)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+# Generated gRPC code (never edited by hand, not committed): protos/shared/proto/x.proto -> shared/proto/x_pb2.py
+$(PROTO_OUT) &: $(PROTO_SRC) $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+
+demo: install
+	$(VENV)/bin/neuroshard demo
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff format --check coordinator worker shared tests
+	$(VENV)/bin/ruff check coordinator worker shared tests
+	$(VENV)/bin/mypy coordinator worker shared
+
+bench-train: install
+	$(PY) -m tests.benchmarks.bench_train
+
+bench-memory: install
+	$(PY) -m tests.benchmarks.bench_memory
+
+clean:
+	rm -rf $(VENV) shared/proto/*_pb2*.py shared/proto/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache

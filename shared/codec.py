@@ -1,0 +1,158 @@
+"""Tensor and array codec: raw little-endian bytes on the wire, chunked streams for big tensors.
+
+Arrays never travel as ``repeated float``: a ``Tensor`` carries dtype, shape and raw
+little-endian C-order bytes, and tensors larger than ``chunk_bytes`` are split into
+``TensorChunk`` messages that the receiver reassembles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from shared.proto import common_pb2
+
+_WIRE_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint64", "uint32", "uint8",
+                "int8", "bool"}
+
+
+class CodecError(ValueError):
+    """Bytes do not decode to the declared dtype/shape (INVALID_ARGUMENT)."""
+
+
+def _le(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("<") if dtype.byteorder not in ("|", "<") else dtype
+
+
+def encode_tensor(array: np.ndarray) -> common_pb2.Tensor:
+    """Encode an array as a ``Tensor`` of raw little-endian bytes.
+
+    Args:
+        array: any shape; dtype one of float16/32/64, int8/32/64, uint8/32/64, bool.
+    """
+    a = np.ascontiguousarray(array)
+    name = a.dtype.name
+    if name not in _WIRE_DTYPES:
+        raise CodecError(f"dtype {name} cannot be sent")
+    data = a.astype(_le(a.dtype), copy=False).tobytes()
+    return common_pb2.Tensor(dtype=name, shape=list(a.shape), data=data, encoding="raw")
+
+
+def decode_tensor(msg: common_pb2.Tensor) -> np.ndarray:
+    """Decode a ``Tensor`` into a new writable array.
+
+    Raises:
+        CodecError: unknown dtype or encoding, or a byte length that does not match the shape.
+    """
+    if msg.encoding not in ("", "raw"):
+        raise CodecError(f"tensor encoding {msg.encoding!r} is not supported")
+    return _from_bytes(msg.data, msg.dtype, tuple(msg.shape))
+
+
+def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    if dtype not in _WIRE_DTYPES:
+        raise CodecError(f"tensor dtype {dtype!r} is not supported")
+    dt = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(data) != n * dt.itemsize:
+        raise CodecError(
+            f"tensor of dtype {dtype} and shape {list(shape)} needs {n * dt.itemsize} bytes, "
+            f"got {len(data)}"
+        )
+    return np.frombuffer(data, dtype=dt).astype(np.dtype(dtype), copy=True).reshape(shape)
+
+
+def tensor_to_chunks(name: str, array: np.ndarray, chunk_bytes: int) -> Iterator[common_pb2.TensorChunk]:
+    """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each."""
+    a = np.ascontiguousarray(array)
+    data = a.astype(_le(a.dtype), copy=False).tobytes()
+    total = len(data)
+    offset = 0
+    while True:
+        piece = data[offset : offset + chunk_bytes]
+        yield common_pb2.TensorChunk(
+            name=name, dtype=a.dtype.name, shape=list(a.shape), offset=offset, data=piece,
+            total_bytes=total,
+        )
+        offset += len(piece)
+        if offset >= total:
+            return
+
+
+def tensors_to_chunks(
+    tensors: Iterable[tuple[str, np.ndarray]], chunk_bytes: int
+) -> Iterator[common_pb2.TensorChunk]:
+    """Chunk several named arrays in order (see ``tensor_to_chunks``)."""
+    for name, array in tensors:
+        yield from tensor_to_chunks(name, array, chunk_bytes)
+
+
+class ChunkAssembler:
+    """Reassemble ``TensorChunk`` messages into named arrays, in arrival order."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[bytes]] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        self._received: dict[str, int] = {}
+
+    def add(self, chunk: common_pb2.TensorChunk) -> None:
+        """Add one chunk.
+
+        Raises:
+            CodecError: a chunk out of order or inconsistent with earlier chunks of its tensor.
+        """
+        got = self._received.get(chunk.name, 0)
+        if chunk.offset != got:
+            raise CodecError(f"chunk of {chunk.name!r} at offset {chunk.offset}, expected {got}")
+        meta = (chunk.dtype, tuple(chunk.shape), chunk.total_bytes)
+        if self._meta.setdefault(chunk.name, meta) != meta:
+            raise CodecError(f"chunks of {chunk.name!r} disagree on dtype/shape/size")
+        self._parts.setdefault(chunk.name, []).append(chunk.data)
+        self._received[chunk.name] = got + len(chunk.data)
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Return the arrays, in the order their first chunk arrived.
+
+        Raises:
+            CodecError: a tensor is incomplete.
+        """
+        out: dict[str, np.ndarray] = {}
+        for name, parts in self._parts.items():
+            dtype, shape, total = self._meta[name]
+            if self._received[name] != total:
+                raise CodecError(f"tensor {name!r} incomplete: {self._received[name]}/{total} bytes")
+            out[name] = _from_bytes(b"".join(parts), dtype, shape)
+        return out
+
+
+def ids_to_bytes(ids: np.ndarray) -> bytes:
+    """[N] ids as uint64 little-endian bytes."""
+    return np.ascontiguousarray(ids, dtype="<u8").tobytes()
+
+
+def f32_to_bytes(values: np.ndarray) -> bytes:
+    """[N] values as float32 little-endian bytes."""
+    return np.ascontiguousarray(values, dtype="<f4").tobytes()
+
+
+def ids_from_bytes(data: bytes, field: str = "ids") -> np.ndarray:
+    """Decode uint64 little-endian bytes to a [N] uint64 array (read-only view).
+
+    Raises:
+        CodecError: the byte length is not a multiple of 8; the message names ``field``.
+    """
+    if len(data) % 8:
+        raise CodecError(f"{field}: {len(data)} bytes is not a whole number of uint64 values")
+    return np.frombuffer(data, dtype="<u8").astype(np.uint64, copy=False)
+
+
+def f32_from_bytes(data: bytes, field: str = "values") -> np.ndarray:
+    """Decode float32 little-endian bytes to a [N] float32 array (read-only view).
+
+    Raises:
+        CodecError: the byte length is not a multiple of 4; the message names ``field``.
+    """
+    if len(data) % 4:
+        raise CodecError(f"{field}: {len(data)} bytes is not a whole number of float32 values")
+    return np.frombuffer(data, dtype="<f4").astype(np.float32, copy=False)

@@ -1,0 +1,364 @@
+"""Typed configuration: daemon configs and job specs, loaded from YAML and validated.
+
+Every model forbids unknown keys; a validation error is turned into one line that names the
+field (``ConfigError``), which the CLI prints and the coordinator returns as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config file or job spec is invalid; the message names the field (INVALID_ARGUMENT)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 0..65535, got {value!r}")
+    return value
+
+
+class LogConfig(_Model):
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Minimum log level."
+    )
+    format: Literal["auto", "json", "console"] = Field(
+        "auto", description="auto: JSON when stderr is not a TTY, console otherwise."
+    )
+
+
+class CoordinatorConfig(_Model):
+    """The coordinator daemon (configs/coordinator.yaml)."""
+
+    listen: str = Field("0.0.0.0:50051", description="HOST:PORT to serve gRPC on; port 0 picks one.")
+    data_dir: str = Field(".neuroshard/coordinator", description="Directory for models and state.")
+    metrics_port: int | None = Field(
+        9100, ge=0, le=65535, description="Prometheus port; 0 picks a free one; null disables."
+    )
+    heartbeat_interval_s: float = Field(
+        0.5, gt=0, le=60, description="Seconds between worker heartbeats."
+    )
+    heartbeat_timeout_s: float = Field(
+        2.0, gt=0, le=600, description="Seconds without a heartbeat before a worker is DEAD."
+    )
+    queue_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds a job may wait QUEUED for its workers before it fails."
+    )
+    slots: int = Field(1024, ge=1, le=65536, description="Hash slots of the memory store.")
+    topk_max: int = Field(10000, ge=1, description="Largest k a top-k request may ask for.")
+    step_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds a worker may take for one training step."
+    )
+    rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of coordinator-to-worker RPCs.")
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message, bytes."
+    )
+    chunk_bytes: int = Field(
+        1024 * 1024, ge=1024, description="Tensors larger than this are streamed in chunks, bytes."
+    )
+    grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    _check_listen = field_validator("listen")(classmethod(lambda cls, v: _host_port(v)))
+
+    @field_validator("slots")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _timeout_after_interval(self) -> CoordinatorConfig:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                "heartbeat_timeout_s must be larger than heartbeat_interval_s "
+                f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
+            )
+        return self
+
+
+class WorkerConfig(_Model):
+    """A worker daemon (configs/worker.yaml)."""
+
+    coordinator: str = Field("localhost:50051", description="Coordinator HOST:PORT.")
+    listen: str = Field("0.0.0.0:0", description="HOST:PORT to serve gRPC on; port 0 picks one.")
+    advertise_host: str | None = Field(
+        None, description="Host other daemons use to reach this worker (default: listen host, "
+        "or 127.0.0.1 when listening on all interfaces)."
+    )
+    name: str | None = Field(
+        None, min_length=1, max_length=128, description="Worker name; default: the hostname."
+    )
+    data_dir: str = Field(".neuroshard/worker", description="Directory for slot data.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus port; 0 picks a free one; null disables."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Memory kernels on CuPy (cuda) or NumPy (cpu); auto: cuda if found."
+    )
+    torch_threads: int = Field(1, ge=1, le=256, description="torch.set_num_threads for training.")
+    max_payload_bytes: int = Field(
+        4096, ge=0, description="Largest payload of one memory, bytes."
+    )
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message, bytes."
+    )
+    chunk_bytes: int = Field(1024 * 1024, ge=1024, description="Stream chunk size, bytes.")
+    rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of worker-issued RPCs.")
+    grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    _check_addr = field_validator("coordinator", "listen")(
+        classmethod(lambda cls, v: _host_port(v))
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Job specs
+
+
+class MlpSpec(_Model):
+    name: Literal["mlp"] = "mlp"
+    hidden: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
+        default_factory=lambda: [128, 64], description="Hidden layer widths."
+    )
+
+
+class CnnSpec(_Model):
+    name: Literal["cnn"] = "cnn"
+    channels: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default_factory=lambda: [16, 32], description="Channels of the two conv layers."
+    )
+
+
+class ImportModelSpec(_Model):
+    import_: str = Field(
+        alias="import", description="package.module:callable returning an nn.Module."
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments.")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @field_validator("import_")
+    @classmethod
+    def _target(cls, v: str) -> str:
+        module, sep, attr = v.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError(f"expected 'package.module:callable', got {v!r}")
+        return v
+
+
+class BuiltinData(_Model):
+    name: Literal["digits", "synthetic"] = "digits"
+    samples: int = Field(2000, ge=10, description="synthetic only: number of samples.")
+    features: int = Field(64, ge=1, description="synthetic only: features per sample.")
+    classes: int = Field(10, ge=2, description="synthetic only: number of classes.")
+
+
+class FileData(_Model):
+    path: str = Field(description=".npz file with arrays x (float32) and y (int64).")
+
+
+class OptimizerSpec(_Model):
+    name: Literal["sgd", "adam"] = "adam"
+    lr: float = Field(1e-3, gt=0, le=10, description="Learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd only.")
+    weight_decay: float = Field(0.0, ge=0, le=1)
+
+
+def _tag_by_name(default: str, alt_key: str) -> Any:
+    """A discriminator: a dict is tagged by its ``name`` key, or ``alt_key`` when present."""
+
+    def tag(v: Any) -> str:
+        if isinstance(v, dict):
+            return alt_key if alt_key in v else str(v.get("name", default))
+        return alt_key if getattr(v, "name", None) is None else str(v.name)
+
+    return Discriminator(
+        tag,
+        custom_error_type="invalid_choice",
+        custom_error_message=f"unknown name; expected one of the built-ins or {alt_key!r}",
+    )
+
+
+def _name_to_dict(v: Any) -> Any:
+    return {"name": v} if isinstance(v, str) else v
+
+
+ModelField = Annotated[
+    Annotated[MlpSpec, Tag("mlp")] | Annotated[CnnSpec, Tag("cnn")]
+    | Annotated[ImportModelSpec, Tag("import")],
+    _tag_by_name("mlp", "import"),
+]
+DataField = Annotated[
+    Annotated[BuiltinData, Tag("digits")] | Annotated[BuiltinData, Tag("synthetic")]
+    | Annotated[FileData, Tag("path")],
+    _tag_by_name("digits", "path"),
+]
+
+
+class TrainJobSpec(_Model):
+    kind: Literal["train"]
+    name: str = Field("train", max_length=128)
+    workers: int = Field(1, ge=1, le=1024, description="Workers the job needs.")
+    model: ModelField = Field(
+        default_factory=MlpSpec, description="'mlp', 'cnn', {name: mlp, hidden: [...]}, "
+        "{name: cnn, channels: [...]} or {import: 'pkg.mod:fn', args: {...}}."
+    )
+    data: DataField = Field(
+        default_factory=BuiltinData, description="'digits', 'synthetic', {name: ...} or {path: F.npz}."
+    )
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    strategy: Literal["sync"] = "sync"
+    epochs: int | None = Field(None, ge=1, le=100000)
+    steps: int | None = Field(None, ge=1, le=10_000_000)
+    batch_size: int = Field(32, ge=1, le=65536, description="Samples per worker per step.")
+    seed: int = Field(0, ge=0)
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out share of the data.")
+
+    _strings = field_validator("model", "data", mode="before")(
+        classmethod(lambda cls, v: _name_to_dict(v))
+    )
+
+    @model_validator(mode="after")
+    def _epochs_or_steps(self) -> TrainJobSpec:
+        if self.epochs is None and self.steps is None:
+            self.epochs = 10
+        return self
+
+
+
+class ZipfAccess(_Model):
+    distribution: Literal["zipf"] = "zipf"
+    alpha: float = Field(0.99, gt=0, le=10, description="Zipf exponent (YCSB uses 0.99).")
+    batch: int = Field(100_000, ge=1, le=100_000_000, description="Accesses per iteration.")
+    boost: float = Field(0.05, ge=0, le=1, description="Boost added per access.")
+
+
+class TraceAccess(_Model):
+    trace: str = Field(description=".npy of ids: [iterations, batch] or [batch] uint64.")
+    boost: float = Field(0.05, ge=0, le=1)
+
+
+class MemoryJobSpec(_Model):
+    kind: Literal["memory"]
+    name: str = Field("memory", max_length=128)
+    workers: int = Field(1, ge=1, le=1024)
+    memories: int = Field(1_000_000, ge=1, le=1_000_000_000, description="Memories to generate.")
+    load: str | None = Field(None, description=".npz with ids, strengths to load instead.")
+    iterations: int = Field(100, ge=1, le=10_000_000)
+    access: ZipfAccess | TraceAccess = Field(default_factory=ZipfAccess)
+    decay_rate: float = Field(0.001, ge=0, le=1)
+    topk: int = Field(100, ge=1)
+    seed: int = Field(0, ge=0)
+
+
+JobSpec = TrainJobSpec | MemoryJobSpec
+
+
+_UNION_FIELDS = {"model", "data", "access"}
+_UNION_TAGS = {"mlp", "cnn", "import", "digits", "synthetic", "path", "zipf", "trace"}
+
+
+def _format_error(exc: ValidationError, prefix: str = "") -> str:
+    err = exc.errors()[0]
+    parts: list[str] = []
+    for p in err["loc"]:
+        # Drop union tags pydantic inserts after a tagged-union field (model.mlp.hidden).
+        if parts and parts[-1] in _UNION_FIELDS and p in _UNION_TAGS:
+            continue
+        if not str(p).startswith(("function-after", "tagged")):
+            parts.append(str(p))
+    loc = ".".join(parts)
+    msg = err["msg"].removeprefix("Value error, ")
+    where = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "spec")
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {msg}{more}"
+
+
+def parse_job_spec(data: Any) -> JobSpec:
+    """Validate a job spec given as a dict (from YAML or JSON).
+
+    Raises:
+        ConfigError: unknown key, wrong type, out-of-range value; the message names the field
+            (the coordinator maps it to INVALID_ARGUMENT).
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"job spec: expected a mapping, got {type(data).__name__}")
+    kind = data.get("kind")
+    model: type[TrainJobSpec] | type[MemoryJobSpec]
+    if kind == "train":
+        model = TrainJobSpec
+    elif kind == "memory":
+        model = MemoryJobSpec
+    else:
+        raise ConfigError(f"kind: expected 'train' or 'memory', got {kind!r}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
+
+
+def job_spec_from_json(text: str) -> JobSpec:
+    """Parse and validate a job spec sent as JSON (the SubmitJob RPC).
+
+    Raises:
+        ConfigError: invalid JSON or an invalid spec (INVALID_ARGUMENT).
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"spec_json: not valid JSON ({exc.msg} at char {exc.pos})") from None
+    return parse_job_spec(data)
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read a YAML file with ``yaml.safe_load``.
+
+    Raises:
+        ConfigError: the file is missing or is not valid YAML.
+    """
+    p = Path(path)
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+
+
+def load_config(model: type[T], path: str | Path | None, **overrides: Any) -> T:
+    """Load a daemon config from YAML (or defaults), apply non-None overrides, validate.
+
+    Raises:
+        ConfigError: the message names the file and field.
+    """
+    data = dict(load_yaml(path)) if path else {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, f"{path}: " if path else "")) from None

@@ -1,0 +1,96 @@
+"""gRPC helpers shared by both daemons and the client: options, channels, the metrics
+interceptor and the mapping of domain errors to status codes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from shared.metrics import Metrics
+
+# Retry only UNAVAILABLE, with jittered exponential backoff (gRPC's built-in retry policy,
+# https://github.com/grpc/proposal/blob/master/A6-client-retries.md).
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "neuroshard.v1.Coordinator"}],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Channel/server options that raise gRPC's 4 MiB default message limits."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> aio.Channel:
+    """An insecure grpc.aio channel with retries of UNAVAILABLE on the coordinator service."""
+    return aio.insecure_channel(
+        address,
+        options=[
+            *message_options(max_message_bytes),
+            ("grpc.service_config", _SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.keepalive_time_ms", 30_000),
+        ],
+    )
+
+
+def _method_name(full: str) -> str:
+    return full.rsplit("/", 1)[-1]
+
+
+class MetricsInterceptor(aio.ServerInterceptor):
+    """Count serialized request/response bytes and status codes per RPC method."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc.health"):
+            return handler
+        method = _method_name(handler_call_details.method)
+        recv = self._m.rpc_received_bytes.labels(method)
+        sent = self._m.rpc_sent_bytes.labels(method)
+        deser, ser = handler.request_deserializer, handler.response_serializer
+
+        def count_in(data: bytes) -> Any:
+            recv.inc(len(data))
+            return deser(data) if deser else data
+
+        def count_out(msg: Any) -> bytes:
+            data = ser(msg) if ser else msg
+            sent.inc(len(data))
+            return data  # type: ignore[no-any-return]
+
+        return handler._replace(request_deserializer=count_in, response_serializer=count_out)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True for the gRPC errors a caller may retry: UNAVAILABLE and DEADLINE_EXCEEDED."""
+    return isinstance(exc, aio.AioRpcError) and exc.code() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
