@@ -1,0 +1,1 @@
+"""Pure training domain code shared by the coordinator and the workers (no gRPC)."""

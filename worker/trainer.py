@@ -1,0 +1,154 @@
+"""One worker's side of one synchronous (parameter server) training job.
+
+Each step the coordinator sends the current parameters (``set_params``), or only their version
+when this worker already holds them, and asks for the gradients of the mean cross-entropy over
+this shard's mini-batch (``compute_gradients``). Pure CPU torch, no networking: the worker
+daemon calls it in a thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from shared.config import TrainJobSpec
+from shared.training.data import batch_indices, load_dataset, shard_bounds
+from shared.training.models import build_model, check_param_arrays, param_shapes
+
+
+class TrainerError(RuntimeError):
+    """A call arrived in a state that cannot serve it (FAILED_PRECONDITION)."""
+
+
+@dataclass
+class GradResult:
+    """Gradients of one shard's mini-batch.
+
+    Attributes:
+        grads: name -> float32 array, the names and shapes of ``model.named_parameters()``;
+            gradients of the MEAN cross-entropy over the batch (zeros when samples == 0).
+        samples: rows in the batch (0 when the shard is exhausted at this step).
+        loss_sum: sum of the per-sample cross-entropy over the batch, nats.
+        correct: rows whose arg-max logit equals the label.
+        compute_s: wall-clock seconds spent in forward and backward.
+    """
+
+    grads: dict[str, np.ndarray]
+    samples: int
+    loss_sum: float
+    correct: int
+    compute_s: float
+
+
+class Trainer:
+    """Holds one job's data and model replica on a worker and computes shard gradients.
+
+    Args:
+        spec: the job.
+        shard_index: this worker's shard in [0, shard_count).
+        shard_count: number of shards (workers) of the job.
+        torch_threads: ``torch.set_num_threads`` value. Note: this setting is process-wide.
+
+    Raises:
+        DataError: the job's data cannot be loaded (INVALID_ARGUMENT).
+        ModelError: the job's model cannot be built (INVALID_ARGUMENT).
+        ValueError: bad shard_index/shard_count (INVALID_ARGUMENT).
+    """
+
+    def __init__(
+        self, spec: TrainJobSpec, shard_index: int, shard_count: int, torch_threads: int = 1
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        self.spec = spec
+        self.dataset = load_dataset(spec.data, spec.seed, spec.test_fraction)
+        self.model: nn.Module = build_model(
+            spec.model, self.dataset.input_shape, self.dataset.num_classes, spec.seed
+        )
+        self._params = dict(self.model.named_parameters())
+        self._x_train = torch.from_numpy(self.dataset.x_train)
+        self._y_train = torch.from_numpy(self.dataset.y_train)
+        self.params_version: int | None = None
+        self.shard_index = 0
+        self.shard_count = 1
+        self.set_shard(shard_index, shard_count)
+
+    @property
+    def n_train(self) -> int:
+        """Training rows of the whole data set (all shards)."""
+        return len(self.dataset.y_train)
+
+    @property
+    def train_samples(self) -> int:
+        """Training rows in this worker's shard."""
+        start, stop = shard_bounds(self.n_train, self.shard_index, self.shard_count)
+        return stop - start
+
+    def set_shard(self, shard_index: int, shard_count: int) -> None:
+        """Switch to another shard, e.g. to take over a dead worker's rows.
+
+        Raises:
+            ValueError: shard_count < 1 or shard_index outside [0, shard_count).
+        """
+        shard_bounds(self.n_train, shard_index, shard_count)  # validates
+        self.shard_index, self.shard_count = shard_index, shard_count
+
+    def set_params(self, params: dict[str, np.ndarray], version: int) -> None:
+        """Overwrite the replica's parameters with the coordinator's.
+
+        Args:
+            params: name -> array with the names and shapes of ``model.named_parameters()``;
+                any float dtype (copied to float32), may be read-only.
+            version: the coordinator's parameter version, kept in ``params_version``.
+
+        Raises:
+            ValueError: a name is missing or unknown, or a shape differs (INVALID_ARGUMENT);
+                the replica is left unchanged.
+        """
+        check_param_arrays(params, param_shapes(self.model))
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(torch.tensor(np.asarray(params[name], dtype=np.float32)))
+        self.params_version = version
+
+    def compute_gradients(self, epoch: int, step_in_epoch: int) -> GradResult:
+        """Gradients of the mean cross-entropy over this shard's batch at (epoch, step).
+
+        Raises:
+            TrainerError: no parameters were set yet (FAILED_PRECONDITION).
+        """
+        if self.params_version is None:
+            raise TrainerError("no parameters set: call set_params before compute_gradients")
+        rows = batch_indices(
+            self.n_train,
+            self.shard_index,
+            self.shard_count,
+            self.spec.batch_size,
+            epoch,
+            step_in_epoch,
+            self.spec.seed,
+        )
+        if len(rows) == 0:
+            zeros = {n: np.zeros(tuple(p.shape), np.float32) for n, p in self._params.items()}
+            return GradResult(zeros, samples=0, loss_sum=0.0, correct=0, compute_s=0.0)
+        t0 = time.perf_counter()
+        index = torch.from_numpy(rows)
+        x, y = self._x_train[index], self._y_train[index]
+        self.model.zero_grad(set_to_none=True)
+        logits = self.model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        grads = {n: _grad_array(p) for n, p in self._params.items()}
+        correct = int((logits.argmax(dim=1) == y).sum())
+        compute_s = time.perf_counter() - t0
+        return GradResult(grads, len(rows), float(loss.detach()) * len(rows), correct, compute_s)
+
+
+def _grad_array(p: torch.Tensor) -> np.ndarray:
+    """A float32 copy of p.grad; zeros for a parameter the loss does not depend on."""
+    if p.grad is None:
+        return np.zeros(tuple(p.shape), np.float32)
+    return p.grad.detach().to(torch.float32).numpy().copy()
