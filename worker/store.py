@@ -1,0 +1,500 @@
+"""SlotStore: one worker's memories for the slots it holds, plus input validation.
+
+Layout: rows sorted by ``sort_key(id)`` (see ``shared/slots.py``), so every slot is one
+contiguous segment and per-slot operations are slices. ``keys`` and ``ids`` stay on host
+for ``np.searchsorted`` lookups; ``strength`` lives on the kernel device (NumPy or CuPy).
+Payloads are sparse (most memories have none): a dict from id to bytes.
+
+Every mutating method validates its whole input before touching anything, so a refused
+batch changes nothing. Sequence numbers per slot belong to the replication layer; the store
+only keeps them and carries them through export and import.
+
+Shape letters: N memories held, K batch items, S slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.slots import slot_bounds, slot_of, sort_key
+from worker import kernels
+from worker.kernels import Quality
+
+__all__ = [
+    "MemoryInputError",
+    "SlotSnapshot",
+    "SlotStore",
+    "validate_k",
+    "validate_rate",
+    "validate_reinforce",
+    "validate_upsert",
+]
+
+
+class MemoryInputError(ValueError):
+    """A memory-store request is malformed (maps to INVALID_ARGUMENT); nothing was applied."""
+
+
+def _fmt(value: object) -> str:
+    return repr(float(value))  # type: ignore[arg-type]
+
+
+def as_ids(ids: object, name: str = "ids") -> np.ndarray:
+    """Return ids as a 1-D uint64 array; refuse other shapes, negatives and non-integers."""
+    a = np.asarray(ids)
+    if a.ndim != 1:
+        raise MemoryInputError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if a.size == 0 or a.dtype == np.uint64:
+        return a.astype(np.uint64, copy=False)
+    if a.dtype.kind == "i":
+        negative = np.flatnonzero(a < 0)
+        if len(negative):
+            i = int(negative[0])
+            raise MemoryInputError(f"{name}[{i}]: {a[i]} is negative; ids are uint64")
+    elif a.dtype.kind != "u":
+        raise MemoryInputError(f"{name}: dtype {a.dtype} is not an integer type")
+    return a.astype(np.uint64)
+
+
+def as_slots(slots: object, num_slots: int, name: str = "slots") -> np.ndarray:
+    """Return slot numbers as a 1-D int64 array, each in [0, num_slots)."""
+    a = np.asarray(slots)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise MemoryInputError(f"{name}: expected a 1-D array of integers")
+    a = a.astype(np.int64)
+    bad = np.flatnonzero((a < 0) | (a >= num_slots))
+    if len(bad):
+        i = int(bad[0])
+        raise MemoryInputError(f"{name}[{i}]: {a[i]} is outside [0, {num_slots})")
+    return a
+
+
+def validate_values(
+    values: object, name: str, ids: np.ndarray, *, unit_range: bool = False
+) -> np.ndarray:
+    """Return values as [K] float32 matching ids: finite, >= 0, and <= 1 when unit_range.
+
+    -0.0 becomes +0.0, so stored strengths compare equal bit for bit.
+    """
+    a = np.asarray(values)
+    if a.ndim != 1:
+        raise MemoryInputError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "fiu":
+        raise MemoryInputError(f"{name}: dtype {a.dtype} is not a number type")
+    if len(a) != len(ids):
+        raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(a)})")
+    a64 = a.astype(np.float64)
+    with np.errstate(over="ignore"):
+        overflow = np.isinf(a64.astype(np.float32)) & np.isfinite(a64)
+    bad = ~np.isfinite(a64) | overflow | (a64 < 0) | ((a64 > 1) & unit_range)
+    if bad.any():
+        i = int(np.argmax(bad))
+        v = a64[i]
+        if not np.isfinite(v):
+            what = "is not finite"
+        elif overflow[i]:
+            what = "overflows float32"
+        else:
+            what = "is outside [0, 1]" if unit_range else "is negative"
+        raise MemoryInputError(f"{name}[{i}]: {_fmt(v)} {what}")
+    return a.astype(np.float32) + np.float32(0)
+
+
+def validate_upsert(
+    ids: object, strengths: object, payloads: Sequence[bytes | None] | None, max_payload_bytes: int
+) -> tuple[np.ndarray, np.ndarray, list[bytes | None] | None]:
+    """Check an upsert batch; return ``(ids [K] uint64, strengths [K] float32, payloads)``.
+
+    Raises:
+        MemoryInputError: names the field and the first offending index (INVALID_ARGUMENT).
+    """
+    ids = as_ids(ids)
+    values = validate_values(strengths, "strengths", ids, unit_range=True)
+    if payloads is None:
+        return ids, values, None
+    payloads = list(payloads)
+    if len(payloads) != len(ids):
+        raise MemoryInputError(f"ids and payloads differ in length ({len(ids)} != {len(payloads)})")
+    for i, p in enumerate(payloads):
+        if p is not None and not isinstance(p, bytes | bytearray | memoryview):
+            raise MemoryInputError(f"payloads[{i}]: expected bytes, got {type(p).__name__}")
+        if p is not None and len(p) > max_payload_bytes:
+            raise MemoryInputError(
+                f"payloads[{i}]: {len(p)} bytes exceeds max_payload_bytes {max_payload_bytes}"
+            )
+    return ids, values, payloads
+
+
+def validate_reinforce(ids: object, boosts: object) -> tuple[np.ndarray, np.ndarray]:
+    """Check a reinforce batch; return ``(ids [K] uint64, boosts [K] float32)``, boosts >= 0.
+
+    Raises:
+        MemoryInputError: names the field and the first offending index (INVALID_ARGUMENT).
+    """
+    ids = as_ids(ids)
+    return ids, validate_values(boosts, "boosts", ids)
+
+
+def validate_rate(rate: object) -> np.float32:
+    """Check a decay rate (finite, in [0, 1]) and return it as float32.
+
+    Raises:
+        MemoryInputError: (INVALID_ARGUMENT).
+    """
+    if isinstance(rate, bool) or not isinstance(rate, int | float | np.integer | np.floating):
+        raise MemoryInputError(f"rate: {rate!r} is not a number")
+    if not np.isfinite(rate):
+        raise MemoryInputError(f"rate: {_fmt(rate)} is not finite")
+    if not 0 <= rate <= 1:
+        raise MemoryInputError(f"rate: {_fmt(rate)} is outside [0, 1]")
+    return np.float32(rate)
+
+
+def validate_k(k: object, k_max: int) -> int:
+    """Check a top-k size: an integer in [1, k_max].
+
+    Raises:
+        MemoryInputError: (INVALID_ARGUMENT).
+    """
+    if isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise MemoryInputError(f"k: {k!r} is not an integer")
+    if k < 1:
+        raise MemoryInputError(f"k: {k} must be >= 1")
+    if k > k_max:
+        raise MemoryInputError(f"k: {k} exceeds the limit {k_max}")
+    return int(k)
+
+
+@dataclass
+class SlotSnapshot:
+    """The whole content of one slot, as carried by export/import (migration, re-replication).
+
+    Attributes:
+        slot: slot number.
+        seq: the slot's sequence number at the copy.
+        ids: [n] uint64 host, in key order.
+        strengths: [n] float32 host.
+        payloads: id -> payload for the ids that have one.
+    """
+
+    slot: int
+    seq: int
+    ids: np.ndarray
+    strengths: np.ndarray
+    payloads: dict[int, bytes] = field(default_factory=dict)
+
+
+class SlotStore:
+    """Memories of the slots one worker holds, sorted by slot key.
+
+    Args:
+        slots: number of hash slots S of the cluster, a power of two.
+        device: "cpu", "cuda" or "auto" (see ``kernels.get_xp``).
+        max_payload_bytes: largest payload of one memory, bytes.
+        k_max: largest k a top-k request may ask for.
+    """
+
+    def __init__(
+        self,
+        slots: int = 1024,
+        device: str = "cpu",
+        max_payload_bytes: int = 4096,
+        k_max: int = 10000,
+    ) -> None:
+        sort_key(np.empty(0, np.uint64), slots)  # validates slots
+        self.slots = slots
+        self.xp, self.device = kernels.get_xp(device)
+        self.max_payload_bytes = max_payload_bytes
+        self.k_max = k_max
+        self.keys = np.empty(0, np.uint64)
+        self.ids = np.empty(0, np.uint64)
+        self.strength = self.xp.empty(0, np.float32)
+        self.payloads: dict[int, bytes] = {}
+        self.seq = np.zeros(slots, np.uint64)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    # --- row bookkeeping -------------------------------------------------------------------
+
+    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(rows [K] int64, found [K] bool)`` of keys; rows are only valid where found."""
+        rows = np.searchsorted(self.keys, keys)
+        if len(self.keys) == 0:
+            return rows, np.zeros(len(keys), bool)
+        found = self.keys[np.minimum(rows, len(self.keys) - 1)] == keys
+        found &= rows < len(self.keys)
+        return rows, found
+
+    def _insert(self, keys: np.ndarray, ids: np.ndarray, strengths: np.ndarray) -> None:
+        """Merge new rows (keys sorted, none present yet) into the sorted arrays in O(N + K)."""
+        if len(keys) == 0:
+            return
+        dest = np.searchsorted(self.keys, keys) + np.arange(len(keys))
+        keep = np.ones(len(self.keys) + len(keys), bool)
+        keep[dest] = False
+        self.keys = _merged(self.keys, keys, keep, dest, np)
+        self.ids = _merged(self.ids, ids, keep, dest, np)
+        self.strength = _merged(self.strength, strengths, keep, dest, self.xp)
+
+    def _remove(self, drop: np.ndarray) -> None:
+        """Remove the rows where drop [N] bool is set, with their payloads."""
+        if self.payloads:
+            for i in self.ids[drop].tolist():
+                self.payloads.pop(i, None)
+        keep = ~drop
+        self.keys, self.ids = self.keys[keep], self.ids[keep]
+        self.strength = self.strength[self.xp.asarray(keep)]
+
+    def _runs(self, slots: Sequence[int] | np.ndarray | None) -> list[tuple[int, int]]:
+        """Return the non-empty row ranges of a slot set, adjacent slots merged into one run."""
+        if slots is None:
+            return [(0, len(self.ids))] if len(self.ids) else []
+        chosen = np.unique(as_slots(slots, self.slots))
+        bounds = slot_bounds(self.keys, self.slots)
+        runs: list[tuple[int, int]] = []
+        for start, end in zip(bounds[chosen].tolist(), bounds[chosen + 1].tolist(), strict=True):
+            if start == end:
+                continue
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], end)
+            else:
+                runs.append((start, end))
+        return runs
+
+    # --- mutations -------------------------------------------------------------------------
+
+    def upsert(
+        self, ids: np.ndarray, strengths: np.ndarray, payloads: list[bytes] | None = None
+    ) -> int:
+        """Insert or overwrite memories; within a batch the last occurrence of an id wins.
+
+        Args:
+            ids: [K] uint64.
+            strengths: [K] float32 in [0, 1].
+            payloads: None leaves payloads alone; else [K] bytes (b"" removes one; a None
+                entry leaves that one alone), each at most ``max_payload_bytes``.
+
+        Returns:
+            Number of distinct ids written.
+
+        Raises:
+            MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
+        """
+        ids, strengths, payloads = validate_upsert(ids, strengths, payloads, self.max_payload_bytes)
+        reversed_unique = np.unique(ids[::-1], return_index=True)[1]
+        last = len(ids) - 1 - reversed_unique
+        keys = sort_key(ids[last], self.slots)
+        order = np.argsort(keys)
+        last, keys = last[order], keys[order]
+        rows, found = self._locate(keys)
+        if found.any():
+            self.strength[self.xp.asarray(rows[found])] = self.xp.asarray(strengths[last[found]])
+        new = ~found
+        self._insert(keys[new], ids[last[new]], strengths[last[new]])
+        if payloads is not None:
+            for i in last.tolist():
+                self._set_payload(int(ids[i]), payloads[i])
+        return len(last)
+
+    def _set_payload(self, id_: int, payload: bytes | None) -> None:
+        if payload is None:
+            return
+        if payload:
+            self.payloads[id_] = bytes(payload)
+        else:
+            self.payloads.pop(id_, None)
+
+    def delete(self, ids: np.ndarray) -> int:
+        """Delete memories by id (with their payloads); absent ids are ignored.
+
+        Returns:
+            Number of distinct ids found and deleted.
+
+        Raises:
+            MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
+        """
+        ids = np.unique(as_ids(ids))
+        rows, found = self._locate(sort_key(ids, self.slots))
+        drop = np.zeros(len(self.ids), bool)
+        drop[rows[found]] = True
+        self._remove(drop)
+        return int(found.sum())
+
+    def reinforce(self, ids: np.ndarray, boosts: np.ndarray) -> int:
+        """Add boosts to present memories (duplicates add), clamping to [0, 1].
+
+        Uses ``kernels.reinforce``: per-id sums in batch order, so applying a batch whole or
+        split by slot gives the same strengths bit for bit. Absent ids are skipped.
+
+        Returns:
+            Number of batch items whose id was present.
+
+        Raises:
+            MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
+        """
+        ids, boosts = validate_reinforce(ids, boosts)
+        rows, found = self._locate(sort_key(ids, self.slots))
+        kernels.reinforce(self.strength, rows[found], boosts[found])
+        return int(found.sum())
+
+    def decay(self, rate: float, slots: Sequence[int] | np.ndarray | None = None) -> int:
+        """Decay the memories of a slot set (None: all): ``s = clip(s - rate, 0, 1)``.
+
+        Returns:
+            Number of memories decayed.
+
+        Raises:
+            MemoryInputError: rate outside [0, 1] or a bad slot (INVALID_ARGUMENT).
+        """
+        rate = validate_rate(rate)
+        runs = self._runs(slots)
+        for start, end in runs:
+            kernels.decay(self.strength[start:end], rate)
+        return sum(end - start for start, end in runs)
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
+        """Look memories up by id.
+
+        Returns:
+            ``(found [K] bool, strengths [K] float32 host (0 where missing), payloads)``,
+            payloads[i] None when the id is missing or has no payload.
+
+        Raises:
+            MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
+        """
+        ids = as_ids(ids)
+        rows, found = self._locate(sort_key(ids, self.slots))
+        strengths = np.zeros(len(ids), np.float32)
+        strengths[found] = kernels.to_host(self.strength[self.xp.asarray(rows[found])])
+        payloads: list[bytes | None] = [None] * len(ids)
+        if self.payloads:
+            for i in np.flatnonzero(found).tolist():
+                payloads[i] = self.payloads.get(int(ids[i]))
+        return found, strengths, payloads
+
+    def quality(self, slots: Sequence[int] | np.ndarray | None = None) -> Quality:
+        """Summarize the strengths of a slot set (None: all), see ``kernels.quality``."""
+        return kernels.merge_quality(
+            [kernels.quality(self.strength[a:b]) for a, b in self._runs(slots)]
+        )
+
+    def topk(
+        self, k: int, slots: Sequence[int] | np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Return the local top-k ``(ids [k'] uint64, strengths [k'] float32)`` of a slot set.
+
+        Raises:
+            MemoryInputError: k < 1 or k > k_max (INVALID_ARGUMENT).
+        """
+        k = validate_k(k, self.k_max)
+        parts = [kernels.topk(self.strength[a:b], self.ids[a:b], k) for a, b in self._runs(slots)]
+        return kernels.merge_topk(parts, k)
+
+    def count(self, slots: Sequence[int] | np.ndarray | None = None) -> int:
+        """Return the number of memories in a slot set (None: all)."""
+        return sum(end - start for start, end in self._runs(slots))
+
+    def slot_counts(self) -> np.ndarray:
+        """Return [S] int64 memories per slot."""
+        return np.diff(slot_bounds(self.keys, self.slots))
+
+    def held_slots(self) -> np.ndarray:
+        """Return the slots holding at least one memory, ascending, int64."""
+        return np.flatnonzero(self.slot_counts())
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(ids [N] uint64, strengths [N] float32)`` on host, sorted by id."""
+        order = np.argsort(self.ids, kind="stable")
+        return self.ids[order], kernels.to_host(self.strength)[order]
+
+    # --- slots: sequence numbers, export, import -------------------------------------------
+
+    def bump_seq(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Advance the sequence number of each distinct slot by one.
+
+        Returns:
+            [len(slots)] uint64, the new sequence number of each slot as given.
+        """
+        chosen = as_slots(slots, self.slots)
+        self.seq[np.unique(chosen)] += np.uint64(1)
+        return self.seq[chosen].copy()
+
+    def export_slot(self, slot: int) -> SlotSnapshot:
+        """Copy out one slot's memories, payloads and sequence number (host arrays)."""
+        start, end = self._bounds_of(slot)
+        ids = self.ids[start:end].copy()
+        strengths = kernels.to_host(self.strength[start:end]).copy()
+        payloads = {}
+        if self.payloads:
+            for i in ids.tolist():
+                if i in self.payloads:
+                    payloads[i] = self.payloads[i]
+        return SlotSnapshot(int(slot), int(self.seq[slot]), ids, strengths, payloads)
+
+    def _bounds_of(self, slot: int) -> tuple[int, int]:
+        slot = int(as_slots([slot], self.slots)[0])
+        bounds = slot_bounds(self.keys, self.slots)
+        return int(bounds[slot]), int(bounds[slot + 1])
+
+    def import_slot(self, snapshot: SlotSnapshot) -> None:
+        """Replace whatever this store held for the snapshot's slot, and take its seq.
+
+        Raises:
+            MemoryInputError: an id belongs to another slot or repeats, a strength is out of
+                range, or a payload is too big or names an id not in the snapshot.
+        """
+        slot, ids, strengths = self._validate_snapshot(snapshot)
+        start, end = self._bounds_of(slot)
+        drop = np.zeros(len(self.ids), bool)
+        drop[start:end] = True
+        self._remove(drop)
+        keys = sort_key(ids, self.slots)
+        order = np.argsort(keys)
+        self._insert(keys[order], ids[order], strengths[order])
+        self.payloads.update({int(i): bytes(p) for i, p in snapshot.payloads.items() if p})
+        self.seq[slot] = np.uint64(snapshot.seq)
+
+    def _validate_snapshot(self, snap: SlotSnapshot) -> tuple[int, np.ndarray, np.ndarray]:
+        slot = int(as_slots([snap.slot], self.slots, name="snapshot.slot")[0])
+        ids = as_ids(snap.ids, name="snapshot.ids")
+        strengths = validate_values(snap.strengths, "snapshot.strengths", ids, unit_range=True)
+        wrong = np.flatnonzero(slot_of(ids, self.slots) != slot)
+        if len(wrong):
+            i = int(wrong[0])
+            raise MemoryInputError(f"snapshot.ids[{i}]: {ids[i]} is not in slot {slot}")
+        if len(np.unique(ids)) != len(ids):
+            raise MemoryInputError("snapshot.ids: ids repeat")
+        known = set(ids.tolist())
+        for i, p in snap.payloads.items():
+            if int(i) not in known:
+                raise MemoryInputError(f"snapshot.payloads: id {i} is not in snapshot.ids")
+            if len(p) > self.max_payload_bytes:
+                raise MemoryInputError(
+                    f"snapshot.payloads[{i}]: {len(p)} bytes exceeds max_payload_bytes "
+                    f"{self.max_payload_bytes}"
+                )
+        return slot, ids, strengths
+
+    def drop_slots(self, slots: Sequence[int] | np.ndarray) -> int:
+        """Forget the memories of some slots and reset their seq to 0; return the count dropped."""
+        chosen = np.unique(as_slots(slots, self.slots))
+        drop = np.zeros(len(self.ids), bool)
+        for start, end in self._runs(chosen):
+            drop[start:end] = True
+        self._remove(drop)
+        self.seq[chosen] = np.uint64(0)
+        return int(drop.sum())
+
+
+def _merged(old, new, keep: np.ndarray, dest: np.ndarray, xp):
+    """Return old and new interleaved: old at the rows where keep is set, new at dest."""
+    out = xp.empty(len(keep), dtype=old.dtype)
+    out[xp.asarray(keep)] = old
+    out[xp.asarray(dest)] = xp.asarray(new)
+    return out
