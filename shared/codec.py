@@ -13,8 +13,18 @@ import numpy as np
 
 from shared.proto import common_pb2
 
-_WIRE_DTYPES = {"float32", "float64", "float16", "int64", "int32", "uint64", "uint32", "uint8",
-                "int8", "bool"}
+_WIRE_DTYPES = {
+    "float32",
+    "float64",
+    "float16",
+    "int64",
+    "int32",
+    "uint64",
+    "uint32",
+    "uint8",
+    "int8",
+    "bool",
+}
 
 
 class CodecError(ValueError):
@@ -63,7 +73,9 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(data, dtype=dt).astype(np.dtype(dtype), copy=True).reshape(shape)
 
 
-def tensor_to_chunks(name: str, array: np.ndarray, chunk_bytes: int) -> Iterator[common_pb2.TensorChunk]:
+def tensor_to_chunks(
+    name: str, array: np.ndarray, chunk_bytes: int
+) -> Iterator[common_pb2.TensorChunk]:
     """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each."""
     a = np.ascontiguousarray(array)
     data = a.astype(_le(a.dtype), copy=False).tobytes()
@@ -72,7 +84,11 @@ def tensor_to_chunks(name: str, array: np.ndarray, chunk_bytes: int) -> Iterator
     while True:
         piece = data[offset : offset + chunk_bytes]
         yield common_pb2.TensorChunk(
-            name=name, dtype=a.dtype.name, shape=list(a.shape), offset=offset, data=piece,
+            name=name,
+            dtype=a.dtype.name,
+            shape=list(a.shape),
+            offset=offset,
+            data=piece,
             total_bytes=total,
         )
         offset += len(piece)
@@ -121,7 +137,9 @@ class ChunkAssembler:
         for name, parts in self._parts.items():
             dtype, shape, total = self._meta[name]
             if self._received[name] != total:
-                raise CodecError(f"tensor {name!r} incomplete: {self._received[name]}/{total} bytes")
+                raise CodecError(
+                    f"tensor {name!r} incomplete: {self._received[name]}/{total} bytes"
+                )
             out[name] = _from_bytes(b"".join(parts), dtype, shape)
         return out
 

@@ -22,7 +22,6 @@ from pydantic import (
     model_validator,
 )
 
-
 T = TypeVar("T", bound=BaseModel)
 
 
@@ -53,7 +52,9 @@ class LogConfig(_Model):
 class CoordinatorConfig(_Model):
     """The coordinator daemon (configs/coordinator.yaml)."""
 
-    listen: str = Field("0.0.0.0:50051", description="HOST:PORT to serve gRPC on; port 0 picks one.")
+    listen: str = Field(
+        "0.0.0.0:50051", description="HOST:PORT to serve gRPC on; port 0 picks one."
+    )
     data_dir: str = Field(".neuroshard/coordinator", description="Directory for models and state.")
     metrics_port: int | None = Field(
         9100, ge=0, le=65535, description="Prometheus port; 0 picks a free one; null disables."
@@ -107,8 +108,9 @@ class WorkerConfig(_Model):
     coordinator: str = Field("localhost:50051", description="Coordinator HOST:PORT.")
     listen: str = Field("0.0.0.0:0", description="HOST:PORT to serve gRPC on; port 0 picks one.")
     advertise_host: str | None = Field(
-        None, description="Host other daemons use to reach this worker (default: listen host, "
-        "or 127.0.0.1 when listening on all interfaces)."
+        None,
+        description="Host other daemons use to reach this worker (default: listen host, "
+        "or 127.0.0.1 when listening on all interfaces).",
     )
     name: str | None = Field(
         None, min_length=1, max_length=128, description="Worker name; default: the hostname."
@@ -121,9 +123,7 @@ class WorkerConfig(_Model):
         "auto", description="Memory kernels on CuPy (cuda) or NumPy (cpu); auto: cuda if found."
     )
     torch_threads: int = Field(1, ge=1, le=256, description="torch.set_num_threads for training.")
-    max_payload_bytes: int = Field(
-        4096, ge=0, description="Largest payload of one memory, bytes."
-    )
+    max_payload_bytes: int = Field(4096, ge=0, description="Largest payload of one memory, bytes.")
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message, bytes."
     )
@@ -209,12 +209,14 @@ def _name_to_dict(v: Any) -> Any:
 
 
 ModelField = Annotated[
-    Annotated[MlpSpec, Tag("mlp")] | Annotated[CnnSpec, Tag("cnn")]
+    Annotated[MlpSpec, Tag("mlp")]
+    | Annotated[CnnSpec, Tag("cnn")]
     | Annotated[ImportModelSpec, Tag("import")],
     _tag_by_name("mlp", "import"),
 ]
 DataField = Annotated[
-    Annotated[BuiltinData, Tag("digits")] | Annotated[BuiltinData, Tag("synthetic")]
+    Annotated[BuiltinData, Tag("digits")]
+    | Annotated[BuiltinData, Tag("synthetic")]
     | Annotated[FileData, Tag("path")],
     _tag_by_name("digits", "path"),
 ]
@@ -225,11 +227,13 @@ class TrainJobSpec(_Model):
     name: str = Field("train", max_length=128)
     workers: int = Field(1, ge=1, le=1024, description="Workers the job needs.")
     model: ModelField = Field(
-        default_factory=MlpSpec, description="'mlp', 'cnn', {name: mlp, hidden: [...]}, "
-        "{name: cnn, channels: [...]} or {import: 'pkg.mod:fn', args: {...}}."
+        default_factory=MlpSpec,
+        description="'mlp', 'cnn', {name: mlp, hidden: [...]}, "
+        "{name: cnn, channels: [...]} or {import: 'pkg.mod:fn', args: {...}}.",
     )
     data: DataField = Field(
-        default_factory=BuiltinData, description="'digits', 'synthetic', {name: ...} or {path: F.npz}."
+        default_factory=BuiltinData,
+        description="'digits', 'synthetic', {name: ...} or {path: F.npz}.",
     )
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     strategy: Literal["sync"] = "sync"
@@ -248,7 +252,6 @@ class TrainJobSpec(_Model):
         if self.epochs is None and self.steps is None:
             self.epochs = 10
         return self
-
 
 
 class ZipfAccess(_Model):

@@ -40,5 +40,5 @@ def configure_logging(cfg: LogConfig | None = None) -> None:
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    """A bound structlog logger carrying ``logger=name``."""
-    return structlog.get_logger(logger=name)  # type: ignore[no-any-return]
+    """A structlog logger bound to ``component=name``."""
+    return structlog.get_logger().bind(component=name)  # type: ignore[no-any-return]

@@ -20,7 +20,9 @@ class Metrics:
     def __post_init__(self) -> None:
         r = self.registry
         self.workers = Gauge(
-            "neuroshard_workers", "Workers known to the coordinator, by state.", ["state"],
+            "neuroshard_workers",
+            "Workers known to the coordinator, by state.",
+            ["state"],
             registry=r,
         )
         self.jobs = Gauge("neuroshard_jobs", "Jobs by state.", ["state"], registry=r)
@@ -28,21 +30,29 @@ class Metrics:
             "neuroshard_train_steps_total", "Training steps completed.", registry=r
         )
         self.step_seconds = Histogram(
-            "neuroshard_train_step_seconds", "Duration of one training step, seconds.",
-            ["role"], registry=r,
+            "neuroshard_train_step_seconds",
+            "Duration of one training step, seconds.",
+            ["role"],
+            registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         self.rpc_sent_bytes = Counter(
-            "neuroshard_rpc_sent_bytes_total", "Serialized bytes of RPC responses sent.",
-            ["method"], registry=r,
+            "neuroshard_rpc_sent_bytes_total",
+            "Serialized bytes of RPC responses sent.",
+            ["method"],
+            registry=r,
         )
         self.rpc_received_bytes = Counter(
-            "neuroshard_rpc_received_bytes_total", "Serialized bytes of RPC requests received.",
-            ["method"], registry=r,
+            "neuroshard_rpc_received_bytes_total",
+            "Serialized bytes of RPC requests received.",
+            ["method"],
+            registry=r,
         )
         self.rpcs = Counter(
-            "neuroshard_rpcs_total", "RPCs served, by method and status code.",
-            ["method", "code"], registry=r,
+            "neuroshard_rpcs_total",
+            "RPCs served, by method and status code.",
+            ["method", "code"],
+            registry=r,
         )
         self.memories = Gauge(
             "neuroshard_memories", "Memories held by this worker, by role.", ["role"], registry=r
@@ -51,8 +61,10 @@ class Metrics:
             "neuroshard_memory_ops_total", "Memory store operations applied.", ["op"], registry=r
         )
         self.memory_op_seconds = Histogram(
-            "neuroshard_memory_op_seconds", "Duration of memory store operations, seconds.",
-            ["op"], registry=r,
+            "neuroshard_memory_op_seconds",
+            "Duration of memory store operations, seconds.",
+            ["op"],
+            registry=r,
             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5),
         )
         self.slot_map_epoch = Gauge(

@@ -1,0 +1,114 @@
+"""The coordinator's domain state in one place: membership, jobs, scheduler, worker clients.
+
+Servicers call these methods; background tasks (failure detection, scheduling) run from
+``run_background``. No gRPC server code here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from coordinator.jobs import JobRecord, JobStore
+from coordinator.membership import Membership, WorkerRecord
+from coordinator.scheduler import Scheduler
+from coordinator.train_job import TrainJob
+from coordinator.worker_clients import WorkerClients
+from shared.config import CoordinatorConfig, JobSpec, job_spec_from_json
+from shared.logging import get_logger
+from shared.metrics import Metrics
+
+log = get_logger("coordinator.cluster")
+
+
+class Cluster:
+    """Everything the coordinator knows and decides."""
+
+    def __init__(self, cfg: CoordinatorConfig, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.membership = Membership(cfg.heartbeat_timeout_s)
+        self.jobs = JobStore()
+        self.clients = WorkerClients(cfg.max_message_bytes)
+        self.scheduler = Scheduler(
+            self.jobs, self.membership, {"train": self._run_train}, cfg.queue_timeout_s
+        )
+
+    # -- membership ------------------------------------------------------------------------
+
+    def register_worker(self, name: str, address: str, device: str) -> WorkerRecord:
+        rec, changed = self.membership.register(name, address, device)
+        log.info(
+            "worker_registered",
+            worker=name,
+            address=address,
+            device=device,
+            incarnation=rec.incarnation,
+        )
+        if changed:
+            self._on_membership_change()
+        return rec
+
+    def heartbeat(self, name: str, memories: int) -> bool:
+        """Record a heartbeat; False tells the worker to register again."""
+        return self.membership.heartbeat(name, memories) is not None
+
+    def _on_membership_change(self) -> None:
+        self._update_gauges()
+        self.scheduler.wake()
+
+    async def _detect_failures(self) -> None:
+        interval = min(self.cfg.heartbeat_interval_s, self.cfg.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            dead = self.membership.sweep()
+            for rec in dead:
+                log.warning(
+                    "worker_dead",
+                    worker=rec.name,
+                    address=rec.address,
+                    timeout_s=self.cfg.heartbeat_timeout_s,
+                )
+            if dead:
+                self._on_membership_change()
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def submit(self, spec_json: str) -> JobRecord:
+        """Validate and queue a job spec.
+
+        Raises:
+            ConfigError: invalid spec, naming the field (INVALID_ARGUMENT).
+        """
+        spec: JobSpec = job_spec_from_json(spec_json)
+        job = self.jobs.submit(spec)
+        log.info("job_submitted", job_id=job.job_id, kind=job.kind, workers=spec.workers)
+        self.scheduler.wake()
+        self._update_gauges()
+        return job
+
+    async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
+        return await TrainJob(job, workers, self.cfg, self.clients, self.jobs, self.metrics).run()
+
+    # -- status ---------------------------------------------------------------------------
+
+    def _update_gauges(self) -> None:
+        for state, n in self.membership.counts().items():
+            self.metrics.workers.labels(state).set(n)
+        for state, n in self.jobs.counts().items():
+            self.metrics.jobs.labels(state).set(n)
+
+    async def run_background(self) -> None:
+        """Failure detection, scheduling and gauges; runs until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._detect_failures(), name="failure-detector")
+            tg.create_task(self.scheduler.run(), name="scheduler")
+            tg.create_task(self._refresh_gauges(), name="gauges")
+
+    async def _refresh_gauges(self) -> None:
+        while True:
+            self._update_gauges()
+            await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        await self.clients.close()

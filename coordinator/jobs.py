@@ -1,0 +1,136 @@
+"""Job records, their state machine, and progress events for watchers.
+
+States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED. Watchers wait on a per-job
+condition and always see the latest state and progress (slow watchers get coalesced events,
+never a stale terminal state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from shared.config import JobSpec
+
+
+class JobState(StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class JobNotFound(KeyError):
+    """No job with that id (NOT_FOUND)."""
+
+
+class JobFailed(RuntimeError):
+    """A job cannot go on; the message is the user-facing reason."""
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    spec: JobSpec
+    state: JobState = JobState.QUEUED
+    result: dict[str, Any] | None = None
+    error: str = ""
+    created_at: float = field(default_factory=time.time)
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    workers: list[str] = field(default_factory=list)
+    progress: dict[str, Any] = field(default_factory=dict)
+    version: int = 0
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+    seq: int = 0
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def spec_json(self) -> str:
+        return self.spec.model_dump_json(by_alias=True)
+
+
+class JobStore:
+    """All jobs of this coordinator, in submission order."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, JobRecord] = {}
+        self._counter = itertools.count(1)
+
+    def submit(self, spec: JobSpec) -> JobRecord:
+        """Queue a validated spec; return its record (state QUEUED)."""
+        job_id = f"{spec.kind}-{uuid.uuid4().hex[:8]}"
+        rec = JobRecord(job_id=job_id, spec=spec, seq=next(self._counter))
+        self._jobs[job_id] = rec
+        return rec
+
+    def get(self, job_id: str) -> JobRecord:
+        """Raises: JobNotFound (NOT_FOUND)."""
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise JobNotFound(f"no job with id {job_id!r}") from None
+
+    def list(self) -> list[JobRecord]:
+        return sorted(self._jobs.values(), key=lambda j: j.seq)
+
+    def queued(self) -> list[JobRecord]:
+        return [j for j in self.list() if j.state is JobState.QUEUED]
+
+    def counts(self) -> dict[str, int]:
+        out = {s.value: 0 for s in JobState}
+        for j in self._jobs.values():
+            out[j.state.value] += 1
+        return out
+
+    async def update(
+        self,
+        job: JobRecord,
+        *,
+        state: JobState | None = None,
+        progress: dict[str, Any] | None = None,
+        result: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Change a job and wake its watchers. A terminal state is final."""
+        if job.state.terminal and state is not None:
+            return
+        if state is JobState.RUNNING:
+            job.started_at = time.time()
+        elif state is not None and state.terminal:
+            job.finished_at = time.time()
+        if state is not None:
+            job.state = state
+        if progress is not None:
+            job.progress = progress
+        if result is not None:
+            job.result = result
+        if error is not None:
+            job.error = error
+        job.version += 1
+        async with job.changed:
+            job.changed.notify_all()
+
+    async def wait_change(self, job: JobRecord, seen_version: int) -> None:
+        """Block until the job's version exceeds ``seen_version``."""
+        async with job.changed:
+            await job.changed.wait_for(lambda: job.version > seen_version)
+
+
+def progress_json(job: JobRecord) -> str:
+    return json.dumps(job.progress)

@@ -1,0 +1,107 @@
+"""Worker membership: registration, heartbeats and failure detection.
+
+A worker is ALIVE while its heartbeats arrive; one silent for ``heartbeat_timeout_s`` is DEAD,
+and ALIVE again when it registers or heartbeats anew. Plain domain code: no gRPC, a clock
+injected for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class WorkerState(StrEnum):
+    ALIVE = "ALIVE"
+    DEAD = "DEAD"
+    DRAINING = "DRAINING"
+
+
+@dataclass
+class WorkerRecord:
+    """What the coordinator knows of one worker."""
+
+    name: str
+    address: str
+    device: str
+    state: WorkerState = WorkerState.ALIVE
+    last_heartbeat: float = 0.0  # clock() seconds
+    registered_at: float = 0.0
+    memories: int = 0
+    incarnation: int = 0  # bumped on every registration (a restarted process)
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Membership:
+    """The registry of workers, keyed by name."""
+
+    def __init__(self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self._timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._workers: dict[str, WorkerRecord] = {}
+
+    def register(self, name: str, address: str, device: str) -> tuple[WorkerRecord, bool]:
+        """Add or refresh a worker; return it and whether its liveness or address changed."""
+        now = self._clock()
+        rec = self._workers.get(name)
+        if rec is None:
+            rec = WorkerRecord(name, address, device, last_heartbeat=now, registered_at=now)
+            self._workers[name] = rec
+            return rec, True
+        changed = rec.state is not WorkerState.ALIVE or rec.address != address
+        rec.address, rec.device, rec.state = address, device, WorkerState.ALIVE
+        rec.last_heartbeat, rec.registered_at = now, now
+        rec.incarnation += 1
+        return rec, changed
+
+    def heartbeat(self, name: str, memories: int) -> WorkerRecord | None:
+        """Record a heartbeat; None when the worker is unknown or DEAD (it must re-register)."""
+        rec = self._workers.get(name)
+        if rec is None or rec.state is WorkerState.DEAD:
+            return None
+        rec.last_heartbeat = self._clock()
+        rec.memories = memories
+        return rec
+
+    def sweep(self) -> list[WorkerRecord]:
+        """Mark workers silent for longer than the timeout DEAD; return the newly dead."""
+        now = self._clock()
+        dead = []
+        for rec in self._workers.values():
+            if rec.state is not WorkerState.DEAD and now - rec.last_heartbeat > self._timeout_s:
+                rec.state = WorkerState.DEAD
+                dead.append(rec)
+        return dead
+
+    def mark_dead(self, name: str) -> bool:
+        """Declare a worker DEAD at once (e.g. its RPCs fail); True if it was not already."""
+        rec = self._workers.get(name)
+        if rec is None or rec.state is WorkerState.DEAD:
+            return False
+        rec.state = WorkerState.DEAD
+        return True
+
+    def get(self, name: str) -> WorkerRecord | None:
+        return self._workers.get(name)
+
+    def alive(self) -> list[WorkerRecord]:
+        """ALIVE workers, ordered by name."""
+        return sorted(
+            (w for w in self._workers.values() if w.state is WorkerState.ALIVE),
+            key=lambda w: w.name,
+        )
+
+    def all(self) -> list[WorkerRecord]:
+        return sorted(self._workers.values(), key=lambda w: w.name)
+
+    def heartbeat_age_s(self, rec: WorkerRecord) -> float:
+        return max(0.0, self._clock() - rec.last_heartbeat)
+
+    def counts(self) -> dict[str, int]:
+        """Number of workers per state (every state present, zeros included)."""
+        out = {s.value: 0 for s in WorkerState}
+        for w in self._workers.values():
+            out[w.state.value] += 1
+        return out

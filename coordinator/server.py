@@ -1,0 +1,88 @@
+"""Coordinator server lifecycle: build, bind, start, wait, drain, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from coordinator.cluster import Cluster
+from coordinator.coordinator_servicer import CoordinatorServicer
+from shared import rpc
+from shared.config import CoordinatorConfig
+from shared.logging import get_logger
+from shared.metrics import Metrics
+from shared.proto import coordinator_pb2_grpc
+
+log = get_logger("coordinator.server")
+SERVICE_NAME = "neuroshard.v1.Coordinator"
+
+
+class CoordinatorServer:
+    """One coordinator: ``await start()`` returns the bound address; ``await stop()``."""
+
+    def __init__(self, cfg: CoordinatorConfig) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.cluster = Cluster(cfg, self.metrics)
+        self.health = health.aio.HealthServicer()
+        self.server = aio.server(
+            interceptors=[rpc.MetricsInterceptor(self.metrics)],
+            options=rpc.message_options(cfg.max_message_bytes),
+        )
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+            CoordinatorServicer(self.cluster), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.address = ""
+        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        self.metrics_port: int | None = None
+        self._background: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        """Bind, start serving and the background tasks; return ``host:port`` actually bound."""
+        host, _, _ = self.cfg.listen.rpartition(":")
+        port = self.server.add_insecure_port(self.cfg.listen)
+        self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
+        await self.server.start()
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port)
+        self._background = asyncio.create_task(self.cluster.run_background(), name="background")
+        for svc in ("", SERVICE_NAME):
+            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "coordinator_started",
+            address=self.address,
+            metrics_port=self.metrics_port,
+            data_dir=self.cfg.data_dir,
+            transport="plaintext",
+        )
+        return self.address
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING, drain RPCs for ``grace_s``, cancel background tasks."""
+        await self.health.enter_graceful_shutdown()
+        if self._background is not None:
+            self._background.cancel()
+            await asyncio.gather(self._background, return_exceptions=True)
+        await self.server.stop(self.cfg.grace_s)
+        await self.cluster.close()
+        log.info("coordinator_stopped", address=self.address)
+
+
+async def serve(cfg: CoordinatorConfig, ready_file: str | None = None) -> None:
+    """Run a coordinator until SIGTERM or SIGINT, then shut down gracefully."""
+    server = CoordinatorServer(cfg)
+    address = await server.start()
+    if ready_file:
+        await asyncio.to_thread(Path(ready_file).write_text, address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("coordinator_stopping")
+    await server.stop()

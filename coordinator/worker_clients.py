@@ -1,0 +1,35 @@
+"""Channels and stubs from the coordinator to its workers, one per worker address."""
+
+from __future__ import annotations
+
+from grpc import aio
+
+from shared import rpc
+from shared.proto import worker_pb2_grpc
+
+
+class WorkerClients:
+    """A cache of ``WorkerStub``s keyed by worker name; a new address replaces the channel."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._max_message_bytes = max_message_bytes
+        self._by_name: dict[str, tuple[str, aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._closing: list[aio.Channel] = []
+
+    def stub(self, name: str, address: str) -> worker_pb2_grpc.WorkerStub:
+        cached = self._by_name.get(name)
+        if cached is not None and cached[0] == address:
+            return cached[2]
+        if cached is not None:
+            self._closing.append(cached[1])
+        ch = rpc.channel(address, self._max_message_bytes)
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        self._by_name[name] = (address, ch, stub)
+        return stub
+
+    async def close(self) -> None:
+        channels = [c for _, c, _ in self._by_name.values()] + self._closing
+        self._by_name.clear()
+        self._closing = []
+        for ch in channels:
+            await ch.close()

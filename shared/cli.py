@@ -1,0 +1,247 @@
+"""The ``neuroshard`` command line (argparse).
+
+Exit codes: 0 success; 1 job failed or server error; 2 bad usage or invalid job spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from shared.config import (
+    ConfigError,
+    CoordinatorConfig,
+    WorkerConfig,
+    load_config,
+    load_yaml,
+    parse_job_spec,
+)
+from shared.logging import configure_logging
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class CliError(Exception):
+    """A one-line error for the user, with its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _run_daemon(main: Any) -> int:
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        asyncio.run(main)
+    return EXIT_OK
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.server import serve
+
+    cfg = load_config(
+        CoordinatorConfig,
+        args.config,
+        listen=args.listen,
+        data_dir=args.data_dir,
+        metrics_port=args.metrics_port,
+    )
+    configure_logging(cfg.log)
+    return _run_daemon(serve(cfg, args.ready_file))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from worker.server import serve
+
+    cfg = load_config(
+        WorkerConfig,
+        args.config,
+        coordinator=args.coordinator,
+        listen=args.listen,
+        name=args.name,
+        data_dir=args.data_dir,
+        metrics_port=args.metrics_port,
+    )
+    configure_logging(cfg.log)
+    return _run_daemon(serve(cfg, args.ready_file))
+
+
+def read_job_spec(path: str) -> dict[str, Any]:
+    """Read and validate a job YAML; relative data paths resolve against the file's folder.
+
+    Raises:
+        CliError: exit code 2, one line naming the field.
+    """
+    try:
+        data = load_yaml(path)
+        parse_job_spec(data)
+    except ConfigError as exc:
+        raise CliError(f"invalid job spec {path}: {exc}", EXIT_USAGE) from None
+    return data  # type: ignore[no-any-return]
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from shared.cli_output import follow_job
+    from shared.client import SyncClient
+
+    spec = read_job_spec(args.spec)
+    with SyncClient(args.coordinator) as client:
+        job = client.submit(spec)
+        if not args.follow:
+            print(json.dumps(job.summary()) if args.json else job.job_id)
+            return EXIT_OK
+        final = follow_job(client, job, as_json=args.json)
+    return EXIT_OK if final.state == "SUCCEEDED" else EXIT_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from shared.cli_output import print_status
+    from shared.client import SyncClient
+
+    with SyncClient(args.coordinator) as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print_status(status)
+    return EXIT_OK
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from shared.cli_output import print_jobs
+    from shared.client import SyncClient
+
+    with SyncClient(args.coordinator) as client:
+        jobs = client.jobs()
+    if args.json:
+        print(json.dumps([j.summary() | {"workers": j.workers} for j in jobs], indent=2))
+    else:
+        print_jobs(jobs)
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from shared.client import SyncClient
+
+    with SyncClient(args.coordinator) as client:
+        job = client.cancel(args.job_id)
+    print(f"{job.job_id} {job.state}")
+    return EXIT_OK
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from shared.cli_output import run_up
+
+    return run_up(args.workers, args.port, args.data_dir)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shared.cli_output import run_demo
+
+    return run_demo(
+        args.workers, args.job or str(REPO_ROOT / "configs/jobs/digits-mlp.yaml"), as_json=args.json
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="neuroshard", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run the coordinator daemon")
+    c.add_argument("--config", help="YAML config (configs/coordinator.yaml)")
+    c.add_argument("--listen", help="HOST:PORT to serve on (default 0.0.0.0:50051)")
+    c.add_argument("--data-dir", help="directory for models and state")
+    c.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
+    c.add_argument("--ready-file", help=argparse.SUPPRESS)
+    c.set_defaults(func=cmd_coordinator)
+
+    w = sub.add_parser("worker", help="run a worker daemon")
+    w.add_argument("--coordinator", help="coordinator HOST:PORT (default localhost:50051)")
+    w.add_argument("--config", help="YAML config (configs/worker.yaml)")
+    w.add_argument("--listen", help="HOST:PORT to serve on (default 0.0.0.0:0)")
+    w.add_argument("--name", help="worker name (default: the hostname)")
+    w.add_argument("--data-dir", help="directory for slot data")
+    w.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
+    w.add_argument("--ready-file", help=argparse.SUPPRESS)
+    w.set_defaults(func=cmd_worker)
+
+    u = sub.add_parser("up", help="run a local cluster in the foreground (Ctrl-C stops it)")
+    u.add_argument("--workers", type=int, default=3, help="number of workers (default 3)")
+    u.add_argument("--port", type=int, default=50051, help="coordinator port (default 50051)")
+    u.add_argument("--data-dir", help="data dir (default: a temporary directory)")
+    u.set_defaults(func=cmd_up)
+
+    d = sub.add_parser("demo", help="local cluster of 3 workers, run the digits job, stop")
+    d.add_argument("--workers", type=int, default=3)
+    d.add_argument("--job", help="job YAML (default configs/jobs/digits-mlp.yaml)")
+    d.add_argument("--json", action="store_true", help="print the result as JSON")
+    d.set_defaults(func=cmd_demo)
+
+    def client_parser(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument(
+            "--coordinator",
+            help="coordinator HOST:PORT (default $NEUROSHARD_COORDINATOR or localhost:50051)",
+        )
+        return sp
+
+    s = client_parser("submit", "submit a job spec")
+    s.add_argument("spec", help="job YAML, e.g. configs/jobs/digits-mlp.yaml")
+    s.add_argument("--follow", action="store_true", help="show progress until the job ends")
+    s.add_argument("--json", action="store_true", help="print one JSON document")
+    s.set_defaults(func=cmd_submit)
+
+    st = client_parser("status", "show workers and jobs")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    j = client_parser("jobs", "list jobs")
+    j.add_argument("--json", action="store_true")
+    j.set_defaults(func=cmd_jobs)
+
+    cn = client_parser("cancel", "cancel a job")
+    cn.add_argument("job_id")
+    cn.set_defaults(func=cmd_cancel)
+
+    try:
+        from shared.cli_memory import add_memory_commands
+    except ImportError:  # the memory commands are optional until the store exists
+        pass
+    else:
+        add_memory_commands(client_parser("memory", "memory store operations"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``neuroshard`` console script."""
+    from shared.client import NeuroshardError
+
+    args = build_parser().parse_args(argv)
+    try:
+        code = int(args.func(args))
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = exc.code
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except NeuroshardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE if exc.code is grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
+    except KeyboardInterrupt:
+        code = 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The Python client: ``Client`` (async) and ``SyncClient`` (a blocking wrapper for scripts).
+
+```python
+async with Client("localhost:50051") as c:
+    job = await c.submit({"kind": "train", "workers": 3})
+    async for job, progress in c.watch(job.job_id):
+        print(job.state, progress.get("step"))
+```
+Errors surface as ``NeuroshardError`` with the gRPC status code and a one-line message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from shared import rpc
+from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+DEFAULT_ADDRESS = "localhost:50051"
+
+
+def default_address() -> str:
+    """``$NEUROSHARD_COORDINATOR`` or ``localhost:50051``."""
+    return os.environ.get("NEUROSHARD_COORDINATOR") or DEFAULT_ADDRESS
+
+
+class NeuroshardError(Exception):
+    """An RPC failed; ``code`` is the gRPC status code, ``str()`` a one-line message."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _error(exc: aio.AioRpcError, address: str) -> NeuroshardError:
+    code = exc.code()
+    if code is grpc.StatusCode.UNAVAILABLE:
+        msg = f"cannot reach the coordinator at {address}: {exc.details()}"
+    elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        msg = f"the coordinator at {address} did not answer in time"
+    else:
+        msg = exc.details() or code.name
+    return NeuroshardError(msg, code)
+
+
+@dataclass
+class JobInfo:
+    """A job as the client sees it; ``state`` is QUEUED/RUNNING/SUCCEEDED/FAILED/CANCELLED."""
+
+    job_id: str
+    kind: str
+    state: str
+    spec: dict[str, Any]
+    result: dict[str, Any] | None
+    error: str
+    workers: list[str] = field(default_factory=list)
+    created_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+    @classmethod
+    def from_pb(cls, pb: coordinator_pb2.Job) -> JobInfo:
+        return cls(
+            job_id=pb.job_id,
+            kind=pb.kind,
+            state=common_pb2.JobState.Name(pb.state).removeprefix("JOB_STATE_"),
+            spec=json.loads(pb.spec_json) if pb.spec_json else {},
+            result=json.loads(pb.result_json) if pb.result_json else None,
+            error=pb.error,
+            workers=list(pb.workers),
+            created_at=pb.created_at,
+            started_at=pb.started_at,
+            finished_at=pb.finished_at,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The document ``submit --json`` prints."""
+        return {
+            "job_id": self.job_id,
+            "state": self.state,
+            "kind": self.kind,
+            "result": self.result,
+            "error": self.error or None,
+        }
+
+
+class Client:
+    """Async client of a coordinator (and, for memory operations, of its workers)."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout_s: float = 30.0,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.address = address or default_address()
+        self.timeout_s = timeout_s
+        self._max_message_bytes = max_message_bytes
+        self._channel = rpc.channel(self.address, max_message_bytes)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return await getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
+        except aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+
+    async def submit(self, spec: dict[str, Any]) -> JobInfo:
+        """Submit a job spec (a dict as in configs/jobs/*.yaml).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT (the message names the field), UNAVAILABLE.
+        """
+        pb = await self._call(
+            "SubmitJob", coordinator_pb2.SubmitJobRequest(spec_json=json.dumps(spec))
+        )
+        return JobInfo.from_pb(pb)
+
+    async def get_job(self, job_id: str) -> JobInfo:
+        """Raises: NeuroshardError NOT_FOUND for an unknown id."""
+        return JobInfo.from_pb(
+            await self._call("GetJob", coordinator_pb2.JobRequest(job_id=job_id))
+        )
+
+    async def jobs(self) -> list[JobInfo]:
+        reply = await self._call("ListJobs", coordinator_pb2.ListJobsRequest())
+        return [JobInfo.from_pb(j) for j in reply.jobs]
+
+    async def cancel(self, job_id: str) -> JobInfo:
+        """Raises: NeuroshardError NOT_FOUND for an unknown id."""
+        return JobInfo.from_pb(
+            await self._call("CancelJob", coordinator_pb2.JobRequest(job_id=job_id))
+        )
+
+    async def watch(self, job_id: str) -> AsyncIterator[tuple[JobInfo, dict[str, Any]]]:
+        """Yield (job, progress) until the job reaches a terminal state (no overall timeout).
+
+        Raises:
+            NeuroshardError: NOT_FOUND, UNAVAILABLE.
+        """
+        call = self._stub.WatchJob(coordinator_pb2.JobRequest(job_id=job_id))
+        try:
+            async for event in call:
+                yield JobInfo.from_pb(event.job), json.loads(event.progress_json or "{}")
+        except aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+
+    async def wait(self, job_id: str) -> JobInfo:
+        """Block until the job finishes; return its final state."""
+        final: JobInfo | None = None
+        async for job, _ in self.watch(job_id):
+            final = job
+        assert final is not None
+        return final
+
+    async def status(self) -> dict[str, Any]:
+        """Cluster status: ``workers`` (name, address, state, device, ...) and job counts."""
+        s = await self._call("GetClusterStatus", coordinator_pb2.GetClusterStatusRequest())
+        return {
+            "workers": [
+                {
+                    "name": w.name,
+                    "address": w.address,
+                    "state": common_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_"),
+                    "device": w.device,
+                    "heartbeat_age_s": round(w.heartbeat_age_s, 3),
+                    "memories": w.memories,
+                    "slots_primary": w.slots_primary,
+                    "slots_replica": w.slots_replica,
+                }
+                for w in s.workers
+            ],
+            "jobs": dict(s.jobs_by_state),
+            "slots": s.slots,
+            "replication_factor": s.replication_factor,
+            "under_replicated_slots": s.under_replicated_slots,
+            "slot_map_epoch": s.slot_map_epoch,
+            "memories": s.memories,
+        }
+
+
+class SyncClient:
+    """Blocking wrapper of ``Client`` for scripts: same methods, no ``await``."""
+
+    def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
+        self._runner = asyncio.Runner()
+        self._client = self._runner.run(self._make(address, timeout_s))
+
+    @staticmethod
+    async def _make(address: str | None, timeout_s: float) -> Client:
+        return Client(address, timeout_s)
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+        self._runner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr) or name == "watch":
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._runner.run(attr(*args, **kwargs))
+
+        return call
+
+    def watch(self, job_id: str) -> Iterator[tuple[JobInfo, dict[str, Any]]]:
+        agen = self._client.watch(job_id).__aiter__()
+        while True:
+            try:
+                yield self._runner.run(agen.__anext__())
+            except StopAsyncIteration:
+                return

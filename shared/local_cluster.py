@@ -1,0 +1,165 @@
+"""A local cluster of real processes: one coordinator and N workers on loopback.
+
+Used by ``neuroshard up`` and ``neuroshard demo``, and by tests and benchmarks. Every process
+is stopped (SIGTERM, then SIGKILL after a grace period) when the cluster stops.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from shared.client import NeuroshardError, SyncClient
+
+
+class ClusterStartError(RuntimeError):
+    """A daemon exited or the cluster did not become ready in time."""
+
+
+class LocalCluster:
+    """Start with ``start()`` (or ``with LocalCluster(3) as c:``); ``c.address`` is the
+    coordinator's ``host:port``."""
+
+    def __init__(
+        self,
+        workers: int,
+        port: int = 0,
+        data_dir: str | Path | None = None,
+        log_dir: str | Path | None = None,
+        coordinator_args: list[str] | None = None,
+        worker_args: list[str] | None = None,
+    ) -> None:
+        self.n_workers = workers
+        self.port = port
+        self._tmp = tempfile.TemporaryDirectory(prefix="neuroshard-") if data_dir is None else None
+        self.data_dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
+        self.log_dir = Path(log_dir) if log_dir else None
+        self._coordinator_args = coordinator_args or []
+        self._worker_args = worker_args or []
+        self.coordinator: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[Any]] = []
+        self.address = ""
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        out: IO[Any] | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop())
+            self._logs.append(out)
+        cmd = [sys.executable, "-m", "shared.cli", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, stdin=subprocess.DEVNULL)
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        """Start every process and wait until all workers are ALIVE; return the address.
+
+        Raises:
+            ClusterStartError: a process exited early or the deadline passed.
+        """
+        deadline = time.monotonic() + timeout_s
+        ready = self.data_dir / "coordinator.addr"
+        ready.unlink(missing_ok=True)
+        self.coordinator = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--data-dir",
+                str(self.data_dir / "coordinator"),
+                "--metrics-port",
+                "0",
+                "--ready-file",
+                str(ready),
+                *self._coordinator_args,
+            ],
+        )
+        while not ready.exists() or not ready.read_text():
+            self._check_alive(deadline)
+            time.sleep(0.05)
+        self.address = ready.read_text().strip()
+        for i in range(self.n_workers):
+            self.add_worker(f"worker-{i}")
+        self.wait_workers(self.n_workers, deadline)
+        return self.address
+
+    def add_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+        """Start one more worker process named ``name`` (its data dir is under data_dir)."""
+        proc = self._spawn(
+            name,
+            [
+                "worker",
+                "--coordinator",
+                self.address,
+                "--listen",
+                "127.0.0.1:0",
+                "--name",
+                name,
+                "--data-dir",
+                str(self.data_dir / name),
+                *self._worker_args,
+                *(extra or []),
+            ],
+        )
+        self.workers.append(proc)
+        return proc
+
+    def wait_workers(self, n: int, deadline: float) -> None:
+        """Poll the coordinator until ``n`` workers are ALIVE."""
+        with SyncClient(self.address, timeout_s=5.0) as client:
+            while True:
+                self._check_alive(deadline)
+                try:
+                    alive = [w for w in client.status()["workers"] if w["state"] == "ALIVE"]
+                except NeuroshardError:
+                    alive = []
+                if len(alive) >= n:
+                    return
+                time.sleep(0.1)
+
+    def _check_alive(self, deadline: float) -> None:
+        for proc in [self.coordinator, *self.workers]:
+            if proc is not None and proc.poll() is not None:
+                raise ClusterStartError(
+                    f"{' '.join(proc.args[3:5])} exited with code {proc.returncode}"  # type: ignore[index]
+                )
+        if time.monotonic() > deadline:
+            raise ClusterStartError("the local cluster did not become ready in time")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process, wait up to ``grace_s``, SIGKILL the rest. Idempotent."""
+        procs = [p for p in [*self.workers, self.coordinator] if p is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

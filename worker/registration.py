@@ -1,0 +1,79 @@
+"""Registration with the coordinator and the heartbeat loop.
+
+The worker registers at start, heartbeats every ``heartbeat_interval_s`` (the coordinator's
+value), and registers again whenever the coordinator does not know it (a restarted
+coordinator) or was unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+
+from grpc import aio
+
+from shared.logging import get_logger
+from shared.proto import coordinator_pb2, coordinator_pb2_grpc
+
+log = get_logger("worker.registration")
+
+
+class Registration:
+    """Keeps this worker registered and heartbeating."""
+
+    def __init__(
+        self,
+        stub: coordinator_pb2_grpc.CoordinatorStub,
+        name: str,
+        address: str,
+        device: str,
+        memories: Callable[[], int],
+        rpc_timeout_s: float,
+    ) -> None:
+        self._stub, self.name, self.address, self.device = stub, name, address, device
+        self._memories = memories
+        self._timeout_s = rpc_timeout_s
+        self.interval_s = 0.5
+        self.registered = asyncio.Event()
+
+    async def register(self) -> None:
+        """Register once. Raises: grpc.aio.AioRpcError when the coordinator refuses or is down."""
+        reply = await self._stub.RegisterWorker(
+            coordinator_pb2.RegisterWorkerRequest(
+                name=self.name, address=self.address, device=self.device
+            ),
+            timeout=self._timeout_s,
+        )
+        self.interval_s = reply.heartbeat_interval_s or self.interval_s
+        self.registered.set()
+        log.info(
+            "worker_registered",
+            worker=self.name,
+            address=self.address,
+            heartbeat_interval_s=self.interval_s,
+        )
+
+    async def run(self) -> None:
+        """Register (retrying with jittered backoff), then heartbeat forever."""
+        backoff_s = 0.1
+        while True:
+            try:
+                if not self.registered.is_set():
+                    await self.register()
+                reply = await self._stub.Heartbeat(
+                    coordinator_pb2.HeartbeatRequest(name=self.name, memories=self._memories()),
+                    timeout=max(self.interval_s * 2, 1.0),
+                )
+                if not reply.registered:
+                    log.warning("coordinator_forgot_worker", worker=self.name)
+                    self.registered.clear()
+                    continue
+                backoff_s = 0.1
+                await asyncio.sleep(self.interval_s)
+            except aio.AioRpcError as exc:
+                if self.registered.is_set():
+                    log.warning("heartbeat_failed", code=exc.code().name, details=exc.details())
+                self.registered.clear()
+                await asyncio.sleep(backoff_s * random.uniform(0.5, 1.5))
+                backoff_s = min(backoff_s * 2, 2.0)

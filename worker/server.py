@@ -1,0 +1,104 @@
+"""Worker server lifecycle: serve, register with the coordinator, heartbeat, drain, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from pathlib import Path
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared import rpc
+from shared.config import WorkerConfig
+from shared.logging import get_logger
+from shared.metrics import Metrics
+from shared.proto import coordinator_pb2_grpc, worker_pb2_grpc
+from worker.registration import Registration
+from worker.training import TrainingSessions
+from worker.worker_servicer import WorkerServicer
+
+log = get_logger("worker.server")
+SERVICE_NAME = "neuroshard.v1.Worker"
+
+
+class WorkerServer:
+    """One worker: ``await start()`` serves and registers; ``await stop()``."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.name or socket.gethostname()
+        self.device = "cpu"
+        self.metrics = Metrics()
+        self.sessions = TrainingSessions(cfg.torch_threads)
+        self.health = health.aio.HealthServicer()
+        self.server = aio.server(
+            interceptors=[rpc.MetricsInterceptor(self.metrics)],
+            options=rpc.message_options(cfg.max_message_bytes),
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(
+            WorkerServicer(self.sessions, cfg.chunk_bytes), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.coordinator_channel = rpc.channel(cfg.coordinator, cfg.max_message_bytes)
+        self.address = ""
+        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        self.registration: Registration | None = None
+        self._tasks: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        """Bind and serve, then register in the background; return the advertised address."""
+        host, _, _ = self.cfg.listen.rpartition(":")
+        port = self.server.add_insecure_port(self.cfg.listen)
+        adv = self.cfg.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]") else host)
+        self.address = f"{adv}:{port}"
+        await self.server.start()
+        if self.cfg.metrics_port is not None:
+            self.metrics.serve(self.cfg.metrics_port)
+        self.registration = Registration(
+            coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel),
+            self.name,
+            self.address,
+            self.device,
+            memories=lambda: 0,
+            rpc_timeout_s=self.cfg.rpc_timeout_s,
+        )
+        self._tasks = asyncio.create_task(self.registration.run(), name="registration")
+        for svc in ("", SERVICE_NAME):
+            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "worker_started",
+            worker=self.name,
+            address=self.address,
+            coordinator=self.cfg.coordinator,
+            device=self.device,
+            transport="plaintext",
+        )
+        return self.address
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING, stop heartbeating, drain RPCs, close channels."""
+        await self.health.enter_graceful_shutdown()
+        if self._tasks is not None:
+            self._tasks.cancel()
+            await asyncio.gather(self._tasks, return_exceptions=True)
+        await self.server.stop(self.cfg.grace_s)
+        await self.coordinator_channel.close()
+        self.sessions.close()
+        log.info("worker_stopped", worker=self.name)
+
+
+async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
+    """Run a worker until SIGTERM or SIGINT, then shut down gracefully."""
+    server = WorkerServer(cfg)
+    address = await server.start()
+    if ready_file:
+        await asyncio.to_thread(Path(ready_file).write_text, address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("worker_stopping", worker=server.name)
+    await server.stop()

@@ -1,0 +1,71 @@
+"""The training jobs this worker takes part in: one ``Trainer`` per job id."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shared.config import ConfigError, TrainJobSpec, job_spec_from_json
+from worker.trainer import GradResult, Trainer
+
+
+class UnknownTrainingJob(KeyError):
+    """No training session for that job id (FAILED_PRECONDITION: call StartTraining first)."""
+
+
+class TrainingSessions:
+    """Trainers by job id. Torch work runs on one dedicated thread, off the event loop."""
+
+    def __init__(self, torch_threads: int) -> None:
+        self._torch_threads = torch_threads
+        self._trainers: dict[str, Trainer] = {}
+        # One thread: torch's intra-op pool (torch_threads) does the parallel work.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self._executor.submit(torch.set_num_threads, torch_threads)
+
+    async def start(self, job_id: str, spec_json: str, shard_index: int, shard_count: int) -> int:
+        """Load data and model for a job; return this shard's sample count.
+
+        Raises:
+            ConfigError: the spec is invalid or not a train spec (INVALID_ARGUMENT).
+        """
+        spec = job_spec_from_json(spec_json)
+        if not isinstance(spec, TrainJobSpec):
+            raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
+        loop = asyncio.get_running_loop()
+        trainer = await loop.run_in_executor(
+            self._executor, Trainer, spec, shard_index, shard_count, self._torch_threads
+        )
+        self._trainers[job_id] = trainer
+        return int(trainer.train_samples)
+
+    def get(self, job_id: str) -> Trainer:
+        try:
+            return self._trainers[job_id]
+        except KeyError:
+            raise UnknownTrainingJob(f"no training session for job {job_id!r}") from None
+
+    async def compute(
+        self, trainer: Trainer, epoch: int, step_in_epoch: int, shard: tuple[int, int]
+    ) -> GradResult:
+        """Gradients of one step on the torch thread."""
+        loop = asyncio.get_running_loop()
+
+        def work() -> GradResult:
+            trainer.set_shard(*shard)
+            return trainer.compute_gradients(epoch, step_in_epoch)
+
+        return await loop.run_in_executor(self._executor, work)
+
+    async def set_params(self, trainer: Trainer, params: dict, version: int) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, trainer.set_params, params, version)
+
+    def stop(self, job_id: str) -> None:
+        self._trainers.pop(job_id, None)
+
+    def close(self) -> None:
+        self._trainers.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
