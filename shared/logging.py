@@ -41,4 +41,4 @@ def configure_logging(cfg: LogConfig | None = None) -> None:
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     """A structlog logger bound to ``component=name``."""
-    return structlog.get_logger().bind(component=name)  # type: ignore[no-any-return]
+    return structlog.get_logger(component=name)  # type: ignore[no-any-return]

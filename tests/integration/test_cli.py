@@ -1,0 +1,111 @@
+"""The real CLI: ``neuroshard up`` in a subprocess, then ``submit --follow --json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "shared.cli"]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    data_dir = tmp_path_factory.mktemp("up")
+    proc = subprocess.Popen(
+        [*CLI, "up", "--workers", "3", "--port", "0", "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()  # printed once every worker is ALIVE
+        assert address, "neuroshard up exited before printing its address"
+        yield address, data_dir
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(data_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_mentioning(str(data_dir)) == [], "up left daemons running"
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_submit_follow_json_prints_the_result(up_cluster: tuple[str, Path]) -> None:
+    address, _ = up_cluster
+    done = _cli("submit", "configs/jobs/digits-mlp.yaml", "--follow", "--json",
+                "--coordinator", address)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert set(doc) == {"job_id", "state", "kind", "result", "error"}
+    assert doc["state"] == "SUCCEEDED" and doc["kind"] == "train"
+    result = doc["result"]
+    for key in ("test_accuracy", "test_loss", "steps", "samples_per_s", "model_path"):
+        assert key in result
+    assert result["test_accuracy"] >= 0.95
+    assert sorted(result["workers"]) == ["worker-0", "worker-1", "worker-2"]
+    assert all(w["samples"] > 0 and w["steps"] > 0 for w in result["workers"].values())
+
+    jobs = _cli("jobs", "--json", "--coordinator", address)
+    assert jobs.returncode == 0
+    assert [j["job_id"] for j in json.loads(jobs.stdout)] == [doc["job_id"]]
+
+
+def test_status_json_lists_the_workers(up_cluster: tuple[str, Path]) -> None:
+    address, _ = up_cluster
+    done = _cli("status", "--json", "--coordinator", address)
+    assert done.returncode == 0, done.stderr
+    workers = json.loads(done.stdout)["workers"]
+    assert [w["name"] for w in workers] == ["worker-0", "worker-1", "worker-2"]
+    for w in workers:
+        assert w["state"] == "ALIVE" and w["device"] == "cpu" and w["address"]
+
+
+def test_invalid_spec_exits_2_with_one_line(up_cluster: tuple[str, Path],
+                                           tmp_path: Path) -> None:
+    address, _ = up_cluster
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: train\nworkers: 3\noptimizer: {name: adam, lr: -1}\n")
+    done = _cli("submit", str(bad), "--coordinator", address)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0
+    assert "optimizer.lr" in done.stderr
+
+
+def test_unknown_job_and_unreachable_coordinator(up_cluster: tuple[str, Path]) -> None:
+    address, _ = up_cluster
+    missing = _cli("cancel", "train-00000000", "--coordinator", address)
+    assert missing.returncode == 1
+    assert "no job with id 'train-00000000'" in missing.stderr
+    down = _cli("status", "--coordinator", "127.0.0.1:1", timeout=60)
+    assert down.returncode == 1
+    assert down.stderr.startswith("error: cannot reach the coordinator at 127.0.0.1:1")
+    assert "Traceback" not in down.stderr
