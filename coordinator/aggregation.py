@@ -8,6 +8,7 @@ shape.
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -160,7 +161,14 @@ class ParameterServer:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.version = int(state["version"])
-        except (RuntimeError, KeyError, TypeError, ValueError, EOFError) as exc:
+        except (
+            pickle.UnpicklingError,
+            RuntimeError,
+            KeyError,
+            TypeError,
+            ValueError,
+            EOFError,
+        ) as exc:
             raise ValueError(f"not a checkpoint of this job's model: {exc}") from None
 
 

@@ -1,0 +1,111 @@
+"""Built-in and imported models: shapes, seeded initialisation, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shared.config import CnnSpec, ImportModelSpec, MlpSpec
+from shared.training.models import ModelError, build_model, check_param_arrays, param_shapes
+
+
+def tiny_linear(features: int, classes: int) -> nn.Module:
+    """An importable model factory for the tests below."""
+    return nn.Linear(features, classes)
+
+
+def not_a_module() -> str:
+    return "nope"
+
+
+def broken() -> nn.Module:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    ("spec", "input_shape"),
+    [
+        (MlpSpec(hidden=[16, 8]), (1, 8, 8)),
+        (MlpSpec(hidden=[]), (64,)),
+        (CnnSpec(channels=[4, 8]), (1, 8, 8)),
+        (CnnSpec(channels=[4, 8]), (1, 28, 28)),
+    ],
+)
+def test_builtin_models_map_a_batch_to_logits(spec: MlpSpec | CnnSpec, input_shape: tuple) -> None:
+    model = build_model(spec, input_shape, num_classes=10, seed=0)
+
+    logits = model(torch.zeros(5, *input_shape))
+
+    assert logits.shape == (5, 10) and logits.dtype == torch.float32
+    assert not any(isinstance(m, nn.BatchNorm2d | nn.Dropout) for m in model.modules())
+
+
+def test_mlp_layers_follow_hidden() -> None:
+    model = build_model(MlpSpec(hidden=[32, 16]), (1, 8, 8), 10, seed=0)
+
+    shapes = param_shapes(model)
+
+    assert [s for s in shapes.values() if len(s) == 2] == [(32, 64), (16, 32), (10, 16)]
+
+
+def test_init_is_seeded_and_leaves_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+
+    a = build_model(MlpSpec(), (64,), 10, seed=5)
+    b = build_model(MlpSpec(), (64,), 10, seed=5)
+    c = build_model(MlpSpec(), (64,), 10, seed=6)
+
+    assert torch.equal(torch.rand(1), before)
+    for (_, pa), (_, pb), (_, pc) in zip(
+        a.named_parameters(), b.named_parameters(), c.named_parameters(), strict=True
+    ):
+        assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+
+
+def test_cnn_rejects_other_input_shapes() -> None:
+    with pytest.raises(ModelError, match=r"input shape \(64,\) is not supported"):
+        build_model(CnnSpec(), (64,), 10, seed=0)
+    with pytest.raises(ModelError, match="expected 2 conv widths"):
+        build_model(CnnSpec(channels=[4, 8, 16]), (1, 8, 8), 10, seed=0)
+
+
+def test_import_builds_a_seeded_module() -> None:
+    spec = ImportModelSpec.model_validate(
+        {"import": f"{__name__}:tiny_linear", "args": {"features": 64, "classes": 10}}
+    )
+
+    a, b = build_model(spec, (64,), 10, seed=1), build_model(spec, (64,), 10, seed=1)
+
+    assert isinstance(a, nn.Linear) and torch.equal(a.weight, b.weight)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("no_such_pkg.mod:fn", "cannot import 'no_such_pkg.mod'"),
+        (f"{__name__}:missing", "'missing' not found"),
+        (f"{__name__}:not_a_module", "returned str, expected a torch.nn.Module"),
+        (f"{__name__}:broken", "call failed: RuntimeError('boom')"),
+        (f"{__name__}:tiny_linear", "call failed"),  # missing keyword arguments
+    ],
+)
+def test_import_errors_name_the_import_string(target: str, message: str) -> None:
+    spec = ImportModelSpec.model_validate({"import": target})
+
+    with pytest.raises(ModelError) as err:
+        build_model(spec, (64,), 10, seed=0)
+
+    assert target in str(err.value) and message in str(err.value)
+
+
+def test_check_param_arrays_names_the_offender() -> None:
+    expected = {"w": (2, 3), "b": (3,)}
+
+    check_param_arrays({"w": torch.zeros(2, 3).numpy(), "b": torch.zeros(3).numpy()}, expected)
+    with pytest.raises(ValueError, match=r"missing \['b'\], unknown \['c'\]"):
+        check_param_arrays({"w": torch.zeros(2, 3).numpy(), "c": torch.zeros(3).numpy()}, expected)
+    with pytest.raises(ValueError, match=r"'w': expected shape \(2, 3\), got \(3, 2\)"):
+        check_param_arrays({"w": torch.zeros(3, 2).numpy(), "b": torch.zeros(3).numpy()}, expected)
