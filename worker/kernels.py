@@ -191,25 +191,28 @@ class Quality:
 EMPTY_QUALITY = Quality(0, 0.0, 0.0, 0.0, 0.0, (0,) * HIST_BINS)
 
 
-def quality(strength: Any, block: int = 1 << 20) -> Quality:
+# Bin edges as NumPy's histogram builds them for float32 data (float32(k / 10)), so a strength
+# written as 0.7 counts in [0.7, 0.8) although float32(0.7) is a hair below 7/10.
+_EDGES = np.linspace(0.0, 1.0, HIST_BINS + 1).astype(np.float32)
+
+
+def quality(strength: Any) -> Quality:
     """Compute count, sum, mean, min, max and the 10-bin histogram of strengths.
 
-    The bin of s is ``min(floor(float64(s) * 10), 9)``: float64 holds s * 10 exactly, so the
-    bin is exact against the real edges k/10 and the same on every device.
+    The histogram equals ``np.histogram(s, bins=10, range=(0, 1))`` for float32 s in [0, 1]:
+    bin k holds ``edge[k] <= s < edge[k + 1]``, edges float32(k / 10), the last bin closed.
+    It is computed as differences of ``count(s >= edge)``: nine compare-and-count passes,
+    faster than a search per element and exact on every device.
 
     Args:
         strength: [N] float32, NumPy or CuPy, values in [0, 1].
-        block: elements per block of the histogram (bounds temporary memory).
     """
     xp = array_module(strength)
     n = len(strength)
     if n == 0:
         return EMPTY_QUALITY
-    hist = np.zeros(HIST_BINS, dtype=np.int64)
-    for start in range(0, n, block):
-        part = strength[start : start + block].astype(xp.float64)
-        bins = xp.minimum(xp.floor(part * 10.0).astype(xp.int64), HIST_BINS - 1)
-        hist += to_host(xp.bincount(bins, minlength=HIST_BINS))
+    at_least = [n] + [int(xp.count_nonzero(strength >= e)) for e in _EDGES[1:-1]] + [0]
+    hist = -np.diff(np.array(at_least, dtype=np.int64))
     total = float(xp.sum(strength, dtype=xp.float64))
     return Quality(
         count=n,
