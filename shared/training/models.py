@@ -18,7 +18,7 @@ from torch import nn
 from shared.config import CnnSpec, ImportModelSpec, MlpSpec
 
 # Input shapes the cnn accepts, with the number of 2x2 max-pools that suit each size.
-_CNN_POOLS = {(1, 8, 8): 1, (1, 28, 28): 2}
+_CNN_POOLS: dict[tuple[int, ...], int] = {(1, 8, 8): 1, (1, 28, 28): 2}
 
 
 class ModelError(ValueError):
