@@ -5,7 +5,7 @@ and uses only the NumPy-compatible API, so one function serves both. Strengths l
 device; ids, rows and boosts are small host (NumPy) arrays and control logic stays on host.
 
 On NumPy, :func:`decay` runs a fused ``numba.njit(parallel=True)`` loop (one pass over
-memory, ~2.5x faster than blocked NumPy at 10M on two cores; see
+memory, 4-6x faster than blocked NumPy at 10M on a 2-core VM; see
 ``tests/benchmarks/bench_kernels.py``); :func:`decay_xp` is the portable path, used on CuPy
 and when numba is missing, and gives bit-identical results (tested).
 
