@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - no CUDA in CI
 try:
     import numba
 except ImportError:  # pragma: no cover - numba is a declared dependency
-    numba = None
+    numba = None  # type: ignore[assignment]
 
 HIST_BINS = 10
 DECAY_BLOCK = 1 << 16  # elements: 256 KiB of float32, stays in L2 between subtract and clip

@@ -268,7 +268,10 @@ class SlotStore:
     # --- mutations -------------------------------------------------------------------------
 
     def upsert(
-        self, ids: np.ndarray, strengths: np.ndarray, payloads: list[bytes] | None = None
+        self,
+        ids: np.ndarray,
+        strengths: np.ndarray,
+        payloads: Sequence[bytes | None] | None = None,
     ) -> int:
         """Insert or overwrite memories; within a batch the last occurrence of an id wins.
 
@@ -284,7 +287,7 @@ class SlotStore:
         Raises:
             MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
         """
-        ids, strengths, payloads = validate_upsert(ids, strengths, payloads, self.max_payload_bytes)
+        ids, strengths, checked = validate_upsert(ids, strengths, payloads, self.max_payload_bytes)
         reversed_unique = np.unique(ids[::-1], return_index=True)[1]
         last = len(ids) - 1 - reversed_unique
         keys = sort_key(ids[last], self.slots)
@@ -295,9 +298,9 @@ class SlotStore:
             self.strength[self.xp.asarray(rows[found])] = self.xp.asarray(strengths[last[found]])
         new = ~found
         self._insert(keys[new], ids[last[new]], strengths[last[new]])
-        if payloads is not None:
+        if checked is not None:
             for i in last.tolist():
-                self._set_payload(int(ids[i]), payloads[i])
+                self._set_payload(int(ids[i]), checked[i])
         return len(last)
 
     def _set_payload(self, id_: int, payload: bytes | None) -> None:
@@ -350,10 +353,10 @@ class SlotStore:
         Raises:
             MemoryInputError: rate outside [0, 1] or a bad slot (INVALID_ARGUMENT).
         """
-        rate = validate_rate(rate)
+        rate32 = validate_rate(rate)
         runs = self._runs(slots)
         for start, end in runs:
-            kernels.decay(self.strength[start:end], rate)
+            kernels.decay(self.strength[start:end], float(rate32))
         return sum(end - start for start, end in runs)
 
     # --- queries ---------------------------------------------------------------------------
