@@ -11,12 +11,14 @@ from typing import Any
 
 from coordinator.jobs import JobRecord, JobStore
 from coordinator.membership import Membership, WorkerRecord
+from coordinator.memory_ops import MemoryOps
+from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
 from coordinator.train_job import TrainJob
-from coordinator.worker_clients import WorkerClients
 from shared.config import CoordinatorConfig, JobSpec, job_spec_from_json
 from shared.logging import get_logger
 from shared.metrics import Metrics
+from shared.worker_clients import WorkerClients
 
 log = get_logger("coordinator.cluster")
 
@@ -31,30 +33,37 @@ class Cluster:
         self.jobs = JobStore()
         self.clients = WorkerClients(cfg.max_message_bytes)
         self.scheduler = Scheduler(
-            self.jobs, self.membership, {"train": self._run_train}, cfg.queue_timeout_s
+            self.jobs, self.membership,
+            {"train": self._run_train, "memory": self._run_memory}, cfg.queue_timeout_s,
         )
+        self.rebalancer = Rebalancer(
+            cfg.slots, self.membership, self.clients, metrics, cfg.rpc_timeout_s,
+            cfg.max_payload_bytes,
+        )
+        self.memory = MemoryOps(self.rebalancer, self.membership, self.clients, cfg.rpc_timeout_s)
 
     # -- membership ------------------------------------------------------------------------
 
-    def register_worker(self, name: str, address: str, device: str) -> WorkerRecord:
-        rec, changed = self.membership.register(name, address, device)
-        log.info(
-            "worker_registered",
-            worker=name,
-            address=address,
-            device=device,
-            incarnation=rec.incarnation,
-        )
+    def register_worker(
+        self, name: str, address: str, device: str, process_id: str = ""
+    ) -> WorkerRecord:
+        rec, changed, restarted = self.membership.register(name, address, device, process_id)
+        log.info("worker_registered", worker=name, address=address, device=device,
+                 restarted=restarted)
+        rec.extra["epoch"] = 0
+        if restarted:
+            self.rebalancer.worker_restarted(name)
         if changed:
             self._on_membership_change()
         return rec
 
-    def heartbeat(self, name: str, memories: int) -> bool:
+    def heartbeat(self, name: str, memories: int, epoch: int = 0) -> bool:
         """Record a heartbeat; False tells the worker to register again."""
-        return self.membership.heartbeat(name, memories) is not None
+        return self.membership.heartbeat(name, memories, epoch) is not None
 
     def _on_membership_change(self) -> None:
         self._update_gauges()
+        self.rebalancer.trigger()
         self.scheduler.wake()
 
     async def _detect_failures(self) -> None:
@@ -87,10 +96,27 @@ class Cluster:
         self._update_gauges()
         return job
 
+    async def _run_memory(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
+        from coordinator.memory_job import MemoryJob
+
+        return await MemoryJob(job, self, workers).run()
+
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         return await TrainJob(job, workers, self.cfg, self.clients, self.jobs, self.metrics).run()
 
     # -- status ---------------------------------------------------------------------------
+
+    def slot_summary(self) -> dict[str, Any]:
+        """Cluster-wide slot figures and per-worker (primary, replica) slot counts."""
+        current = self.rebalancer.current
+        alive = {w.name for w in self.membership.alive()}
+        return {
+            "slots": current.slots,
+            "epoch": current.epoch,
+            "replication_factor": min(2, len(alive)),
+            "under_replicated_slots": current.under_replicated(alive, 2),
+            "per_worker": current.counts(),
+        }
 
     def _update_gauges(self) -> None:
         for state, n in self.membership.counts().items():
@@ -103,6 +129,7 @@ class Cluster:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._detect_failures(), name="failure-detector")
             tg.create_task(self.scheduler.run(), name="scheduler")
+            tg.create_task(self.rebalancer.run(), name="rebalancer")
             tg.create_task(self._refresh_gauges(), name="gauges")
 
     async def _refresh_gauges(self) -> None:

@@ -11,8 +11,12 @@ from grpc import aio
 from coordinator.cluster import Cluster
 from coordinator.jobs import JobNotFound, JobRecord
 from coordinator.membership import WorkerState
+from coordinator.memory_ops import BulkOpError
+from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.config import ConfigError
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from worker.memory_servicer import quality_to_pb
+from worker.store import MemoryInputError, validate_k, validate_rate
 
 _WORKER_STATE = {
     WorkerState.ALIVE: common_pb2.WORKER_STATE_ALIVE,
@@ -49,35 +53,103 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Register (or re-register) a worker. INVALID_ARGUMENT: empty name or address."""
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
-        self._cluster.register_worker(request.name, request.address, request.device or "cpu")
+        self._cluster.register_worker(
+            request.name, request.address, request.device or "cpu", request.incarnation
+        )
+        # Only the slot count: the map itself is pushed by the rebalancer once this worker's
+        # data (or lack of it) is accounted for.
         return coordinator_pb2.RegisterWorkerResponse(
-            heartbeat_interval_s=self._cluster.cfg.heartbeat_interval_s
+            heartbeat_interval_s=self._cluster.cfg.heartbeat_interval_s,
+            slot_map=common_pb2.SlotMap(
+                slots=self._cluster.cfg.slots,
+                max_payload_bytes=self._cluster.cfg.max_payload_bytes,
+            ),
         )
 
     async def Heartbeat(
         self, request: coordinator_pb2.HeartbeatRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.HeartbeatResponse:
         """Record a heartbeat; ``registered=false`` asks the worker to register again."""
-        known = self._cluster.heartbeat(request.name, request.memories)
-        return coordinator_pb2.HeartbeatResponse(registered=known)
+        known = self._cluster.heartbeat(request.name, request.memories, request.slot_map_epoch)
+        return coordinator_pb2.HeartbeatResponse(
+            registered=known, slot_map_epoch=self._cluster.rebalancer.current.epoch
+        )
 
     async def GetClusterStatus(
         self, request: coordinator_pb2.GetClusterStatusRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.ClusterStatus:
         """Workers with their state, and job counts by state."""
         c = self._cluster
+        slots = c.slot_summary()
         workers = [
             common_pb2.WorkerInfo(
-                name=w.name,
-                address=w.address,
-                state=_WORKER_STATE[w.state],
-                device=w.device,
-                heartbeat_age_s=c.membership.heartbeat_age_s(w),
-                memories=w.memories,
+                name=w.name, address=w.address, state=_WORKER_STATE[w.state], device=w.device,
+                heartbeat_age_s=c.membership.heartbeat_age_s(w), memories=w.memories,
+                slots_primary=slots["per_worker"].get(w.name, (0, 0))[0],
+                slots_replica=slots["per_worker"].get(w.name, (0, 0))[1],
             )
             for w in c.membership.all()
         ]
-        return coordinator_pb2.ClusterStatus(workers=workers, jobs_by_state=c.jobs.counts())
+        return coordinator_pb2.ClusterStatus(
+            workers=workers, jobs_by_state=c.jobs.counts(), slots=slots["slots"],
+            replication_factor=slots["replication_factor"],
+            under_replicated_slots=slots["under_replicated_slots"],
+            slot_map_epoch=slots["epoch"],
+            memories=sum(w.memories for w in c.membership.alive()),
+        )
+
+    async def GetSlotMap(
+        self, request: coordinator_pb2.GetSlotMapRequest, context: aio.ServicerContext
+    ) -> common_pb2.SlotMap:
+        """The current slot map with worker addresses (clients route with it)."""
+        c = self._cluster
+        return c.rebalancer.current.to_pb(
+            {w.name: w.address for w in c.membership.all()}, c.cfg.max_payload_bytes
+        )
+
+    async def Decay(
+        self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext
+    ) -> coordinator_pb2.DecayResponse:
+        """Decay every memory: ``s = clip(s - rate, 0, 1)``.
+
+        INVALID_ARGUMENT: rate outside [0, 1] or not finite. UNAVAILABLE: a primary failed.
+        """
+        try:
+            rate = float(validate_rate(request.rate))
+            n = await self._cluster.memory.decay(rate)
+        except MemoryInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BulkOpError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return coordinator_pb2.DecayResponse(memories=n)
+
+    async def Quality(
+        self, request: coordinator_pb2.QualityRequest, context: aio.ServicerContext
+    ) -> common_pb2.QualityStats:
+        """Count, sum, mean, min, max and 10-bin histogram of all strengths. UNAVAILABLE."""
+        try:
+            q = await self._cluster.memory.quality()
+        except BulkOpError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return quality_to_pb(q)
+
+    async def TopK(
+        self, request: coordinator_pb2.TopKRequest, context: aio.ServicerContext
+    ) -> coordinator_pb2.TopKResponse:
+        """The exact global top-k by strength (ties: smaller id).
+
+        INVALID_ARGUMENT: k <= 0 or above ``topk_max``. UNAVAILABLE: a primary failed.
+        """
+        try:
+            k = validate_k(request.k, self._cluster.cfg.topk_max)
+            ids, strengths = await self._cluster.memory.topk(k)
+        except MemoryInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BulkOpError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return coordinator_pb2.TopKResponse(
+            ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths)
+        )
 
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext

@@ -30,7 +30,8 @@ class WorkerRecord:
     last_heartbeat: float = 0.0  # clock() seconds
     registered_at: float = 0.0
     memories: int = 0
-    incarnation: int = 0  # bumped on every registration (a restarted process)
+    incarnation: int = 0  # bumped on every registration
+    process_id: str = ""  # the worker process's random id; a new one means a restart
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -42,27 +43,38 @@ class Membership:
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
 
-    def register(self, name: str, address: str, device: str) -> tuple[WorkerRecord, bool]:
-        """Add or refresh a worker; return it and whether its liveness or address changed."""
+    def register(
+        self, name: str, address: str, device: str, process_id: str = ""
+    ) -> tuple[WorkerRecord, bool, bool]:
+        """Add or refresh a worker.
+
+        Returns:
+            (record, changed, restarted): changed when its liveness or address changed;
+            restarted when a known worker comes back as a new process (``process_id``).
+        """
         now = self._clock()
         rec = self._workers.get(name)
         if rec is None:
-            rec = WorkerRecord(name, address, device, last_heartbeat=now, registered_at=now)
+            rec = WorkerRecord(name, address, device, last_heartbeat=now, registered_at=now,
+                               process_id=process_id)
             self._workers[name] = rec
-            return rec, True
-        changed = rec.state is not WorkerState.ALIVE or rec.address != address
+            return rec, True, False
+        restarted = rec.process_id != process_id
+        rec.process_id = process_id
+        changed = restarted or rec.state is not WorkerState.ALIVE or rec.address != address
         rec.address, rec.device, rec.state = address, device, WorkerState.ALIVE
         rec.last_heartbeat, rec.registered_at = now, now
         rec.incarnation += 1
-        return rec, changed
+        return rec, changed, restarted
 
-    def heartbeat(self, name: str, memories: int) -> WorkerRecord | None:
+    def heartbeat(self, name: str, memories: int, epoch: int = 0) -> WorkerRecord | None:
         """Record a heartbeat; None when the worker is unknown or DEAD (it must re-register)."""
         rec = self._workers.get(name)
         if rec is None or rec.state is WorkerState.DEAD:
             return None
         rec.last_heartbeat = self._clock()
         rec.memories = memories
+        rec.extra["epoch"] = epoch
         return rec
 
     def sweep(self) -> list[WorkerRecord]:

@@ -20,13 +20,13 @@ import numpy as np
 from coordinator.aggregation import ParameterServer, weighted_average
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
-from coordinator.worker_clients import WorkerClients
 from shared.codec import ChunkAssembler, tensors_to_chunks
 from shared.config import CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.training.data import load_dataset, steps_per_epoch
+from shared.worker_clients import WorkerClients
 
 log = get_logger("coordinator.train_job")
 

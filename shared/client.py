@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc import aio
 
 from shared import rpc
+from shared.codec import f32_from_bytes, ids_from_bytes
+from shared.memory_client import MemoryRouter, RoutingError
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 DEFAULT_ADDRESS = "localhost:50051"
@@ -110,6 +113,7 @@ class Client:
         self._max_message_bytes = max_message_bytes
         self._channel = rpc.channel(self.address, max_message_bytes)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._router = MemoryRouter(self._stub, timeout_s, max_message_bytes)
 
     async def __aenter__(self) -> Client:
         return self
@@ -118,6 +122,7 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        await self._router.close()
         await self._channel.close()
 
     async def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
@@ -198,6 +203,129 @@ class Client:
             "slot_map_epoch": s.slot_map_epoch,
             "memories": s.memories,
         }
+
+
+    # -- memory store ---------------------------------------------------------------------
+
+    async def _routed(self, work: Any) -> Any:
+        try:
+            return await work
+        except RoutingError as exc:
+            raise NeuroshardError(str(exc), exc.code) from None
+        except aio.AioRpcError as exc:
+            raise _error(exc, self.address) from None
+
+    async def _payload_limit(self) -> int:
+        return int((await self._routed(self._router.slot_map())).max_payload_bytes)
+
+    async def upsert(self, ids: Any, strengths: Any, payloads: list[bytes] | None = None) -> int:
+        """Insert or overwrite memories; acknowledged once both copies applied them.
+
+        Args:
+            ids: [N] uint64 (any integer array of non-negative values).
+            strengths: [N] float32 in [0, 1].
+            payloads: None, or [N] bytes (b"" removes a payload), each at most the
+                cluster's ``max_payload_bytes``.
+
+        Returns:
+            Distinct ids written.
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
+                UNAVAILABLE when the batch could not be delivered.
+        """
+        from worker.store import MemoryInputError, validate_upsert
+
+        try:
+            ids, strengths, payloads = validate_upsert(
+                ids, strengths, payloads, await self._payload_limit())
+        except MemoryInputError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        plain = None if payloads is None else [bytes(p or b"") for p in payloads]
+        return int(await self._routed(self._router.upsert(ids, strengths, plain)))
+
+    async def reinforce(self, ids: Any, boosts: Any) -> int:
+        """Add boosts (finite, >= 0; duplicate ids add up), clip to [0, 1].
+
+        Returns:
+            Ids found (unknown ids are skipped).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent).
+        """
+        from worker.store import MemoryInputError, validate_reinforce
+
+        try:
+            ids, boosts = validate_reinforce(ids, boosts)
+        except MemoryInputError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        return int(await self._routed(self._router.reinforce(ids, boosts)))
+
+    async def delete(self, ids: Any) -> int:
+        """Delete memories; return how many existed."""
+        from worker.store import MemoryInputError, as_ids
+
+        try:
+            ids = as_ids(ids)
+        except MemoryInputError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        return int(await self._routed(self._router.delete(ids)))
+
+    async def get(self, ids: Any, with_payloads: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
+        """Read memories from their primaries.
+
+        Returns:
+            found [N] bool, strengths [N] float32 (0 where missing), payloads [N] (None where
+            missing or absent; only when ``with_payloads``).
+        """
+        from worker.store import MemoryInputError, as_ids
+
+        try:
+            ids = as_ids(ids)
+        except MemoryInputError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        return await self._routed(self._router.get(ids, with_payloads))  # type: ignore[no-any-return]
+
+    async def decay(self, rate: float) -> int:
+        """Decay every memory: ``s = clip(s - rate, 0, 1)``; return memories decayed.
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1]; UNAVAILABLE.
+        """
+        reply = await self._call("Decay", coordinator_pb2.DecayRequest(rate=rate))
+        return int(reply.memories)
+
+    async def quality(self) -> dict[str, Any]:
+        """count, sum, mean, min, max and histogram (10 bins over [0, 1]) of all strengths."""
+        q = await self._call("Quality", coordinator_pb2.QualityRequest())
+        return {"count": q.count, "sum": q.sum, "mean": q.mean, "min": q.min, "max": q.max,
+                "histogram": list(q.histogram)}
+
+    async def topk(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The exact global top-k: ids [k'] uint64 and strengths [k'] float32.
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT when k <= 0 or above the coordinator's topk_max.
+        """
+        if k < 1:
+            raise NeuroshardError(f"k: {k} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
+        r = await self._call("TopK", coordinator_pb2.TopKRequest(k=k))
+        return ids_from_bytes(r.ids), f32_from_bytes(r.strengths)
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until the cluster has published a slot map with no under-replicated slot."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            s = await self.status()
+            if s["slot_map_epoch"] > 0 and s["under_replicated_slots"] == 0:
+                await self._routed(self._router.slot_map(refresh=True))
+                return
+            if loop.time() > deadline:
+                raise NeuroshardError("the slot map did not settle in time",
+                                      grpc.StatusCode.DEADLINE_EXCEEDED)
+            await asyncio.sleep(0.05)
 
 
 class SyncClient:

@@ -1,4 +1,5 @@
-"""Channels and stubs from the coordinator to its workers, one per worker address."""
+"""Channels and stubs to workers, one per worker address (used by the coordinator, by
+primaries forwarding to replicas, and by the client)."""
 
 from __future__ import annotations
 

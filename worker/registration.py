@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import Callable
 
 from grpc import aio
@@ -30,7 +31,11 @@ class Registration:
         device: str,
         memories: Callable[[], int],
         rpc_timeout_s: float,
+        on_register: Callable[[coordinator_pb2.RegisterWorkerResponse], None] | None = None,
     ) -> None:
+        self._on_register = on_register
+        self.incarnation = uuid.uuid4().hex
+        self.epoch: Callable[[], int] = lambda: 0
         self._stub, self.name, self.address, self.device = stub, name, address, device
         self._memories = memories
         self._timeout_s = rpc_timeout_s
@@ -41,11 +46,16 @@ class Registration:
         """Register once. Raises: grpc.aio.AioRpcError when the coordinator refuses or is down."""
         reply = await self._stub.RegisterWorker(
             coordinator_pb2.RegisterWorkerRequest(
-                name=self.name, address=self.address, device=self.device
+                name=self.name,
+                address=self.address,
+                device=self.device,
+                incarnation=self.incarnation,
             ),
             timeout=self._timeout_s,
         )
         self.interval_s = reply.heartbeat_interval_s or self.interval_s
+        if self._on_register is not None:
+            self._on_register(reply)
         self.registered.set()
         log.info(
             "worker_registered",
@@ -62,7 +72,9 @@ class Registration:
                 if not self.registered.is_set():
                     await self.register()
                 reply = await self._stub.Heartbeat(
-                    coordinator_pb2.HeartbeatRequest(name=self.name, memories=self._memories()),
+                    coordinator_pb2.HeartbeatRequest(
+                        name=self.name, memories=self._memories(), slot_map_epoch=self.epoch()
+                    ),
                     timeout=max(self.interval_s * 2, 1.0),
                 )
                 if not reply.registered:
@@ -71,9 +83,12 @@ class Registration:
                     continue
                 backoff_s = 0.1
                 await asyncio.sleep(self.interval_s)
-            except aio.AioRpcError as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep the worker registered whatever went wrong
+                code = exc.code().name if isinstance(exc, aio.AioRpcError) else type(exc).__name__
                 if self.registered.is_set():
-                    log.warning("heartbeat_failed", code=exc.code().name, details=exc.details())
+                    log.warning("heartbeat_failed", code=code, details=str(exc)[:200])
                 self.registered.clear()
                 await asyncio.sleep(backoff_s * random.uniform(0.5, 1.5))
                 backoff_s = min(backoff_s * 2, 2.0)

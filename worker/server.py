@@ -7,6 +7,7 @@ import signal
 import socket
 from pathlib import Path
 
+import numpy as np
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -14,8 +15,12 @@ from shared import rpc
 from shared.config import WorkerConfig
 from shared.logging import get_logger
 from shared.metrics import Metrics
-from shared.proto import coordinator_pb2_grpc, worker_pb2_grpc
+from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shared.worker_clients import WorkerClients
+from worker import kernels
+from worker.memory_node import MemoryNode
 from worker.registration import Registration
+from worker.store import SlotStore
 from worker.training import TrainingSessions
 from worker.worker_servicer import WorkerServicer
 
@@ -29,7 +34,7 @@ class WorkerServer:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.name = cfg.name or socket.gethostname()
-        self.device = "cpu"
+        _, self.device = kernels.get_xp(cfg.device)
         self.metrics = Metrics()
         self.sessions = TrainingSessions(cfg.torch_threads)
         self.health = health.aio.HealthServicer()
@@ -37,9 +42,12 @@ class WorkerServer:
             interceptors=[rpc.MetricsInterceptor(self.metrics)],
             options=rpc.message_options(cfg.max_message_bytes),
         )
-        worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(self.sessions, cfg.chunk_bytes), self.server
+        self.peers = WorkerClients(cfg.max_message_bytes)
+        self.servicer = WorkerServicer(
+            self.sessions, cfg.chunk_bytes, self.peers, cfg.rpc_timeout_s
         )
+        self.servicer.ensure_node = self.ensure_node
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.coordinator_channel = rpc.channel(cfg.coordinator, cfg.max_message_bytes)
         self.address = ""
@@ -61,9 +69,11 @@ class WorkerServer:
             self.name,
             self.address,
             self.device,
-            memories=lambda: 0,
+            memories=self._memories,
             rpc_timeout_s=self.cfg.rpc_timeout_s,
+            on_register=self._on_register,
         )
+        self.registration.epoch = self._epoch
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
         for svc in ("", SERVICE_NAME):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
@@ -77,6 +87,33 @@ class WorkerServer:
         )
         return self.address
 
+    def _on_register(self, reply: coordinator_pb2.RegisterWorkerResponse) -> None:
+        self.ensure_node(reply.slot_map)
+
+    def ensure_node(self, slot_map: common_pb2.SlotMap) -> MemoryNode:
+        """Create the memory store once the cluster's slot count is known (from the
+        registration reply or the first pushed slot map, whichever comes first)."""
+        if self.servicer.node_or_none is None:
+            store = SlotStore(
+                slots=slot_map.slots or 1024,
+                device=self.cfg.device,
+                max_payload_bytes=slot_map.max_payload_bytes,
+                k_max=1 << 31,
+            )
+            self.servicer.node_or_none = MemoryNode(self.name, store, self.servicer.forward)
+        return self.servicer.node_or_none
+
+    def _epoch(self) -> int:
+        node = self.servicer.node_or_none
+        return 0 if node is None else node.roles.epoch
+
+    def _memories(self) -> int:
+        """Memories held as primary (reported in heartbeats)."""
+        node = self.servicer.node_or_none
+        if node is None:
+            return 0
+        return int(node.store.count(np.flatnonzero(node.roles.primary)))
+
     async def stop(self) -> None:
         """Health NOT_SERVING, stop heartbeating, drain RPCs, close channels."""
         await self.health.enter_graceful_shutdown()
@@ -85,7 +122,10 @@ class WorkerServer:
             await asyncio.gather(self._tasks, return_exceptions=True)
         await self.server.stop(self.cfg.grace_s)
         await self.coordinator_channel.close()
+        await self.peers.close()
         self.sessions.close()
+        if self.servicer.node_or_none is not None:
+            self.servicer.node_or_none.close()
         log.info("worker_stopped", worker=self.name)
 
 

@@ -11,15 +11,46 @@ from shared.codec import ChunkAssembler, CodecError, tensors_to_chunks
 from shared.config import ConfigError
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.training.data import DataError
+from shared.worker_clients import WorkerClients
+from worker.memory_node import MemoryNode
+from worker.memory_servicer import MemoryRpcs, slot_messages
+from worker.store import SlotSnapshot
 from worker.training import TrainingSessions, UnknownTrainingJob
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Training half of the Worker service (the memory half lives in ``MemoryServicer``)."""
+class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
+    """The Worker service: training RPCs here, memory-store RPCs from ``MemoryRpcs``."""
 
-    def __init__(self, sessions: TrainingSessions, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        sessions: TrainingSessions,
+        chunk_bytes: int,
+        peers: WorkerClients,
+        rpc_timeout_s: float,
+    ) -> None:
         self._sessions = sessions
-        self._chunk_bytes = chunk_bytes
+        self._chunk_bytes = self.chunk_bytes = chunk_bytes
+        self._peers = peers
+        self._rpc_timeout_s = rpc_timeout_s
+        self.node_or_none: MemoryNode | None = None
+
+    async def forward(self, target: str, address: str, req: worker_pb2.ReplicateRequest) -> None:
+        """Send one replicated op to a peer worker (raises grpc.aio.AioRpcError)."""
+        await self._peers.stub(target, address).Replicate(req, timeout=self._rpc_timeout_s)
+
+    async def send_slots(
+        self, target: str, address: str, snaps: list[SlotSnapshot]
+    ) -> tuple[int, int]:
+        """Stream slot snapshots to a peer's ReceiveSlots; return (memories, bytes)."""
+        msgs = [m for snap in snaps for m in slot_messages(snap, self._chunk_bytes)]
+
+        async def stream() -> AsyncIterator[worker_pb2.SlotData]:
+            for m in msgs:
+                yield m
+
+        stub = self._peers.stub(target, address)
+        await stub.ReceiveSlots(stream(), timeout=self._rpc_timeout_s)
+        return sum(len(s.ids) for s in snaps), sum(m.ByteSize() for m in msgs)
 
     async def StartTraining(
         self, request: worker_pb2.StartTrainingRequest, context: aio.ServicerContext

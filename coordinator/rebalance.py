@@ -1,0 +1,145 @@
+"""Apply slot-map changes to the workers: publish the interim map, copy slot data to new
+holders (copy, then switch), publish the target map.
+
+Runs one rebalance at a time; a membership change during one triggers another. Map
+publication and bulk memory operations exclude each other through ``map_lock``, so a bulk
+decay never straddles two epochs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from coordinator.membership import Membership
+from coordinator.slot_map import SlotMap, plan, primary_changes
+from shared.logging import get_logger
+from shared.metrics import Metrics
+from shared.proto import worker_pb2
+from shared.worker_clients import WorkerClients
+
+log = get_logger("coordinator.rebalance")
+
+
+class Rebalancer:
+    """Owns the published slot map and moves the cluster toward rendezvous placement."""
+
+    def __init__(self, slots: int, membership: Membership, clients: WorkerClients,
+                 metrics: Metrics, rpc_timeout_s: float, max_payload_bytes: int,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.current = SlotMap.empty(slots)
+        self.map_lock = asyncio.Lock()
+        self.no_data: set[str] = set()  # live workers whose data is not to be trusted
+        self._membership = membership
+        self._clients = clients
+        self._metrics = metrics
+        self._timeout_s = rpc_timeout_s
+        self.max_payload_bytes = max_payload_bytes
+        self._wake = asyncio.Event()
+        self._on_change = on_change
+        self.settled = asyncio.Event()  # set while the map matches the membership
+
+    def trigger(self) -> None:
+        self.settled.clear()
+        self._wake.set()
+
+    def worker_restarted(self, name: str) -> None:
+        """A worker process came back empty: it holds nothing until it gets copies."""
+        self.no_data.add(name)
+        self.trigger()
+
+    async def run(self) -> None:
+        """Rebalance whenever triggered; push the map to workers that report an old epoch."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+            except TimeoutError:
+                await self._push_to_laggards()
+                continue
+            self._wake.clear()
+            try:
+                await self.rebalance()
+            except Exception as exc:  # a worker died mid-way: plan again from the new state
+                log.warning("rebalance_failed", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(0.2)
+                self._wake.set()
+            else:
+                if not self._wake.is_set():
+                    self.settled.set()
+
+    async def rebalance(self) -> None:
+        """One pass: interim map, copies, target map."""
+        t0 = time.perf_counter()
+        alive = [w.name for w in self._membership.alive()]
+        p = plan(self.current, alive, self.no_data)
+        if not p.interim.same_placement(self.current):
+            async with self.map_lock:
+                await self._publish(p.interim)
+        copied = await self._copy(p.copies)
+        if not p.target.same_placement(self.current):
+            async with self.map_lock:
+                await self._publish(p.target)
+        self.no_data -= set(alive)
+        if p.copies or not p.target.same_placement(p.interim):
+            log.info("rebalanced", epoch=self.current.epoch, workers=len(alive),
+                     slots_copied=p.slots_to_copy, memories_copied=copied,
+                     seconds=round(time.perf_counter() - t0, 3))
+
+    async def _copy(self, copies: dict[tuple[str, str], list[int]]) -> int:
+        async def one(src: str, dst: str, slots: list[int]) -> int:
+            s, d = self._membership.get(src), self._membership.get(dst)
+            if s is None or d is None:
+                raise RuntimeError(f"copy {src} -> {dst}: worker unknown")
+            reply = await self._clients.stub(src, s.address).CopySlots(
+                worker_pb2.CopySlotsRequest(epoch=self.current.epoch, slots=slots,
+                                            target=dst, target_address=d.address),
+                timeout=max(self._timeout_s, 60.0),
+            )
+            return int(reply.memories)
+
+        counts = await asyncio.gather(*(one(s, d, sl) for (s, d), sl in copies.items()))
+        return sum(counts)
+
+    async def _publish(self, new: SlotMap) -> None:
+        """Bump the epoch and push the map: first to workers losing a primary role (they stop
+        accepting writes for it), then to everyone else. Caller holds ``map_lock``."""
+        old = self.current
+        new = SlotMap(old.epoch + 1, list(new.primary), list(new.replica))
+        self.current = new
+        self._metrics.slot_map_epoch.set(new.epoch)
+        first = primary_changes(old, new)
+        alive = {w.name: w for w in self._membership.alive()}
+        pb = new.to_pb({n: w.address for n, w in alive.items()}, self.max_payload_bytes)
+        for group in (first & set(alive), set(alive) - first):
+            results = await asyncio.gather(
+                *(self._clients.stub(n, alive[n].address).ApplySlotMap(pb, timeout=self._timeout_s)
+                  for n in sorted(group)),
+                return_exceptions=True,
+            )
+            for n, r in zip(sorted(group), results, strict=True):
+                if isinstance(r, BaseException):
+                    log.warning("slot_map_push_failed", worker=n, epoch=new.epoch, error=str(r))
+                else:
+                    alive[n].extra["epoch"] = new.epoch
+        if self._on_change is not None:
+            self._on_change()
+
+    async def _push_to_laggards(self) -> None:
+        """Re-send the current map to live workers whose heartbeat reports an older epoch."""
+        if self.current.epoch == 0:
+            return
+        async with self.map_lock:
+            late = [w for w in self._membership.alive()
+                    if w.extra.get("epoch", 0) != self.current.epoch]
+            if not late:
+                return
+            pb = self.current.to_pb({w.name: w.address for w in self._membership.alive()},
+                                    self.max_payload_bytes)
+            for w in late:
+                try:
+                    await self._clients.stub(w.name, w.address).ApplySlotMap(
+                        pb, timeout=self._timeout_s)
+                    w.extra["epoch"] = self.current.epoch
+                except Exception as exc:
+                    log.warning("slot_map_push_failed", worker=w.name, error=str(exc))

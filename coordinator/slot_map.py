@@ -1,0 +1,119 @@
+"""The slot map (which worker is primary and which is replica of each hash slot) and the
+plan that moves the cluster from one map to the next.
+
+A change goes in two published steps so that a slot is never served by a worker without its
+data: first an *interim* map that keeps only live workers that hold the data (a dead
+primary's replica is promoted at once), then, after the copies, the *target* map given by
+rendezvous hashing over the live workers (``shared.slots.assign_slots``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from shared.proto import common_pb2
+from shared.slots import assign_slots
+
+
+@dataclass
+class SlotMap:
+    """Names per slot; "" means none. ``epoch`` grows with every published change."""
+
+    epoch: int
+    primary: list[str]
+    replica: list[str]
+
+    @classmethod
+    def empty(cls, slots: int) -> SlotMap:
+        return cls(0, [""] * slots, [""] * slots)
+
+    @property
+    def slots(self) -> int:
+        return len(self.primary)
+
+    def same_placement(self, other: SlotMap) -> bool:
+        return self.primary == other.primary and self.replica == other.replica
+
+    def to_pb(self, addresses: dict[str, str], max_payload_bytes: int = 0) -> common_pb2.SlotMap:
+        """Wire form: worker names indexed by the per-slot ``primary``/``replica`` arrays."""
+        names = sorted({n for n in self.primary + self.replica if n})
+        index = {n: i for i, n in enumerate(names)}
+        return common_pb2.SlotMap(
+            epoch=self.epoch, slots=self.slots, workers=names,
+            addresses=[addresses.get(n, "") for n in names],
+            primary=[index.get(n, -1) for n in self.primary],
+            replica=[index.get(n, -1) for n in self.replica],
+            max_payload_bytes=max_payload_bytes,
+        )
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """(slots as primary, slots as replica) per worker name."""
+        out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for p, r in zip(self.primary, self.replica, strict=True):
+            if p:
+                out[p][0] += 1
+            if r:
+                out[r][1] += 1
+        return {n: (c[0], c[1]) for n, c in out.items()}
+
+    def under_replicated(self, alive: set[str], rf: int) -> int:
+        """Slots with fewer than ``rf`` live copies (rf capped by the live worker count)."""
+        want = min(rf, len(alive))
+        return sum(
+            1 for p, r in zip(self.primary, self.replica, strict=True)
+            if sum(1 for h in (p, r) if h and h in alive) < want
+        )
+
+
+@dataclass
+class Plan:
+    interim: SlotMap
+    target: SlotMap
+    copies: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (src, dst) -> slots
+
+    @property
+    def slots_to_copy(self) -> int:
+        return sum(len(v) for v in self.copies.values())
+
+
+def plan(current: SlotMap, alive: list[str], no_data: set[str]) -> Plan:
+    """Plan the move from ``current`` to rendezvous placement over ``alive`` workers.
+
+    Args:
+        current: the published map.
+        alive: names of the live workers.
+        no_data: live workers known to have lost their data (a restarted process); they
+            keep no role in the interim map.
+
+    Returns:
+        The interim map (live data holders only, a dead primary's replica promoted), the
+        target map, and the copies (source -> destination slots) that must finish before the
+        target is published. Epochs are left to the caller.
+    """
+    S = current.slots
+    live = set(alive) - no_data
+    interim = SlotMap(current.epoch, [""] * S, [""] * S)
+    for s in range(S):
+        holders = [h for h in (current.primary[s], current.replica[s]) if h in live]
+        if holders:
+            interim.primary[s] = holders[0]
+            interim.replica[s] = holders[1] if len(holders) > 1 else ""
+    names = sorted(alive)
+    p_idx, r_idx = assign_slots(names, S)
+    target = SlotMap(current.epoch, [names[i] if i >= 0 else "" for i in p_idx.tolist()],
+                     [names[i] if i >= 0 else "" for i in r_idx.tolist()])
+    copies: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for s in range(S):
+        src = interim.primary[s]
+        if not src:
+            continue  # no copy of this slot survives (or it never had data): start empty
+        for dst in (target.primary[s], target.replica[s]):
+            if dst and dst not in (interim.primary[s], interim.replica[s]):
+                copies[(src, dst)].append(s)
+    return Plan(interim, target, dict(copies))
+
+
+def primary_changes(old: SlotMap, new: SlotMap) -> set[str]:
+    """Workers that were primary of a slot whose primary changes (they are told first)."""
+    return {o for o, n in zip(old.primary, new.primary, strict=True) if o and o != n}

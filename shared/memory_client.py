@@ -1,0 +1,168 @@
+"""Client-side routing of memory operations to the slots' primaries.
+
+Keyed operations (upsert, get, delete, reinforce) are validated whole (a refused batch sends
+nothing), split stably by primary worker with the cached slot map, sent concurrently, and
+the parts a worker refuses because of a stale map (FAILED_PRECONDITION), a failover
+(UNAVAILABLE) or an ordering conflict (ABORTED) are retried after refreshing the map.
+Bulk operations (decay, quality, top-k) go to the coordinator, which fans them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc import aio
+
+from shared.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from shared.slots import group_by_slot, slot_of
+from shared.worker_clients import WorkerClients
+
+_RETRY = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
+          grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+# One keyed RPC: (stub, epoch, positions of the batch it carries) -> reply
+Call = Callable[[Any, int, np.ndarray], Awaitable[Any]]
+
+
+class RoutingError(RuntimeError):
+    """A batch could not be delivered within the retry budget; ``code`` is the last status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MemoryRouter:
+    """Routes keyed operations with a cached slot map (refreshed when a worker says so)."""
+
+    def __init__(self, coordinator: coordinator_pb2_grpc.CoordinatorStub, timeout_s: float,
+                 max_message_bytes: int, retry_budget_s: float = 30.0) -> None:
+        self._coordinator = coordinator
+        self._timeout_s = timeout_s
+        self._workers = WorkerClients(max_message_bytes)
+        self._map: common_pb2.SlotMap | None = None
+        self._retry_budget_s = retry_budget_s
+
+    async def close(self) -> None:
+        await self._workers.close()
+
+    async def slot_map(self, refresh: bool = False) -> common_pb2.SlotMap:
+        if self._map is None or refresh:
+            self._map = await self._coordinator.GetSlotMap(
+                coordinator_pb2.GetSlotMapRequest(), timeout=self._timeout_s)
+        return self._map
+
+    async def route(self, ids: np.ndarray, call: Call) -> list[tuple[np.ndarray, Any]]:
+        """Deliver every position of ``ids`` to its slot's primary.
+
+        Returns:
+            (positions [n] int64, reply) for each delivered part.
+
+        Raises:
+            RoutingError: a part still failed when the retry budget ran out, or a worker
+                answered with a non-retryable status (e.g. INVALID_ARGUMENT).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._retry_budget_s
+        pending = np.arange(len(ids), dtype=np.int64)
+        done: list[tuple[np.ndarray, Any]] = []
+        backoff_s, refresh = 0.02, False
+        while len(pending):
+            m = await self.slot_map(refresh)
+            failed, last = await self._send_once(m, ids, pending, call, done)
+            if not len(failed):
+                return done
+            if loop.time() > deadline:
+                raise RoutingError(f"{len(failed)} of {len(ids)} items not delivered: {last[1]}",
+                                   last[0])
+            pending, refresh = failed, True
+            await asyncio.sleep(backoff_s * random.uniform(0.5, 1.5))
+            backoff_s = min(backoff_s * 2, 0.5)
+        return done
+
+    async def _send_once(
+        self, m: common_pb2.SlotMap, ids: np.ndarray, pending: np.ndarray, call: Call,
+        done: list[tuple[np.ndarray, Any]],
+    ) -> tuple[np.ndarray, tuple[grpc.StatusCode, str]]:
+        if m.slots == 0 or m.epoch == 0:
+            return pending, (grpc.StatusCode.UNAVAILABLE, "the cluster has no slot map yet")
+        owner = np.asarray(m.primary, np.int64)[slot_of(ids[pending], m.slots)]
+        order, owners, bounds = group_by_slot(owner)
+        parts = [pending[order[bounds[g]:bounds[g + 1]]] for g in range(len(owners))]
+        calls = []
+        for w, part in zip(owners.tolist(), parts, strict=True):
+            if w < 0:
+                calls.append(_unassigned())
+            else:
+                stub = self._workers.stub(m.workers[w], m.addresses[w])
+                calls.append(call(stub, m.epoch, part))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed: list[np.ndarray] = []
+        last = (grpc.StatusCode.OK, "")
+        for part, r in zip(parts, results, strict=True):
+            if isinstance(r, aio.AioRpcError) and r.code() in _RETRY:
+                failed.append(part)
+                last = (r.code(), r.details() or r.code().name)
+            elif isinstance(r, aio.AioRpcError):
+                raise RoutingError(r.details() or r.code().name, r.code())
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                done.append((part, r))
+        return (np.concatenate(failed) if failed else np.empty(0, np.int64)), last
+
+    # -- keyed operations -------------------------------------------------------------------
+
+    async def upsert(self, ids: np.ndarray, strengths: np.ndarray,
+                     payloads: list[bytes] | None) -> int:
+        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+            return await stub.Upsert(worker_pb2.UpsertRequest(
+                epoch=epoch, ids=ids_to_bytes(ids[idx]), strengths=f32_to_bytes(strengths[idx]),
+                payloads=[payloads[i] for i in idx.tolist()] if payloads is not None else [],
+            ), timeout=self._timeout_s)
+        return sum(int(r.applied) for _, r in await self.route(ids, call))
+
+    async def reinforce(self, ids: np.ndarray, boosts: np.ndarray) -> int:
+        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+            return await stub.Reinforce(worker_pb2.ReinforceRequest(
+                epoch=epoch, ids=ids_to_bytes(ids[idx]), boosts=f32_to_bytes(boosts[idx]),
+            ), timeout=self._timeout_s)
+        return sum(int(r.applied) for _, r in await self.route(ids, call))
+
+    async def delete(self, ids: np.ndarray) -> int:
+        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+            return await stub.Delete(worker_pb2.DeleteRequest(
+                epoch=epoch, ids=ids_to_bytes(ids[idx])), timeout=self._timeout_s)
+        return sum(int(r.applied) for _, r in await self.route(ids, call))
+
+    async def get(self, ids: np.ndarray, with_payloads: bool
+                  ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
+        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+            return await stub.Get(worker_pb2.GetRequest(
+                epoch=epoch, ids=ids_to_bytes(ids[idx]), with_payloads=with_payloads),
+                timeout=self._timeout_s)
+        found = np.zeros(len(ids), bool)
+        strengths = np.zeros(len(ids), np.float32)
+        payloads: list[bytes | None] = [None] * len(ids)
+        for idx, r in await self.route(ids, call):
+            f = np.frombuffer(r.found, np.uint8).astype(bool)
+            found[idx] = f
+            strengths[idx] = f32_from_bytes(r.strengths)
+            if with_payloads:
+                for i, p, ok in zip(idx.tolist(), r.payloads, f.tolist(), strict=True):
+                    payloads[i] = p if ok and p else None
+        return found, strengths, payloads
+
+
+async def _unassigned() -> Any:
+    raise aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(),
+                          details="slot has no primary yet")
+
+
+__all__ = ["MemoryRouter", "RoutingError", "ids_from_bytes"]

@@ -1,0 +1,46 @@
+"""Helpers for memory-store integration tests: dump every copy of every slot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared.codec import f32_from_bytes, ids_from_bytes
+from shared.proto import worker_pb2, worker_pb2_grpc
+
+
+async def dump_worker(stub: worker_pb2_grpc.WorkerStub) -> dict[int, dict[int, float]]:
+    """slot -> {id: strength} of everything a worker holds."""
+    out: dict[int, dict[int, float]] = {}
+    async for msg in stub.DumpSlots(worker_pb2.DumpSlotsRequest(), timeout=30):
+        d = out.setdefault(msg.slot, {})
+        ids, s = ids_from_bytes(msg.ids), f32_from_bytes(msg.strengths)
+        d.update(zip(ids.tolist(), s.tolist(), strict=True))
+    return out
+
+
+async def assert_cluster_equals(cluster, reference) -> None:
+    """Union of primaries == reference bit for bit, and both copies of every slot equal."""
+    from shared.proto import worker_pb2_grpc as pbg
+    from shared.rpc import channel
+
+    rb = cluster.coordinator.cluster.rebalancer
+    current = rb.current
+    dumps = {}
+    for w in cluster.workers:
+        async with channel(w.address) as ch:
+            dumps[w.name] = await dump_worker(pbg.WorkerStub(ch))
+    merged: dict[int, float] = {}
+    for s in range(current.slots):
+        p, r = current.primary[s], current.replica[s]
+        primary = dumps.get(p, {}).get(s, {}) if p else {}
+        if r:
+            replica = dumps.get(r, {}).get(s, {})
+            assert primary == replica, f"slot {s}: primary {p} and replica {r} differ"
+        merged.update(primary)
+    ref_ids, ref_s = reference.items()
+    expected = dict(zip(ref_ids.tolist(), ref_s.tolist(), strict=True))
+    assert len(merged) == len(expected)
+    got_ids = np.array(sorted(merged), np.uint64)
+    got = np.array([merged[i] for i in got_ids.tolist()], np.float32)
+    np.testing.assert_array_equal(got_ids, ref_ids)
+    assert got.tobytes() == ref_s.astype(np.float32).tobytes(), "strengths differ bitwise"

@@ -1,0 +1,297 @@
+"""Memory-store RPCs of the ``neuroshard.v1.Worker`` service: decode, delegate to
+``MemoryNode``, map its errors to status codes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+import numpy as np
+from grpc import aio
+
+from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.proto import common_pb2, coordinator_pb2, worker_pb2
+from worker import kernels
+from worker.memory_node import (
+    MemoryNode,
+    NotPrimary,
+    OutOfSync,
+    ReplicationError,
+    StaleEpoch,
+)
+from worker.store import MemoryInputError, SlotSnapshot, validate_k, validate_rate
+
+T = TypeVar("T")
+
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (MemoryInputError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotPrimary, grpc.StatusCode.FAILED_PRECONDITION),
+    (OutOfSync, grpc.StatusCode.ABORTED),
+    (ReplicationError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def _status_of(exc: BaseException) -> grpc.StatusCode | None:
+    if isinstance(exc, NotReady):
+        return grpc.StatusCode.UNAVAILABLE
+    return next((c for e, c in _STATUS if isinstance(exc, e)), None)
+
+
+async def _guard(context: aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await work()
+    except Exception as exc:
+        code = _status_of(exc)
+        if code is None:
+            raise
+        await context.abort(code, str(exc))
+        raise  # unreachable: abort raises
+
+
+def quality_to_pb(q: kernels.Quality) -> common_pb2.QualityStats:
+    return common_pb2.QualityStats(
+        count=q.count,
+        sum=q.sum,
+        mean=q.mean,
+        min=q.min,
+        max=q.max,
+        histogram=[int(h) for h in q.histogram],
+    )
+
+
+class NotReady(Exception):
+    """The worker has not registered yet, so it has no slot map (UNAVAILABLE)."""
+
+
+class MemoryRpcs:
+    """Mixed into ``WorkerServicer``; ``self.node`` is this worker's ``MemoryNode``."""
+
+    node_or_none: MemoryNode | None
+    chunk_bytes: int
+    ensure_node: Callable[[common_pb2.SlotMap], MemoryNode]
+
+    @property
+    def node(self) -> MemoryNode:
+        if self.node_or_none is None:
+            raise NotReady("this worker has not registered with the coordinator yet")
+        return self.node_or_none
+
+    async def Upsert(
+        self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext
+    ) -> worker_pb2.WriteResponse:
+        """Insert or overwrite memories of this worker's primary slots, replicated before the
+        reply. INVALID_ARGUMENT: bad values (nothing applied); FAILED_PRECONDITION: stale epoch
+        or a slot not primary here; UNAVAILABLE: the replica could not be reached."""
+
+        async def work() -> worker_pb2.WriteResponse:
+            ids = ids_from_bytes(request.ids, "ids")
+            strengths = f32_from_bytes(request.strengths, "strengths")
+            payloads = list(request.payloads) if len(request.payloads) else None
+            n = await self.node.mutate(
+                request.epoch,
+                "upsert",
+                request,
+                ids,
+                lambda: self.node.store.upsert(ids, strengths, payloads),
+            )
+            return worker_pb2.WriteResponse(applied=n)
+
+        return await _guard(context, work)
+
+    async def Reinforce(
+        self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext
+    ) -> worker_pb2.WriteResponse:
+        """Add boosts (duplicates sum) and clip to [0, 1]; ``applied`` counts ids found.
+        Status codes as ``Upsert``."""
+
+        async def work() -> worker_pb2.WriteResponse:
+            ids = ids_from_bytes(request.ids, "ids")
+            boosts = f32_from_bytes(request.boosts, "boosts")
+            n = await self.node.mutate(
+                request.epoch,
+                "reinforce",
+                request,
+                ids,
+                lambda: self.node.store.reinforce(ids, boosts),
+            )
+            return worker_pb2.WriteResponse(applied=n)
+
+        return await _guard(context, work)
+
+    async def Delete(
+        self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext
+    ) -> worker_pb2.WriteResponse:
+        """Delete memories; ``applied`` counts ids found. Status codes as ``Upsert``."""
+
+        async def work() -> worker_pb2.WriteResponse:
+            ids = ids_from_bytes(request.ids, "ids")
+            n = await self.node.mutate(
+                request.epoch, "delete", request, ids, lambda: self.node.store.delete(ids)
+            )
+            return worker_pb2.WriteResponse(applied=n)
+
+        return await _guard(context, work)
+
+    async def Get(
+        self, request: worker_pb2.GetRequest, context: aio.ServicerContext
+    ) -> worker_pb2.GetResponse:
+        """Read memories from their primary. FAILED_PRECONDITION: stale epoch / not primary."""
+
+        async def work() -> worker_pb2.GetResponse:
+            ids = ids_from_bytes(request.ids, "ids")
+            self.node.check_epoch(request.epoch)
+            self.node._check_primary(ids)
+            found, strengths, payloads = await self.node.run(self.node.store.get, ids)
+            return worker_pb2.GetResponse(
+                found=np.asarray(found, np.uint8).tobytes(),
+                strengths=f32_to_bytes(strengths),
+                payloads=[p or b"" for p in payloads] if request.with_payloads else [],
+            )
+
+        return await _guard(context, work)
+
+    async def Decay(
+        self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext
+    ) -> coordinator_pb2.DecayResponse:
+        """Decay this worker's primary slots (called by the coordinator's fan-out)."""
+
+        async def work() -> coordinator_pb2.DecayResponse:
+            rate = float(validate_rate(request.rate))
+            return coordinator_pb2.DecayResponse(
+                memories=await self.node.decay(request.epoch, rate)
+            )
+
+        return await _guard(context, work)
+
+    async def Quality(
+        self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext
+    ) -> common_pb2.QualityStats:
+        """Strength statistics of this worker's primary slots."""
+
+        async def work() -> common_pb2.QualityStats:
+            self.node.check_epoch(request.epoch)
+            mine = np.flatnonzero(self.node.roles.primary)
+            return quality_to_pb(await self.node.run(self.node.store.quality, mine))
+
+        return await _guard(context, work)
+
+    async def TopK(
+        self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext
+    ) -> coordinator_pb2.TopKResponse:
+        """The k strongest memories of this worker's primary slots (ties: smaller id)."""
+
+        async def work() -> coordinator_pb2.TopKResponse:
+            self.node.check_epoch(request.epoch)
+            k = validate_k(request.k, self.node.store.k_max)
+            mine = np.flatnonzero(self.node.roles.primary)
+            ids, strengths = await self.node.run(self.node.store.topk, k, mine)
+            return coordinator_pb2.TopKResponse(
+                ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths)
+            )
+
+        return await _guard(context, work)
+
+    async def Replicate(
+        self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext
+    ) -> worker_pb2.ReplicateResponse:
+        """Apply a primary's forwarded mutation in sequence order. ABORTED: out of sync."""
+
+        async def work() -> worker_pb2.ReplicateResponse:
+            await self.node.apply_replicated(request)
+            return worker_pb2.ReplicateResponse()
+
+        return await _guard(context, work)
+
+    async def ApplySlotMap(
+        self, request: common_pb2.SlotMap, context: aio.ServicerContext
+    ) -> worker_pb2.ApplySlotMapResponse:
+        """Adopt a slot map from the coordinator (older epochs are ignored)."""
+
+        async def work() -> worker_pb2.ApplySlotMapResponse:
+            node = self.ensure_node(request)
+            return worker_pb2.ApplySlotMapResponse(epoch=await node.apply_slot_map(request))
+
+        return await _guard(context, work)
+
+    async def CopySlots(
+        self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext
+    ) -> worker_pb2.CopySlotsResponse:
+        """Copy slots to another worker (copy, then the coordinator switches the map): under
+        this worker's write order, snapshot each batch of slots, stream it to the target and
+        forward later writes of those slots there as well. UNAVAILABLE: target unreachable."""
+
+        async def work() -> worker_pb2.CopySlotsResponse:
+            memories = nbytes = 0
+            slots = list(request.slots)
+            for i in range(0, len(slots), 64):
+                async with self.node.copy_lock:
+                    snaps = await self.node.export_for_copy(slots[i : i + 64], request.target)
+                    m, b = await self.send_slots(request.target, request.target_address, snaps)
+                memories, nbytes = memories + m, nbytes + b
+            return worker_pb2.CopySlotsResponse(memories=memories, bytes=nbytes)
+
+        return await _guard(context, work)
+
+    async def send_slots(
+        self, target: str, address: str, snaps: list[SlotSnapshot]
+    ) -> tuple[int, int]:
+        raise NotImplementedError  # provided by WorkerServicer (needs the peer channels)
+
+    async def ReceiveSlots(
+        self, request_iterator: AsyncIterator[worker_pb2.SlotData], context: aio.ServicerContext
+    ) -> worker_pb2.ReceiveSlotsResponse:
+        """Install streamed slot copies (each replaces what this worker held for its slot)."""
+
+        async def work() -> worker_pb2.ReceiveSlotsResponse:
+            snaps: dict[int, SlotSnapshot] = {}
+            async for msg in request_iterator:
+                snap = snaps.get(msg.slot)
+                ids, strengths = ids_from_bytes(msg.ids), f32_from_bytes(msg.strengths)
+                payloads = dict(zip(msg.payload_ids, msg.payloads, strict=True))
+                if snap is None or msg.first:
+                    snaps[msg.slot] = SlotSnapshot(msg.slot, msg.seq, ids, strengths, payloads)
+                else:
+                    snap.ids = np.concatenate([snap.ids, ids])
+                    snap.strengths = np.concatenate([snap.strengths, strengths])
+                    snap.payloads.update(payloads)
+            n = await self.node.import_snapshots(list(snaps.values()))
+            return worker_pb2.ReceiveSlotsResponse(memories=n)
+
+        return await _guard(context, work)
+
+    async def DumpSlots(
+        self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.SlotData]:
+        """Stream every held slot's data (tests and diagnostics compare copies with it)."""
+        if self.node_or_none is None:
+            return
+        slots = list(request.slots) or self.node.store.held_slots().tolist()
+        snaps = await self.node.run(lambda: [self.node.store.export_slot(s) for s in slots])
+        for snap in snaps:
+            for msg in slot_messages(snap, self.chunk_bytes):
+                yield msg
+
+
+def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotData]:
+    """One slot as ``SlotData`` messages of about ``chunk_bytes`` each (12 bytes a memory)."""
+    per = max(1, chunk_bytes // 12)
+    out = []
+    n = len(snap.ids)
+    for start in range(0, max(n, 1), per):
+        ids = snap.ids[start : start + per]
+        pids = [i for i in ids.tolist() if i in snap.payloads] if snap.payloads else []
+        out.append(
+            worker_pb2.SlotData(
+                slot=snap.slot,
+                seq=snap.seq,
+                ids=ids_to_bytes(ids),
+                strengths=f32_to_bytes(snap.strengths[start : start + per]),
+                payload_ids=pids,
+                payloads=[snap.payloads[i] for i in pids],
+                first=start == 0,
+            )
+        )
+    return out
