@@ -69,6 +69,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         coordinator=args.coordinator,
         listen=args.listen,
         name=args.name,
+        advertise_host=args.advertise_host,
+        device=args.device,
         data_dir=args.data_dir,
         metrics_port=args.metrics_port,
     )
@@ -170,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--config", help="YAML config (configs/worker.yaml)")
     w.add_argument("--listen", help="HOST:PORT to serve on (default 0.0.0.0:0)")
     w.add_argument("--name", help="worker name (default: the hostname)")
+    w.add_argument(
+        "--advertise-host", help="host others reach this worker at, e.g. its pod DNS name"
+    )
+    w.add_argument("--device", choices=["auto", "cpu", "cuda"], help="memory kernels' device")
     w.add_argument("--data-dir", help="directory for slot data")
     w.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
     w.add_argument("--ready-file", help=argparse.SUPPRESS)
