@@ -259,7 +259,11 @@ class TrainJobSpec(_Model):
 
 class ZipfAccess(_Model):
     distribution: Literal["zipf"] = "zipf"
-    alpha: float = Field(0.99, gt=0, le=10, description="Zipf exponent (YCSB uses 0.99).")
+    alpha: float = Field(
+        0.99, gt=0, lt=1,
+        description="Zipf constant theta in (0, 1) (YCSB's default 0.99; Gray et al.'s "
+        "generator needs theta < 1).",
+    )
     batch: int = Field(100_000, ge=1, le=100_000_000, description="Accesses per iteration.")
     boost: float = Field(0.05, ge=0, le=1, description="Boost added per access.")
 
@@ -269,17 +273,36 @@ class TraceAccess(_Model):
     boost: float = Field(0.05, ge=0, le=1)
 
 
+def _access_tag(v: Any) -> str:
+    """A mapping with a ``trace`` key is a trace; anything else is the Zipf stream."""
+    return "trace" if (isinstance(v, dict) and "trace" in v) or isinstance(v, TraceAccess) \
+        else "zipf"
+
+
+AccessField = Annotated[
+    Annotated[ZipfAccess, Tag("zipf")] | Annotated[TraceAccess, Tag("trace")],
+    Discriminator(_access_tag),
+]
+
+
 class MemoryJobSpec(_Model):
     kind: Literal["memory"]
     name: str = Field("memory", max_length=128)
-    workers: int = Field(1, ge=1, le=1024)
+    workers: int = Field(1, ge=1, le=1024, description="Alive workers the job waits for.")
     memories: int = Field(1_000_000, ge=1, le=1_000_000_000, description="Memories to generate.")
-    load: str | None = Field(None, description=".npz with ids, strengths to load instead.")
-    iterations: int = Field(100, ge=1, le=10_000_000)
-    access: ZipfAccess | TraceAccess = Field(default_factory=ZipfAccess)
-    decay_rate: float = Field(0.001, ge=0, le=1)
-    topk: int = Field(100, ge=1)
-    seed: int = Field(0, ge=0)
+    load: str | None = Field(
+        None, description=".npz with arrays ids, strengths to load instead (coordinator's path)."
+    )
+    iterations: int = Field(
+        100, ge=1, le=10_000_000, description="Rounds of reinforce, decay, quality, top-k."
+    )
+    access: AccessField = Field(
+        default_factory=ZipfAccess,
+        description="{distribution: zipf, alpha, batch, boost} or {trace: F.npy, boost}.",
+    )
+    decay_rate: float = Field(0.001, ge=0, le=1, description="Strength subtracted per iteration.")
+    topk: int = Field(100, ge=1, description="k of the top-k query each iteration.")
+    seed: int = Field(0, ge=0, description="Seeds the generated memories and access stream.")
 
 
 JobSpec = TrainJobSpec | MemoryJobSpec

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ _RETRY = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
 
 # One keyed RPC: (stub, epoch, positions of the batch it carries) -> reply
 Call = Callable[[Any, int, np.ndarray], Awaitable[Any]]
+# Where the router gets the current slot map from
+SlotMapSource = Callable[[], Awaitable[common_pb2.SlotMap]]
 
 
 class RoutingError(RuntimeError):
@@ -41,9 +44,19 @@ class RoutingError(RuntimeError):
 class MemoryRouter:
     """Routes keyed operations with a cached slot map (refreshed when a worker says so)."""
 
-    def __init__(self, coordinator: coordinator_pb2_grpc.CoordinatorStub, timeout_s: float,
-                 max_message_bytes: int, retry_budget_s: float = 30.0) -> None:
-        self._coordinator = coordinator
+    def __init__(self, coordinator: coordinator_pb2_grpc.CoordinatorStub | SlotMapSource,
+                 timeout_s: float, max_message_bytes: int, retry_budget_s: float = 30.0) -> None:
+        """Route with maps from a coordinator stub (``GetSlotMap``) or, inside the
+        coordinator itself, from an async function returning the current map."""
+        if isinstance(coordinator, coordinator_pb2_grpc.CoordinatorStub):
+            stub = coordinator
+
+            async def fetch() -> common_pb2.SlotMap:
+                return await stub.GetSlotMap(coordinator_pb2.GetSlotMapRequest(),
+                                             timeout=timeout_s)
+
+            coordinator = fetch
+        self._fetch_map: SlotMapSource = coordinator
         self._timeout_s = timeout_s
         self._workers = WorkerClients(max_message_bytes)
         self._map: common_pb2.SlotMap | None = None
@@ -54,8 +67,7 @@ class MemoryRouter:
 
     async def slot_map(self, refresh: bool = False) -> common_pb2.SlotMap:
         if self._map is None or refresh:
-            self._map = await self._coordinator.GetSlotMap(
-                coordinator_pb2.GetSlotMapRequest(), timeout=self._timeout_s)
+            self._map = await self._fetch_map()
         return self._map
 
     async def route(self, ids: np.ndarray, call: Call) -> list[tuple[np.ndarray, Any]]:
@@ -121,24 +133,30 @@ class MemoryRouter:
 
     async def upsert(self, ids: np.ndarray, strengths: np.ndarray,
                      payloads: list[bytes] | None) -> int:
+        rid = uuid.uuid4().bytes  # one id for every part and retry: workers dedup by it
+
         async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
             return await stub.Upsert(worker_pb2.UpsertRequest(
-                epoch=epoch, ids=ids_to_bytes(ids[idx]), strengths=f32_to_bytes(strengths[idx]),
+                epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx]), strengths=f32_to_bytes(strengths[idx]),
                 payloads=[payloads[i] for i in idx.tolist()] if payloads is not None else [],
             ), timeout=self._timeout_s)
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
     async def reinforce(self, ids: np.ndarray, boosts: np.ndarray) -> int:
+        rid = uuid.uuid4().bytes
+
         async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
             return await stub.Reinforce(worker_pb2.ReinforceRequest(
-                epoch=epoch, ids=ids_to_bytes(ids[idx]), boosts=f32_to_bytes(boosts[idx]),
+                epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx]), boosts=f32_to_bytes(boosts[idx]),
             ), timeout=self._timeout_s)
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
     async def delete(self, ids: np.ndarray) -> int:
+        rid = uuid.uuid4().bytes
+
         async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
             return await stub.Delete(worker_pb2.DeleteRequest(
-                epoch=epoch, ids=ids_to_bytes(ids[idx])), timeout=self._timeout_s)
+                epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx])), timeout=self._timeout_s)
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
     async def get(self, ids: np.ndarray, with_payloads: bool

@@ -1,0 +1,222 @@
+"""The ``memory`` job (DESIGN.md, "Jobs"): load memories, then iterations of reinforce from an
+access stream, decay, quality and top-k over the whole store, timed per iteration.
+
+The coordinator acts as a client of its own store: keyed operations (upsert, reinforce) go
+through ``shared.memory_client.MemoryRouter`` fed with the coordinator's current slot map,
+bulk ones (decay, quality, top-k) through ``Cluster.memory``. Given its seed the job is
+deterministic: the memories, the Zipf stream and the order of operations are fixed
+(``coordinator/access_stream.py``), so the store ends equal to a reference replaying them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from coordinator.access_stream import ScrambledZipfStream, TraceStream, generate_memories
+from coordinator.jobs import JobFailed, JobRecord
+from coordinator.membership import WorkerRecord
+from coordinator.memory_ops import BulkOpError
+from shared.config import MemoryJobSpec, TraceAccess
+from shared.logging import get_logger
+from shared.memory_client import MemoryRouter, RoutingError
+from shared.memory_files import MemoryFileError, load_memories, load_trace
+from shared.proto import common_pb2
+from worker.kernels import Quality
+from worker.store import validate_rate
+
+if TYPE_CHECKING:
+    from coordinator.cluster import Cluster
+
+log = get_logger("coordinator.memory_job")
+
+UPSERT_BATCH = 100_000  # memories per upsert call while loading
+PROGRESS_INTERVAL_S = 0.1  # publish progress at most ~10 times a second
+TOPK_SHOWN = 10  # top-k entries kept in the result document
+PHASES = ("reinforce", "decay", "quality", "topk")
+
+
+@dataclass
+class _Timings:
+    """Seconds per phase per iteration, and what the last iteration saw."""
+
+    phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    iteration_s: list[float] = field(default_factory=list)
+    accesses: int = 0
+    hits: int = 0
+    quality: Quality | None = None
+    topk: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.uint64), np.empty(0, np.float32))
+
+
+class MemoryJob:
+    """Runs one memory job; ``run`` returns the result document."""
+
+    def __init__(self, job: JobRecord, cluster: Cluster, workers: list[WorkerRecord]) -> None:
+        assert isinstance(job.spec, MemoryJobSpec)
+        self.job, self.spec, self.cluster = job, job.spec, cluster
+        self._router = MemoryRouter(
+            self._slot_map, cluster.cfg.rpc_timeout_s, cluster.cfg.max_message_bytes
+        )
+        self._last_progress = 0.0
+
+    async def _slot_map(self) -> common_pb2.SlotMap:
+        """The coordinator's current map, as ``GetSlotMap`` would return it."""
+        c = self.cluster
+        return c.rebalancer.current.to_pb(
+            {w.name: w.address for w in c.membership.all()}, c.cfg.max_payload_bytes
+        )
+
+    async def run(self) -> dict[str, Any]:
+        """Load, iterate, and return the result document.
+
+        Raises:
+            JobFailed: a bad load or trace file (naming the file and array), a top-k larger
+                than ``topk_max``, a slot map that did not settle, or a store operation that
+                failed after retries.
+        """
+        try:
+            ids, strengths, stream = await asyncio.to_thread(self._prepare)
+            await self._wait_settled()
+            load_s = await self._load(ids, strengths)
+            t = await self._iterate(stream)
+        except (RoutingError, BulkOpError) as exc:
+            raise JobFailed(f"memory store: {exc}") from None
+        finally:
+            await self._router.close()
+        return self._result(len(np.unique(ids)) if self.spec.load else len(ids), load_s, t)
+
+    def _prepare(self) -> tuple[np.ndarray, np.ndarray, ScrambledZipfStream | TraceStream]:
+        """Read or generate the memories and build the access stream (in a thread)."""
+        spec = self.spec
+        if spec.topk > self.cluster.cfg.topk_max:
+            raise JobFailed(
+                f"topk: {spec.topk} exceeds the coordinator's topk_max {self.cluster.cfg.topk_max}"
+            )
+        try:
+            trace = (
+                load_trace(spec.access.trace, spec.iterations)
+                if isinstance(spec.access, TraceAccess)
+                else None
+            )
+            if spec.load is not None:
+                ids, strengths = load_memories(spec.load)
+            else:
+                ids, strengths = generate_memories(spec.memories, spec.seed)
+        except MemoryFileError as exc:
+            raise JobFailed(str(exc)) from None
+        if trace is not None:
+            return ids, strengths, TraceStream(trace)
+        assert not isinstance(spec.access, TraceAccess)
+        space = np.unique(ids)  # a loaded file may repeat ids; each id gets one rank
+        return (
+            ids,
+            strengths,
+            ScrambledZipfStream(space, spec.access.alpha, spec.access.batch, spec.seed),
+        )
+
+    async def _wait_settled(self) -> None:
+        """Wait until the published map matches the membership and no slot lacks a copy."""
+        c, loop = self.cluster, asyncio.get_running_loop()
+        deadline = loop.time() + c.cfg.queue_timeout_s
+        while True:
+            summary = c.slot_summary()
+            if (
+                c.rebalancer.settled.is_set()
+                and summary["epoch"] > 0
+                and summary["under_replicated_slots"] == 0
+            ):
+                return
+            if loop.time() > deadline:
+                raise JobFailed(
+                    f"the slot map did not settle within {c.cfg.queue_timeout_s:g} s "
+                    f"({summary['under_replicated_slots']} slots under-replicated)"
+                )
+            await asyncio.sleep(0.05)
+
+    async def _load(self, ids: np.ndarray, strengths: np.ndarray) -> float:
+        """Upsert every memory in batches; return the seconds it took."""
+        t0 = time.perf_counter()
+        n = len(ids)
+        for start in range(0, n, UPSERT_BATCH):
+            end = min(start + UPSERT_BATCH, n)
+            await self._router.upsert(ids[start:end], strengths[start:end], None)
+            await self._publish({"phase": "load", "loaded": end, "memories": n}, end == n)
+        load_s = time.perf_counter() - t0
+        log.info("memory_job_loaded", job_id=self.job.job_id, memories=n, seconds=round(load_s, 3))
+        return load_s
+
+    async def _iterate(self, stream: ScrambledZipfStream | TraceStream) -> _Timings:
+        """Run the iterations: reinforce, decay, quality, top-k, each timed."""
+        spec, t = self.spec, _Timings()
+        boosts = np.full(stream.batch, spec.access.boost, np.float32)
+        rate = float(validate_rate(spec.decay_rate))
+        memory = self.cluster.memory
+        for i in range(spec.iterations):
+            accessed = await asyncio.to_thread(stream.next_batch, i)
+            t0 = time.perf_counter()
+            t.hits += await self._router.reinforce(accessed, boosts)
+            t1 = time.perf_counter()
+            await memory.decay(rate)
+            t2 = time.perf_counter()
+            t.quality = await memory.quality()
+            t3 = time.perf_counter()
+            t.topk = await memory.topk(spec.topk)
+            t4 = time.perf_counter()
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                t.phase_s[phase].append(seconds)
+            t.iteration_s.append(t4 - t0)
+            t.accesses += len(accessed)
+            await self._publish(
+                {
+                    "phase": "iterate",
+                    "iteration": i + 1,
+                    "iterations": spec.iterations,
+                    "iteration_ms": round((t4 - t0) * 1e3, 3),
+                    "memories": t.quality.count,
+                    "mean_strength": t.quality.mean,
+                },
+                i + 1 == spec.iterations,
+            )
+        return t
+
+    async def _publish(self, progress: dict[str, Any], force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._last_progress >= PROGRESS_INTERVAL_S:
+            self._last_progress = now
+            await self.cluster.jobs.update(self.job, progress=progress)
+
+    def _result(self, memories: int, load_s: float, t: _Timings) -> dict[str, Any]:
+        ms = np.asarray(t.iteration_s) * 1e3
+        q = t.quality
+        assert q is not None
+        top_ids, top_s = t.topk
+        return {
+            "iterations": len(ms),
+            "memories": memories,
+            "iteration_ms_p50": float(np.percentile(ms, 50)),
+            "iteration_ms_p99": float(np.percentile(ms, 99)),
+            "phase_ms_p50": {p: float(np.median(s) * 1e3) for p, s in t.phase_s.items()},
+            "load_s": load_s,
+            "upserts_per_s": memories / load_s if load_s > 0 else 0.0,
+            "reinforces_per_s": t.accesses / sum(t.phase_s["reinforce"]),
+            "reinforce_hits": t.hits,
+            "accesses": t.accesses,
+            "quality": {
+                "count": q.count,
+                "mean": q.mean,
+                "min": q.min,
+                "max": q.max,
+                "histogram": list(q.histogram),
+            },
+            "topk_k": self.spec.topk,
+            "topk": [
+                {"id": int(i), "strength": float(s)}
+                for i, s in zip(
+                    top_ids[:TOPK_SHOWN].tolist(), top_s[:TOPK_SHOWN].tolist(), strict=True
+                )
+            ],
+        }

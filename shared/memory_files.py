@@ -1,0 +1,128 @@
+"""Memory-store input files, read and validated whole before anything is sent.
+
+Used by the ``neuroshard memory`` commands and by the coordinator's ``memory`` job:
+
+- memories ``.npz``: arrays ``ids`` [N] uint64 (any non-negative integer type) and
+  ``strengths`` [N] float32 in [0, 1];
+- reinforcements ``.npz``: arrays ``ids`` [K] and ``boosts`` [K] (finite, >= 0);
+- access traces ``.npy``: ids [I, B] (one row per iteration) or [B] (reused every iteration).
+
+Every error is one line naming the file and the array (``MemoryFileError``); the CLI exits 2
+with it and the job fails with it.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from worker.store import MemoryInputError, as_ids, validate_values
+
+
+class MemoryFileError(ValueError):
+    """A memory input file is missing or malformed; the message names the file and array."""
+
+
+def _open(path: Path, suffix: str) -> object:
+    if not path.is_file():
+        raise MemoryFileError(f"{path}: no such file")
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise MemoryFileError(f"{path}: not a readable {suffix} file ({detail})") from None
+
+
+def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Read the named arrays of an ``.npz`` file (other arrays are ignored).
+
+    Raises:
+        MemoryFileError: missing or unreadable file, or an array is absent or not loadable.
+    """
+    p = Path(path)
+    data = _open(p, ".npz")
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise MemoryFileError(f"{p}: expected an .npz archive of arrays, got a single array")
+    with data:
+        out = {}
+        for name in names:
+            if name not in data.files:
+                has = ", ".join(data.files) or "no arrays"
+                raise MemoryFileError(f"{p}: no array {name!r} (has: {has})")
+            try:
+                out[name] = data[name]
+            except ValueError as exc:  # e.g. an object array, refused without pickle
+                raise MemoryFileError(f"{p}: array {name!r}: {exc}") from None
+    return out
+
+
+def load_memories(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read memories to upsert: ``(ids [N] uint64, strengths [N] float32 in [0, 1])``.
+
+    Raises:
+        MemoryFileError: as :func:`read_npz`, or a bad value, naming the array and index.
+    """
+    arrays = read_npz(path, ("ids", "strengths"))
+    try:
+        ids = as_ids(arrays["ids"])
+        return ids, validate_values(arrays["strengths"], "strengths", ids, unit_range=True)
+    except MemoryInputError as exc:
+        raise MemoryFileError(f"{path}: {exc}") from None
+
+
+def load_reinforcements(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read a reinforcement batch: ``(ids [K] uint64, boosts [K] float32 >= 0)``.
+
+    Raises:
+        MemoryFileError: as :func:`read_npz`, or a bad value, naming the array and index.
+    """
+    arrays = read_npz(path, ("ids", "boosts"))
+    try:
+        ids = as_ids(arrays["ids"])
+        return ids, validate_values(arrays["boosts"], "boosts", ids)
+    except MemoryInputError as exc:
+        raise MemoryFileError(f"{path}: {exc}") from None
+
+
+def load_trace(path: str | Path, iterations: int) -> np.ndarray:
+    """Read an access trace of ids: [iterations, B] (one row per iteration) or [B] (reused).
+
+    Returns:
+        [I, B] uint64 with I = iterations, or [1, B] for a 1-D trace; B >= 1.
+
+    Raises:
+        MemoryFileError: unreadable file, an archive instead of one array, a non-integer or
+            negative id, a shape other than 1-D or 2-D, no ids, or fewer rows than iterations.
+    """
+    p = Path(path)
+    trace = _open(p, ".npy")
+    if not isinstance(trace, np.ndarray):
+        raise MemoryFileError(f"{p}: expected one .npy array of ids, got an .npz archive")
+    if trace.ndim not in (1, 2):
+        raise MemoryFileError(
+            f"{p}: trace must be 1-D [batch] or 2-D [iterations, batch], got shape {trace.shape}"
+        )
+    if trace.size == 0:
+        raise MemoryFileError(f"{p}: trace has no ids (shape {trace.shape})")
+    if trace.ndim == 2 and trace.shape[0] < iterations:
+        raise MemoryFileError(
+            f"{p}: trace has {trace.shape[0]} rows but the job runs {iterations} iterations"
+        )
+    rows = trace.reshape(1, -1) if trace.ndim == 1 else trace[:iterations]
+    try:
+        ids = as_ids(rows.reshape(-1), "trace")
+    except MemoryInputError as exc:
+        msg = _row_col(str(exc), rows.shape[1]) if trace.ndim == 2 else str(exc)
+        raise MemoryFileError(f"{p}: {msg}") from None
+    return ids.reshape(rows.shape)
+
+
+def _row_col(message: str, width: int) -> str:
+    """Turn ``trace[i]: ...`` of the flattened trace into ``trace[row, col]: ...``."""
+    head, sep, rest = message.partition("]: ")
+    if not sep or not head.startswith("trace["):
+        return message
+    flat = int(head.removeprefix("trace["))
+    return f"trace[{flat // width}, {flat % width}]: {rest}"
