@@ -61,6 +61,32 @@ class Cluster:
         """Record a heartbeat; False tells the worker to register again."""
         return self.membership.heartbeat(name, memories, epoch) is not None
 
+    def report_failure(self, reporter: str, worker: str, reason: str) -> None:
+        """A primary could not update ``worker``'s copy: stop trusting that worker's data
+        (it gets fresh copies) and re-plan. Called before the primary acknowledges writes."""
+        log.warning("copy_failed", reporter=reporter, worker=worker, reason=reason)
+        self.rebalancer.no_data.add(worker)
+        if self.membership.mark_dead(worker):
+            self._on_membership_change()
+        else:
+            self.rebalancer.trigger()
+
+    def drain(self, name: str) -> tuple[bool, int]:
+        """Start (or check) the drain of a worker; return (drained, slots still held).
+
+        Raises:
+            KeyError: unknown worker (NOT_FOUND).
+        """
+        if self.membership.get(name) is None:
+            raise KeyError(f"no worker named {name!r}")
+        if not [w for w in self.membership.alive() if w.name != name]:
+            return True, 0  # nobody to hand over to: keep the data where it is
+        if self.membership.set_draining(name):
+            log.info("worker_draining", worker=name)
+            self._on_membership_change()
+        held = sum(self.rebalancer.current.counts().get(name, (0, 0)))
+        return held == 0 and self.rebalancer.settled.is_set(), held
+
     def _on_membership_change(self) -> None:
         self._update_gauges()
         self.rebalancer.trigger()

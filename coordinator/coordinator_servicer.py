@@ -107,6 +107,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             {w.name: w.address for w in c.membership.all()}, c.cfg.max_payload_bytes
         )
 
+    async def ReportFailure(
+        self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext
+    ) -> coordinator_pb2.ReportFailureResponse:
+        """A primary reports a replica it could not update; its copies stop being trusted."""
+        self._cluster.report_failure(request.reporter, request.worker, request.reason)
+        return coordinator_pb2.ReportFailureResponse()
+
+    async def DrainWorker(
+        self, request: coordinator_pb2.DrainWorkerRequest, context: aio.ServicerContext
+    ) -> coordinator_pb2.DrainWorkerResponse:
+        """Hand a worker's slots to the others; ``drained`` once it holds none. NOT_FOUND."""
+        try:
+            drained, held = self._cluster.drain(request.name)
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        return coordinator_pb2.DrainWorkerResponse(drained=drained, slots_held=held)
+
     async def Decay(
         self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.DecayResponse:

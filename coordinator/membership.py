@@ -95,6 +95,21 @@ class Membership:
         rec.state = WorkerState.DEAD
         return True
 
+    def set_draining(self, name: str) -> bool:
+        """Mark an ALIVE worker DRAINING (it serves until its slots are handed over); True
+        if its state changed."""
+        rec = self._workers.get(name)
+        if rec is None or rec.state is not WorkerState.ALIVE:
+            return False
+        rec.state = WorkerState.DRAINING
+        return True
+
+    def draining(self) -> list[WorkerRecord]:
+        return sorted(
+            (w for w in self._workers.values() if w.state is WorkerState.DRAINING),
+            key=lambda w: w.name,
+        )
+
     def get(self, name: str) -> WorkerRecord | None:
         return self._workers.get(name)
 

@@ -72,7 +72,8 @@ class Rebalancer:
         """One pass: interim map, copies, target map."""
         t0 = time.perf_counter()
         alive = [w.name for w in self._membership.alive()]
-        p = plan(self.current, alive, self.no_data)
+        draining = {w.name for w in self._membership.draining()}
+        p = plan(self.current, alive, self.no_data, draining)
         if not p.interim.same_placement(self.current):
             async with self.map_lock:
                 await self._publish(p.interim)
@@ -109,7 +110,7 @@ class Rebalancer:
         self.current = new
         self._metrics.slot_map_epoch.set(new.epoch)
         first = primary_changes(old, new)
-        alive = {w.name: w for w in self._membership.alive()}
+        alive = {w.name: w for w in self._membership.alive() + self._membership.draining()}
         pb = new.to_pb({n: w.address for n, w in alive.items()}, self.max_payload_bytes)
         for group in (first & set(alive), set(alive) - first):
             results = await asyncio.gather(

@@ -77,7 +77,9 @@ class Plan:
         return sum(len(v) for v in self.copies.values())
 
 
-def plan(current: SlotMap, alive: list[str], no_data: set[str]) -> Plan:
+def plan(
+    current: SlotMap, alive: list[str], no_data: set[str], draining: set[str] | None = None
+) -> Plan:
     """Plan the move from ``current`` to rendezvous placement over ``alive`` workers.
 
     Args:
@@ -85,6 +87,8 @@ def plan(current: SlotMap, alive: list[str], no_data: set[str]) -> Plan:
         alive: names of the live workers.
         no_data: live workers known to have lost their data (a restarted process); they
             keep no role in the interim map.
+        draining: workers leaving: they keep their data roles in the interim map (they are
+            copy sources) but get none in the target.
 
     Returns:
         The interim map (live data holders only, a dead primary's replica promoted), the
@@ -92,7 +96,7 @@ def plan(current: SlotMap, alive: list[str], no_data: set[str]) -> Plan:
         target is published. Epochs are left to the caller.
     """
     S = current.slots
-    live = set(alive) - no_data
+    live = (set(alive) | (draining or set())) - no_data
     interim = SlotMap(current.epoch, [""] * S, [""] * S)
     for s in range(S):
         holders = [h for h in (current.primary[s], current.replica[s]) if h in live]

@@ -132,6 +132,9 @@ class WorkerConfig(_Model):
     )
     chunk_bytes: int = Field(1024 * 1024, ge=1024, description="Stream chunk size, bytes.")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of worker-issued RPCs.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0, description="On SIGTERM, seconds to wait for the slots to be handed over."
+    )
     grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
     log: LogConfig = Field(default_factory=LogConfig)
 

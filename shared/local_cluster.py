@@ -135,11 +135,19 @@ class LocalCluster:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process, wait up to ``grace_s``, SIGKILL the rest. Idempotent."""
+        deadline = time.monotonic() + grace_s
+        # The coordinator first: workers then skip the hand-over of their slots (a drain
+        # needs the coordinator) and the whole cluster stops at once.
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGTERM)
+            try:
+                self.coordinator.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.coordinator.kill()
         procs = [p for p in [*self.workers, self.coordinator] if p is not None]
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))

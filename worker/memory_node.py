@@ -13,7 +13,8 @@ primary operations, from apply to the replicas' acks, so each slot's stream stay
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,15 +58,49 @@ class Roles:
 
 # A forwarder sends one ReplicateRequest to a named worker (raising on failure).
 Forwarder = Callable[[str, str, worker_pb2.ReplicateRequest], Awaitable[None]]
+# A reporter tells the coordinator that a copy on a named worker failed (raising on failure).
+Reporter = Callable[[str, str], Awaitable[None]]
+
+
+class RecentRequests:
+    """Which slots applied each recent client request id (bounded LRU), so that a retry of a
+    write that was applied but not acknowledged is not applied again."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self._capacity = capacity
+        self._slots: OrderedDict[bytes, set[int]] = OrderedDict()
+        self._lock = threading.Lock()  # read on the event loop, written on the store thread
+
+    def fresh(self, rid: bytes, slots: np.ndarray) -> np.ndarray:
+        """keep [N] bool: items whose slot has not applied ``rid`` yet."""
+        with self._lock:
+            done = list(self._slots.get(rid, ())) if rid else []
+        if not done:
+            return np.ones(len(slots), bool)
+        return ~np.isin(slots, np.asarray(done, np.int64))
+
+    def record(self, rid: bytes, slots: np.ndarray) -> None:
+        if not rid or len(slots) == 0:
+            return
+        with self._lock:
+            self._slots.setdefault(rid, set()).update(np.unique(slots).tolist())
+            self._slots.move_to_end(rid)
+            while len(self._slots) > self._capacity:
+                self._slots.popitem(last=False)
 
 
 class MemoryNode:
     """Domain logic of the memory RPCs; the servicer maps its exceptions to status codes."""
 
-    def __init__(self, name: str, store: SlotStore, forward: Forwarder) -> None:
+    def __init__(
+        self, name: str, store: SlotStore, forward: Forwarder, report: Reporter
+    ) -> None:
         self.name = name
         self.store = store
         self._forward = forward
+        self._report = report
+        self.recent = RecentRequests()
+        self.excluded: set[str] = set()  # copies reported failed; not forwarded to until a new map
         S = store.slots
         self.roles = Roles(0, np.zeros(S, bool), np.zeros(S, bool), [""] * S, {})
         self.pending: dict[int, set[str]] = defaultdict(set)  # slot -> extra copy targets
@@ -99,6 +134,7 @@ class MemoryNode:
                 dict(zip(m.workers, m.addresses, strict=True)),
             )
             self.pending.clear()
+            self.excluded.clear()
             held = self.store.held_slots()
             gone = held[~(primary[held] | replica[held])]
             if len(gone):
@@ -128,23 +164,52 @@ class MemoryNode:
     # -- primary operations ----------------------------------------------------------------
 
     async def mutate(
-        self, epoch: int, op: str, request: Any, ids: np.ndarray, apply: Callable[[], int]
+        self, epoch: int, op: str, request: Any, ids: np.ndarray,
+        apply: Callable[[np.ndarray], int],
     ) -> int:
         """Apply a keyed mutation as primary, then replicate it; return the applied count.
+
+        Items whose slot already applied this ``request.request_id`` (a client retry after a
+        failure) are skipped, so a retried reinforce is not applied twice.
+
+        Args:
+            apply: called on the store thread with keep [N] bool (the items to apply).
 
         Raises:
             StaleEpoch, NotPrimary (FAILED_PRECONDITION); MemoryInputError (INVALID_ARGUMENT,
             raised by ``apply`` before any change); ReplicationError (UNAVAILABLE).
         """
+        # Shielded: once applied here, the op must reach the replica and be recorded even if
+        # the client's call is cancelled, or the two copies would diverge.
+        return await asyncio.shield(self._mutate(epoch, op, request, ids, apply))
+
+    async def _mutate(
+        self, epoch: int, op: str, request: Any, ids: np.ndarray,
+        apply: Callable[[np.ndarray], int],
+    ) -> int:
         async with self._order:
             self.check_epoch(epoch)
             slots = self._check_primary(ids)
-            applied = await self.run(apply)
+            rid = bytes(request.request_id)
+            keep = self.recent.fresh(rid, slots)
+
+            def apply_and_record() -> int:
+                n = apply(keep)
+                self.recent.record(rid, slots[keep])
+                return n
+
+            applied = await self.run(apply_and_record)
+            if not keep.all():
+                request = _sub_request(op, request, keep)
+                ids, slots = ids[keep], slots[keep]
             await self._replicate(op, request, slots, ids)
             return applied
 
     async def decay(self, epoch: int, rate: float) -> int:
         """Decay every memory of this worker's primary slots and replicate."""
+        return await asyncio.shield(self._decay(epoch, rate))
+
+    async def _decay(self, epoch: int, rate: float) -> int:
         async with self._order:
             self.check_epoch(epoch)
             mine = np.flatnonzero(self.roles.primary)
@@ -153,35 +218,50 @@ class MemoryNode:
             await self._replicate("decay", req, mine, None)
             return n
 
+    def _targets(self, touched: np.ndarray) -> dict[str, list[int]]:
+        by_target: dict[str, list[int]] = defaultdict(list)
+        for s in touched.tolist():
+            for target in {self.roles.replica_of[s], *self.pending.get(s, ())}:
+                if target and target != self.name and target not in self.excluded:
+                    by_target[target].append(s)
+        return by_target
+
     async def _replicate(
         self, op: str, request: Any, slots: np.ndarray, ids: np.ndarray | None
     ) -> None:
         """Bump the touched slots' seqs and forward the op to every other copy, grouped by
-        target worker; wait for all acks."""
+        target worker; wait for all acks. A copy that fails is reported to the coordinator
+        (which stops trusting it) and excluded; only when that report fails does the write
+        fail with ReplicationError."""
         touched = np.unique(slots)
         if len(touched) == 0:
             return
         seqs = self.store.bump_seq(touched)
         seq_of = dict(zip(touched.tolist(), seqs.tolist(), strict=True))
-        by_target: dict[str, list[int]] = defaultdict(list)
-        for s in touched.tolist():
-            for target in {self.roles.replica_of[s], *self.pending.get(s, ())} - {"", self.name}:
-                by_target[target].append(s)
+        by_target = self._targets(touched)
         calls = []
         for target, target_slots in by_target.items():
-            sub = _sub_request(op, request, ids, slots, target_slots)
+            keep = None if ids is None else np.isin(slots, np.asarray(target_slots))
+            sub = request if keep is None or keep.all() else _sub_request(op, request, keep)
             req = worker_pb2.ReplicateRequest(
-                primary=self.name,
-                epoch=self.roles.epoch,
-                slots=target_slots,
-                seqs=[seq_of[s] for s in target_slots],
-                **{op: sub},
+                primary=self.name, epoch=self.roles.epoch, slots=target_slots,
+                seqs=[seq_of[s] for s in target_slots], **{op: sub},
             )
             calls.append(self._forward(target, self.roles.addresses.get(target, ""), req))
         results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise ReplicationError(f"replication failed: {errors[0]}")
+        for target, r in zip(by_target, results, strict=True):
+            if isinstance(r, BaseException):
+                await self._drop_copy(target, f"{type(r).__name__}: {_short(r)}")
+
+    async def _drop_copy(self, target: str, reason: str) -> None:
+        try:
+            await self._report(target, reason)
+        except Exception as exc:
+            raise ReplicationError(
+                f"replica {target} failed ({reason}) and the coordinator could not be told: "
+                f"{_short(exc)}"
+            ) from None
+        self.excluded.add(target)
 
     # -- replica side -----------------------------------------------------------------------
 
@@ -208,6 +288,8 @@ class MemoryNode:
             i = int(np.flatnonzero(seqs != current + np.uint64(1))[0])
             raise OutOfSync(f"slot {slots[i]}: forwarded seq {seqs[i]} after {current[i]}")
         op = req.WhichOneof("op")
+        # On the store thread, so apply, seq bump and request record happen together even if
+        # the forwarding call is cancelled mid-way.
         await self.run(self._apply_op, op, getattr(req, op), slots)
 
     def _apply_op(self, op: str, sub: Any, slots: np.ndarray) -> None:
@@ -222,6 +304,8 @@ class MemoryNode:
         elif op == "decay":
             st.decay(sub.rate, slots)
         st.bump_seq(slots)
+        if op != "decay":
+            self.recent.record(bytes(sub.request_id), slots)
 
     # -- copies -----------------------------------------------------------------------------
 
@@ -259,43 +343,33 @@ def _f32(b: bytes) -> np.ndarray:
     return np.frombuffer(b, "<f4").astype(np.float32)
 
 
-def _sub_request(
-    op: str, request: Any, ids: np.ndarray | None, slots: np.ndarray, target_slots: list[int]
-) -> Any:
-    """The part of a keyed request whose ids fall in ``target_slots`` (order kept)."""
-    if ids is None:
-        return request
-    keep = np.isin(slots, np.asarray(target_slots))
-    if keep.all():
-        return request
+def _short(exc: BaseException) -> str:
+    details = getattr(exc, "details", None)
+    return str(details() if callable(details) else exc)[:300]
+
+
+def _sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
+    """The items of a keyed request where keep [N] bool is set, in order."""
+    rid = request.request_id
+    ids = _ids(request.ids)[keep].astype("<u8").tobytes()
     if op == "upsert":
         payloads = (
-            [p for p, k in zip(request.payloads, keep, strict=True) if k]
-            if len(request.payloads)
-            else []
+            [p for p, k in zip(request.payloads, keep.tolist(), strict=True) if k]
+            if len(request.payloads) else []
         )
         return worker_pb2.UpsertRequest(
-            epoch=request.epoch,
-            ids=_ids(request.ids)[keep].astype("<u8").tobytes(),
+            epoch=request.epoch, ids=ids, payloads=payloads, request_id=rid,
             strengths=_f32(request.strengths)[keep].astype("<f4").tobytes(),
-            payloads=payloads,
         )
     if op == "reinforce":
         return worker_pb2.ReinforceRequest(
-            epoch=request.epoch,
-            ids=_ids(request.ids)[keep].astype("<u8").tobytes(),
+            epoch=request.epoch, ids=ids, request_id=rid,
             boosts=_f32(request.boosts)[keep].astype("<f4").tobytes(),
         )
-    return worker_pb2.DeleteRequest(
-        epoch=request.epoch, ids=_ids(request.ids)[keep].astype("<u8").tobytes()
-    )
+    return worker_pb2.DeleteRequest(epoch=request.epoch, ids=ids, request_id=rid)
 
 
 __all__ = [
-    "MemoryInputError",
-    "MemoryNode",
-    "NotPrimary",
-    "OutOfSync",
-    "ReplicationError",
+    "MemoryInputError", "MemoryNode", "NotPrimary", "OutOfSync", "ReplicationError",
     "StaleEpoch",
 ]

@@ -95,7 +95,10 @@ class MemoryRpcs:
                 "upsert",
                 request,
                 ids,
-                lambda: self.node.store.upsert(ids, strengths, payloads),
+                lambda keep: self.node.store.upsert(
+                    ids[keep], strengths[keep],
+                    None if payloads is None else [p for p, k in zip(payloads, keep) if k],
+                ),
             )
             return worker_pb2.WriteResponse(applied=n)
 
@@ -115,7 +118,7 @@ class MemoryRpcs:
                 "reinforce",
                 request,
                 ids,
-                lambda: self.node.store.reinforce(ids, boosts),
+                lambda keep: self.node.store.reinforce(ids[keep], boosts[keep]),
             )
             return worker_pb2.WriteResponse(applied=n)
 
@@ -129,7 +132,8 @@ class MemoryRpcs:
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
             n = await self.node.mutate(
-                request.epoch, "delete", request, ids, lambda: self.node.store.delete(ids)
+                request.epoch, "delete", request, ids,
+                lambda keep: self.node.store.delete(ids[keep]),
             )
             return worker_pb2.WriteResponse(applied=n)
 

@@ -100,8 +100,20 @@ class WorkerServer:
                 max_payload_bytes=slot_map.max_payload_bytes,
                 k_max=1 << 31,
             )
-            self.servicer.node_or_none = MemoryNode(self.name, store, self.servicer.forward)
+            self.servicer.node_or_none = MemoryNode(
+                self.name, store, self.servicer.forward, self._report_failure
+            )
         return self.servicer.node_or_none
+
+    async def _report_failure(self, worker: str, reason: str) -> None:
+        """Tell the coordinator a copy on ``worker`` failed (raises grpc.aio.AioRpcError)."""
+        log.warning("replica_failed", worker=self.name, replica=worker, reason=reason)
+        stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
+        await stub.ReportFailure(
+            coordinator_pb2.ReportFailureRequest(reporter=self.name, worker=worker,
+                                                 reason=reason),
+            timeout=self.cfg.rpc_timeout_s,
+        )
 
     def _epoch(self) -> int:
         node = self.servicer.node_or_none
@@ -113,6 +125,33 @@ class WorkerServer:
         if node is None:
             return 0
         return int(node.store.count(np.flatnonzero(node.roles.primary)))
+
+    async def drain(self) -> bool:
+        """Hand this worker's slots to the others before leaving (SIGTERM, Kubernetes preStop):
+        ask the coordinator to drain it and poll until it holds no slot, serving meanwhile.
+
+        Returns:
+            True when drained; False after ``drain_timeout_s`` or if the coordinator is down.
+        """
+        stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.drain_timeout_s
+        log.info("worker_draining", worker=self.name)
+        while loop.time() < deadline:
+            try:
+                reply = await stub.DrainWorker(
+                    coordinator_pb2.DrainWorkerRequest(name=self.name), timeout=5.0
+                )
+            except aio.AioRpcError as exc:
+                log.warning("drain_failed", worker=self.name, code=exc.code().name,
+                            details=exc.details())
+                return False
+            if reply.drained:
+                log.info("worker_drained", worker=self.name)
+                return True
+            await asyncio.sleep(0.1)
+        log.warning("drain_timeout", worker=self.name, timeout_s=self.cfg.drain_timeout_s)
+        return False
 
     async def stop(self) -> None:
         """Health NOT_SERVING, stop heartbeating, drain RPCs, close channels."""
@@ -141,4 +180,6 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("worker_stopping", worker=server.name)
+    if server.servicer.node_or_none is not None:
+        await server.drain()
     await server.stop()

@@ -43,4 +43,8 @@ async def assert_cluster_equals(cluster, reference) -> None:
     got_ids = np.array(sorted(merged), np.uint64)
     got = np.array([merged[i] for i in got_ids.tolist()], np.float32)
     np.testing.assert_array_equal(got_ids, ref_ids)
-    assert got.tobytes() == ref_s.astype(np.float32).tobytes(), "strengths differ bitwise"
+    diff = np.flatnonzero(got != ref_s.astype(np.float32))
+    assert len(diff) == 0, (
+        f"{len(diff)} strengths differ, e.g. id {got_ids[diff[0]]}: cluster {got[diff[0]]!r} "
+        f"vs reference {ref_s[diff[0]]!r}"
+    )
