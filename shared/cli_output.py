@@ -31,6 +31,8 @@ def _describe(progress: dict[str, Any]) -> str:
         parts.append(f"{progress['samples_per_s']:.0f} samples/s")
     if "iteration_ms" in progress:
         parts.append(f"{progress['iteration_ms']:.1f} ms/iter")
+    if progress.get("phase") == "load":  # a memory job upserting before its iterations
+        parts.append(f"loading {progress.get('loaded', 0)}/{progress.get('memories', '?')}")
     return "  ".join(parts)
 
 

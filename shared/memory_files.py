@@ -25,9 +25,17 @@ class MemoryFileError(ValueError):
     """A memory input file is missing or malformed; the message names the file and array."""
 
 
+_MAGIC = (b"PK", b"\x93NUMPY")  # a zip archive (.npz), the NumPy array format (.npy)
+_WRITER = {".npz": "np.savez", ".npy": "np.save"}
+
+
 def _open(path: Path, suffix: str) -> object:
     if not path.is_file():
         raise MemoryFileError(f"{path}: no such file")
+    with path.open("rb") as f:
+        head = f.read(6)
+    if not head.startswith(_MAGIC):
+        raise MemoryFileError(f"{path}: not a {suffix} file (as {_WRITER[suffix]} writes)")
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
@@ -99,6 +107,8 @@ def load_trace(path: str | Path, iterations: int) -> np.ndarray:
     p = Path(path)
     trace = _open(p, ".npy")
     if not isinstance(trace, np.ndarray):
+        if isinstance(trace, np.lib.npyio.NpzFile):
+            trace.close()
         raise MemoryFileError(f"{p}: expected one .npy array of ids, got an .npz archive")
     if trace.ndim not in (1, 2):
         raise MemoryFileError(
