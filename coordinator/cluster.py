@@ -128,7 +128,10 @@ class Cluster:
         return await MemoryJob(job, self, workers).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
-        return await TrainJob(job, workers, self.cfg, self.clients, self.jobs, self.metrics).run()
+        return await TrainJob(
+            job, workers, self.cfg, self.clients, self.jobs, self.metrics,
+            alive=self.membership.alive,
+        ).run()
 
     # -- status ---------------------------------------------------------------------------
 

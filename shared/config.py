@@ -77,6 +77,9 @@ class CoordinatorConfig(_Model):
         60.0, gt=0, description="Seconds a worker may take for one training step."
     )
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of coordinator-to-worker RPCs.")
+    checkpoint_every_steps: int = Field(
+        50, ge=1, description="Training steps between parameter-server checkpoints."
+    )
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message, bytes."
     )

@@ -70,3 +70,30 @@ async def test_cancel_running_job(make_cluster) -> None:
         final = await client.wait(job.job_id)
     assert cancelled.state == "CANCELLED"
     assert final.state == "CANCELLED"
+
+
+async def test_worker_killed_mid_training_job_still_succeeds(make_cluster) -> None:
+    # Arrange: 3 workers; one is killed abruptly once training is under way.
+    import yaml
+
+    from tests.integration.test_failover import FAST_HEARTBEATS, kill_abruptly
+
+    cluster = await make_cluster(workers=3, **FAST_HEARTBEATS)
+    spec = yaml.safe_load(DIGITS_MLP.read_text())
+    async with cluster.client() as client:
+        job = await client.submit(spec)
+        async for _, progress in client.watch(job.job_id):
+            if progress.get("step", 0) >= 20:
+                break
+        # Act
+        await kill_abruptly(cluster.workers[1])
+        await cluster.add_worker("worker-3")  # a new worker joins the running job
+        final = await client.wait(job.job_id)
+
+    # Assert: the survivors computed the dead worker's shard; accuracy as without failure.
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["worker_failures"] == 1
+    assert final.result["test_accuracy"] >= 0.95
+    workers = final.result["workers"]
+    assert workers["worker-1"]["steps"] < workers["worker-0"]["steps"] == final.result["steps"]
+    assert workers["worker-3"]["samples"] > 0
