@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/shared/proto/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 
-.PHONY: install protos demo test lint bench-train bench-memory clean
+.PHONY: install protos demo test lint bench-train bench-memory clean image deploy-configs deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -28,13 +28,26 @@ protos: $(STAMP)
 demo: install
 	$(VENV)/bin/neuroshard demo
 
-test: install
+test: install deploy-check
 	$(PY) -m pytest -q
 
 lint: install
 	$(VENV)/bin/ruff format --check coordinator worker shared tests
 	$(VENV)/bin/ruff check coordinator worker shared tests
 	$(VENV)/bin/mypy coordinator worker shared
+
+# Container image (CPU torch); see deploy/docker/Dockerfile for the CUDA build arguments.
+image:
+	docker build -f deploy/docker/Dockerfile -t neuroshard:dev .
+
+# kustomize reads files only under its root: the ConfigMap is made from copies of configs/.
+deploy-configs:
+	cp configs/coordinator.yaml configs/worker.yaml deploy/k8s/base/config/
+
+# Render every overlay with kubectl kustomize, validate it offline against the Kubernetes
+# schemas and the daemons' CLI/config, check the config copies, lint the Dockerfile.
+deploy-check: $(STAMP)
+	$(PY) deploy/check.py
 
 bench-train: install
 	$(PY) -m tests.benchmarks.bench_train
