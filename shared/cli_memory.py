@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from shared.memory_files import MemoryFileError, load_memories, load_reinforcements
-
 EXIT_OK, EXIT_USAGE = 0, 2
 LOAD_BATCH = 100_000
 Command = Callable[[argparse.Namespace], int]
@@ -38,6 +36,8 @@ def _usage_errors(command: Command) -> Command:
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
+        from shared.memory_files import MemoryFileError
+
         try:
             return command(args)
         except (MemoryFileError, _UsageError) as exc:
@@ -61,6 +61,7 @@ def _uint64(text: str, what: str) -> int:
 def cmd_load(args: argparse.Namespace) -> int:
     """Upsert the memories of an .npz (ids, strengths) in batches, with a progress bar."""
     from shared.client import SyncClient
+    from shared.memory_files import load_memories
 
     if args.batch < 1:
         raise _UsageError(f"--batch: {args.batch} must be >= 1")
@@ -117,6 +118,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 def cmd_reinforce(args: argparse.Namespace) -> int:
     """Apply the .npz (ids, boosts) as one reinforce batch (duplicate ids add up)."""
     from shared.client import SyncClient
+    from shared.memory_files import load_reinforcements
 
     ids, boosts = load_reinforcements(args.file)
     with SyncClient(args.coordinator) as client:

@@ -3,60 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.integration.cli_helpers import run_cli as _cli
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "shared.cli"]
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmdline:
-            pids.append(int(proc.name))
-    return pids
-
-
-@pytest.fixture(scope="module")
-def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    data_dir = tmp_path_factory.mktemp("up")
-    proc = subprocess.Popen(
-        [*CLI, "up", "--workers", "3", "--port", "0", "--data-dir", str(data_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-    )
-    try:
-        assert proc.stdout is not None
-        address = proc.stdout.readline().strip()  # printed once every worker is ALIVE
-        assert address, "neuroshard up exited before printing its address"
-        yield address, data_dir
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while _processes_mentioning(str(data_dir)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _processes_mentioning(str(data_dir)) == [], "up left daemons running"
-
-
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def test_submit_follow_json_prints_the_result(up_cluster: tuple[str, Path]) -> None:
