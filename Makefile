@@ -32,8 +32,8 @@ test: install deploy-check
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff format --check coordinator worker shared tests
-	$(VENV)/bin/ruff check coordinator worker shared tests
+	$(VENV)/bin/ruff format --check coordinator worker shared tests deploy
+	$(VENV)/bin/ruff check coordinator worker shared tests deploy
 	$(VENV)/bin/mypy coordinator worker shared
 
 # Container image (CPU torch); see deploy/docker/Dockerfile for the CUDA build arguments.
