@@ -150,7 +150,8 @@ class MemoryJob:
         return load_s
 
     async def _iterate(self, stream: ScrambledZipfStream | TraceStream) -> _Timings:
-        """Run the iterations: reinforce, decay, quality, top-k, each timed."""
+        """Run the iterations: reinforce, decay, quality, top-k, each timed with
+        ``time.perf_counter`` (seconds); drawing the access batch is not counted."""
         spec, t = self.spec, _Timings()
         boosts = np.full(stream.batch, spec.access.boost, np.float32)
         rate = float(validate_rate(spec.decay_rate))
