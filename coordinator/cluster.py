@@ -12,6 +12,7 @@ from typing import Any
 from coordinator.jobs import JobRecord, JobStore
 from coordinator.membership import Membership, WorkerRecord
 from coordinator.memory_ops import MemoryOps
+from coordinator.persistence import StateStore
 from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
 from coordinator.train_job import TrainJob
@@ -40,7 +41,27 @@ class Cluster:
             cfg.slots, self.membership, self.clients, metrics, cfg.rpc_timeout_s,
             cfg.max_payload_bytes,
         )
+        self.state = StateStore(cfg.data_dir)
+        self._restore()
         self.memory = MemoryOps(self.rebalancer, self.membership, self.clients, cfg.rpc_timeout_s)
+
+    def _restore(self) -> None:
+        """Load the slot map, workers and jobs saved by a previous coordinator process."""
+        saved = self.state.load_slot_map(self.cfg.slots)
+        if saved is not None:
+            self.rebalancer.current, self.rebalancer.no_data = saved
+            self.metrics.slot_map_epoch.set(saved[0].epoch)
+        for w in self.state.load_workers():
+            rec, _, _ = self.membership.register(w.name, w.address, w.device, w.process_id)
+            rec.extra["epoch"] = self.rebalancer.current.epoch
+        jobs = self.state.load_jobs()
+        self.jobs.restore(jobs)
+        self.rebalancer.persist = self.state.save_slot_map
+        self.jobs.on_change = self.state.save_job
+        if saved is not None or jobs:
+            log.info("coordinator_restored", epoch=self.rebalancer.current.epoch,
+                     workers=len(self.membership.all()), jobs=len(jobs))
+        self.rebalancer.trigger()
 
     # -- membership ------------------------------------------------------------------------
 
@@ -51,6 +72,7 @@ class Cluster:
         log.info("worker_registered", worker=name, address=address, device=device,
                  restarted=restarted)
         rec.extra["epoch"] = 0
+        self.state.save_worker(name, address, device, process_id)
         if restarted:
             self.rebalancer.worker_restarted(name)
         if changed:
@@ -65,11 +87,9 @@ class Cluster:
         """A primary could not update ``worker``'s copy: stop trusting that worker's data
         (it gets fresh copies) and re-plan. Called before the primary acknowledges writes."""
         log.warning("copy_failed", reporter=reporter, worker=worker, reason=reason)
-        self.rebalancer.no_data.add(worker)
+        self.rebalancer.distrust(worker)
         if self.membership.mark_dead(worker):
             self._on_membership_change()
-        else:
-            self.rebalancer.trigger()
 
     def drain(self, name: str) -> tuple[bool, int]:
         """Start (or check) the drain of a worker; return (drained, slots still held).
@@ -168,3 +188,4 @@ class Cluster:
 
     async def close(self) -> None:
         await self.clients.close()
+        self.state.close()

@@ -12,6 +12,7 @@ import itertools
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -71,12 +72,21 @@ class JobStore:
     def __init__(self) -> None:
         self._jobs: dict[str, JobRecord] = {}
         self._counter = itertools.count(1)
+        self.on_change: Callable[[JobRecord], None] | None = None  # persistence hook
+
+    def restore(self, jobs: list[JobRecord]) -> None:
+        """Re-insert jobs loaded from disk (after a coordinator restart)."""
+        for job in jobs:
+            self._jobs[job.job_id] = job
+        self._counter = itertools.count(max((j.seq for j in jobs), default=0) + 1)
 
     def submit(self, spec: JobSpec) -> JobRecord:
         """Queue a validated spec; return its record (state QUEUED)."""
         job_id = f"{spec.kind}-{uuid.uuid4().hex[:8]}"
         rec = JobRecord(job_id=job_id, spec=spec, seq=next(self._counter))
         self._jobs[job_id] = rec
+        if self.on_change is not None:
+            self.on_change(rec)
         return rec
 
     def get(self, job_id: str) -> JobRecord:
@@ -123,6 +133,8 @@ class JobStore:
         if error is not None:
             job.error = error
         job.version += 1
+        if self.on_change is not None and (state or result is not None or error is not None):
+            self.on_change(job)
         async with job.changed:
             job.changed.notify_all()
 

@@ -39,6 +39,7 @@ class Rebalancer:
         self._wake = asyncio.Event()
         self._on_change = on_change
         self.settled = asyncio.Event()  # set while the map matches the membership
+        self.persist: Callable[[SlotMap, set[str]], None] | None = None
 
     def trigger(self) -> None:
         self.settled.clear()
@@ -46,8 +47,17 @@ class Rebalancer:
 
     def worker_restarted(self, name: str) -> None:
         """A worker process came back empty: it holds nothing until it gets copies."""
+        self.distrust(name)
+
+    def distrust(self, name: str) -> None:
+        """Stop treating ``name``'s copies as data (saved before returning), and re-plan."""
         self.no_data.add(name)
+        self._save()
         self.trigger()
+
+    def _save(self) -> None:
+        if self.persist is not None:
+            self.persist(self.current, self.no_data)
 
     async def run(self) -> None:
         """Rebalance whenever triggered; push the map to workers that report an old epoch."""
@@ -81,7 +91,9 @@ class Rebalancer:
         if not p.target.same_placement(self.current):
             async with self.map_lock:
                 await self._publish(p.target)
-        self.no_data -= set(alive)
+        if self.no_data & set(alive):
+            self.no_data -= set(alive)
+            self._save()
         if p.copies or not p.target.same_placement(p.interim):
             log.info("rebalanced", epoch=self.current.epoch, workers=len(alive),
                      slots_copied=p.slots_to_copy, memories_copied=copied,
@@ -108,6 +120,7 @@ class Rebalancer:
         old = self.current
         new = SlotMap(old.epoch + 1, list(new.primary), list(new.replica))
         self.current = new
+        self._save()
         self._metrics.slot_map_epoch.set(new.epoch)
         first = primary_changes(old, new)
         alive = {w.name: w for w in self._membership.alive() + self._membership.draining()}

@@ -65,6 +65,8 @@ class CoordinatorServer:
     async def stop(self) -> None:
         """Health NOT_SERVING, drain RPCs for ``grace_s``, cancel background tasks."""
         await self.health.enter_graceful_shutdown()
+        # Jobs cancelled by this shutdown stay RUNNING on disk: the next coordinator resumes them.
+        self.cluster.jobs.on_change = None
         if self._background is not None:
             self._background.cancel()
             await asyncio.gather(self._background, return_exceptions=True)

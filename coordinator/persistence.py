@@ -1,0 +1,123 @@
+"""The coordinator's durable state: slot map, worker registry and jobs, in SQLite
+(``<data_dir>/coordinator.db``, WAL journal).
+
+Written on every change that matters after a crash (a published slot map, a registration, a
+job state change); read once at start. Training progress itself lives in checkpoint files
+(``coordinator.train_job``).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.jobs import JobRecord, JobState
+from coordinator.slot_map import SlotMap
+from shared.config import job_spec_from_json
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS workers (
+    name TEXT PRIMARY KEY, address TEXT NOT NULL, device TEXT NOT NULL, process_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, spec_json TEXT NOT NULL, state TEXT NOT NULL,
+    result_json TEXT, error TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL NOT NULL,
+    finished_at REAL NOT NULL, workers_json TEXT NOT NULL
+);
+"""
+
+
+@dataclass
+class SavedWorker:
+    name: str
+    address: str
+    device: str
+    process_id: str
+
+
+class StateStore:
+    """SQLite-backed persistence; every write commits (a few hundred microseconds)."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        path = Path(data_dir) / "coordinator.db"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- slot map -------------------------------------------------------------------------
+
+    def save_slot_map(self, m: SlotMap, no_data: set[str]) -> None:
+        doc = {"epoch": m.epoch, "primary": m.primary, "replica": m.replica,
+               "no_data": sorted(no_data)}
+        self._put("slot_map", doc)
+
+    def load_slot_map(self, slots: int) -> tuple[SlotMap, set[str]] | None:
+        """The saved map, or None (also when its slot count differs from ``slots``)."""
+        doc = self._get("slot_map")
+        if doc is None or len(doc["primary"]) != slots:
+            return None
+        return SlotMap(doc["epoch"], doc["primary"], doc["replica"]), set(doc["no_data"])
+
+    # -- workers --------------------------------------------------------------------------
+
+    def save_worker(self, name: str, address: str, device: str, process_id: str) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?)",
+            (name, address, device, process_id),
+        )
+
+    def load_workers(self) -> list[SavedWorker]:
+        rows = self._db.execute("SELECT name, address, device, process_id FROM workers")
+        return [SavedWorker(*r) for r in rows]
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def save_job(self, job: JobRecord) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.job_id, job.seq, job.spec_json, job.state.value,
+             json.dumps(job.result) if job.result is not None else None, job.error,
+             job.created_at, job.started_at, job.finished_at, json.dumps(job.workers)),
+        )
+
+    def load_jobs(self) -> list[JobRecord]:
+        """Saved jobs in submission order; a job that was RUNNING comes back QUEUED (it is
+        run again, a train job from its last checkpoint)."""
+        out = []
+        for row in self._db.execute("SELECT * FROM jobs ORDER BY seq"):
+            (job_id, seq, spec_json, state, result_json, error, created, started, finished,
+             workers_json) = row
+            job = JobRecord(job_id=job_id, spec=job_spec_from_json(spec_json), seq=seq,
+                            state=JobState(state), error=error, created_at=created,
+                            started_at=started, finished_at=finished,
+                            workers=json.loads(workers_json),
+                            result=json.loads(result_json) if result_json else None)
+            if job.state is JobState.RUNNING:
+                job.state = JobState.QUEUED
+                job.created_at = _now()  # a fresh queue timeout for the re-run
+            out.append(job)
+        return out
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _put(self, key: str, value: Any) -> None:
+        self._db.execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, json.dumps(value)))
+
+    def _get(self, key: str) -> Any:
+        row = self._db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
