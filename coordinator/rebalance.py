@@ -22,6 +22,24 @@ from shared.worker_clients import WorkerClients
 log = get_logger("coordinator.rebalance")
 
 
+def fence_moving_primaries(current: SlotMap, target: SlotMap) -> SlotMap | None:
+    """The current map with no primary for slots whose primary changes in ``target``.
+
+    Published (and acknowledged by every worker) before the target, so the old primary has
+    finished its last write of such a slot before the new one accepts its first: two workers
+    never act as primary of one slot at once. Holders keep their data meanwhile; clients
+    retry the fenced slots for the instant it lasts. None when no primary moves.
+    """
+    moving = [s for s in range(current.slots)
+              if current.primary[s] and target.primary[s] != current.primary[s]]
+    if not moving:
+        return None
+    fence = SlotMap(current.epoch, list(current.primary), list(current.replica))
+    for s in moving:
+        fence.primary[s] = ""
+    return fence
+
+
 class Rebalancer:
     """Owns the published slot map and moves the cluster toward rendezvous placement."""
 
@@ -90,6 +108,9 @@ class Rebalancer:
         copied = await self._copy(p.copies)
         if not p.target.same_placement(self.current):
             async with self.map_lock:
+                fence = fence_moving_primaries(self.current, p.target)
+                if fence is not None:
+                    await self._publish(fence)
                 await self._publish(p.target)
         if self.no_data & set(alive):
             self.no_data -= set(alive)

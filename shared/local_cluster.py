@@ -64,31 +64,42 @@ class LocalCluster:
             ClusterStartError: a process exited early or the deadline passed.
         """
         deadline = time.monotonic() + timeout_s
-        ready = self.data_dir / "coordinator.addr"
-        ready.unlink(missing_ok=True)
-        self.coordinator = self._spawn(
-            "coordinator",
-            [
-                "coordinator",
-                "--listen",
-                f"127.0.0.1:{self.port}",
-                "--data-dir",
-                str(self.data_dir / "coordinator"),
-                "--metrics-port",
-                "0",
-                "--ready-file",
-                str(ready),
-                *self._coordinator_args,
-            ],
-        )
-        while not ready.exists() or not ready.read_text():
-            self._check_alive(deadline)
-            time.sleep(0.05)
-        self.address = ready.read_text().strip()
+        self.address = self._start_coordinator(self.port, deadline)
         for i in range(self.n_workers):
             self.add_worker(f"worker-{i}")
         self.wait_workers(self.n_workers, deadline)
         return self.address
+
+    def _start_coordinator(self, port: int, deadline: float) -> str:
+        ready = self.data_dir / "coordinator.addr"
+        ready.unlink(missing_ok=True)
+        self.coordinator = self._spawn("coordinator", [
+            "coordinator", "--listen", f"127.0.0.1:{port}",
+            "--data-dir", str(self.data_dir / "coordinator"), "--metrics-port", "0",
+            "--ready-file", str(ready), *self._coordinator_args,
+        ])
+        while not ready.exists() or not ready.read_text():
+            self._check_alive(deadline)
+            time.sleep(0.05)
+        return ready.read_text().strip()
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator (no shutdown at all) and wait for it."""
+        assert self.coordinator is not None
+        self.coordinator.kill()
+        self.coordinator.wait()
+
+    def restart_coordinator(self, timeout_s: float = 60.0) -> None:
+        """Start a new coordinator on the same port and data dir."""
+        port = int(self.address.rpartition(":")[2])
+        self.address = self._start_coordinator(port, time.monotonic() + timeout_s)
+
+    def kill_worker(self, index: int) -> subprocess.Popen[bytes]:
+        """SIGKILL one worker process and wait for it; return the dead process."""
+        proc = self.workers[index]
+        proc.kill()
+        proc.wait()
+        return proc
 
     def add_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
         """Start one more worker process named ``name`` (its data dir is under data_dir)."""
@@ -126,7 +137,7 @@ class LocalCluster:
 
     def _check_alive(self, deadline: float) -> None:
         for proc in [self.coordinator, *self.workers]:
-            if proc is not None and proc.poll() is not None:
+            if proc is not None and proc.poll() is not None and proc.returncode != -9:
                 raise ClusterStartError(
                     f"{' '.join(proc.args[3:5])} exited with code {proc.returncode}"  # type: ignore[index]
                 )

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 
 from shared.proto import common_pb2, worker_pb2
@@ -39,6 +40,11 @@ class NotPrimary(Exception):
 
 class ReplicationError(Exception):
     """A replica refused or could not be reached (UNAVAILABLE); the write is not acknowledged."""
+
+
+class StaleForward(Exception):
+    """A forward from an older epoch for a slot this worker no longer holds
+    (FAILED_PRECONDITION); the primary ignores it: the slot's current holders have the op."""
 
 
 class OutOfSync(Exception):
@@ -104,6 +110,7 @@ class MemoryNode:
         S = store.slots
         self.roles = Roles(0, np.zeros(S, bool), np.zeros(S, bool), [""] * S, {})
         self.pending: dict[int, set[str]] = defaultdict(set)  # slot -> extra copy targets
+        self.pending_addresses: dict[str, str] = {}  # copy target -> its address
         self._order = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
 
@@ -117,10 +124,16 @@ class MemoryNode:
     # -- slot map -------------------------------------------------------------------------
 
     async def apply_slot_map(self, m: common_pb2.SlotMap) -> int:
-        """Adopt a new slot map; drop the data of slots this worker no longer holds."""
+        """Adopt a newer slot map; drop the data of slots whose role this worker loses.
+
+        A map of an epoch already applied is ignored (the coordinator re-sends maps to
+        workers it believes are behind). Data of slots this worker had no role for is kept:
+        it may be a copy received for the map the coordinator is about to publish.
+        """
         async with self._order:
-            if m.epoch < self.roles.epoch:
+            if m.epoch <= self.roles.epoch:
                 return self.roles.epoch
+            had_role = self.roles.primary | self.roles.replica
             me = list(m.workers).index(self.name) if self.name in m.workers else -2
             primary = np.asarray(m.primary, np.int64) == me
             replica = np.asarray(m.replica, np.int64) == me
@@ -134,9 +147,11 @@ class MemoryNode:
                 dict(zip(m.workers, m.addresses, strict=True)),
             )
             self.pending.clear()
+            self.pending_addresses.clear()
             self.excluded.clear()
             held = self.store.held_slots()
-            gone = held[~(primary[held] | replica[held])]
+            fenced = np.asarray(m.primary, np.int64) < 0  # no primary for a moment: keep data
+            gone = held[had_role[held] & ~(primary[held] | replica[held]) & ~fenced[held]]
             if len(gone):
                 await self.run(self.store.drop_slots, gone)
             return self.roles.epoch
@@ -247,9 +262,12 @@ class MemoryNode:
                 primary=self.name, epoch=self.roles.epoch, slots=target_slots,
                 seqs=[seq_of[s] for s in target_slots], **{op: sub},
             )
-            calls.append(self._forward(target, self.roles.addresses.get(target, ""), req))
+            address = self.roles.addresses.get(target) or self.pending_addresses.get(target, "")
+            calls.append(self._forward(target, address, req))
         results = await asyncio.gather(*calls, return_exceptions=True)
         for target, r in zip(by_target, results, strict=True):
+            if _is_stale_forward(r):
+                continue
             if isinstance(r, BaseException):
                 await self._drop_copy(target, f"{type(r).__name__}: {_short(r)}")
 
@@ -275,6 +293,14 @@ class MemoryNode:
         """
         slots = np.asarray(req.slots, np.int64)
         seqs = np.asarray(req.seqs, np.uint64)
+        holds = self.roles.primary[slots] | self.roles.replica[slots]
+        if req.epoch < self.roles.epoch and not holds.all():
+            # This worker has moved on to a map where it holds no copy of these slots; the
+            # slots' holders in that map got copies (and the primary's forwards) already.
+            raise StaleForward(
+                f"forward from {req.primary} at epoch {req.epoch}: {self.name} is at epoch "
+                f"{self.roles.epoch} and no longer holds slot {int(slots[~holds][0])}"
+            )
         if self.roles.primary[slots].any():
             s = int(slots[self.roles.primary[slots]][0])
             raise OutOfSync(
@@ -309,7 +335,9 @@ class MemoryNode:
 
     # -- copies -----------------------------------------------------------------------------
 
-    async def export_for_copy(self, slots: list[int], target: str) -> list[SlotSnapshot]:
+    async def export_for_copy(
+        self, slots: list[int], target: str, address: str
+    ) -> list[SlotSnapshot]:
         """Snapshot slots for a copy to ``target`` and forward later writes there too.
 
         Must be called with ``self._order`` held (see ``copy_lock``) so that no write falls
@@ -318,6 +346,7 @@ class MemoryNode:
         snaps = await self.run(lambda: [self.store.export_slot(s) for s in slots])
         for s in slots:
             self.pending[s].add(target)
+        self.pending_addresses[target] = address
         return snaps
 
     @property
@@ -341,6 +370,11 @@ def _ids(b: bytes) -> np.ndarray:
 
 def _f32(b: bytes) -> np.ndarray:
     return np.frombuffer(b, "<f4").astype(np.float32)
+
+
+def _is_stale_forward(r: object) -> bool:
+    code = getattr(r, "code", None)
+    return callable(code) and code() is grpc.StatusCode.FAILED_PRECONDITION
 
 
 def _short(exc: BaseException) -> str:
@@ -370,6 +404,6 @@ def _sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
 
 
 __all__ = [
-    "MemoryInputError", "MemoryNode", "NotPrimary", "OutOfSync", "ReplicationError",
+    "MemoryInputError", "StaleForward", "MemoryNode", "NotPrimary", "OutOfSync", "ReplicationError",
     "StaleEpoch",
 ]

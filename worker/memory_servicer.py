@@ -19,6 +19,7 @@ from worker.memory_node import (
     OutOfSync,
     ReplicationError,
     StaleEpoch,
+    StaleForward,
 )
 from worker.store import MemoryInputError, SlotSnapshot, validate_k, validate_rate
 
@@ -30,6 +31,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
     (NotPrimary, grpc.StatusCode.FAILED_PRECONDITION),
     (OutOfSync, grpc.StatusCode.ABORTED),
+    (StaleForward, grpc.StatusCode.FAILED_PRECONDITION),
     (ReplicationError, grpc.StatusCode.UNAVAILABLE),
 ]
 
@@ -232,7 +234,9 @@ class MemoryRpcs:
             slots = list(request.slots)
             for i in range(0, len(slots), 64):
                 async with self.node.copy_lock:
-                    snaps = await self.node.export_for_copy(slots[i : i + 64], request.target)
+                    snaps = await self.node.export_for_copy(
+                        slots[i : i + 64], request.target, request.target_address
+                    )
                     m, b = await self.send_slots(request.target, request.target_address, snaps)
                 memories, nbytes = memories + m, nbytes + b
             return worker_pb2.CopySlotsResponse(memories=memories, bytes=nbytes)

@@ -1,0 +1,155 @@
+"""Chaos tests: real daemon processes killed with signals while clients and jobs run.
+
+Each test starts its own local cluster (coordinator + workers as processes), is bounded in
+time and stops every process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from shared.client import Client
+from tests.chaos.helpers import (
+    Writer,
+    assert_matches,
+    dump_store,
+    fully_replicated,
+    make_cluster,
+    wait_for,
+)
+from tests.memory_reference import ReferenceStore
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+CLIENT_IDS_BELOW = 1 << 40  # the memory job draws its ids from [0, 2**63): disjoint in practice
+DIGITS_MLP = Path(__file__).resolve().parents[2] / "configs/jobs/digits-mlp.yaml"
+
+
+async def _load(client: Client, n: int) -> tuple[ReferenceStore, np.ndarray]:
+    ref = ReferenceStore()
+    ids = np.arange(1, n + 1, dtype=np.uint64) * 3
+    strengths = np.random.default_rng(5).random(n, dtype=np.float32) * 0.5
+    for i in range(0, n, 100_000):
+        await client.upsert(ids[i:i + 100_000], strengths[i:i + 100_000])
+    ref.upsert(ids, strengths)
+    return ref, ids
+
+
+async def test_kill9_worker_under_load_loses_no_acknowledged_write(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path)
+    await asyncio.to_thread(cluster.start)
+    try:
+        async with Client(cluster.address) as client:
+            await client.wait_ready()
+            ref, ids = await _load(client, 1_000_000)
+            job = await client.submit({
+                "kind": "memory", "workers": 3, "memories": 50_000, "iterations": 100_000,
+                "decay_rate": 0.0, "access": {"batch": 5000}, "topk": 10,
+            })
+            writer = Writer(client, ref, ids)
+            task = asyncio.create_task(writer.run())
+            await wait_for(_async(lambda: writer.acked >= 10), 60, "writes before the kill")
+
+            t_kill = time.monotonic()
+            await asyncio.to_thread(cluster.kill_worker, 1)
+            await wait_for(lambda: _dead_and_replicated(client), 60, "replication factor 2")
+            recovery_s = time.monotonic() - t_kill
+            print(f"\nkill -9 to replication factor 2 with 1M memories: {recovery_s:.2f} s")
+
+            acked = writer.acked
+            await wait_for(_async(lambda: writer.acked >= acked + 10), 60, "writes after")
+            writer.stop()
+            await task
+            await client.cancel(job.job_id)
+            assert writer.failures == []
+            assert_matches(await dump_store(client), ref, CLIENT_IDS_BELOW)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+async def test_kill9_coordinator_during_training_resumes_and_succeeds(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path)
+    await asyncio.to_thread(cluster.start)
+    try:
+        spec = yaml.safe_load(DIGITS_MLP.read_text())
+        async with Client(cluster.address) as client:
+            job = await client.submit(spec)
+            async for _, progress in client.watch(job.job_id):
+                if progress.get("step", 0) >= 60:
+                    break
+        await asyncio.to_thread(cluster.kill_coordinator)
+        await asyncio.to_thread(cluster.restart_coordinator)
+        async with Client(cluster.address) as client:
+            final = await client.wait(job.job_id)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["resumed_from_step"] >= 40
+    assert final.result["test_accuracy"] >= 0.95
+
+
+async def test_kill9_worker_during_training_succeeds(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path)
+    await asyncio.to_thread(cluster.start)
+    try:
+        spec = yaml.safe_load(DIGITS_MLP.read_text())
+        async with Client(cluster.address) as client:
+            job = await client.submit(spec)
+            async for _, progress in client.watch(job.job_id):
+                if progress.get("step", 0) >= 30:
+                    break
+            await asyncio.to_thread(cluster.kill_worker, 2)
+            final = await client.wait(job.job_id)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["worker_failures"] == 1
+    # Within 1 percentage point of a run without failure (>= 0.96 here): the survivors
+    # recompute the dead worker's shard, so every step still averages the global batch.
+    assert final.result["test_accuracy"] >= 0.95
+
+
+async def test_sigterm_worker_drains_and_no_request_fails(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path)
+    await asyncio.to_thread(cluster.start)
+    try:
+        async with Client(cluster.address) as client:
+            await client.wait_ready()
+            ref, ids = await _load(client, 100_000)
+            writer = Writer(client, ref, ids)
+            task = asyncio.create_task(writer.run())
+            await wait_for(_async(lambda: writer.acked >= 10), 60, "writes before SIGTERM")
+            leaving = cluster.workers[0]
+            leaving.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(leaving.wait, 60)
+            acked = writer.acked
+            await wait_for(_async(lambda: writer.acked >= acked + 10), 60, "writes after")
+            writer.stop()
+            await task
+            assert code == 0
+            assert writer.failures == []
+            status = await client.status()
+            assert status["under_replicated_slots"] == 0
+            assert {w["name"]: w["slots_primary"] for w in status["workers"]}["worker-0"] == 0
+            assert_matches(await dump_store(client), ref, CLIENT_IDS_BELOW)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def _async(predicate):
+    async def check() -> bool:
+        return bool(predicate())
+    return check
+
+
+async def _dead_and_replicated(client: Client) -> bool:
+    s = await client.status()
+    dead = {w["name"] for w in s["workers"] if w["state"] == "DEAD"}
+    return "worker-1" in dead and await fully_replicated(client, 2)
