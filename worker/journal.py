@@ -1,0 +1,363 @@
+"""A worker's durable slot data: a snapshot file plus an append-only log of the mutations
+applied since, in ``data_dir`` (formats in ``worker/journal_format.py``).
+
+    LOCK              flock'ed by the worker process using the directory
+    snapshot.bin      the whole store as of log generation g (write tmp, fsync, rename, fsync dir)
+    log-<g>.wal       records applied after snapshot g, then log-<g+1>.wal, ... in apply order
+
+Records are appended on the store thread inside the job that applies the mutation, so log
+order is apply order. Durability follows ``fsync``: ``always`` (``await sync(pos)`` fsyncs
+before the write is acknowledged; concurrent waiters share one fsync), ``interval`` (a
+thread fsyncs every ``fsync_interval_s``) or ``never`` (the OS writes back when it likes; a
+killed process loses nothing, a power cut may). When the log outgrows
+``snapshot_log_bytes`` the store thread copies the arrays (memcpy) and starts a new segment;
+another thread writes the snapshot and deletes the segments it replaces, so writes never
+wait for a snapshot file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.logging import get_logger
+from shared.proto import worker_pb2
+from shared.slots import sort_key
+from worker import journal_format as fmt
+from worker import kernels
+from worker.journal_format import JournalError, Request, SnapshotState
+from worker.store import SlotSnapshot, SlotStore
+
+log = get_logger("worker.journal")
+SNAPSHOT, SNAPSHOT_TMP = "snapshot.bin", "snapshot.tmp"
+
+
+def segment_path(data_dir: Path, gen: int) -> Path:
+    return data_dir / f"log-{gen:012d}.wal"
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Create ``data_dir`` and take its exclusive lock; return the lock's fd.
+
+    Raises:
+        JournalError: another worker (process or in-process server) uses the directory.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise JournalError(f"data_dir {data_dir} is in use by another worker") from None
+    return fd
+
+
+@dataclass
+class Recovered:
+    """What ``recover`` rebuilt: the store, the request ids to re-record (oldest first), the
+    next log generation and the log bytes replayed (they count toward the next snapshot)."""
+
+    store: SlotStore
+    requests: list[Request]
+    next_gen: int
+    log_bytes: int
+    records: int
+    seconds: float
+
+
+def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered | None:
+    """Rebuild a store from ``data_dir``: the snapshot, then every later log segment.
+
+    A torn or corrupt record ends the replay: its segment is truncated there and later
+    segments are deleted (what follows a gap cannot be applied). Caller holds the lock.
+
+    Args:
+        make_store: builds an empty store with the given slot count.
+
+    Returns:
+        None when the directory holds no data.
+
+    Raises:
+        JournalError: corrupt snapshot, or files of different slot counts.
+    """
+    t0 = time.perf_counter()
+    snap_file = data_dir / SNAPSHOT
+    state = None
+    if snap_file.exists():
+        state = fmt.decode_snapshot(snap_file.read_bytes(), str(snap_file))
+    gens = sorted(int(p.stem[4:]) for p in data_dir.glob("log-*.wal"))
+    first = state.gen if state is not None else (gens[0] if gens else 0)
+    for g in [g for g in gens if g < first]:  # superseded by the snapshot, not yet deleted
+        segment_path(data_dir, g).unlink()
+    gens = [g for g in gens if g >= first]
+    slots = state.slots if state is not None else _segment_slots(data_dir, gens)
+    if slots is None:
+        return None
+    store = make_store(slots)
+    requests: list[Request] = list(state.recent) if state is not None else []
+    if state is not None:
+        restore(store, state)
+    records = log_bytes = 0
+    for i, g in enumerate(gens):
+        path = segment_path(data_dir, g)
+        buf = path.read_bytes()
+        _check_header(buf, path, slots)
+        good = fmt.LOG_HEADER.size if len(buf) >= fmt.LOG_HEADER.size else 0
+        for end, kind, body in fmt.read_frames(buf, fmt.LOG_HEADER.size):
+            fmt.replay(store, kind, body, lambda rid, s: requests.append((rid, s)))
+            records, good = records + 1, end
+        log_bytes += good
+        if good < len(buf):
+            log.warning(
+                "journal_torn_tail",
+                path=str(path),
+                kept_bytes=good,
+                dropped_bytes=len(buf) - good,
+                later_segments_dropped=len(gens) - i - 1,
+            )
+            _truncate(path, good)
+            for later in gens[i + 1 :]:
+                segment_path(data_dir, later).unlink()
+            break
+    next_gen = max(gens, default=first - 1) + 1
+    return Recovered(store, requests, next_gen, log_bytes, records, time.perf_counter() - t0)
+
+
+def restore(store: SlotStore, state: SnapshotState) -> None:
+    """Replace an empty store's content with a snapshot's (ids already in store order).
+
+    Raises:
+        JournalError: the ids are not in slot-key order (not written by ``capture``).
+    """
+    keys = sort_key(state.ids, store.slots)
+    if len(keys) > 1 and not bool((keys[1:] > keys[:-1]).all()):
+        raise JournalError("snapshot ids are not in store order")
+    store.keys, store.ids = keys, state.ids
+    store.strength = store.xp.asarray(state.strengths)
+    store.payloads = dict(state.payloads)
+    store.seq = state.seq.copy()
+
+
+def _segment_slots(data_dir: Path, gens: list[int]) -> int | None:
+    for g in gens:
+        with open(segment_path(data_dir, g), "rb") as f:
+            head = f.read(fmt.LOG_HEADER.size)
+        if len(head) == fmt.LOG_HEADER.size and head[:8] == fmt.LOG_MAGIC:
+            return int(fmt.LOG_HEADER.unpack(head)[1])
+    return None
+
+
+def _check_header(buf: bytes, path: Path, slots: int) -> None:
+    if len(buf) < fmt.LOG_HEADER.size:
+        return  # torn while being created: an empty segment
+    magic, seg_slots, _ = fmt.LOG_HEADER.unpack_from(buf)
+    if magic != fmt.LOG_MAGIC:
+        raise JournalError(f"{path}: not a neuroshard log segment (bad magic)")
+    if seg_slots != slots:
+        raise JournalError(f"{path}: {seg_slots} slots, but the snapshot has {slots}")
+
+
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def capture(store: SlotStore, recent: list[Request], gen: int) -> SnapshotState:
+    """Copy a store's arrays for a snapshot (call on the store thread)."""
+    return SnapshotState(
+        store.slots,
+        gen,
+        store.seq.copy(),
+        store.ids.copy(),
+        kernels.to_host(store.strength).copy(),
+        dict(store.payloads),
+        recent,
+    )
+
+
+class Journal:
+    """Appends records, syncs them per policy, and takes snapshots in the background.
+
+    Args:
+        data_dir: the worker's directory; ``lock_fd`` is its lock (released by close).
+        slots: S. gen: the generation of the segment to start.
+        fsync: "always", "interval" or "never". fsync_interval_s: seconds, for "interval".
+        snapshot_log_bytes: log bytes after which a snapshot is taken.
+        log_bytes: bytes already in the log since the last snapshot.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        lock_fd: int,
+        slots: int,
+        gen: int,
+        fsync: str,
+        fsync_interval_s: float,
+        snapshot_log_bytes: int,
+        log_bytes: int = 0,
+    ) -> None:
+        self.dir, self._lock_fd, self.slots, self.policy = data_dir, lock_fd, slots, fsync
+        self._snapshot_log_bytes = snapshot_log_bytes
+        self.gen = gen
+        self.written = self.synced = 0  # bytes appended / known durable, all segments together
+        self.since_snapshot = log_bytes
+        self._fd_lock = threading.Lock()
+        self._fd = self._open_segment(gen)
+        self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="journal-sync")
+        self._snap_pool = ThreadPoolExecutor(1, thread_name_prefix="journal-snapshot")
+        self._snapshotting = False
+        self.snapshots = 0
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if fsync == "interval":
+            self._ticker = threading.Thread(
+                target=self._tick, args=(fsync_interval_s,), name="journal-interval", daemon=True
+            )
+            self._ticker.start()
+
+    def _open_segment(self, gen: int) -> int:
+        fd = os.open(segment_path(self.dir, gen), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, fmt.LOG_HEADER.pack(fmt.LOG_MAGIC, self.slots, gen))
+        if self.policy != "never":
+            os.fsync(fd)
+            fsync_dir(self.dir)
+        return fd
+
+    # -- appends (store thread) -------------------------------------------------------------
+
+    def append(self, kind: bytes, body: bytes) -> int:
+        """Write one record; return the log position to ``sync`` to for it."""
+        data = fmt.frame(kind, body)
+        view = memoryview(data)
+        while len(view):
+            view = view[os.write(self._fd, view) :]
+        n = len(data)
+        self.written += n
+        self.since_snapshot += n
+        return self.written
+
+    def log_op(self, req: worker_pb2.ReplicateRequest) -> int:
+        return self.append(fmt.KIND_OP, req.SerializeToString())
+
+    def log_import(self, snap: SlotSnapshot) -> int:
+        return self.append(fmt.KIND_IMPORT, fmt.encode_import(snap))
+
+    def log_drop(self, slots: np.ndarray) -> int:
+        return self.append(fmt.KIND_DROP, np.asarray(slots, "<u4").tobytes())
+
+    # -- durability -------------------------------------------------------------------------
+
+    async def sync(self, pos: int) -> None:
+        """Return once the log up to ``pos`` is durable as the policy demands (``always``:
+        fsynced; otherwise at once)."""
+        if self.policy == "always" and self.synced < pos:
+            await asyncio.get_running_loop().run_in_executor(self._sync_pool, self._sync_to, pos)
+
+    def _sync_to(self, pos: int) -> None:
+        if self.synced >= pos:
+            return  # an fsync queued earlier covered it
+        with self._fd_lock:
+            end = self.written
+            os.fsync(self._fd)
+            self.synced = max(self.synced, end)
+
+    def _tick(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            if self.synced < self.written:
+                try:
+                    self._sync_to(self.written)
+                except OSError as exc:
+                    log.error("journal_fsync_failed", error=str(exc))
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def maybe_snapshot(self, store: SlotStore, recent: Callable[[], list[Request]]) -> None:
+        """On the store thread: when the log has outgrown the limit and no snapshot is being
+        written, copy the store, start a new segment, and write the snapshot elsewhere."""
+        if self.since_snapshot < self._snapshot_log_bytes or self._snapshotting:
+            return
+        self.snapshot(store, recent)
+
+    def snapshot(self, store: SlotStore, recent: Callable[[], list[Request]]) -> None:
+        """Start a snapshot now (store thread); it is written by a background thread."""
+        state = capture(store, recent(), self.gen + 1)
+        new_fd = self._open_segment(self.gen + 1)
+        with self._fd_lock:
+            if self.policy != "never":
+                os.fsync(self._fd)
+                self.synced = self.written
+            os.close(self._fd)
+            self._fd, self.gen, self.since_snapshot = new_fd, self.gen + 1, 0
+        self._snapshotting = True
+        self._snap_pool.submit(self._write_snapshot, state)
+
+    def _write_snapshot(self, state: SnapshotState) -> None:
+        t0 = time.perf_counter()
+        try:
+            tmp = self.dir / SNAPSHOT_TMP
+            with open(tmp, "wb") as f:
+                for piece in fmt.encode_snapshot(state):
+                    f.write(piece)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / SNAPSHOT)
+            fsync_dir(self.dir)
+            for p in self.dir.glob("log-*.wal"):
+                if int(p.stem[4:]) < state.gen:
+                    p.unlink()
+            self.snapshots += 1
+            log.info(
+                "journal_snapshot",
+                memories=len(state.ids),
+                gen=state.gen,
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+        except OSError as exc:  # the older snapshot and segments stay valid
+            log.error("journal_snapshot_failed", error=str(exc))
+        finally:
+            self._snapshotting = False
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish a running snapshot, fsync (unless ``never``), release the directory."""
+        self._shutdown(sync=self.policy != "never")
+
+    def abandon(self) -> None:
+        """Release the directory without any further fsync, as a killed process would
+        (tests use it to restart a worker in the same process)."""
+        self._shutdown(sync=False)
+
+    def _shutdown(self, sync: bool) -> None:
+        self._stop.set()
+        self._snap_pool.shutdown(wait=True)
+        self._sync_pool.shutdown(wait=True)
+        with self._fd_lock:
+            if self._fd >= 0:
+                if sync:
+                    os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # closing the fd releases the flock
+            self._lock_fd = -1
