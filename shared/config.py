@@ -121,7 +121,24 @@ class WorkerConfig(_Model):
     name: str | None = Field(
         None, min_length=1, max_length=128, description="Worker name; default: the hostname."
     )
-    data_dir: str = Field(".neuroshard/worker", description="Directory for slot data.")
+    data_dir: str = Field(
+        ".neuroshard/worker",
+        description="Directory of this worker's slot data (snapshot and log); one per worker.",
+    )
+    fsync: Literal["always", "interval", "never"] = Field(
+        "always",
+        description="When the slot log is fsynced: always (before a write is acknowledged), "
+        "interval (every fsync_interval_s) or never (left to the OS; a killed process still "
+        "loses nothing, a power cut may).",
+    )
+    fsync_interval_s: float = Field(
+        1.0, gt=0, le=60, description="fsync period of the slot log with fsync: interval, seconds."
+    )
+    snapshot_log_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=4096,
+        description="Snapshot the slots once the log since the last snapshot exceeds this, bytes.",
+    )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus port; 0 picks a free one; null disables."
     )
