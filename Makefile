@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/shared/proto/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 
-.PHONY: install protos demo test lint bench-train bench-memory clean image deploy-configs deploy-check
+.PHONY: install protos demo test test-chaos lint bench-train bench-memory bench-recovery clean \
+	image deploy-configs deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -28,8 +29,13 @@ protos: $(STAMP)
 demo: install
 	$(VENV)/bin/neuroshard demo
 
+# Unit and integration tests (and the deployment check); the chaos tests run separately.
 test: install deploy-check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not chaos"
+
+# Real daemon processes killed with signals (tests/chaos); CI runs it after `make test`.
+test-chaos: install
+	$(PY) -m pytest -q -m chaos tests/chaos
 
 lint: install
 	$(VENV)/bin/ruff format --check coordinator worker shared tests deploy
@@ -54,6 +60,9 @@ bench-train: install
 
 bench-memory: install
 	$(PY) -m tests.benchmarks.bench_memory
+
+bench-recovery: install
+	$(PY) -m tests.benchmarks.bench_recovery
 
 clean:
 	rm -rf $(VENV) shared/proto/*_pb2*.py shared/proto/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache
