@@ -1,0 +1,120 @@
+"""Recovery: time from kill -9 of a worker to replication factor 2 again, and the client's
+write throughput during recovery as a ratio to before it.
+
+A local cluster of 3 worker processes (heartbeat 0.2 s, timeout 1 s) is loaded with N
+memories; a client reinforces batches of 10k ids without pause. Each repetition kills one
+worker with SIGKILL, waits until every slot has two live copies again, then starts a fresh
+worker and waits for the rebalance so the next repetition starts from 3 workers. Not
+collected by pytest; ``make bench-recovery``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shared.client import Client
+from shared.local_cluster import LocalCluster
+
+FAST = "heartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.0\n"
+
+
+class Load:
+    """Reinforces continuously; keeps (time, ids acknowledged) samples."""
+
+    def __init__(self, client: Client, ids: np.ndarray) -> None:
+        self.client, self.ids = client, ids
+        self.samples: list[tuple[float, int]] = []
+        self.failures = 0
+        self.stop = False
+        self._rng = np.random.default_rng(1)
+
+    async def run(self) -> None:
+        while not self.stop:
+            batch = self._rng.choice(self.ids, size=10_000)
+            try:
+                await self.client.reinforce(batch, np.full(10_000, 1e-4, np.float32))
+            except Exception:
+                self.failures += 1
+                continue
+            self.samples.append((time.perf_counter(), len(batch)))
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Acknowledged ids per second between t0 and t1."""
+        n = sum(k for t, k in self.samples if t0 < t <= t1)
+        return n / max(t1 - t0, 1e-9)
+
+
+async def _replicated(client: Client, workers: int) -> bool:
+    s = await client.status()
+    alive = sum(1 for w in s["workers"] if w["state"] == "ALIVE")
+    return alive == workers and s["under_replicated_slots"] == 0 and \
+        s["replication_factor"] == min(2, workers)
+
+
+async def _wait(pred, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the cluster did not recover in time")
+        await asyncio.sleep(0.02)
+
+
+async def measure(n: int, repeats: int, root: Path) -> dict[str, float]:
+    cfg = root / "coordinator.yaml"
+    cfg.write_text(FAST)
+    cluster = LocalCluster(3, data_dir=root / "cluster", log_dir=root / "logs",
+                           coordinator_args=["--config", str(cfg)])
+    await asyncio.to_thread(cluster.start, 120.0)
+    recover_s, ratios = [], []
+    try:
+        async with Client(cluster.address, timeout_s=120) as client:
+            await client.wait_ready(120)
+            ids = np.arange(1, n + 1, dtype=np.uint64)
+            for i in range(0, n, 500_000):
+                await client.upsert(ids[i:i + 500_000],
+                                    np.full(min(500_000, n - i), 0.5, np.float32))
+            load = Load(client, ids)
+            task = asyncio.create_task(load.run())
+            for rep in range(repeats):
+                await asyncio.sleep(3.0)
+                t_kill = time.perf_counter()
+                victim = rep % len(cluster.workers)
+                await asyncio.to_thread(cluster.kill_worker, victim)
+                await _wait(lambda: _replicated(client, 2), 300)
+                t_ok = time.perf_counter()
+                recover_s.append(t_ok - t_kill)
+                ratios.append(load.rate(t_kill, t_ok) / load.rate(t_kill - 3.0, t_kill))
+                cluster.workers[victim] = cluster.add_worker(f"worker-r{rep}")
+                await _wait(lambda: _replicated(client, 3), 300)
+            load.stop = True
+            await task
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    return {"memories": n, "recovery_s": statistics.median(recover_s),
+            "throughput_ratio": statistics.median(ratios), "failures": load.failures}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="100000,1000000,10000000")
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    print(f"{'memories':>10} {'kill -9 to RF 2 (s)':>20} {'goal':>8} "
+          f"{'writes during/before':>21} {'goal':>6} {'failed calls':>13}")
+    for n in (int(x) for x in a.sizes.split(",")):
+        with tempfile.TemporaryDirectory(prefix="neuroshard-recovery-") as tmp:
+            r = asyncio.run(measure(n, a.repeats, Path(tmp)))
+        goal = "< 3 s" if n == 1_000_000 else ""
+        print(f"{n:>10,} {r['recovery_s']:>20.2f} {goal:>8} {r['throughput_ratio']:>21.2f} "
+              f"{'>= 0.5':>6} {r['failures']:>13}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
