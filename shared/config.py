@@ -87,7 +87,7 @@ class CoordinatorConfig(_Model):
         1024 * 1024, ge=1024, description="Tensors larger than this are streamed in chunks, bytes."
     )
     grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
-    log: LogConfig = Field(default_factory=LogConfig)
+    log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
 
     _check_listen = field_validator("listen")(classmethod(lambda cls, v: _host_port(v)))
 
@@ -146,7 +146,10 @@ class WorkerConfig(_Model):
         "auto", description="Memory kernels on CuPy (cuda) or NumPy (cpu); auto: cuda if found."
     )
     torch_threads: int = Field(1, ge=1, le=256, description="torch.set_num_threads for training.")
-    max_payload_bytes: int = Field(4096, ge=0, description="Largest payload of one memory, bytes.")
+    max_payload_bytes: int = Field(
+        4096, ge=0, description="Payload limit, bytes, until the coordinator's cluster-wide "
+        "max_payload_bytes arrives with the slot map (which then applies)."
+    )
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message, bytes."
     )
@@ -156,7 +159,7 @@ class WorkerConfig(_Model):
         60.0, ge=0, description="On SIGTERM, seconds to wait for the slots to be handed over."
     )
     grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
-    log: LogConfig = Field(default_factory=LogConfig)
+    log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
 
     _check_addr = field_validator("coordinator", "listen")(
         classmethod(lambda cls, v: _host_port(v))
@@ -249,8 +252,8 @@ DataField = Annotated[
 
 
 class TrainJobSpec(_Model):
-    kind: Literal["train"]
-    name: str = Field("train", max_length=128)
+    kind: Literal["train"] = Field(description="'train'.")
+    name: str = Field("train", max_length=128, description="A label for people.")
     workers: int = Field(1, ge=1, le=1024, description="Workers the job needs.")
     model: ModelField = Field(
         default_factory=MlpSpec,
@@ -261,12 +264,21 @@ class TrainJobSpec(_Model):
         default_factory=BuiltinData,
         description="'digits', 'synthetic', {name: ...} or {path: F.npz}.",
     )
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    strategy: Literal["sync"] = "sync"
-    epochs: int | None = Field(None, ge=1, le=100000)
-    steps: int | None = Field(None, ge=1, le=10_000_000)
+    optimizer: OptimizerSpec = Field(
+        default_factory=OptimizerSpec,
+        description="{name: sgd|adam, lr, momentum (sgd), weight_decay}.",
+    )
+    strategy: Literal["sync"] = Field(
+        "sync", description="sync: parameter server, gradients averaged every step."
+    )
+    epochs: int | None = Field(
+        None, ge=1, le=100000, description="Passes over the training split (default 10)."
+    )
+    steps: int | None = Field(
+        None, ge=1, le=10_000_000, description="Optimizer steps; overrides epochs."
+    )
     batch_size: int = Field(32, ge=1, le=65536, description="Samples per worker per step.")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="Seeds model init, split and data order.")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out share of the data.")
 
     _strings = field_validator("model", "data", mode="before")(
@@ -309,8 +321,8 @@ AccessField = Annotated[
 
 
 class MemoryJobSpec(_Model):
-    kind: Literal["memory"]
-    name: str = Field("memory", max_length=128)
+    kind: Literal["memory"] = Field(description="'memory'.")
+    name: str = Field("memory", max_length=128, description="A label for people.")
     workers: int = Field(1, ge=1, le=1024, description="Alive workers the job waits for.")
     memories: int = Field(1_000_000, ge=1, le=1_000_000_000, description="Memories to generate.")
     load: str | None = Field(
