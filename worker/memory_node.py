@@ -8,6 +8,10 @@ stream in sequence order and never mutates on its own.
 Store operations run on one dedicated thread (``self._executor``), so they are applied in
 submission order and never block the event loop. ``self._order`` serializes this worker's
 primary operations, from apply to the replicas' acks, so each slot's stream stays in order.
+
+With a journal (``worker/journal.py``) every change of the store (a primary's op with its new
+seqs, a replica's applied forward, an imported or dropped slot) is logged in the same store
+thread job that applies it, and a write is acknowledged only once its record is durable.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import numpy as np
 
 from shared.proto import common_pb2, worker_pb2
 from shared.slots import slot_of
+from worker.journal import Journal
+from worker.journal_format import Request, apply_op
 from worker.store import MemoryInputError, SlotSnapshot, SlotStore
 
 T = TypeVar("T")
@@ -64,8 +70,9 @@ class Roles:
 
 # A forwarder sends one ReplicateRequest to a named worker (raising on failure).
 Forwarder = Callable[[str, str, worker_pb2.ReplicateRequest], Awaitable[None]]
-# A reporter tells the coordinator that a copy on a named worker failed (raising on failure).
-Reporter = Callable[[str, str], Awaitable[None]]
+# A reporter tells the coordinator that the copies of some slots on a named worker are no
+# longer updated, and why (raising on failure).
+Reporter = Callable[[str, list[int], str], Awaitable[None]]
 
 
 class RecentRequests:
@@ -94,20 +101,35 @@ class RecentRequests:
             while len(self._slots) > self._capacity:
                 self._slots.popitem(last=False)
 
+    def entries(self) -> list[Request]:
+        """Every (request id, slots) held, oldest first (what a journal snapshot keeps)."""
+        with self._lock:
+            return [(rid, sorted(slots)) for rid, slots in self._slots.items()]
+
 
 class MemoryNode:
     """Domain logic of the memory RPCs; the servicer maps its exceptions to status codes."""
 
     def __init__(
-        self, name: str, store: SlotStore, forward: Forwarder, report: Reporter
+        self, name: str, store: SlotStore, forward: Forwarder, report: Reporter,
+        journal: Journal | None = None, requests: list[Request] | None = None,
     ) -> None:
+        """``journal`` logs every change; ``requests`` are the request ids the journal
+        replayed (with a store reloaded from it)."""
         self.name = name
         self.store = store
         self._forward = forward
         self._report = report
+        self.journal = journal
         self.recent = RecentRequests()
-        self.excluded: set[str] = set()  # copies reported failed; not forwarded to until a new map
+        for rid, slots in requests or []:
+            self.recent.record(rid, np.asarray(slots, np.int64))
+        # target -> slots reported failed there; not forwarded to until a new map
+        self.excluded: dict[str, set[int]] = {}
         S = store.slots
+        # Reloaded data is kept until the first map says which slots this worker holds (the
+        # coordinator sends it only once it has compared them with the other holders').
+        self._reloaded: np.ndarray | None = (store.slot_counts() > 0) | (store.seq > 0)
         self.roles = Roles(0, np.zeros(S, bool), np.zeros(S, bool), [""] * S, {})
         self.pending: dict[int, set[str]] = defaultdict(set)  # slot -> extra copy targets
         self.pending_addresses: dict[str, str] = {}  # copy target -> its address
@@ -119,7 +141,21 @@ class MemoryNode:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Finish the running store job, then close the journal (fsync per its policy)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.journal is not None:
+            self.journal.close()
+
+    async def _sync(self, pos: int) -> None:
+        """Wait until the journal holds everything up to ``pos`` durably (policy permitting)."""
+        if self.journal is not None:
+            await self.journal.sync(pos)
+
+    def _log(self, pos: int) -> int:
+        """After a journal append on the store thread: snapshot if the log grew too long."""
+        if self.journal is not None:
+            self.journal.maybe_snapshot(self.store, self.recent.entries)
+        return pos
 
     # -- slot map -------------------------------------------------------------------------
 
@@ -134,6 +170,8 @@ class MemoryNode:
             if m.epoch <= self.roles.epoch:
                 return self.roles.epoch
             had_role = self.roles.primary | self.roles.replica
+            if self._reloaded is not None:
+                had_role, self._reloaded = had_role | self._reloaded, None
             me = list(m.workers).index(self.name) if self.name in m.workers else -2
             primary = np.asarray(m.primary, np.int64) == me
             replica = np.asarray(m.replica, np.int64) == me
@@ -149,12 +187,17 @@ class MemoryNode:
             self.pending.clear()
             self.pending_addresses.clear()
             self.excluded.clear()
-            held = self.store.held_slots()
+            held = np.flatnonzero((self.store.slot_counts() > 0) | (self.store.seq > 0))
             fenced = np.asarray(m.primary, np.int64) < 0  # no primary for a moment: keep data
             gone = held[had_role[held] & ~(primary[held] | replica[held]) & ~fenced[held]]
             if len(gone):
-                await self.run(self.store.drop_slots, gone)
+                await self.run(self._drop, gone)
             return self.roles.epoch
+
+    def _drop(self, slots: np.ndarray) -> None:
+        self.store.drop_slots(slots)
+        if self.journal is not None:
+            self._log(self.journal.log_drop(slots))
 
     def check_epoch(self, epoch: int) -> None:
         """Raises: StaleEpoch when ``epoch`` is not this worker's epoch."""
@@ -207,17 +250,17 @@ class MemoryNode:
             slots = self._check_primary(ids)
             rid = bytes(request.request_id)
             keep = self.recent.fresh(rid, slots)
-
-            def apply_and_record() -> int:
-                n = apply(keep)
-                self.recent.record(rid, slots[keep])
-                return n
-
-            applied = await self.run(apply_and_record)
             if not keep.all():
                 request = _sub_request(op, request, keep)
-                ids, slots = ids[keep], slots[keep]
-            await self._replicate(op, request, slots, ids)
+            touched = np.unique(slots[keep])
+
+            def apply_and_record() -> tuple[int, np.ndarray, int]:
+                n = apply(keep)
+                self.recent.record(rid, slots[keep])
+                return n, *self._commit(op, request, touched)
+
+            applied, seqs, pos = await self.run(apply_and_record)
+            await self._replicate(op, request, slots[keep], ids[keep], seqs, pos)
             return applied
 
     async def decay(self, epoch: int, rate: float) -> int:
@@ -228,30 +271,61 @@ class MemoryNode:
         async with self._order:
             self.check_epoch(epoch)
             mine = np.flatnonzero(self.roles.primary)
-            n = await self.run(self.store.decay, rate, mine)
             req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate)
-            await self._replicate("decay", req, mine, None)
+
+            def apply_and_record() -> tuple[int, np.ndarray, int]:
+                return self.store.decay(rate, mine), *self._commit("decay", req, mine)
+
+            n, seqs, pos = await self.run(apply_and_record)
+            await self._replicate("decay", req, mine, None, seqs, pos)
             return n
+
+    def _commit(self, op: str, sub: Any, touched: np.ndarray) -> tuple[np.ndarray, int]:
+        """On the store thread, right after applying: give each touched slot (ascending,
+        distinct) its next seq and log the op; return (seqs, journal position)."""
+        seqs = self.store.bump_seq(touched)
+        if self.journal is None or not len(touched):
+            return seqs, 0
+        req = worker_pb2.ReplicateRequest(
+            primary=self.name, epoch=self.roles.epoch, slots=touched.tolist(),
+            seqs=seqs.tolist(), **{op: sub},
+        )
+        return seqs, self._log(self.journal.log_op(req))
 
     def _targets(self, touched: np.ndarray) -> dict[str, list[int]]:
         by_target: dict[str, list[int]] = defaultdict(list)
         for s in touched.tolist():
             for target in {self.roles.replica_of[s], *self.pending.get(s, ())}:
-                if target and target != self.name and target not in self.excluded:
+                if target and target != self.name and s not in self.excluded.get(target, ()):
                     by_target[target].append(s)
         return by_target
 
     async def _replicate(
-        self, op: str, request: Any, slots: np.ndarray, ids: np.ndarray | None
+        self, op: str, request: Any, slots: np.ndarray, ids: np.ndarray | None,
+        seqs: np.ndarray, pos: int,
     ) -> None:
-        """Bump the touched slots' seqs and forward the op to every other copy, grouped by
-        target worker; wait for all acks. A copy that fails is reported to the coordinator
-        (which stops trusting it) and excluded; only when that report fails does the write
-        fail with ReplicationError."""
+        """Forward an applied op to every other copy, grouped by target worker, and wait for
+        all acks and for the op's journal record (``pos``) to be durable. A copy that fails is
+        reported to the coordinator (which stops trusting it) and excluded; only when that
+        report fails does the write fail with ReplicationError.
+
+        Args:
+            slots: [K] int64 slot of each item (ids [K] uint64; None for decay).
+            seqs: the seq each distinct slot of ``slots`` (ascending) took.
+        """
         touched = np.unique(slots)
         if len(touched) == 0:
             return
-        seqs = self.store.bump_seq(touched)
+        durable = asyncio.ensure_future(self._sync(pos))
+        try:
+            await self._forward_all(op, request, slots, ids, touched, seqs)
+        finally:
+            await durable
+
+    async def _forward_all(
+        self, op: str, request: Any, slots: np.ndarray, ids: np.ndarray | None,
+        touched: np.ndarray, seqs: np.ndarray,
+    ) -> None:
         seq_of = dict(zip(touched.tolist(), seqs.tolist(), strict=True))
         by_target = self._targets(touched)
         calls = []
@@ -272,14 +346,21 @@ class MemoryNode:
                 await self._drop_copy(target, f"{type(r).__name__}: {_short(r)}")
 
     async def _drop_copy(self, target: str, reason: str) -> None:
+        """Stop updating every copy this primary feeds on ``target`` (its replica slots and
+        pending copies), once the coordinator knows, so no slot is silently left stale."""
+        slots = sorted(
+            {s for s in np.flatnonzero(self.roles.primary).tolist()
+             if self.roles.replica_of[s] == target}
+            | {s for s, targets in self.pending.items() if target in targets}
+        )
         try:
-            await self._report(target, reason)
+            await self._report(target, slots, reason)
         except Exception as exc:
             raise ReplicationError(
                 f"replica {target} failed ({reason}) and the coordinator could not be told: "
                 f"{_short(exc)}"
             ) from None
-        self.excluded.add(target)
+        self.excluded.setdefault(target, set()).update(slots)
 
     # -- replica side -----------------------------------------------------------------------
 
@@ -309,29 +390,23 @@ class MemoryNode:
             )
         current = self.store.seq[slots]
         if (seqs <= current).all():
+            if self.journal is not None:  # applied by an earlier call: durable as it is
+                await self._sync(self.journal.written)
             return
         if not (seqs == current + np.uint64(1)).all():
             i = int(np.flatnonzero(seqs != current + np.uint64(1))[0])
             raise OutOfSync(f"slot {slots[i]}: forwarded seq {seqs[i]} after {current[i]}")
-        op = req.WhichOneof("op")
-        # On the store thread, so apply, seq bump and request record happen together even if
-        # the forwarding call is cancelled mid-way.
-        await self.run(self._apply_op, op, getattr(req, op), slots)
+        # On the store thread, so apply, seq bump, request record and log record happen
+        # together even if the forwarding call is cancelled mid-way.
+        pos = await self.run(self._apply_op, req, slots)
+        await self._sync(pos)
 
-    def _apply_op(self, op: str, sub: Any, slots: np.ndarray) -> None:
-        st = self.store
-        if op == "upsert":
-            payloads = list(sub.payloads) if len(sub.payloads) else None
-            st.upsert(_ids(sub.ids), _f32(sub.strengths), payloads)
-        elif op == "reinforce":
-            st.reinforce(_ids(sub.ids), _f32(sub.boosts))
-        elif op == "delete":
-            st.delete(_ids(sub.ids))
-        elif op == "decay":
-            st.decay(sub.rate, slots)
-        st.bump_seq(slots)
-        if op != "decay":
-            self.recent.record(bytes(sub.request_id), slots)
+    def _apply_op(self, req: worker_pb2.ReplicateRequest, slots: np.ndarray) -> int:
+        op = req.WhichOneof("op")
+        rid = apply_op(self.store, op, getattr(req, op), slots)
+        self.store.bump_seq(slots)
+        self.recent.record(rid, slots)
+        return self._log(self.journal.log_op(req)) if self.journal is not None else 0
 
     # -- copies -----------------------------------------------------------------------------
 
@@ -356,12 +431,19 @@ class MemoryNode:
     async def import_snapshots(self, snaps: list[SlotSnapshot]) -> int:
         """Install copied slots (replacing what was held for them); return memories added."""
 
-        def work() -> int:
+        def work() -> tuple[int, int]:
+            pos = 0
             for snap in snaps:
                 self.store.import_slot(snap)
-            return sum(len(s.ids) for s in snaps)
+                if self._reloaded is not None:
+                    self._reloaded[snap.slot] = False
+                if self.journal is not None:
+                    pos = self._log(self.journal.log_import(snap))
+            return sum(len(s.ids) for s in snaps), pos
 
-        return await self.run(work)
+        n, pos = await self.run(work)
+        await self._sync(pos)
+        return n
 
 
 def _ids(b: bytes) -> np.ndarray:

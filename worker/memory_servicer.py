@@ -21,7 +21,7 @@ from worker.memory_node import (
     StaleEpoch,
     StaleForward,
 )
-from worker.store import MemoryInputError, SlotSnapshot, validate_k, validate_rate
+from worker.store import MemoryInputError, SlotSnapshot, as_slots, validate_k, validate_rate
 
 T = TypeVar("T")
 
@@ -281,6 +281,22 @@ class MemoryRpcs:
         for snap in snaps:
             for msg in slot_messages(snap, self.chunk_bytes):
                 yield msg
+
+
+    async def SlotSeqs(
+        self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
+    ) -> worker_pb2.SlotSeqsResponse:
+        """Sequence numbers of slots as held here (0 where this worker has no data: also
+        before it has a store). INVALID_ARGUMENT: a slot out of range."""
+
+        async def work() -> worker_pb2.SlotSeqsResponse:
+            node = self.node_or_none
+            if node is None:
+                return worker_pb2.SlotSeqsResponse(seqs=[0] * len(request.slots))
+            slots = as_slots(list(request.slots), node.store.slots)
+            return worker_pb2.SlotSeqsResponse(seqs=node.store.seq[slots].tolist())
+
+        return await _guard(context, work)
 
 
 def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotData]:

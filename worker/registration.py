@@ -20,6 +20,11 @@ from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 log = get_logger("worker.registration")
 
 
+class RegistrationRefused(Exception):
+    """This worker cannot join the coordinator's cluster (e.g. its data dir holds another
+    slot count); raised by ``on_register``, it ends the registration loop."""
+
+
 class Registration:
     """Keeps this worker registered and heartbeating."""
 
@@ -83,7 +88,7 @@ class Registration:
                     continue
                 backoff_s = 0.1
                 await asyncio.sleep(self.interval_s)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, RegistrationRefused):
                 raise
             except Exception as exc:  # keep the worker registered whatever went wrong
                 code = exc.code().name if isinstance(exc, aio.AioRpcError) else type(exc).__name__

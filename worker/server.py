@@ -1,8 +1,10 @@
-"""Worker server lifecycle: serve, register with the coordinator, heartbeat, drain, stop."""
+"""Worker server lifecycle: reload slot data, serve, register with the coordinator,
+heartbeat, drain, stop."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 from pathlib import Path
@@ -18,8 +20,9 @@ from shared.metrics import Metrics
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shared.worker_clients import WorkerClients
 from worker import kernels
+from worker.journal import Journal, JournalError, lock_data_dir, recover
 from worker.memory_node import MemoryNode
-from worker.registration import Registration
+from worker.registration import Registration, RegistrationRefused
 from worker.store import SlotStore
 from worker.training import TrainingSessions
 from worker.worker_servicer import WorkerServicer
@@ -51,12 +54,26 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.coordinator_channel = rpc.channel(cfg.coordinator, cfg.max_message_bytes)
         self.address = ""
-        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        self.data_dir = Path(cfg.data_dir)
+        self._data_lock = -1  # fd holding the data dir's lock until a journal owns it
         self.registration: Registration | None = None
         self._tasks: asyncio.Task[None] | None = None
+        self.failed = asyncio.Event()  # set when this worker cannot go on (see ``error``)
+        self.error = ""
 
     async def start(self) -> str:
-        """Bind and serve, then register in the background; return the advertised address."""
+        """Reload the slot data of a previous run, bind and serve, then register in the
+        background; return the advertised address.
+
+        Raises:
+            JournalError: the data dir is in use by another worker or corrupt.
+        """
+        self._data_lock = lock_data_dir(self.data_dir)
+        try:
+            await asyncio.to_thread(self._reload)
+        except BaseException:
+            self._release_data_dir()
+            raise
         host, _, _ = self.cfg.listen.rpartition(":")
         port = self.server.add_insecure_port(self.cfg.listen)
         adv = self.cfg.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]") else host)
@@ -75,6 +92,7 @@ class WorkerServer:
         )
         self.registration.epoch = self._epoch
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
+        self._tasks.add_done_callback(self._registration_ended)
         for svc in ("", SERVICE_NAME):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -87,31 +105,80 @@ class WorkerServer:
         )
         return self.address
 
+    def _reload(self) -> None:
+        """Rebuild the store from the data dir (snapshot + log), if it holds any."""
+        rec = recover(self.data_dir, self._new_store)
+        if rec is None:
+            return
+        journal = self._open_journal(rec.store.slots, rec.next_gen, rec.log_bytes)
+        self.servicer.node_or_none = MemoryNode(
+            self.name, rec.store, self.servicer.forward, self._report_failure, journal,
+            rec.requests,
+        )
+        log.info("worker_reloaded", worker=self.name, data_dir=str(self.data_dir),
+                 memories=len(rec.store), slots_held=int((rec.store.slot_counts() > 0).sum()),
+                 log_records=rec.records, seconds=round(rec.seconds, 3))
+
+    def _new_store(self, slots: int, max_payload_bytes: int | None = None) -> SlotStore:
+        return SlotStore(
+            slots=slots,
+            device=self.cfg.device,
+            max_payload_bytes=self.cfg.max_payload_bytes
+            if max_payload_bytes is None else max_payload_bytes,
+            k_max=1 << 31,
+        )
+
+    def _open_journal(self, slots: int, gen: int = 0, log_bytes: int = 0) -> Journal:
+        lock, self._data_lock = self._data_lock, -1
+        return Journal(self.data_dir, lock, slots, gen, self.cfg.fsync,
+                       self.cfg.fsync_interval_s, self.cfg.snapshot_log_bytes, log_bytes)
+
+    def _release_data_dir(self) -> None:
+        if self._data_lock >= 0:
+            os.close(self._data_lock)
+            self._data_lock = -1
+
     def _on_register(self, reply: coordinator_pb2.RegisterWorkerResponse) -> None:
         self.ensure_node(reply.slot_map)
 
     def ensure_node(self, slot_map: common_pb2.SlotMap) -> MemoryNode:
         """Create the memory store once the cluster's slot count is known (from the
-        registration reply or the first pushed slot map, whichever comes first)."""
-        if self.servicer.node_or_none is None:
-            store = SlotStore(
-                slots=slot_map.slots or 1024,
-                device=self.cfg.device,
-                max_payload_bytes=slot_map.max_payload_bytes,
-                k_max=1 << 31,
-            )
-            self.servicer.node_or_none = MemoryNode(
-                self.name, store, self.servicer.forward, self._report_failure
-            )
-        return self.servicer.node_or_none
+        registration reply or the first pushed slot map, whichever comes first).
 
-    async def _report_failure(self, worker: str, reason: str) -> None:
-        """Tell the coordinator a copy on ``worker`` failed (raises grpc.aio.AioRpcError)."""
-        log.warning("replica_failed", worker=self.name, replica=worker, reason=reason)
+        Raises:
+            RegistrationRefused: the data dir holds another slot count than the cluster's.
+        """
+        node = self.servicer.node_or_none
+        if node is None:
+            slots = slot_map.slots or 1024
+            store = self._new_store(slots, slot_map.max_payload_bytes)
+            node = MemoryNode(self.name, store, self.servicer.forward, self._report_failure,
+                              self._open_journal(slots))
+            self.servicer.node_or_none = node
+        elif slot_map.slots and slot_map.slots != node.store.slots:
+            raise RegistrationRefused(
+                f"data_dir {self.data_dir} holds {node.store.slots} slots but the coordinator "
+                f"at {self.cfg.coordinator} has {slot_map.slots}; use another data_dir"
+            )
+        elif slot_map.max_payload_bytes:
+            node.store.max_payload_bytes = slot_map.max_payload_bytes
+        return node
+
+    def _registration_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and isinstance(task.exception(), RegistrationRefused):
+            self.error = str(task.exception())
+            log.error("worker_refused", worker=self.name, error=self.error)
+            self.failed.set()
+
+    async def _report_failure(self, worker: str, slots: list[int], reason: str) -> None:
+        """Tell the coordinator that this primary stops updating ``worker``'s copies of
+        ``slots`` (raises grpc.aio.AioRpcError)."""
+        log.warning("replica_failed", worker=self.name, replica=worker, slots=len(slots),
+                    reason=reason)
         stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         await stub.ReportFailure(
             coordinator_pb2.ReportFailureRequest(reporter=self.name, worker=worker,
-                                                 reason=reason),
+                                                 reason=reason, slots=slots),
             timeout=self.cfg.rpc_timeout_s,
         )
 
@@ -165,20 +232,35 @@ class WorkerServer:
         self.sessions.close()
         if self.servicer.node_or_none is not None:
             self.servicer.node_or_none.close()
+        self._release_data_dir()
         log.info("worker_stopped", worker=self.name)
 
 
 async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
-    """Run a worker until SIGTERM or SIGINT, then shut down gracefully."""
+    """Run a worker until SIGTERM or SIGINT, then shut down gracefully.
+
+    Raises:
+        SystemExit: the data dir cannot be used, or the coordinator's cluster has another
+            slot count than the data dir (one line naming the problem).
+    """
     server = WorkerServer(cfg)
-    address = await server.start()
+    try:
+        address = await server.start()
+    except JournalError as exc:
+        raise SystemExit(f"worker: {exc}") from None
     if ready_file:
         await asyncio.to_thread(Path(ready_file).write_text, address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())
+    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    failed.cancel()
+    if server.failed.is_set():
+        await server.stop()
+        raise SystemExit(f"worker: {server.error}")
     log.info("worker_stopping", worker=server.name)
     if server.servicer.node_or_none is not None:
         await server.drain()
