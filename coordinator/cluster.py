@@ -24,6 +24,11 @@ from shared.worker_clients import WorkerClients
 log = get_logger("coordinator.cluster")
 
 
+class NotSlotPrimary(Exception):
+    """A failure report from a worker that is not the reported slots' primary
+    (FAILED_PRECONDITION)."""
+
+
 class Cluster:
     """Everything the coordinator knows and decides."""
 
@@ -49,11 +54,13 @@ class Cluster:
         """Load the slot map, workers and jobs saved by a previous coordinator process."""
         saved = self.state.load_slot_map(self.cfg.slots)
         if saved is not None:
-            self.rebalancer.current, self.rebalancer.no_data = saved
+            self.rebalancer.current = saved[0]
+            self.rebalancer.trust.load_doc(saved[1])
             self.metrics.slot_map_epoch.set(saved[0].epoch)
         for w in self.state.load_workers():
             rec, _, _ = self.membership.register(w.name, w.address, w.device, w.process_id)
             rec.extra["epoch"] = self.rebalancer.current.epoch
+            rec.extra["restored"] = True  # until its process registers or heartbeats here
         jobs = self.state.load_jobs()
         self.jobs.restore(jobs)
         self.rebalancer.persist = self.state.save_slot_map
@@ -72,6 +79,7 @@ class Cluster:
         log.info("worker_registered", worker=name, address=address, device=device,
                  restarted=restarted)
         rec.extra["epoch"] = 0
+        rec.extra.pop("restored", None)
         self.state.save_worker(name, address, device, process_id)
         if restarted:
             self.rebalancer.worker_restarted(name)
@@ -81,15 +89,37 @@ class Cluster:
 
     def heartbeat(self, name: str, memories: int, epoch: int = 0) -> bool:
         """Record a heartbeat; False tells the worker to register again."""
-        return self.membership.heartbeat(name, memories, epoch) is not None
+        rec = self.membership.heartbeat(name, memories, epoch)
+        if rec is not None:
+            rec.extra.pop("restored", None)  # the process that registered before is back
+        return rec is not None
 
-    def report_failure(self, reporter: str, worker: str, reason: str) -> None:
-        """A primary could not update ``worker``'s copy: stop trusting that worker's data
-        (it gets fresh copies) and re-plan. Called before the primary acknowledges writes."""
-        log.warning("copy_failed", reporter=reporter, worker=worker, reason=reason)
-        self.rebalancer.distrust(worker)
-        if self.membership.mark_dead(worker):
-            self._on_membership_change()
+    def report_failure(
+        self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
+    ) -> None:
+        """A primary stopped updating ``worker``'s copies of ``slots`` (None: all): stop
+        trusting them (they get fresh copies) and re-plan. Called before the primary
+        acknowledges writes; the worker's other copies stay in use (its heartbeats tell
+        whether it is alive).
+
+        Raises:
+            NotSlotPrimary: ``reporter`` is not the primary of some of ``slots`` in the
+                current map (FAILED_PRECONDITION): the write it applied is orphaned, so its
+                own copies of those slots stop being trusted and the write must not be
+                acknowledged.
+        """
+        current = self.rebalancer.current
+        chosen = list(range(current.slots)) if not slots else sorted(set(slots))
+        log.warning("copy_failed", reporter=reporter, worker=worker, slots=len(chosen),
+                    reason=reason)
+        orphaned = [s for s in chosen if current.primary[s] != reporter]
+        if slots and orphaned:
+            self.rebalancer.distrust(reporter, orphaned)
+            raise NotSlotPrimary(
+                f"{reporter} is not the primary of slot {orphaned[0]} at epoch "
+                f"{current.epoch}; its write there is not acknowledged"
+            )
+        self.rebalancer.distrust(worker, chosen)
 
     def drain(self, name: str) -> tuple[bool, int]:
         """Start (or check) the drain of a worker; return (drained, slots still held).

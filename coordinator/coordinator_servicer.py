@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc import aio
 
-from coordinator.cluster import Cluster
+from coordinator.cluster import Cluster, NotSlotPrimary
 from coordinator.jobs import JobNotFound, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
@@ -110,8 +110,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportFailure(
         self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.ReportFailureResponse:
-        """A primary reports a replica it could not update; its copies stop being trusted."""
-        self._cluster.report_failure(request.reporter, request.worker, request.reason)
+        """A primary reports a replica it could not update; its copies of the reported slots
+        stop being trusted. FAILED_PRECONDITION: the reporter is not their primary."""
+        try:
+            self._cluster.report_failure(request.reporter, request.worker, request.reason,
+                                         list(request.slots))
+        except NotSlotPrimary as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return coordinator_pb2.ReportFailureResponse()
 
     async def DrainWorker(

@@ -55,17 +55,17 @@ class StateStore:
 
     # -- slot map -------------------------------------------------------------------------
 
-    def save_slot_map(self, m: SlotMap, no_data: set[str]) -> None:
-        doc = {"epoch": m.epoch, "primary": m.primary, "replica": m.replica,
-               "no_data": sorted(no_data)}
+    def save_slot_map(self, m: SlotMap, trust: dict[str, Any]) -> None:
+        """Save the published map with the trust state (``SlotTrust.to_doc``)."""
+        doc = {"epoch": m.epoch, "primary": m.primary, "replica": m.replica, **trust}
         self._put("slot_map", doc)
 
-    def load_slot_map(self, slots: int) -> tuple[SlotMap, set[str]] | None:
-        """The saved map, or None (also when its slot count differs from ``slots``)."""
+    def load_slot_map(self, slots: int) -> tuple[SlotMap, dict[str, Any]] | None:
+        """The saved map and trust state, or None (also when its slot count differs)."""
         doc = self._get("slot_map")
         if doc is None or len(doc["primary"]) != slots:
             return None
-        return SlotMap(doc["epoch"], doc["primary"], doc["replica"]), set(doc["no_data"])
+        return SlotMap(doc["epoch"], doc["primary"], doc["replica"]), doc
 
     # -- workers --------------------------------------------------------------------------
 

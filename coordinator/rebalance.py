@@ -3,7 +3,9 @@ holders (copy, then switch), publish the target map.
 
 Runs one rebalance at a time; a membership change during one triggers another. Map
 publication and bulk memory operations exclude each other through ``map_lock``, so a bulk
-decay never straddles two epochs.
+decay never straddles two epochs. Which copies are data is decided per (worker, slot) by
+``coordinator/trust.py``: a pass first compares restarted workers' copies with the other
+holders', and plans without the untrusted ones.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 from coordinator.membership import Membership
 from coordinator.slot_map import SlotMap, plan, primary_changes
+from coordinator.trust import SlotTrust, VerificationPending
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import worker_pb2
@@ -48,7 +51,7 @@ class Rebalancer:
                  on_change: Callable[[], None] | None = None) -> None:
         self.current = SlotMap.empty(slots)
         self.map_lock = asyncio.Lock()
-        self.no_data: set[str] = set()  # live workers whose data is not to be trusted
+        self.trust = SlotTrust(slots)
         self._membership = membership
         self._clients = clients
         self._metrics = metrics
@@ -57,25 +60,30 @@ class Rebalancer:
         self._wake = asyncio.Event()
         self._on_change = on_change
         self.settled = asyncio.Event()  # set while the map matches the membership
-        self.persist: Callable[[SlotMap, set[str]], None] | None = None
+        self.copies_total = 0  # slots copied by completed passes (tests and logs)
+        self.persist: Callable[[SlotMap, dict[str, object]], None] | None = None
 
     def trigger(self) -> None:
         self.settled.clear()
         self._wake.set()
 
     def worker_restarted(self, name: str) -> None:
-        """A worker process came back empty: it holds nothing until it gets copies."""
-        self.distrust(name)
+        """A worker came back as a new process (with whatever its data dir held): it gets no
+        map until its copies are compared with the other holders' (saved before returning)."""
+        self.trust.restarted(name)
+        self._save()
+        self.trigger()
 
-    def distrust(self, name: str) -> None:
-        """Stop treating ``name``'s copies as data (saved before returning), and re-plan."""
-        self.no_data.add(name)
+    def distrust(self, name: str, slots: list[int] | None = None) -> None:
+        """Stop treating ``name``'s copies of ``slots`` (None: all) as data (saved before
+        returning), and re-plan."""
+        self.trust.distrust(name, slots)
         self._save()
         self.trigger()
 
     def _save(self) -> None:
         if self.persist is not None:
-            self.persist(self.current, self.no_data)
+            self.persist(self.current, self.trust.to_doc())
 
     async def run(self) -> None:
         """Rebalance whenever triggered; push the map to workers that report an old epoch."""
@@ -88,6 +96,10 @@ class Rebalancer:
             self._wake.clear()
             try:
                 await self.rebalance()
+            except VerificationPending as exc:
+                log.info("rebalance_waiting", reason=str(exc))
+                await asyncio.sleep(0.2)
+                self._wake.set()
             except Exception as exc:  # a worker died mid-way: plan again from the new state
                 log.warning("rebalance_failed", error=f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(0.2)
@@ -97,28 +109,57 @@ class Rebalancer:
                     self.settled.set()
 
     async def rebalance(self) -> None:
-        """One pass: interim map, copies, target map."""
+        """One pass: decide restarted workers' copies, interim map, copies, target map.
+
+        Raises:
+            VerificationPending: a restarted worker's copies cannot be decided yet.
+        """
         t0 = time.perf_counter()
-        alive = [w.name for w in self._membership.alive()]
-        draining = {w.name for w in self._membership.draining()}
-        p = plan(self.current, alive, self.no_data, draining)
-        if not p.interim.same_placement(self.current):
-            async with self.map_lock:
+        await self._verify()
+        async with self.map_lock:
+            alive = [w.name for w in self._membership.alive()]
+            draining = {w.name for w in self._membership.draining()}
+            if self.trust.unverified & (set(alive) | draining):
+                raise VerificationPending("a worker restarted during this pass")
+            version, untrusted = self.trust.version, self.trust.snapshot()
+            p = plan(self.current, alive, set(), draining, untrusted=untrusted, keep_lost=True)
+            if not p.interim.same_placement(self.current):
                 await self._publish(p.interim)
         copied = await self._copy(p.copies)
         if not p.target.same_placement(self.current):
             async with self.map_lock:
+                if self.trust.version != version:
+                    return  # copies went stale or a worker restarted: re-plan (woken)
                 fence = fence_moving_primaries(self.current, p.target)
                 if fence is not None:
                     await self._publish(fence)
                 await self._publish(p.target)
-        if self.no_data & set(alive):
-            self.no_data -= set(alive)
+        if self.trust.resolve(untrusted):
             self._save()
+        await self._push_to_laggards()  # e.g. a restarted worker whose copies all checked out
+        self.copies_total += p.slots_to_copy
         if p.copies or not p.target.same_placement(p.interim):
             log.info("rebalanced", epoch=self.current.epoch, workers=len(alive),
                      slots_copied=p.slots_to_copy, memories_copied=copied,
-                     seconds=round(time.perf_counter() - t0, 3))
+                     slots_lost=len(p.lost), seconds=round(time.perf_counter() - t0, 3))
+
+    async def _verify(self) -> None:
+        """Compare restarted workers' copies with the other holders' (``SlotTrust.verify``)."""
+        live = self._membership.alive() + self._membership.draining()
+        confirmed = {w.name for w in live if not w.extra.get("restored")}
+
+        async def seqs_of(name: str, slots: list[int]) -> list[int]:
+            w = self._membership.get(name)
+            if w is None:
+                raise RuntimeError(f"{name} is unknown")
+            reply = await self._clients.stub(name, w.address).SlotSeqs(
+                worker_pb2.SlotSeqsRequest(slots=slots), timeout=self._timeout_s)
+            return list(reply.seqs)
+
+        if await self.trust.verify(self.current, {w.name for w in live}, confirmed, seqs_of):
+            self._save()
+            log.info("restarted_workers_checked",
+                     untrusted={n: len(s) for n, s in self.trust.untrusted.items()})
 
     async def _copy(self, copies: dict[tuple[str, str], list[int]]) -> int:
         async def one(src: str, dst: str, slots: list[int]) -> int:
@@ -144,8 +185,9 @@ class Rebalancer:
         self._save()
         self._metrics.slot_map_epoch.set(new.epoch)
         first = primary_changes(old, new)
-        alive = {w.name: w for w in self._membership.alive() + self._membership.draining()}
-        pb = new.to_pb({n: w.address for n, w in alive.items()}, self.max_payload_bytes)
+        alive = {w.name: w for w in self._membership.alive() + self._membership.draining()
+                 if w.name not in self.trust.unverified}  # those get a map once decided
+        pb = new.to_pb(self._addresses(), self.max_payload_bytes)
         for group in (first & set(alive), set(alive) - first):
             results = await asyncio.gather(
                 *(self._clients.stub(n, alive[n].address).ApplySlotMap(pb, timeout=self._timeout_s)
@@ -166,11 +208,11 @@ class Rebalancer:
             return
         async with self.map_lock:
             late = [w for w in self._membership.alive()
-                    if w.extra.get("epoch", 0) != self.current.epoch]
+                    if w.extra.get("epoch", 0) != self.current.epoch
+                    and w.name not in self.trust.unverified]
             if not late:
                 return
-            pb = self.current.to_pb({w.name: w.address for w in self._membership.alive()},
-                                    self.max_payload_bytes)
+            pb = self.current.to_pb(self._addresses(), self.max_payload_bytes)
             for w in late:
                 try:
                     await self._clients.stub(w.name, w.address).ApplySlotMap(
@@ -178,3 +220,7 @@ class Rebalancer:
                     w.extra["epoch"] = self.current.epoch
                 except Exception as exc:
                     log.warning("slot_map_push_failed", worker=w.name, error=str(exc))
+
+    def _addresses(self) -> dict[str, str]:
+        """Every known worker's address (a lost slot's holders may be dead)."""
+        return {w.name: w.address for w in self._membership.all()}

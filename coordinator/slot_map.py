@@ -4,7 +4,9 @@ plan that moves the cluster from one map to the next.
 A change goes in two published steps so that a slot is never served by a worker without its
 data: first an *interim* map that keeps only live workers that hold the data (a dead
 primary's replica is promoted at once), then, after the copies, the *target* map given by
-rendezvous hashing over the live workers (``shared.slots.assign_slots``).
+rendezvous hashing over the live workers (``shared.slots.assign_slots``). A slot whose only
+trusted copies are on dead workers can stay with them (``keep_lost``): it is unavailable
+until one comes back with its data dir, rather than restarted empty.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Plan:
     interim: SlotMap
     target: SlotMap
     copies: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (src, dst) -> slots
+    lost: list[int] = field(default_factory=list)  # slots left with their dead holders
 
     @property
     def slots_to_copy(self) -> int:
@@ -78,7 +81,8 @@ class Plan:
 
 
 def plan(
-    current: SlotMap, alive: list[str], no_data: set[str], draining: set[str] | None = None
+    current: SlotMap, alive: list[str], no_data: set[str], draining: set[str] | None = None,
+    *, untrusted: dict[str, set[int]] | None = None, keep_lost: bool = False,
 ) -> Plan:
     """Plan the move from ``current`` to rendezvous placement over ``alive`` workers.
 
@@ -89,6 +93,11 @@ def plan(
             keep no role in the interim map.
         draining: workers leaving: they keep their data roles in the interim map (they are
             copy sources) but get none in the target.
+        untrusted: worker -> slots whose copy there is stale (a failed forward, a restart
+            behind the other holder): like ``no_data``, per slot.
+        keep_lost: a slot whose every trusted copy is on dead workers keeps those holders in
+            both maps (no live worker can serve it without losing its data) instead of
+            starting empty on live workers.
 
     Returns:
         The interim map (live data holders only, a dead primary's replica promoted), the
@@ -97,9 +106,16 @@ def plan(
     """
     S = current.slots
     live = (set(alive) | (draining or set())) - no_data
+    bad = untrusted or {}
     interim = SlotMap(current.epoch, [""] * S, [""] * S)
+    lost: list[int] = []
     for s in range(S):
-        holders = [h for h in (current.primary[s], current.replica[s]) if h in live]
+        trusted = [h for h in (current.primary[s], current.replica[s])
+                   if h and h not in no_data and s not in bad.get(h, ())]
+        holders = [h for h in trusted if h in live]
+        if not holders and keep_lost and trusted:
+            holders = trusted
+            lost.append(s)
         if holders:
             interim.primary[s] = holders[0]
             interim.replica[s] = holders[1] if len(holders) > 1 else ""
@@ -107,15 +123,17 @@ def plan(
     p_idx, r_idx = assign_slots(names, S)
     target = SlotMap(current.epoch, [names[i] if i >= 0 else "" for i in p_idx.tolist()],
                      [names[i] if i >= 0 else "" for i in r_idx.tolist()])
+    for s in lost:
+        target.primary[s], target.replica[s] = interim.primary[s], interim.replica[s]
     copies: dict[tuple[str, str], list[int]] = defaultdict(list)
     for s in range(S):
         src = interim.primary[s]
-        if not src:
-            continue  # no copy of this slot survives (or it never had data): start empty
+        if not src or src not in live:
+            continue  # no live copy (or it never had data): start empty, or wait if lost
         for dst in (target.primary[s], target.replica[s]):
             if dst and dst not in (interim.primary[s], interim.replica[s]):
                 copies[(src, dst)].append(s)
-    return Plan(interim, target, dict(copies))
+    return Plan(interim, target, dict(copies), lost)
 
 
 def primary_changes(old: SlotMap, new: SlotMap) -> set[str]:

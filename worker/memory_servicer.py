@@ -282,7 +282,6 @@ class MemoryRpcs:
             for msg in slot_messages(snap, self.chunk_bytes):
                 yield msg
 
-
     async def SlotSeqs(
         self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
     ) -> worker_pb2.SlotSeqsResponse:
