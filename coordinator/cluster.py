@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from coordinator.jobs import JobRecord, JobStore
+from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.membership import Membership, WorkerRecord
 from coordinator.memory_ops import MemoryOps
 from coordinator.persistence import StateStore
@@ -19,6 +19,7 @@ from coordinator.train_job import TrainJob
 from shared.config import CoordinatorConfig, JobSpec, job_spec_from_json
 from shared.logging import get_logger
 from shared.metrics import Metrics
+from shared.security import ChannelSecurity
 from shared.worker_clients import WorkerClients
 
 log = get_logger("coordinator.cluster")
@@ -32,12 +33,13 @@ class NotSlotPrimary(Exception):
 class Cluster:
     """Everything the coordinator knows and decides."""
 
-    def __init__(self, cfg: CoordinatorConfig, metrics: Metrics) -> None:
+    def __init__(self, cfg: CoordinatorConfig, metrics: Metrics,
+                 security: ChannelSecurity | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.membership = Membership(cfg.heartbeat_timeout_s)
         self.jobs = JobStore()
-        self.clients = WorkerClients(cfg.max_message_bytes)
+        self.clients = WorkerClients(cfg.max_message_bytes, security)
         self.scheduler = Scheduler(
             self.jobs, self.membership,
             {"train": self._run_train, "memory": self._run_memory}, cfg.queue_timeout_s,
@@ -159,15 +161,24 @@ class Cluster:
 
     # -- jobs -----------------------------------------------------------------------------
 
-    def submit(self, spec_json: str) -> JobRecord:
-        """Validate and queue a job spec.
+    def submit(self, spec_json: str, owner: str = "") -> JobRecord:
+        """Validate and queue a job spec for ``owner`` (a token subject; "" without auth).
 
         Raises:
             ConfigError: invalid spec, naming the field (INVALID_ARGUMENT).
+            JobQuotaExceeded: ``owner`` has ``max_jobs_per_client`` unfinished jobs
+                (RESOURCE_EXHAUSTED).
         """
         spec: JobSpec = job_spec_from_json(spec_json)
-        job = self.jobs.submit(spec)
-        log.info("job_submitted", job_id=job.job_id, kind=job.kind, workers=spec.workers)
+        limit = self.cfg.max_jobs_per_client
+        if self.jobs.active(owner) >= limit:
+            who = f"client {owner!r}" if owner else "unauthenticated clients"
+            raise JobQuotaExceeded(
+                f"{who} already has {limit} queued or running jobs (max_jobs_per_client); "
+                "wait for one to finish or cancel one")
+        job = self.jobs.submit(spec, owner)
+        log.info("job_submitted", job_id=job.job_id, kind=job.kind, workers=spec.workers,
+                 owner=owner or None)
         self.scheduler.wake()
         self._update_gauges()
         return job

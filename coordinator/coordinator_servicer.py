@@ -9,9 +9,10 @@ import grpc
 from grpc import aio
 
 from coordinator.cluster import Cluster, NotSlotPrimary
-from coordinator.jobs import JobNotFound, JobRecord
+from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
+from shared.auth import current_principal, owner_check
 from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.config import ConfigError
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -103,9 +104,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> common_pb2.SlotMap:
         """The current slot map with worker addresses (clients route with it)."""
         c = self._cluster
-        return c.rebalancer.current.to_pb(
+        pb = c.rebalancer.current.to_pb(
             {w.name: w.address for w in c.membership.all()}, c.cfg.max_payload_bytes
         )
+        pb.max_batch_items = c.cfg.max_batch_items
+        return pb
 
     async def ReportFailure(
         self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext
@@ -176,11 +179,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.Job:
-        """Validate and queue a job. INVALID_ARGUMENT names the offending field."""
+        """Validate and queue a job, owned by the caller's token subject. INVALID_ARGUMENT
+        names the offending field; RESOURCE_EXHAUSTED: too many unfinished jobs."""
+        principal = current_principal()
         try:
-            job = self._cluster.submit(request.spec_json)
+            job = self._cluster.submit(request.spec_json, principal.subject if principal else "")
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except JobQuotaExceeded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return job_to_pb(job)
 
     async def GetJob(
@@ -200,8 +207,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def CancelJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.Job:
-        """Cancel a queued or running job (a finished one is returned as is). NOT_FOUND."""
-        await self._job(request.job_id, context)
+        """Cancel a queued or running job (a finished one is returned as is). NOT_FOUND;
+        PERMISSION_DENIED: a client cancelling another subject's job."""
+        denied = owner_check((await self._job(request.job_id, context)).owner, "cancel")
+        if denied is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         job = await self._cluster.scheduler.cancel(request.job_id)
         return job_to_pb(job)
 

@@ -40,6 +40,11 @@ class JobFailed(RuntimeError):
     """A job cannot go on; the message is the user-facing reason."""
 
 
+class JobQuotaExceeded(RuntimeError):
+    """The submitter already has ``max_jobs_per_client`` queued or running jobs
+    (RESOURCE_EXHAUSTED)."""
+
+
 @dataclass
 class JobRecord:
     job_id: str
@@ -56,6 +61,7 @@ class JobRecord:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition, repr=False)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     seq: int = 0
+    owner: str = ""  # the submitting token's subject ("" without auth)
 
     @property
     def kind(self) -> str:
@@ -80,10 +86,10 @@ class JobStore:
             self._jobs[job.job_id] = job
         self._counter = itertools.count(max((j.seq for j in jobs), default=0) + 1)
 
-    def submit(self, spec: JobSpec) -> JobRecord:
-        """Queue a validated spec; return its record (state QUEUED)."""
+    def submit(self, spec: JobSpec, owner: str = "") -> JobRecord:
+        """Queue a validated spec for ``owner``; return its record (state QUEUED)."""
         job_id = f"{spec.kind}-{uuid.uuid4().hex[:8]}"
-        rec = JobRecord(job_id=job_id, spec=spec, seq=next(self._counter))
+        rec = JobRecord(job_id=job_id, spec=spec, seq=next(self._counter), owner=owner)
         self._jobs[job_id] = rec
         if self.on_change is not None:
             self.on_change(rec)
@@ -98,6 +104,10 @@ class JobStore:
 
     def list(self) -> list[JobRecord]:
         return sorted(self._jobs.values(), key=lambda j: j.seq)
+
+    def active(self, owner: str) -> int:
+        """Queued plus running jobs of ``owner``."""
+        return sum(1 for j in self._jobs.values() if j.owner == owner and not j.state.terminal)
 
     def queued(self) -> list[JobRecord]:
         return [j for j in self.list() if j.state is JobState.QUEUED]

@@ -59,16 +59,19 @@ class MemoryJob:
         assert isinstance(job.spec, MemoryJobSpec)
         self.job, self.spec, self.cluster = job, job.spec, cluster
         self._router = MemoryRouter(
-            self._slot_map, cluster.cfg.rpc_timeout_s, cluster.cfg.max_message_bytes
+            self._slot_map, cluster.cfg.rpc_timeout_s, cluster.cfg.max_message_bytes,
+            security=cluster.clients.security,
         )
         self._last_progress = 0.0
 
     async def _slot_map(self) -> common_pb2.SlotMap:
         """The coordinator's current map, as ``GetSlotMap`` would return it."""
         c = self.cluster
-        return c.rebalancer.current.to_pb(
+        pb = c.rebalancer.current.to_pb(
             {w.name: w.address for w in c.membership.all()}, c.cfg.max_payload_bytes
         )
+        pb.max_batch_items = c.cfg.max_batch_items
+        return pb
 
     async def run(self) -> dict[str, Any]:
         """Load, iterate, and return the result document.

@@ -28,6 +28,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     result_json TEXT, error TEXT NOT NULL, created_at REAL NOT NULL, started_at REAL NOT NULL,
     finished_at REAL NOT NULL, workers_json TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS job_owners (job_id TEXT PRIMARY KEY, owner TEXT NOT NULL);
 """
 
 
@@ -88,11 +89,15 @@ class StateStore:
              json.dumps(job.result) if job.result is not None else None, job.error,
              job.created_at, job.started_at, job.finished_at, json.dumps(job.workers)),
         )
+        if job.owner:  # a separate table: databases of earlier versions need no migration
+            self._db.execute("INSERT OR IGNORE INTO job_owners VALUES (?, ?)",
+                             (job.job_id, job.owner))
 
     def load_jobs(self) -> list[JobRecord]:
         """Saved jobs in submission order; a job that was RUNNING comes back QUEUED (it is
         run again, a train job from its last checkpoint)."""
         out = []
+        owners = dict(self._db.execute("SELECT job_id, owner FROM job_owners").fetchall())
         for row in self._db.execute("SELECT * FROM jobs ORDER BY seq"):
             (job_id, seq, spec_json, state, result_json, error, created, started, finished,
              workers_json) = row
@@ -100,7 +105,8 @@ class StateStore:
                             state=JobState(state), error=error, created_at=created,
                             started_at=started, finished_at=finished,
                             workers=json.loads(workers_json),
-                            result=json.loads(result_json) if result_json else None)
+                            result=json.loads(result_json) if result_json else None,
+                            owner=owners.get(job_id, ""))
             if job.state is JobState.RUNNING:
                 job.state = JobState.QUEUED
                 job.created_at = _now()  # a fresh queue timeout for the re-run

@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
+
 from coordinator.jobs import JobFailed, JobNotFound, JobRecord, JobState, JobStore
 from coordinator.membership import Membership, WorkerRecord
 from shared.logging import get_logger
@@ -85,6 +87,8 @@ class Scheduler:
         task.add_done_callback(self._running.discard)
 
     async def _run_job(self, job: JobRecord, workers: list[WorkerRecord]) -> None:
+        # Every log line of this job's task (and the tasks it starts) carries its id.
+        structlog.contextvars.bind_contextvars(job_id=job.job_id)
         job.state = JobState.QUEUED  # let update() record the transition and started_at
         await self._jobs.update(job, state=JobState.RUNNING)
         log.info("job_started", job_id=job.job_id, kind=job.kind, workers=job.workers)

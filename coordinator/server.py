@@ -13,9 +13,12 @@ from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
 from shared import rpc
 from shared.config import CoordinatorConfig
+from shared.interceptors import RequestLogInterceptor
+from shared.limits import server_options
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import coordinator_pb2_grpc
+from shared.security import DaemonSecurity
 
 log = get_logger("coordinator.server")
 SERVICE_NAME = "neuroshard.v1.Coordinator"
@@ -27,11 +30,16 @@ class CoordinatorServer:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
         self.metrics = Metrics()
-        self.cluster = Cluster(cfg, self.metrics)
+        self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, "coordinator")
+        self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         self.health = health.aio.HealthServicer()
         self.server = aio.server(
-            interceptors=[rpc.MetricsInterceptor(self.metrics)],
-            options=rpc.message_options(cfg.max_message_bytes),
+            interceptors=[
+                RequestLogInterceptor(self.metrics),
+                *self.security.interceptors(),
+                rpc.MetricsInterceptor(self.metrics),
+            ],
+            options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(self.cluster), self.server
@@ -45,7 +53,7 @@ class CoordinatorServer:
     async def start(self) -> str:
         """Bind, start serving and the background tasks; return ``host:port`` actually bound."""
         host, _, _ = self.cfg.listen.rpartition(":")
-        port = self.server.add_insecure_port(self.cfg.listen)
+        port = self.security.add_port(self.server, self.cfg.listen)
         self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
         await self.server.start()
         if self.cfg.metrics_port is not None:
@@ -58,7 +66,8 @@ class CoordinatorServer:
             address=self.address,
             metrics_port=self.metrics_port,
             data_dir=self.cfg.data_dir,
-            transport="plaintext",
+            transport=self.security.transport,
+            auth=self.security.auth,
         )
         return self.address
 

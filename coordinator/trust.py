@@ -67,8 +67,9 @@ class SlotTrust:
                 self.untrusted.pop(name, None)
         return changed
 
-    async def verify(self, current: SlotMap, live: set[str], confirmed: set[str],
-                     seqs_of: SeqSource) -> bool:
+    async def verify(
+        self, current: SlotMap, live: set[str], confirmed: set[str], seqs_of: SeqSource
+    ) -> bool:
         """Decide the copies of every live unverified worker; return True if any was decided.
 
         Args:
@@ -100,10 +101,13 @@ class SlotTrust:
         # The restarted first: a running primary's seqs only grow, so reading them last
         # never makes a restarted copy that is level with it look ahead of it.
         seq: dict[tuple[str, int], int] = {}
-        for group in ([h for h in ask if h in self.unverified],
-                      [h for h in ask if h not in self.unverified]):
-            replies = await asyncio.gather(*(seqs_of(h, ask[h]) for h in group),
-                                           return_exceptions=True)
+        for group in (
+            [h for h in ask if h in self.unverified],
+            [h for h in ask if h not in self.unverified],
+        ):
+            replies = await asyncio.gather(
+                *(seqs_of(h, ask[h]) for h in group), return_exceptions=True
+            )
             for h, r in zip(group, replies, strict=True):
                 if isinstance(r, BaseException):
                     raise VerificationPending(f"{h} did not report its seqs: {r}") from None
@@ -115,16 +119,22 @@ class SlotTrust:
         return True
 
     def _decide(self, s: int, holders: list[str], seq: dict[tuple[str, int], int]) -> None:
-        running = [h for h in holders
-                   if h not in self.unverified and s not in self.untrusted.get(h, ())]
-        reference = max(seq[(h, s)] for h in (running or holders))
-        for h in holders:
+        """Untrust restarted copies of slot ``s`` that differ from the reference: the running
+        holder's seq, or the highest among restarted ones when none runs."""
+        candidates = [h for h in holders if s not in self.untrusted.get(h, ())]
+        running = [h for h in candidates if h not in self.unverified]
+        if not candidates:
+            return
+        reference = max(seq[(h, s)] for h in (running or candidates))
+        for h in candidates:
             if h in self.unverified and seq[(h, s)] != reference:
                 self.untrusted.setdefault(h, set()).add(s)
 
     def to_doc(self) -> dict[str, object]:
-        return {"untrusted": {n: sorted(s) for n, s in self.untrusted.items() if s},
-                "unverified": sorted(self.unverified)}
+        return {
+            "untrusted": {n: sorted(s) for n, s in self.untrusted.items() if s},
+            "unverified": sorted(self.unverified),
+        }
 
     def load_doc(self, doc: dict[str, object]) -> None:
         """Restore ``to_doc``'s output (or an older ``no_data`` list: whole workers)."""

@@ -14,6 +14,13 @@ from typing import Any
 
 import grpc
 
+from shared.cli_security import (
+    add_client_flags,
+    add_daemon_flags,
+    add_security_commands,
+    client_security_of,
+    daemon_overrides,
+)
 from shared.config import (
     ConfigError,
     CoordinatorConfig,
@@ -55,6 +62,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         listen=args.listen,
         data_dir=args.data_dir,
         metrics_port=args.metrics_port,
+        **daemon_overrides(args),
     )
     configure_logging(cfg.log)
     return _run_daemon(serve(cfg, args.ready_file))
@@ -73,6 +81,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         device=args.device,
         data_dir=args.data_dir,
         metrics_port=args.metrics_port,
+        **daemon_overrides(args),
     )
     configure_logging(cfg.log)
     return _run_daemon(serve(cfg, args.ready_file))
@@ -97,7 +106,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from shared.client import SyncClient
 
     spec = read_job_spec(args.spec)
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         job = client.submit(spec)
         if not args.follow:
             print(json.dumps(job.summary()) if args.json else job.job_id)
@@ -110,7 +119,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from shared.cli_output import print_status
     from shared.client import SyncClient
 
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         status = client.status()
     if args.json:
         print(json.dumps(status, indent=2))
@@ -123,7 +132,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     from shared.cli_output import print_jobs
     from shared.client import SyncClient
 
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         jobs = client.jobs()
     if args.json:
         print(json.dumps([j.summary() | {"workers": j.workers} for j in jobs], indent=2))
@@ -135,7 +144,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     from shared.client import SyncClient
 
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         job = client.cancel(args.job_id)
     print(f"{job.job_id} {job.state}")
     return EXIT_OK
@@ -144,15 +153,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from shared.cli_output import run_up
 
-    return run_up(args.workers, args.port, args.data_dir)
+    return run_up(args.workers, args.port, args.data_dir, secure=args.secure)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from shared.cli_output import run_demo
 
-    return run_demo(
-        args.workers, args.job or str(REPO_ROOT / "configs/jobs/digits-mlp.yaml"), as_json=args.json
-    )
+    job = args.job or str(REPO_ROOT / "configs/jobs/digits-mlp.yaml")
+    return run_demo(args.workers, job, as_json=args.json, secure=args.secure)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data-dir", help="directory for models and state")
     c.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
     c.add_argument("--ready-file", help=argparse.SUPPRESS)
+    add_daemon_flags(c)
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run a worker daemon")
@@ -179,18 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--data-dir", help="directory for slot data")
     w.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
     w.add_argument("--ready-file", help=argparse.SUPPRESS)
+    add_daemon_flags(w)
     w.set_defaults(func=cmd_worker)
 
     u = sub.add_parser("up", help="run a local cluster in the foreground (Ctrl-C stops it)")
     u.add_argument("--workers", type=int, default=3, help="number of workers (default 3)")
     u.add_argument("--port", type=int, default=50051, help="coordinator port (default 50051)")
     u.add_argument("--data-dir", help="data dir (default: a temporary directory)")
+    u.add_argument("--secure", action="store_true",
+                   help="mutual TLS and token auth (certificates and tokens in the data dir)")
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="local cluster of 3 workers, run the digits job, stop")
     d.add_argument("--workers", type=int, default=3)
     d.add_argument("--job", help="job YAML (default configs/jobs/digits-mlp.yaml)")
     d.add_argument("--json", action="store_true", help="print the result as JSON")
+    d.add_argument("--secure", action="store_true", help="with mutual TLS and token auth")
     d.set_defaults(func=cmd_demo)
 
     def client_parser(name: str, help_: str) -> argparse.ArgumentParser:
@@ -199,7 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
             "--coordinator",
             help="coordinator HOST:PORT (default $NEUROSHARD_COORDINATOR or localhost:50051)",
         )
+        add_client_flags(sp)
         return sp
+
+    add_security_commands(sub)
 
     s = client_parser("submit", "submit a job spec")
     s.add_argument("spec", help="job YAML, e.g. configs/jobs/digits-mlp.yaml")

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from shared.cli_security import add_client_flags, client_security_of
+
 EXIT_OK, EXIT_USAGE = 0, 2
 LOAD_BATCH = 100_000
 Command = Callable[[argparse.Namespace], int]
@@ -67,7 +69,9 @@ def cmd_load(args: argparse.Namespace) -> int:
         raise _UsageError(f"--batch: {args.batch} must be >= 1")
     ids, strengths = load_memories(args.file)
     t0 = time.perf_counter()
-    with SyncClient(args.coordinator) as client, _bar("loading", len(ids)) as advance:
+    security = client_security_of(args)
+    with SyncClient(args.coordinator, security=security) as client, \
+            _bar("loading", len(ids)) as advance:
         for start in range(0, len(ids), args.batch):
             end = min(start + args.batch, len(ids))
             client.upsert(ids[start:end], strengths[start:end])
@@ -99,7 +103,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     from shared.client import SyncClient
 
     ids = np.array([_uint64(t, "id") for t in args.ids], np.uint64)
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         found, strengths, _ = client.get(ids)
     rows = [
         {"id": int(i), "found": bool(f), "strength": float(s) if f else None}
@@ -121,7 +125,7 @@ def cmd_reinforce(args: argparse.Namespace) -> int:
     from shared.memory_files import load_reinforcements
 
     ids, boosts = load_reinforcements(args.file)
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         found = client.reinforce(ids, boosts)
     print(f"reinforced {found} of {len(ids)} accesses ({len(ids) - found} ids not stored)")
     return EXIT_OK
@@ -136,7 +140,7 @@ def cmd_decay(args: argparse.Namespace) -> int:
         rate = float(args.rate)
     except ValueError:
         raise _UsageError(f"rate: {args.rate!r} is not a number") from None
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         n = client.decay(rate)
     print(f"decayed {n} memories by {rate:g}")
     return EXIT_OK
@@ -147,7 +151,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """Quality statistics of all strengths and the slot figures of the cluster."""
     from shared.client import SyncClient
 
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         quality = client.quality()
         status = client.status()
     doc = {
@@ -204,7 +208,7 @@ def cmd_topk(args: argparse.Namespace) -> int:
     from shared.client import SyncClient
 
     k = _uint64(args.k, "k")
-    with SyncClient(args.coordinator) as client:
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
         ids, strengths = client.topk(k)
     top = [
         {"id": int(i), "strength": float(s)}
@@ -221,7 +225,8 @@ def cmd_topk(args: argparse.Namespace) -> int:
 def add_memory_commands(parser: argparse.ArgumentParser) -> None:
     """Add ``load``, ``get``, ``reinforce``, ``decay``, ``stats`` and ``topk`` under ``memory``.
 
-    ``--coordinator`` is accepted before or after the subcommand.
+    ``--coordinator`` and the TLS and token flags are accepted before or after the
+    subcommand.
     """
     sub = parser.add_subparsers(dest="memory_command", required=True, metavar="COMMAND")
 
@@ -232,6 +237,7 @@ def add_memory_commands(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help="coordinator HOST:PORT (default $NEUROSHARD_COORDINATOR or localhost:50051)",
         )
+        add_client_flags(sp, suppress=True)
         sp.set_defaults(func=func)
         return sp
 

@@ -6,13 +6,16 @@ import json
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from shared.client import JobInfo, SyncClient
+
+if TYPE_CHECKING:
+    from shared.dev_security import SecureSetup
 
 err_console = Console(stderr=True)
 out_console = Console()
@@ -115,21 +118,25 @@ def print_jobs(jobs: list[JobInfo]) -> None:
     out_console.print(table)
 
 
-def run_up(workers: int, port: int, data_dir: str | None) -> int:
-    """``neuroshard up``: a local cluster in the foreground until Ctrl-C or SIGTERM."""
+def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) -> int:
+    """``neuroshard up``: a local cluster in the foreground until Ctrl-C or SIGTERM; with
+    ``secure``, mutual TLS and tokens (files under the data dir, settings printed)."""
     from shared.local_cluster import LocalCluster
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    cluster = LocalCluster(workers, port=port, data_dir=data_dir)
+    cluster = LocalCluster(workers, port=port, data_dir=data_dir, secure=secure)
     try:
         address = cluster.start()
         err_console.print(
             f"neuroshard: coordinator at {address} with {workers} workers "
-            f"(plaintext); Ctrl-C stops the cluster"
+            f"({'mutual TLS, token auth' if secure else 'plaintext, no auth'}); "
+            "Ctrl-C stops the cluster"
         )
+        if cluster.secure is not None:
+            print_secure_settings(cluster.secure, address)
         print(address, flush=True)
         while True:
             for p in [cluster.coordinator, *cluster.workers]:
@@ -144,7 +151,17 @@ def run_up(workers: int, port: int, data_dir: str | None) -> int:
         cluster.stop()
 
 
-def run_demo(workers: int, job_path: str, as_json: bool) -> int:
+def print_secure_settings(setup: SecureSetup, address: str) -> None:
+    """Tell people how to reach a secure local cluster (on stderr)."""
+    err_console.print(
+        f"client settings: . {setup.env_file}\n"
+        f"  or: --coordinator {address} {setup.client_flags()}\n"
+        f"  admin token (cancel any job, drain workers): {setup.admin_token_file}",
+        highlight=False, soft_wrap=True,
+    )
+
+
+def run_demo(workers: int, job_path: str, as_json: bool, secure: bool = False) -> int:
     """``neuroshard demo``: start a local cluster, run one job, print the result, stop."""
     import tempfile
 
@@ -157,8 +174,9 @@ def run_demo(workers: int, job_path: str, as_json: bool) -> int:
         err_console.print(
             f"neuroshard demo: starting a coordinator and {workers} workers (logs in {tmp}/logs)"
         )
-        with LocalCluster(workers, data_dir=tmp, log_dir=f"{tmp}/logs") as cluster:
-            with SyncClient(cluster.address) as client:
+        with LocalCluster(workers, data_dir=tmp, log_dir=f"{tmp}/logs",
+                          secure=secure) as cluster:
+            with SyncClient(cluster.address, security=cluster.security) as client:
                 job = client.submit(spec)
                 err_console.print(f"submitted {job_path} as {job.job_id}")
                 final = follow_job(client, job, as_json=as_json)

@@ -26,6 +26,7 @@ from shared import rpc
 from shared.codec import f32_from_bytes, ids_from_bytes
 from shared.memory_client import MemoryRouter, RoutingError
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from shared.security import ChannelSecurity, explain_unavailable
 
 DEFAULT_ADDRESS = "localhost:50051"
 
@@ -43,10 +44,12 @@ class NeuroshardError(Exception):
         self.code = code
 
 
-def _error(exc: aio.AioRpcError, address: str) -> NeuroshardError:
+def _error(exc: aio.AioRpcError, address: str,
+           security: ChannelSecurity | None = None) -> NeuroshardError:
     code = exc.code()
     if code is grpc.StatusCode.UNAVAILABLE:
-        msg = f"cannot reach the coordinator at {address}: {exc.details()}"
+        details = explain_unavailable(exc.details() or "", security)
+        msg = f"cannot reach the coordinator at {address}: {details}"
     elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
         msg = f"the coordinator at {address} did not answer in time"
     else:
@@ -107,13 +110,18 @@ class Client:
         address: str | None = None,
         timeout_s: float = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        security: ChannelSecurity | None = None,
     ) -> None:
+        """``security``: TLS files and token (``shared.security.client_security``); None is
+        plaintext without a token."""
         self.address = address or default_address()
         self.timeout_s = timeout_s
         self._max_message_bytes = max_message_bytes
-        self._channel = rpc.channel(self.address, max_message_bytes)
+        self._security = security
+        self._channel = rpc.channel(self.address, max_message_bytes, security)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._router = MemoryRouter(self._stub, timeout_s, max_message_bytes)
+        self._router = MemoryRouter(self._stub, timeout_s, max_message_bytes,
+                                    security=security)
 
     async def __aenter__(self) -> Client:
         return self
@@ -129,7 +137,7 @@ class Client:
         try:
             return await getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except aio.AioRpcError as exc:
-            raise _error(exc, self.address) from None
+            raise _error(exc, self.address, self._security) from None
 
     async def submit(self, spec: dict[str, Any]) -> JobInfo:
         """Submit a job spec (a dict as in configs/jobs/*.yaml).
@@ -169,7 +177,7 @@ class Client:
             async for event in call:
                 yield JobInfo.from_pb(event.job), json.loads(event.progress_json or "{}")
         except aio.AioRpcError as exc:
-            raise _error(exc, self.address) from None
+            raise _error(exc, self.address, self._security) from None
 
     async def wait(self, job_id: str) -> JobInfo:
         """Block until the job finishes; return its final state."""
@@ -213,7 +221,7 @@ class Client:
         except RoutingError as exc:
             raise NeuroshardError(str(exc), exc.code) from None
         except aio.AioRpcError as exc:
-            raise _error(exc, self.address) from None
+            raise _error(exc, self.address, self._security) from None
 
     async def _payload_limit(self) -> int:
         return int((await self._routed(self._router.slot_map())).max_payload_bytes)
@@ -331,13 +339,15 @@ class Client:
 class SyncClient:
     """Blocking wrapper of ``Client`` for scripts: same methods, no ``await``."""
 
-    def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str | None = None, timeout_s: float = 30.0,
+                 security: ChannelSecurity | None = None) -> None:
         self._runner = asyncio.Runner()
-        self._client = self._runner.run(self._make(address, timeout_s))
+        self._client = self._runner.run(self._make(address, timeout_s, security))
 
     @staticmethod
-    async def _make(address: str | None, timeout_s: float) -> Client:
-        return Client(address, timeout_s)
+    async def _make(address: str | None, timeout_s: float,
+                    security: ChannelSecurity | None) -> Client:
+        return Client(address, timeout_s, security=security)
 
     def __enter__(self) -> SyncClient:
         return self

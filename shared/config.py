@@ -49,6 +49,38 @@ class LogConfig(_Model):
     )
 
 
+class TlsConfig(_Model):
+    """Mutual TLS: this daemon's certificate and the CA that signs every peer's."""
+
+    ca_file: str = Field(
+        description="PEM CA certificate; peers (servers and clients) must be signed by it."
+    )
+    cert_file: str = Field(
+        description="PEM certificate of this daemon (server and client auth; "
+        "`neuroshard certs` makes one)."
+    )
+    key_file: str = Field(description="PEM private key of cert_file.")
+    server_name: str | None = Field(
+        None,
+        description="Name expected in the servers' certificates instead of the host dialed "
+        "(e.g. one certificate shared by every pod).",
+    )
+
+
+class AuthConfig(_Model):
+    """Bearer-token (JWT, HS256) authentication with roles."""
+
+    secret_file: str = Field(
+        description="File holding the HS256 secret (at least 32 bytes) that signs and "
+        "verifies tokens; the same on every daemon."
+    )
+    token_file: str | None = Field(
+        None,
+        description="Token this daemon presents to the others (role worker or admin); "
+        "default: one it signs itself with role worker.",
+    )
+
+
 class CoordinatorConfig(_Model):
     """The coordinator daemon (configs/coordinator.yaml)."""
 
@@ -87,6 +119,29 @@ class CoordinatorConfig(_Model):
         1024 * 1024, ge=1024, description="Tensors larger than this are streamed in chunks, bytes."
     )
     grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
+    max_batch_items: int = Field(
+        1 << 20, ge=1, le=1 << 26,
+        description="Most ids clients put in one keyed memory request (upsert, get, delete, "
+        "reinforce): published in the slot map, clients split larger batches; keep it equal "
+        "to the workers' max_batch_items.",
+    )
+    max_jobs_per_client: int = Field(
+        100, ge=1,
+        description="Queued plus running jobs one token subject may have (all clients "
+        "together without auth); more is RESOURCE_EXHAUSTED.",
+    )
+    max_concurrent_streams: int = Field(
+        1024, ge=1,
+        description="Concurrent RPCs per client connection (grpc.max_concurrent_streams); "
+        "more wait for a free one.",
+    )
+    tls: TlsConfig | None = Field(
+        None, description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: "
+        "plaintext."
+    )
+    auth: AuthConfig | None = Field(
+        None, description="{secret_file, token_file}: require tokens; null: no auth."
+    )
     log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
 
     _check_listen = field_validator("listen")(classmethod(lambda cls, v: _host_port(v)))
@@ -159,6 +214,23 @@ class WorkerConfig(_Model):
         60.0, ge=0, description="On SIGTERM, seconds to wait for the slots to be handed over."
     )
     grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
+    max_batch_items: int = Field(
+        1 << 20, ge=1, le=1 << 26,
+        description="Most ids one keyed memory request (upsert, get, delete, reinforce) may "
+        "carry; more is INVALID_ARGUMENT.",
+    )
+    max_concurrent_streams: int = Field(
+        1024, ge=1,
+        description="Concurrent RPCs per client connection (grpc.max_concurrent_streams); "
+        "more wait for a free one.",
+    )
+    tls: TlsConfig | None = Field(
+        None, description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: "
+        "plaintext."
+    )
+    auth: AuthConfig | None = Field(
+        None, description="{secret_file, token_file}: require tokens; null: no auth."
+    )
     log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
 
     _check_addr = field_validator("coordinator", "listen")(

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.client import NeuroshardError, SyncClient
+from shared.dev_security import SecureSetup, prepare
+from shared.security import ChannelSecurity
 
 
 class ClusterStartError(RuntimeError):
@@ -34,7 +36,10 @@ class LocalCluster:
         log_dir: str | Path | None = None,
         coordinator_args: list[str] | None = None,
         worker_args: list[str] | None = None,
+        secure: bool = False,
     ) -> None:
+        """``secure``: mutual TLS and token auth with material generated under the data dir
+        (``shared.dev_security``); ``self.security`` is then the admin's client security."""
         self.n_workers = workers
         self.port = port
         self._tmp = tempfile.TemporaryDirectory(prefix="neuroshard-") if data_dir is None else None
@@ -42,6 +47,13 @@ class LocalCluster:
         self.log_dir = Path(log_dir) if log_dir else None
         self._coordinator_args = coordinator_args or []
         self._worker_args = worker_args or []
+        self.secure: SecureSetup | None = None
+        self.security: ChannelSecurity | None = None
+        if secure:
+            self.secure = prepare(self.data_dir)
+            self.security = self.secure.client_security(admin=True)
+            self._coordinator_args += self.secure.daemon_args()
+            self._worker_args += self.secure.daemon_args()
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[Any]] = []
@@ -68,6 +80,8 @@ class LocalCluster:
         for i in range(self.n_workers):
             self.add_worker(f"worker-{i}")
         self.wait_workers(self.n_workers, deadline)
+        if self.secure is not None:
+            self.secure.write_env(self.address)
         return self.address
 
     def _start_coordinator(self, port: int, deadline: float) -> str:
@@ -124,7 +138,7 @@ class LocalCluster:
 
     def wait_workers(self, n: int, deadline: float) -> None:
         """Poll the coordinator until ``n`` workers are ALIVE."""
-        with SyncClient(self.address, timeout_s=5.0) as client:
+        with SyncClient(self.address, timeout_s=5.0, security=self.security) as client:
             while True:
                 self._check_alive(deadline)
                 try:

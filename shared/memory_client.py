@@ -20,7 +20,9 @@ import numpy as np
 from grpc import aio
 
 from shared.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.limits import split_parts
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from shared.security import ChannelSecurity
 from shared.slots import group_by_slot, slot_of
 from shared.worker_clients import WorkerClients
 
@@ -45,9 +47,11 @@ class MemoryRouter:
     """Routes keyed operations with a cached slot map (refreshed when a worker says so)."""
 
     def __init__(self, coordinator: coordinator_pb2_grpc.CoordinatorStub | SlotMapSource,
-                 timeout_s: float, max_message_bytes: int, retry_budget_s: float = 30.0) -> None:
+                 timeout_s: float, max_message_bytes: int, retry_budget_s: float = 30.0,
+                 security: ChannelSecurity | None = None) -> None:
         """Route with maps from a coordinator stub (``GetSlotMap``) or, inside the
-        coordinator itself, from an async function returning the current map."""
+        coordinator itself, from an async function returning the current map; worker
+        channels use ``security`` (TLS, token)."""
         if isinstance(coordinator, coordinator_pb2_grpc.CoordinatorStub):
             stub = coordinator
 
@@ -58,7 +62,7 @@ class MemoryRouter:
             coordinator = fetch
         self._fetch_map: SlotMapSource = coordinator
         self._timeout_s = timeout_s
-        self._workers = WorkerClients(max_message_bytes)
+        self._workers = WorkerClients(max_message_bytes, security)
         self._map: common_pb2.SlotMap | None = None
         self._retry_budget_s = retry_budget_s
 
@@ -108,6 +112,8 @@ class MemoryRouter:
         order, owners, bounds = group_by_slot(owner)
         parts = [pending[order[bounds[g]:bounds[g + 1]]] for g in range(len(owners))]
         calls = []
+        if m.max_batch_items:  # workers refuse larger requests (INVALID_ARGUMENT)
+            owners, parts = split_parts(owners, parts, m.max_batch_items)
         for w, part in zip(owners.tolist(), parts, strict=True):
             if w < 0:
                 calls.append(_unassigned())

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc import aio
 
 from shared.metrics import Metrics
+
+if TYPE_CHECKING:
+    from shared.security import ChannelSecurity
 
 # Retry only UNAVAILABLE, with jittered exponential backoff (gRPC's built-in retry policy,
 # https://github.com/grpc/proposal/blob/master/A6-client-retries.md).
@@ -40,17 +43,23 @@ def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> aio.Channel:
-    """An insecure grpc.aio channel with retries of UNAVAILABLE on the coordinator service."""
-    return aio.insecure_channel(
-        address,
-        options=[
-            *message_options(max_message_bytes),
-            ("grpc.service_config", _SERVICE_CONFIG),
-            ("grpc.enable_retries", 1),
-            ("grpc.keepalive_time_ms", 30_000),
-        ],
-    )
+def channel(
+    address: str,
+    max_message_bytes: int = 64 * 1024 * 1024,
+    security: ChannelSecurity | None = None,
+) -> aio.Channel:
+    """A grpc.aio channel with retries of UNAVAILABLE on the coordinator service: plaintext
+    without ``security``, else mutual TLS and/or a bearer token as it says. Every channel of
+    the code base is made here."""
+    options = [
+        *message_options(max_message_bytes),
+        ("grpc.service_config", _SERVICE_CONFIG),
+        ("grpc.enable_retries", 1),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]
+    if security is None:
+        return aio.insecure_channel(address, options=options)
+    return security.open(address, options)
 
 
 def _method_name(full: str) -> str:

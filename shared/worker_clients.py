@@ -3,17 +3,23 @@ primaries forwarding to replicas, and by the client)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from grpc import aio
 
 from shared import rpc
 from shared.proto import worker_pb2_grpc
 
+if TYPE_CHECKING:
+    from shared.security import ChannelSecurity
+
 
 class WorkerClients:
     """A cache of ``WorkerStub``s keyed by worker name; a new address replaces the channel."""
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(self, max_message_bytes: int, security: ChannelSecurity | None = None) -> None:
         self._max_message_bytes = max_message_bytes
+        self.security = security  # TLS and token of every channel opened here
         self._by_name: dict[str, tuple[str, aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._closing: list[aio.Channel] = []
 
@@ -23,7 +29,7 @@ class WorkerClients:
             return cached[2]
         if cached is not None:
             self._closing.append(cached[1])
-        ch = rpc.channel(address, self._max_message_bytes)
+        ch = rpc.channel(address, self._max_message_bytes, self.security)
         stub = worker_pb2_grpc.WorkerStub(ch)
         self._by_name[name] = (address, ch, stub)
         return stub

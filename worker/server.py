@@ -15,9 +15,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared import rpc
 from shared.config import WorkerConfig
+from shared.interceptors import RequestLogInterceptor
+from shared.limits import BatchLimitInterceptor, server_options
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shared.security import DaemonSecurity
 from shared.worker_clients import WorkerClients
 from worker import kernels
 from worker.journal import Journal, JournalError, lock_data_dir, recover
@@ -41,18 +44,26 @@ class WorkerServer:
         self.metrics = Metrics()
         self.sessions = TrainingSessions(cfg.torch_threads)
         self.health = health.aio.HealthServicer()
+        self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
         self.server = aio.server(
-            interceptors=[rpc.MetricsInterceptor(self.metrics)],
-            options=rpc.message_options(cfg.max_message_bytes),
+            interceptors=[
+                RequestLogInterceptor(self.metrics, worker_name=self.name),
+                *self.security.interceptors(),
+                BatchLimitInterceptor(cfg.max_batch_items),
+                rpc.MetricsInterceptor(self.metrics),
+            ],
+            options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
-        self.peers = WorkerClients(cfg.max_message_bytes)
+        self.peers = WorkerClients(cfg.max_message_bytes, self.security.channel)
         self.servicer = WorkerServicer(
             self.sessions, cfg.chunk_bytes, self.peers, cfg.rpc_timeout_s
         )
         self.servicer.ensure_node = self.ensure_node
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.coordinator_channel = rpc.channel(cfg.coordinator, cfg.max_message_bytes)
+        self.coordinator_channel = rpc.channel(
+            cfg.coordinator, cfg.max_message_bytes, self.security.channel
+        )
         self.address = ""
         self.data_dir = Path(cfg.data_dir)
         self._data_lock = -1  # fd holding the data dir's lock until a journal owns it
@@ -75,7 +86,7 @@ class WorkerServer:
             self._release_data_dir()
             raise
         host, _, _ = self.cfg.listen.rpartition(":")
-        port = self.server.add_insecure_port(self.cfg.listen)
+        port = self.security.add_port(self.server, self.cfg.listen)
         adv = self.cfg.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]") else host)
         self.address = f"{adv}:{port}"
         await self.server.start()
@@ -101,7 +112,8 @@ class WorkerServer:
             address=self.address,
             coordinator=self.cfg.coordinator,
             device=self.device,
-            transport="plaintext",
+            transport=self.security.transport,
+            auth=self.security.auth,
         )
         return self.address
 

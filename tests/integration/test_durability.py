@@ -49,12 +49,15 @@ async def crash_coordinator(cluster: InProcessCluster) -> None:
 async def settled(cluster: InProcessCluster, workers: int) -> None:
     coord = cluster.coordinator.cluster
     await cluster.wait_alive(workers)
-    await wait_until(lambda: coord.rebalancer.settled.is_set()
-                     and not coord.rebalancer.trust.unverified
-                     and coord.slot_summary()["under_replicated_slots"] == 0
-                     and all(w._epoch() == coord.rebalancer.current.epoch
-                             for w in cluster.workers),
-                     what="a settled, fully replicated map on every worker")
+    await wait_until(
+        lambda: (
+            coord.rebalancer.settled.is_set()
+            and not coord.rebalancer.trust.unverified
+            and coord.slot_summary()["under_replicated_slots"] == 0
+            and all(w._epoch() == coord.rebalancer.current.epoch for w in cluster.workers)
+        ),
+        what="a settled, fully replicated map on every worker",
+    )
 
 
 async def load(cluster: InProcessCluster, n: int = 5000):
@@ -70,8 +73,13 @@ async def load(cluster: InProcessCluster, n: int = 5000):
 
 
 async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make_cluster):
-    cluster = await make_cluster(workers=3, slots=S, heartbeat_interval_s=0.1,
-                                 heartbeat_timeout_s=10.0, worker_overrides=DURABLE)
+    cluster = await make_cluster(
+        workers=3,
+        slots=S,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=10.0,
+        worker_overrides=DURABLE,
+    )
     client, ref, ids = await load(cluster)
     await settled(cluster, 3)
     coord = cluster.coordinator.cluster
@@ -86,8 +94,10 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make
     await crash_worker(cluster, "worker-1")
     writer = Writer(client, ref, ids)
     task = asyncio.create_task(writer.run())
-    await wait_until(lambda: coord.rebalancer.trust.untrusted.get("worker-1"),
-                     what="a primary reporting the copies it can no longer update")
+    await wait_until(
+        lambda: coord.rebalancer.trust.untrusted.get("worker-1"),
+        what="a primary reporting the copies it can no longer update",
+    )
     restarted = await cluster.add_worker("worker-1")
     await settled(cluster, 3)
     acked = writer.acked
@@ -104,8 +114,13 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make
 
 
 async def test_full_cluster_restart_loses_no_acknowledged_write(make_cluster, tmp_path):
-    cluster = await make_cluster(workers=3, slots=S, heartbeat_interval_s=0.1,
-                                 heartbeat_timeout_s=10.0, worker_overrides=DURABLE)
+    cluster = await make_cluster(
+        workers=3,
+        slots=S,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=10.0,
+        worker_overrides=DURABLE,
+    )
     client, ref, ids = await load(cluster)
     writer = Writer(client, ref, ids)
     task = asyncio.create_task(writer.run())
@@ -121,9 +136,17 @@ async def test_full_cluster_restart_loses_no_acknowledged_write(make_cluster, tm
     for name in [w.name for w in cluster.workers]:
         await crash_worker(cluster, name)
     await crash_coordinator(cluster)
-    coordinator = CoordinatorServer(CoordinatorConfig(
-        listen="127.0.0.1:0", data_dir=str(tmp_path / "coord"), metrics_port=None, slots=S,
-        grace_s=0.5, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0))
+    coordinator = CoordinatorServer(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            data_dir=str(tmp_path / "coord"),
+            metrics_port=None,
+            slots=S,
+            grace_s=0.5,
+            heartbeat_interval_s=0.1,
+            heartbeat_timeout_s=10.0,
+        )
+    )
     cluster.coordinator, cluster.address = coordinator, await coordinator.start()
     for name in ("worker-2", "worker-0", "worker-1"):
         await cluster.add_worker(name)
@@ -139,8 +162,13 @@ async def test_full_cluster_restart_loses_no_acknowledged_write(make_cluster, tm
 
 
 async def test_slots_on_dead_workers_wait_for_them(make_cluster):
-    cluster = await make_cluster(workers=2, slots=S, heartbeat_interval_s=0.1,
-                                 heartbeat_timeout_s=0.6, worker_overrides=DURABLE)
+    cluster = await make_cluster(
+        workers=2,
+        slots=S,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=0.6,
+        worker_overrides=DURABLE,
+    )
     client, ref, _ = await load(cluster, 2000)
     await settled(cluster, 2)
     coord = cluster.coordinator.cluster
@@ -166,5 +194,7 @@ async def test_data_dir_of_another_slot_count_stops_the_worker(make_cluster, tmp
     w = await cluster.add_worker("worker-x")
     await wait_until(w.failed.is_set, what="the worker giving up")
 
-    assert w.error == (f"data_dir {data_dir} holds {2 * S} slots but the coordinator at "
-                       f"{cluster.address} has {S}; use another data_dir")
+    assert w.error == (
+        f"data_dir {data_dir} holds {2 * S} slots but the coordinator at "
+        f"{cluster.address} has {S}; use another data_dir"
+    )

@@ -1,0 +1,145 @@
+"""Server interceptors that run code around each RPC, and the per-RPC request log.
+
+``wrap_handler`` turns an ``RpcMethodHandler`` of any of the four kinds into one whose behavior
+runs inside an async context manager ``around(request, context)`` (``request`` is None for
+client-streaming RPCs). The context manager may abort the RPC on entry and sees its outcome
+on exit; it runs in the RPC's own task, so context variables it sets (structlog's, the
+caller's ``Principal``) are visible to the servicer and to log lines of that RPC.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import grpc
+import structlog
+from grpc import aio
+
+from shared.logging import get_logger
+from shared.metrics import Metrics
+
+Around = Callable[[Any, aio.ServicerContext], AbstractAsyncContextManager[None]]
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+HEALTH_PREFIX = "/grpc.health."
+
+log = get_logger("rpc")
+
+
+def method_name(full: str) -> str:
+    """``/neuroshard.v1.Worker/Upsert`` -> ``Upsert``."""
+    return full.rsplit("/", 1)[-1]
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandler:
+    """The same handler with its behavior run inside ``around(request, context)``."""
+    if handler.unary_unary is not None:
+        uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: aio.ServicerContext) -> Any:
+            async with around(request, context):
+                return await uu(request, context)
+
+        return handler._replace(unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
+    if handler.unary_stream is not None:
+        us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            async with around(request, context):
+                async for reply in us(request, context):
+                    yield reply
+
+        return handler._replace(unary_stream=unary_stream)  # type: ignore[attr-defined,no-any-return]
+    if handler.stream_unary is not None:
+        su = handler.stream_unary
+
+        async def stream_unary(requests: Any, context: aio.ServicerContext) -> Any:
+            async with around(None, context):
+                return await su(requests, context)
+
+        return handler._replace(stream_unary=stream_unary)  # type: ignore[attr-defined,no-any-return]
+    ss = handler.stream_stream
+
+    async def stream_stream(requests: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        async with around(None, context):
+            async for reply in ss(requests, context):
+                yield reply
+
+    return handler._replace(stream_stream=stream_stream)  # type: ignore[attr-defined,no-any-return]
+
+
+def status_of(context: aio.ServicerContext, exc: BaseException | None) -> str:
+    """The final status name of an RPC: the aborted/set code, UNKNOWN for an exception that
+    escaped the servicer, CANCELLED when the caller went away, OK otherwise."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int) and code:  # grpc.aio may report the numeric value
+        return next((c.name for c in grpc.StatusCode if c.value[0] == code), "UNKNOWN")
+    if exc is None:
+        return "OK"
+    return "CANCELLED" if type(exc).__name__ == "CancelledError" else "UNKNOWN"
+
+
+class RequestLogInterceptor(aio.ServerInterceptor):
+    """Log every RPC at debug level (``rpc_served``: method, peer, subject, role, status,
+    duration_ms) and count it in ``neuroshard_rpcs_total{method,code}``.
+
+    Binds structlog context variables for the RPC's task: ``rpc`` (method), ``worker`` (this
+    worker's name on a worker; the request's ``name`` on the coordinator) and ``job_id`` when
+    the request carries one, so every log line the servicer writes carries them too.
+    """
+
+    def __init__(self, metrics: Metrics, worker_name: str | None = None) -> None:
+        self._metrics = metrics
+        self._worker_name = worker_name
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        full = handler_call_details.method
+        if handler is None or full.startswith(HEALTH_PREFIX):
+            return handler
+        return wrap_handler(handler, self._around_for(method_name(full)))
+
+    def _bind(self, method: str, request: Any) -> None:
+        fields: dict[str, Any] = {"rpc": method}
+        worker = self._worker_name
+        if worker is None and request is not None:
+            worker = getattr(request, "name", "")
+        if worker and isinstance(worker, str):
+            fields["worker"] = worker
+        job_id = getattr(request, "job_id", "")
+        if job_id:
+            fields["job_id"] = job_id
+        structlog.contextvars.bind_contextvars(**fields)
+
+    def _around_for(self, method: str) -> Around:
+        from shared.auth import current_principal
+
+        counter = self._metrics.rpcs
+
+        @asynccontextmanager
+        async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
+            self._bind(method, request)
+            start = time.perf_counter()
+            exc: BaseException | None = None
+            try:
+                yield
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                code = status_of(context, exc)
+                counter.labels(method, code).inc()
+                p = current_principal()
+                log.debug(
+                    "rpc_served", method=method, peer=context.peer(), status=code,
+                    subject=p.subject if p else None, role=p.role if p else None,
+                    duration_ms=round((time.perf_counter() - start) * 1e3, 3),
+                )
+
+        return around

@@ -1,0 +1,94 @@
+"""Request limits enforced by the servers.
+
+- ``max_message_bytes`` (both daemons): gRPC refuses larger messages with RESOURCE_EXHAUSTED.
+- ``max_concurrent_streams`` (both daemons): HTTP/2 ``SETTINGS_MAX_CONCURRENT_STREAMS``; a
+  client connection's RPCs beyond it wait for a free stream (they are not refused).
+- ``max_batch_items``: a worker refuses a keyed memory request (Upsert, Get, Delete,
+  Reinforce) carrying more ids than its own value with INVALID_ARGUMENT; the coordinator
+  publishes its value in the slot map (``GetSlotMap``) and ``MemoryRouter`` splits larger
+  batches to it, so clients do not send one (keep both values equal).
+- ``max_jobs_per_client`` (coordinator): checked by ``Cluster.submit`` (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from shared.interceptors import Continuation, wrap_handler
+
+DEFAULT_MAX_BATCH_ITEMS = 1 << 20
+_KEYED = {"/neuroshard.v1.Worker/" + m for m in ("Upsert", "Get", "Delete", "Reinforce")}
+
+
+def server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, Any]]:
+    """``aio.server`` options: message size limits and concurrent streams per connection."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_concurrent_streams", max_concurrent_streams),
+    ]
+
+
+def batch_error(items: int, limit: int, field: str = "ids") -> str | None:
+    """The refusal message for a batch of ``items`` over ``limit`` (None when within it)."""
+    if items <= limit:
+        return None
+    return (f"{field}: {items} items exceed max_batch_items {limit}; "
+            "split the batch (the Python client does)")
+
+
+def split(positions: Any, limit: int) -> list[Any]:
+    """``positions`` ([n] array) in consecutive pieces of at most ``limit`` (0: no limit)."""
+    if not limit or len(positions) <= limit:
+        return [positions]
+    return [positions[i : i + limit] for i in range(0, len(positions), limit)]
+
+
+class BatchLimitInterceptor(aio.ServerInterceptor):
+    """On a worker: refuse keyed memory requests with more than ``limit`` ids
+    (INVALID_ARGUMENT, before any work)."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_BATCH_ITEMS) -> None:
+        self.limit = limit
+
+    async def intercept_service(
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method not in _KEYED:
+            return handler
+
+        @asynccontextmanager
+        async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
+            error = batch_error(len(request.ids) // 8, self.limit)
+            if error is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            yield
+
+        return wrap_handler(handler, around)
+
+
+def split_parts(owners: Any, parts: list[Any], limit: int) -> tuple[Any, list[Any]]:
+    """Cut each owner's part of a routed batch into pieces of at most ``limit`` positions.
+
+    Args:
+        owners: [G] int64 worker index of each part.
+        parts: G arrays of positions.
+        limit: most positions per piece (the cluster's ``max_batch_items``).
+
+    Returns:
+        ([G'] int64 owners, G' arrays), G' >= G, in the same order.
+    """
+    import numpy as np
+
+    if all(len(p) <= limit for p in parts):
+        return owners, parts
+    pieces = [(w, piece) for w, p in zip(owners.tolist(), parts, strict=True)
+              for piece in split(p, limit)]
+    return np.array([w for w, _ in pieces], np.int64), [p for _, p in pieces]

@@ -1,0 +1,243 @@
+"""Transport security of every connection: mutual TLS credentials and bearer tokens.
+
+A daemon builds one ``DaemonSecurity`` from its config (``tls``, ``auth``): its server port
+(TLS that requires client certificates signed by the CA, or plaintext), its server
+interceptor (token check), and the ``ChannelSecurity`` of every channel it opens (to the
+coordinator, to peer workers: TLS with its own certificate, and a ``worker`` token). The client
+builds a ``ChannelSecurity`` from ``--tls-ca/--tls-cert/--tls-key`` and ``--token`` flags.
+Every channel goes through ``shared.rpc.channel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from grpc import aio
+
+from shared.config import AuthConfig, ConfigError, TlsConfig
+from shared.tokens import SecretError, TokenSource, read_secret
+
+_TLS_HINT = ("the server may require TLS (pass --tls-ca, --tls-cert and --tls-key) or refuse "
+             "this certificate")
+_TLS_SIGNS = ("ssl", "handshake", "certificate", "socket closed", "connection reset", "tls")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM bytes of a CA certificate, a certificate and its private key."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @classmethod
+    def load(cls, ca_file: str, cert_file: str, key_file: str,
+             names: tuple[str, str, str] = ("tls.ca_file", "tls.cert_file", "tls.key_file"),
+             ) -> TlsFiles:
+        """Read and check the three files (the key must belong to the certificate).
+
+        Raises:
+            ConfigError: a file is missing or not PEM of the right kind (names the field).
+        """
+        ca_name, cert_name, key_name = names
+        ca, cert = _read(ca_name, ca_file), _read(cert_name, cert_file)
+        key = _read(key_name, key_file)
+        try:
+            x509.load_pem_x509_certificates(ca)
+        except ValueError:
+            raise ConfigError(f"{ca_name}: {ca_file} is not a PEM certificate") from None
+        try:
+            leaf = x509.load_pem_x509_certificates(cert)[0]
+        except ValueError:
+            raise ConfigError(f"{cert_name}: {cert_file} is not a PEM certificate") from None
+        try:
+            private = serialization.load_pem_private_key(key, password=None)
+        except (ValueError, TypeError):
+            raise ConfigError(
+                f"{key_name}: {key_file} is not an unencrypted PEM private key") from None
+        if _public_der(private.public_key()) != _public_der(leaf.public_key()):
+            raise ConfigError(f"{key_name}: {key_file} is not the key of {cert_file}")
+        return cls(ca, cert, key)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Server side: present the certificate, require a client certificate from the CA."""
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Client side: trust only the CA, present the certificate."""
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+
+def _public_der(key: Any) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER,  # type: ignore[no-any-return]
+                            serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _read(field_name: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{field_name}: {path}: {exc.strerror or exc}") from None
+
+
+class _TokenMetadata:
+    """Adds ``authorization: Bearer <token>`` to the call details of every call."""
+
+    def __init__(self, token: Callable[[], str]) -> None:
+        self._token = token
+
+    def _details(self, d: aio.ClientCallDetails) -> aio.ClientCallDetails:
+        md = aio.Metadata(*tuple(d.metadata or ()))
+        md.add("authorization", f"Bearer {self._token()}")
+        return aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+
+
+# grpc.aio files a channel's interceptor under the first of the four kinds it is an instance
+# of, so each kind needs an interceptor object of its own.
+class _UnaryUnaryToken(_TokenMetadata, aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _UnaryStreamToken(_TokenMetadata, aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+
+class _StreamUnaryToken(_TokenMetadata, aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+class _StreamStreamToken(_TokenMetadata, aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any,
+                                      requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
+def token_interceptors(token: Callable[[], str]) -> list[aio.ClientInterceptor]:
+    """Client interceptors adding the bearer token to calls of all four kinds."""
+    kinds = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
+    return [k(token) for k in kinds]
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How a process dials: TLS files (None: plaintext), the token it presents (None: none),
+    and the name expected in server certificates (None: the host dialed)."""
+
+    tls: TlsFiles | None = None
+    token: TokenSource | None = None
+    server_name: str | None = None
+    _creds: list[grpc.ChannelCredentials] = field(default_factory=list, repr=False,
+                                                  compare=False)
+
+    def open(self, address: str, options: list[tuple[str, Any]]) -> aio.Channel:
+        """A grpc.aio channel to ``address`` with this security and ``options``."""
+        interceptors = token_interceptors(self.token) if self.token is not None else None
+        if self.tls is None:
+            return aio.insecure_channel(address, options=options, interceptors=interceptors)
+        if not self._creds:  # one credentials object for every channel of the process
+            self._creds.append(self.tls.channel_credentials())
+        if self.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
+        return aio.secure_channel(address, self._creds[0], options=options,
+                                  interceptors=interceptors)
+
+
+PLAINTEXT = ChannelSecurity()
+
+
+def explain_unavailable(details: str, security: ChannelSecurity | None) -> str:
+    """Add a hint to an UNAVAILABLE error that looks like a TLS mismatch."""
+    text = details or "unavailable"
+    if any(sign in text.lower() for sign in _TLS_SIGNS):
+        if security is None or security.tls is None:
+            return f"{text} ({_TLS_HINT})"
+        return f"{text} (TLS handshake failed: check that both sides use the same CA)"
+    return text
+
+
+@dataclass
+class DaemonSecurity:
+    """A daemon's security, from its ``tls`` and ``auth`` config sections."""
+
+    tls: TlsFiles | None
+    secret: bytes | None
+    channel: ChannelSecurity
+
+    @classmethod
+    def from_config(cls, tls: TlsConfig | None, auth: AuthConfig | None,
+                    subject: str) -> DaemonSecurity:
+        """Load the files; the daemon's own token is ``auth.token_file`` or a ``worker``
+        token for ``subject`` it signs itself (1 h, renewed at half-life).
+
+        Raises:
+            ConfigError: a file is missing or invalid (names the field).
+        """
+        files = None if tls is None else TlsFiles.load(tls.ca_file, tls.cert_file, tls.key_file)
+        secret, token = None, None
+        if auth is not None:
+            try:
+                secret = read_secret(auth.secret_file)
+                token = (TokenSource.from_file(auth.token_file) if auth.token_file
+                         else TokenSource(secret=secret, role="worker", subject=subject))
+            except SecretError as exc:
+                raise ConfigError(f"auth.{exc}") from None
+        server_name = tls.server_name if tls is not None else None
+        return cls(files, secret, ChannelSecurity(files, token, server_name))
+
+    @property
+    def transport(self) -> str:
+        """``mtls`` or ``plaintext`` (logged at start)."""
+        return "plaintext" if self.tls is None else "mtls"
+
+    @property
+    def auth(self) -> str:
+        """``token`` or ``none`` (logged at start)."""
+        return "none" if self.secret is None else "token"
+
+    def interceptors(self) -> list[aio.ServerInterceptor]:
+        """The token check, when auth is configured."""
+        from shared.auth import AuthInterceptor
+
+        return [] if self.secret is None else [AuthInterceptor(self.secret)]
+
+    def add_port(self, server: aio.Server, listen: str) -> int:
+        """Bind ``listen`` (TLS or plaintext); return the port bound."""
+        if self.tls is None:
+            return server.add_insecure_port(listen)
+        return server.add_secure_port(listen, self.tls.server_credentials())
+
+
+def client_security(tls_ca: str | None = None, tls_cert: str | None = None,
+                    tls_key: str | None = None, token: str | None = None,
+                    token_file: str | None = None, server_name: str | None = None
+                    ) -> ChannelSecurity:
+    """A client's ``ChannelSecurity`` from its flags (all three TLS files or none).
+
+    Raises:
+        ConfigError: only some TLS files given, a file missing or invalid, an empty token.
+    """
+    given = [f for f in (tls_ca, tls_cert, tls_key) if f]
+    if given and len(given) != 3:
+        raise ConfigError("--tls-ca, --tls-cert and --tls-key: give all three or none")
+    files = TlsFiles.load(tls_ca, tls_cert, tls_key,  # type: ignore[arg-type]
+                          ("--tls-ca", "--tls-cert", "--tls-key")) if given else None
+    source = None
+    if token:
+        source = TokenSource(token)
+    elif token_file:
+        try:
+            source = TokenSource.from_file(token_file)
+        except SecretError as exc:
+            raise ConfigError(f"--{str(exc).replace('_', '-', 1)}") from None
+    return ChannelSecurity(files, source, server_name)
