@@ -23,11 +23,15 @@ from shared.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_by
 from shared.limits import split_parts
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from shared.security import ChannelSecurity
-from shared.slots import group_by_slot, slot_of
+from shared.slots import slot_of
 from shared.worker_clients import WorkerClients
 
-_RETRY = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
-          grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+_RETRY = (
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 
 # One keyed RPC: (stub, epoch, positions of the batch it carries) -> reply
 Call = Callable[[Any, int, np.ndarray], Awaitable[Any]]
@@ -46,9 +50,14 @@ class RoutingError(RuntimeError):
 class MemoryRouter:
     """Routes keyed operations with a cached slot map (refreshed when a worker says so)."""
 
-    def __init__(self, coordinator: coordinator_pb2_grpc.CoordinatorStub | SlotMapSource,
-                 timeout_s: float, max_message_bytes: int, retry_budget_s: float = 30.0,
-                 security: ChannelSecurity | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: coordinator_pb2_grpc.CoordinatorStub | SlotMapSource,
+        timeout_s: float,
+        max_message_bytes: int,
+        retry_budget_s: float = 30.0,
+        security: ChannelSecurity | None = None,
+    ) -> None:
         """Route with maps from a coordinator stub (``GetSlotMap``) or, inside the
         coordinator itself, from an async function returning the current map; worker
         channels use ``security`` (TLS, token)."""
@@ -56,8 +65,7 @@ class MemoryRouter:
             stub = coordinator
 
             async def fetch() -> common_pb2.SlotMap:
-                return await stub.GetSlotMap(coordinator_pb2.GetSlotMapRequest(),
-                                             timeout=timeout_s)
+                return await stub.GetSlotMap(coordinator_pb2.GetSlotMapRequest(), timeout=timeout_s)
 
             coordinator = fetch
         self._fetch_map: SlotMapSource = coordinator
@@ -95,25 +103,33 @@ class MemoryRouter:
             if not len(failed):
                 return done
             if loop.time() > deadline:
-                raise RoutingError(f"{len(failed)} of {len(ids)} items not delivered: {last[1]}",
-                                   last[0])
+                raise RoutingError(
+                    f"{len(failed)} of {len(ids)} items not delivered: {last[1]}", last[0]
+                )
             pending, refresh = failed, True
             await asyncio.sleep(backoff_s * random.uniform(0.5, 1.5))
             backoff_s = min(backoff_s * 2, 0.5)
         return done
 
     async def _send_once(
-        self, m: common_pb2.SlotMap, ids: np.ndarray, pending: np.ndarray, call: Call,
+        self,
+        m: common_pb2.SlotMap,
+        ids: np.ndarray,
+        pending: np.ndarray,
+        call: Call,
         done: list[tuple[np.ndarray, Any]],
     ) -> tuple[np.ndarray, tuple[grpc.StatusCode, str]]:
         if m.slots == 0 or m.epoch == 0:
             return pending, (grpc.StatusCode.UNAVAILABLE, "the cluster has no slot map yet")
         owner = np.asarray(m.primary, np.int64)[slot_of(ids[pending], m.slots)]
-        order, owners, bounds = group_by_slot(owner)
-        parts = [pending[order[bounds[g]:bounds[g + 1]]] for g in range(len(owners))]
-        calls = []
+        # One scan per owner (-1: unassigned) keeps batch order and, with a handful of
+        # workers, costs far less than a stable argsort of the batch (0.5 vs 3 ms at 100k).
+        owners = np.flatnonzero(np.bincount(owner + 1)) - 1
+        parts = [pending[np.flatnonzero(owner == w)] for w in owners.tolist()]
+        calls: list[Awaitable[Any]] = []
         if m.max_batch_items:  # workers refuse larger requests (INVALID_ARGUMENT)
-            owners, parts = split_parts(owners, parts, m.max_batch_items)
+            owners, parts = split_parts(owners, parts, m.max_batch_items,
+                                        lambda p: slot_of(ids[p], m.slots))
         for w, part in zip(owners.tolist(), parts, strict=True):
             if w < 0:
                 calls.append(_unassigned())
@@ -137,40 +153,63 @@ class MemoryRouter:
 
     # -- keyed operations -------------------------------------------------------------------
 
-    async def upsert(self, ids: np.ndarray, strengths: np.ndarray,
-                     payloads: list[bytes] | None) -> int:
+    async def upsert(
+        self, ids: np.ndarray, strengths: np.ndarray, payloads: list[bytes] | None
+    ) -> int:
         rid = uuid.uuid4().bytes  # one id for every part and retry: workers dedup by it
 
         async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
-            return await stub.Upsert(worker_pb2.UpsertRequest(
-                epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx]), strengths=f32_to_bytes(strengths[idx]),
-                payloads=[payloads[i] for i in idx.tolist()] if payloads is not None else [],
-            ), timeout=self._timeout_s)
+            return await stub.Upsert(
+                worker_pb2.UpsertRequest(
+                    epoch=epoch,
+                    request_id=rid,
+                    ids=ids_to_bytes(ids[idx]),
+                    strengths=f32_to_bytes(strengths[idx]),
+                    payloads=[payloads[i] for i in idx.tolist()] if payloads is not None else [],
+                ),
+                timeout=self._timeout_s,
+            )
+
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
     async def reinforce(self, ids: np.ndarray, boosts: np.ndarray) -> int:
         rid = uuid.uuid4().bytes
 
         async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
-            return await stub.Reinforce(worker_pb2.ReinforceRequest(
-                epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx]), boosts=f32_to_bytes(boosts[idx]),
-            ), timeout=self._timeout_s)
+            return await stub.Reinforce(
+                worker_pb2.ReinforceRequest(
+                    epoch=epoch,
+                    request_id=rid,
+                    ids=ids_to_bytes(ids[idx]),
+                    boosts=f32_to_bytes(boosts[idx]),
+                ),
+                timeout=self._timeout_s,
+            )
+
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
     async def delete(self, ids: np.ndarray) -> int:
         rid = uuid.uuid4().bytes
 
         async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
-            return await stub.Delete(worker_pb2.DeleteRequest(
-                epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx])), timeout=self._timeout_s)
+            return await stub.Delete(
+                worker_pb2.DeleteRequest(epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx])),
+                timeout=self._timeout_s,
+            )
+
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
-    async def get(self, ids: np.ndarray, with_payloads: bool
-                  ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
+    async def get(
+        self, ids: np.ndarray, with_payloads: bool
+    ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
         async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
-            return await stub.Get(worker_pb2.GetRequest(
-                epoch=epoch, ids=ids_to_bytes(ids[idx]), with_payloads=with_payloads),
-                timeout=self._timeout_s)
+            return await stub.Get(
+                worker_pb2.GetRequest(
+                    epoch=epoch, ids=ids_to_bytes(ids[idx]), with_payloads=with_payloads
+                ),
+                timeout=self._timeout_s,
+            )
+
         found = np.zeros(len(ids), bool)
         strengths = np.zeros(len(ids), np.float32)
         payloads: list[bytes | None] = [None] * len(ids)
@@ -185,8 +224,12 @@ class MemoryRouter:
 
 
 async def _unassigned() -> Any:
-    raise aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(),
-                          details="slot has no primary yet")
+    raise aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        aio.Metadata(),
+        aio.Metadata(),
+        details="slot has no primary yet",
+    )
 
 
 __all__ = ["MemoryRouter", "RoutingError", "ids_from_bytes"]

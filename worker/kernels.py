@@ -9,7 +9,11 @@ memory, 4-6x faster than blocked NumPy at 10M on a 2-core VM; see
 ``tests/benchmarks/bench_kernels.py``); :func:`decay_xp` is the portable path, used on CuPy
 and when numba is missing, and gives bit-identical results (tested).
 
-Shape letters: N memories, K batch items, U distinct rows, C top-k candidates.
+The ``*_runs`` kernels work on a slot set of a store: R runs of rows ``starts[r]:ends[r]``.
+On NumPy they are one serial compiled pass over all runs (``worker/kernels_numba.py``);
+elsewhere they apply the whole-array kernels run by run and merge.
+
+Shape letters: N memories, K batch items, U distinct rows, C top-k candidates, R runs.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ except ImportError:  # pragma: no cover - no CUDA in CI
     _cupy = None
 
 try:
-    import numba
+    from worker import kernels_numba as _nb
 except ImportError:  # pragma: no cover - numba is a declared dependency
-    numba = None  # type: ignore[assignment]
+    _nb = None  # type: ignore[assignment]
 
 HIST_BINS = 10
 DECAY_BLOCK = 1 << 16  # elements: 256 KiB of float32, stays in L2 between subtract and clip
@@ -77,20 +81,6 @@ def to_host(a: Any) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
-if numba is not None:
-
-    @numba.njit(parallel=True, cache=True)
-    def _decay_fused(strength, rate):  # pragma: no cover - compiled
-        for i in numba.prange(strength.shape[0]):
-            v = strength[i] - rate
-            # Same comparisons as np.clip (max then min), so results are bit-identical.
-            if v < 0:
-                v = np.float32(0.0)
-            if v > 1:
-                v = np.float32(1.0)
-            strength[i] = v
-
-
 def decay_xp(strength: Any, rate: float, block: int = DECAY_BLOCK) -> None:
     """Portable decay: ``s = clip(s - rate, 0, 1)`` with NumPy-API calls, block by block.
 
@@ -119,7 +109,7 @@ def decay(strength: Any, rate: float) -> None:
         rate: decay per call, in [0, 1] (validated by the caller; cast to float32).
     """
     fused_ok = (
-        numba is not None
+        _nb is not None
         and isinstance(strength, np.ndarray)
         and len(strength) >= _NUMBA_MIN
         and strength.flags.c_contiguous
@@ -127,9 +117,42 @@ def decay(strength: Any, rate: float) -> None:
     )
     if fused_ok:
         with _NUMBA_LOCK:
-            _decay_fused(strength, np.float32(rate))
+            _nb.decay_fused(strength, np.float32(rate))
     else:
         decay_xp(strength, rate)
+
+
+def _compiled(strength: Any) -> bool:
+    """Whether the numba loops apply: a contiguous float32 NumPy array and numba present."""
+    return (
+        _nb is not None
+        and isinstance(strength, np.ndarray)
+        and strength.dtype == np.float32
+        and strength.flags.c_contiguous
+    )
+
+
+def _pairs(starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
+    return list(zip(np.asarray(starts).tolist(), np.asarray(ends).tolist(), strict=True))
+
+
+def decay_runs(strength: Any, starts: np.ndarray, ends: np.ndarray, rate: float) -> None:
+    """Decay the rows of R runs in place: ``s = clip(s - rate, 0, 1)``, as :func:`decay`.
+
+    Args:
+        strength: [N] float32, NumPy or CuPy, updated in place.
+        starts, ends: [R] int64 host, rows ``starts[r]:ends[r]`` of each run.
+        rate: decay per call, in [0, 1] (validated by the caller; cast to float32).
+    """
+    if _compiled(strength):
+        _nb.decay_runs(strength, _i64(starts), _i64(ends), np.float32(rate))
+        return
+    for start, end in _pairs(starts, ends):
+        decay(strength[start:end], rate)
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def row_sums(rows: np.ndarray, boosts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,10 +184,61 @@ def reinforce(strength: Any, rows: np.ndarray, boosts: np.ndarray) -> None:
         boosts: [K] float32 host, finite and >= 0.
     """
     unique_rows, sums = row_sums(rows, boosts)
-    if len(unique_rows) == 0:
+    add_sums(strength, unique_rows, sums)
+
+
+def locate_sorted(keys: np.ndarray, needles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Find ascending needles in ascending keys (host arrays of one integer dtype).
+
+    Returns:
+        ``(rows [M] int64, found [M] bool)``: rows as ``np.searchsorted(keys, needles)``;
+        ``found`` where ``keys[rows] == needles``.
+    """
+    if _nb is not None and keys.dtype == np.uint64 and needles.dtype == np.uint64:
+        return _nb.locate_sorted(np.ascontiguousarray(keys), np.ascontiguousarray(needles))
+    rows = np.searchsorted(keys, needles)
+    found = np.zeros(len(needles), bool)
+    inside = rows < len(keys)
+    found[inside] = keys[rows[inside]] == needles[inside]
+    return rows, found
+
+
+def insert_rows(old: Any, new: np.ndarray, at: np.ndarray) -> Any:
+    """Return ``old`` [N] with ``new`` [K] inserted before rows ``at`` [K] int64.
+
+    ``at`` is ascending, as ``np.searchsorted`` of the new keys in the old keys gives it;
+    new[j] lands at row ``at[j] + j`` of the result. ``old`` may live on the device (new
+    and at are host arrays).
+    """
+    if _nb is not None and isinstance(old, np.ndarray) and old.flags.c_contiguous:
+        out = np.empty(len(old) + len(new), old.dtype)
+        _nb.insert_rows(old, np.ascontiguousarray(new, dtype=old.dtype), _i64(at), out)
+        return out
+    xp = array_module(old)
+    dest = np.asarray(at, np.int64) + np.arange(len(at))
+    keep = np.ones(len(old) + len(new), bool)
+    keep[dest] = False
+    out = xp.empty(len(keep), dtype=old.dtype)
+    out[xp.asarray(keep)] = old
+    out[xp.asarray(dest)] = xp.asarray(new)
+    return out
+
+
+def add_sums(strength: Any, rows: np.ndarray, sums: np.ndarray) -> None:
+    """Add per-row sums and clamp: ``s[rows] = clip(s[rows] + sums, 0, 1)`` in float32.
+
+    Args:
+        strength: [N] float32, NumPy or CuPy, updated in place.
+        rows: [U] int64 host, distinct row indices.
+        sums: [U] float32 host, e.g. from :func:`row_sums`.
+    """
+    if len(rows) == 0:
+        return
+    if _compiled(strength):
+        _nb.add_clip(strength, _i64(rows), np.ascontiguousarray(sums, dtype=np.float32))
         return
     xp = array_module(strength)
-    rows_d = xp.asarray(unique_rows)
+    rows_d = xp.asarray(rows)
     values = strength[rows_d]
     values += xp.asarray(sums)
     xp.clip(values, np.float32(0), np.float32(1), out=values)
@@ -194,6 +268,7 @@ EMPTY_QUALITY = Quality(0, 0.0, 0.0, 0.0, 0.0, (0,) * HIST_BINS)
 # Bin edges as NumPy's histogram builds them for float32 data (float32(k / 10)), so a strength
 # written as 0.7 counts in [0.7, 0.8) although float32(0.7) is a hair below 7/10.
 _EDGES = np.linspace(0.0, 1.0, HIST_BINS + 1).astype(np.float32)
+_INNER_EDGES = _EDGES[1:-1].copy()
 
 
 def quality(strength: Any) -> Quality:
@@ -220,6 +295,31 @@ def quality(strength: Any) -> Quality:
         mean=total / n,
         min=float(strength.min()),
         max=float(strength.max()),
+        histogram=tuple(int(c) for c in hist),
+    )
+
+
+def quality_runs(strength: Any, starts: np.ndarray, ends: np.ndarray) -> Quality:
+    """:func:`quality` of the rows of R runs (starts, ends [R] int64 host).
+
+    Count, min, max and histogram equal :func:`quality` of the runs' concatenation exactly
+    (for strengths in [0, 1], as a store holds); the float64 sum is added in another order,
+    so it may differ in the last bits.
+    """
+    if not _compiled(strength):
+        return merge_quality([quality(strength[a:b]) for a, b in _pairs(starts, ends)])
+    n, total, lo, hi, at_least = _nb.quality_runs(
+        strength, strength.view(np.int32), _i64(starts), _i64(ends), _INNER_EDGES
+    )
+    if n == 0:
+        return EMPTY_QUALITY
+    hist = -np.diff(np.concatenate([[n], at_least, [0]]).astype(np.int64))
+    return Quality(
+        count=int(n),
+        sum=float(total),
+        mean=float(total) / int(n),
+        min=float(np.int32(lo).view(np.float32)),
+        max=float(np.int32(hi).view(np.float32)),
         histogram=tuple(int(c) for c in hist),
     )
 
@@ -275,6 +375,29 @@ def topk(strength: Any, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
         rows = np.concatenate([above, tied])
     cand_ids = np.asarray(ids)[rows]
     cand_s = to_host(strength[xp.asarray(rows)])
+    order = np.lexsort((cand_ids, -cand_s))
+    return cand_ids[order], cand_s[order]
+
+
+def topk_runs(
+    strength: Any, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`topk` of the rows of R runs (starts, ends [R] int64 host); same result.
+
+    Args:
+        strength: [N] float32, NumPy or CuPy.
+        ids: [N] uint64 host ids of the same rows, distinct.
+        k: number wanted, >= 1.
+    """
+    if not _compiled(strength):
+        pairs = _pairs(starts, ends)
+        return merge_topk([topk(strength[a:b], ids[a:b], k) for a, b in pairs], k)
+    starts, ends = _i64(starts), _i64(ends)
+    kk = min(int(k), int(np.sum(ends - starts)))
+    if kk <= 0:
+        return np.empty(0, np.uint64), np.empty(0, np.float32)
+    rows = _nb.topk_runs(strength, ids, starts, ends, kk)
+    cand_ids, cand_s = ids[rows], strength[rows]
     order = np.lexsort((cand_ids, -cand_s))
     return cand_ids[order], cand_s[order]
 

@@ -86,6 +86,10 @@ def validate_values(
         raise MemoryInputError(f"{name}: dtype {a.dtype} is not a number type")
     if len(a) != len(ids):
         raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(a)})")
+    if a.dtype == np.float32:  # the usual case: two comparisons also refuse NaN and inf
+        upper = np.float32(1) if unit_range else np.finfo(np.float32).max
+        if np.all((a >= 0) & (a <= upper)):
+            return a + np.float32(0)
     a64 = a.astype(np.float64)
     with np.errstate(over="ignore"):
         overflow = np.isinf(a64.astype(np.float32)) & np.isfinite(a64)
@@ -229,16 +233,21 @@ class SlotStore:
         found &= rows < len(self.keys)
         return rows, found
 
-    def _insert(self, keys: np.ndarray, ids: np.ndarray, strengths: np.ndarray) -> None:
-        """Merge new rows (keys sorted, none present yet) into the sorted arrays in O(N + K)."""
+    def _insert(
+        self, keys: np.ndarray, ids: np.ndarray, strengths: np.ndarray, at: np.ndarray | None
+    ) -> None:
+        """Merge new rows (keys sorted, none present yet) into the sorted arrays in O(N + K).
+
+        Args:
+            at: [K] int64 ``np.searchsorted(self.keys, keys)`` when the caller has it.
+        """
         if len(keys) == 0:
             return
-        dest = np.searchsorted(self.keys, keys) + np.arange(len(keys))
-        keep = np.ones(len(self.keys) + len(keys), bool)
-        keep[dest] = False
-        self.keys = _merged(self.keys, keys, keep, dest, np)
-        self.ids = _merged(self.ids, ids, keep, dest, np)
-        self.strength = _merged(self.strength, strengths, keep, dest, self.xp)
+        if at is None:
+            at = np.searchsorted(self.keys, keys)
+        self.keys = kernels.insert_rows(self.keys, keys, at)
+        self.ids = kernels.insert_rows(self.ids, ids, at)
+        self.strength = kernels.insert_rows(self.strength, strengths, at)
 
     def _remove(self, drop: np.ndarray) -> None:
         """Remove the rows where drop [N] bool is set, with their payloads."""
@@ -249,21 +258,29 @@ class SlotStore:
         self.keys, self.ids = self.keys[keep], self.ids[keep]
         self.strength = self.strength[self.xp.asarray(keep)]
 
-    def _runs(self, slots: Sequence[int] | np.ndarray | None) -> list[tuple[int, int]]:
-        """Return the non-empty row ranges of a slot set, adjacent slots merged into one run."""
+    def _run_bounds(
+        self, slots: Sequence[int] | np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(starts [R], ends [R])`` int64: the non-empty row ranges of a slot set
+        (None: all rows), ascending, adjacent slots merged into one run."""
         if slots is None:
-            return [(0, len(self.ids))] if len(self.ids) else []
+            n = len(self.ids)
+            return np.array([0] if n else [], np.int64), np.array([n] if n else [], np.int64)
         chosen = np.unique(as_slots(slots, self.slots))
         bounds = slot_bounds(self.keys, self.slots)
-        runs: list[tuple[int, int]] = []
-        for start, end in zip(bounds[chosen].tolist(), bounds[chosen + 1].tolist(), strict=True):
-            if start == end:
-                continue
-            if runs and runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], end)
-            else:
-                runs.append((start, end))
-        return runs
+        starts, ends = bounds[chosen], bounds[chosen + 1]
+        nonempty = ends > starts
+        starts, ends = starts[nonempty], ends[nonempty]
+        if len(starts) == 0:
+            return starts, ends
+        first = np.ones(len(starts), bool)  # a run not continuing the previous one
+        first[1:] = starts[1:] != ends[:-1]
+        return starts[first], ends[np.append(first[1:], True)]
+
+    def _runs(self, slots: Sequence[int] | np.ndarray | None) -> list[tuple[int, int]]:
+        """Return the runs of :meth:`_run_bounds` as ``(start, end)`` pairs."""
+        starts, ends = self._run_bounds(slots)
+        return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
     # --- mutations -------------------------------------------------------------------------
 
@@ -288,16 +305,20 @@ class SlotStore:
             MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
         """
         ids, strengths, checked = validate_upsert(ids, strengths, payloads, self.max_payload_bytes)
-        reversed_unique = np.unique(ids[::-1], return_index=True)[1]
-        last = len(ids) - 1 - reversed_unique
-        keys = sort_key(ids[last], self.slots)
-        order = np.argsort(keys)
-        last, keys = last[order], keys[order]
-        rows, found = self._locate(keys)
+        # One sort by key (quicksort: 5x faster than a stable sort here) gives the distinct
+        # keys in order for the lookup; an id's last occurrence in the batch is the largest
+        # batch index among the items of its key.
+        all_keys = sort_key(ids, self.slots)
+        order = np.argsort(all_keys)
+        sorted_keys = all_keys[order]
+        first = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]][: len(order)])
+        keys = sorted_keys[first]
+        last = order if len(first) == len(order) else np.maximum.reduceat(order, first)
+        rows, found = kernels.locate_sorted(self.keys, keys)
         if found.any():
             self.strength[self.xp.asarray(rows[found])] = self.xp.asarray(strengths[last[found]])
         new = ~found
-        self._insert(keys[new], ids[last[new]], strengths[last[new]])
+        self._insert(keys[new], ids[last[new]], strengths[last[new]], rows[new])
         if checked is not None:
             for i in last.tolist():
                 self._set_payload(int(ids[i]), checked[i])
@@ -340,9 +361,16 @@ class SlotStore:
             MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
         """
         ids, boosts = validate_reinforce(ids, boosts)
-        rows, found = self._locate(sort_key(ids, self.slots))
-        kernels.reinforce(self.strength, rows[found], boosts[found])
-        return int(found.sum())
+        # kernels.row_sums, grouped by key rather than by row: each distinct key is looked
+        # up once, with sorted needles (cache-friendly). Keys map one to one to rows in the
+        # same order, and bincount adds each key's boosts in batch order in float64, so the
+        # sums are those of kernels.reinforce bit for bit.
+        keys, inverse = np.unique(sort_key(ids, self.slots), return_inverse=True)
+        rows, found = kernels.locate_sorted(self.keys, keys)
+        weights = boosts.astype(np.float64)
+        sums = np.bincount(inverse.ravel(), weights=weights, minlength=len(keys))
+        kernels.add_sums(self.strength, rows[found], sums[found].astype(np.float32))
+        return int(np.count_nonzero(found[inverse]))
 
     def decay(self, rate: float, slots: Sequence[int] | np.ndarray | None = None) -> int:
         """Decay the memories of a slot set (None: all): ``s = clip(s - rate, 0, 1)``.
@@ -354,10 +382,9 @@ class SlotStore:
             MemoryInputError: rate outside [0, 1] or a bad slot (INVALID_ARGUMENT).
         """
         rate32 = validate_rate(rate)
-        runs = self._runs(slots)
-        for start, end in runs:
-            kernels.decay(self.strength[start:end], float(rate32))
-        return sum(end - start for start, end in runs)
+        starts, ends = self._run_bounds(slots)
+        kernels.decay_runs(self.strength, starts, ends, float(rate32))
+        return int(np.sum(ends - starts))
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -383,9 +410,7 @@ class SlotStore:
 
     def quality(self, slots: Sequence[int] | np.ndarray | None = None) -> Quality:
         """Summarize the strengths of a slot set (None: all), see ``kernels.quality``."""
-        return kernels.merge_quality(
-            [kernels.quality(self.strength[a:b]) for a, b in self._runs(slots)]
-        )
+        return kernels.quality_runs(self.strength, *self._run_bounds(slots))
 
     def topk(
         self, k: int, slots: Sequence[int] | np.ndarray | None = None
@@ -396,12 +421,12 @@ class SlotStore:
             MemoryInputError: k < 1 or k > k_max (INVALID_ARGUMENT).
         """
         k = validate_k(k, self.k_max)
-        parts = [kernels.topk(self.strength[a:b], self.ids[a:b], k) for a, b in self._runs(slots)]
-        return kernels.merge_topk(parts, k)
+        return kernels.topk_runs(self.strength, self.ids, *self._run_bounds(slots), k)
 
     def count(self, slots: Sequence[int] | np.ndarray | None = None) -> int:
         """Return the number of memories in a slot set (None: all)."""
-        return sum(end - start for start, end in self._runs(slots))
+        starts, ends = self._run_bounds(slots)
+        return int(np.sum(ends - starts))
 
     def slot_counts(self) -> np.ndarray:
         """Return [S] int64 memories per slot."""
@@ -459,7 +484,7 @@ class SlotStore:
         self._remove(drop)
         keys = sort_key(ids, self.slots)
         order = np.argsort(keys)
-        self._insert(keys[order], ids[order], strengths[order])
+        self._insert(keys[order], ids[order], strengths[order], None)
         self.payloads.update({int(i): bytes(p) for i, p in snapshot.payloads.items() if p})
         self.seq[slot] = np.uint64(snapshot.seq)
 
@@ -493,11 +518,3 @@ class SlotStore:
         self._remove(drop)
         self.seq[chosen] = np.uint64(0)
         return int(drop.sum())
-
-
-def _merged(old, new, keep: np.ndarray, dest: np.ndarray, xp):
-    """Return old and new interleaved: old at the rows where keep is set, new at dest."""
-    out = xp.empty(len(keep), dtype=old.dtype)
-    out[xp.asarray(keep)] = old
-    out[xp.asarray(dest)] = xp.asarray(new)
-    return out

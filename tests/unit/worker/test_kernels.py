@@ -218,3 +218,79 @@ def test_merge_topk_equals_topk_of_concatenation(rows, parts, k):
     want_ids, want_s = kernels.topk(s, ids, k)
     assert np.array_equal(got_ids, want_ids) and np.array_equal(got_s, want_s)
     assert kernels.merge_topk([], k)[0].size == 0
+
+
+# -- run kernels (a store's slot set: rows starts[r]:ends[r]) --------------------------------
+
+
+def _runs_case(seed: int, n: int = 50_000):
+    """Strengths with ties and clipped values, distinct ids, and ~40 random disjoint runs."""
+    rng = np.random.default_rng(seed)
+    s = rng.choice(np.array([0, 0.25, 0.5, 1, 1], np.float32), n)
+    free = rng.random(n) < 0.5
+    s[free] = rng.random(int(free.sum()), dtype=np.float32)
+    ids = rng.permutation(n * 3)[:n].astype(np.uint64) * np.uint64(2**40 + 1)
+    cuts = np.sort(rng.choice(np.arange(1, n), 80, replace=False))
+    starts, ends = cuts[0::2].astype(np.int64), cuts[1::2].astype(np.int64)
+    rows = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends, strict=True)])
+    return s, ids, starts, ends, rows
+
+
+@pytest.fixture(params=["compiled", "portable"])
+def run_kernels(request, monkeypatch):
+    """kernels with the numba loops, or with them disabled (the CuPy / no-numba path)."""
+    if request.param == "portable":
+        monkeypatch.setattr(kernels, "_nb", None)
+    return kernels
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_run_kernels_equal_whole_array_kernels_on_the_runs(run_kernels, seed):
+    s, ids, starts, ends, rows = _runs_case(seed)
+    q, want = run_kernels.quality_runs(s, starts, ends), kernels.quality(s[rows])
+    assert (q.count, q.min, q.max, q.histogram) == (want.count, want.min, want.max, want.histogram)
+    assert q.sum == pytest.approx(want.sum, rel=1e-12) and q.mean == pytest.approx(want.mean)
+    for k in (1, 7, 100, len(rows) + 5):
+        got_ids, got_s = run_kernels.topk_runs(s, ids, starts, ends, k)
+        want_ids, want_s = kernels.topk(s[rows], ids[rows], k)
+        assert np.array_equal(got_ids, want_ids) and np.array_equal(bits(got_s), bits(want_s))
+    for rate in (np.float32(0.25), 0.3, 1.0):
+        expected = s.copy()
+        expected[rows] = np.clip(s[rows] - np.float32(rate), 0, 1)
+        run_kernels.decay_runs(s, starts, ends, rate)
+        assert np.array_equal(bits(s), bits(expected))
+
+
+def test_run_kernels_on_no_rows(run_kernels):
+    s, ids, none = np.ones(3, np.float32), np.arange(3, dtype=np.uint64), np.empty(0, np.int64)
+    assert run_kernels.quality_runs(s, none, none) == EMPTY_QUALITY
+    assert run_kernels.topk_runs(s, ids, none, none, 5)[0].size == 0
+    run_kernels.decay_runs(s, none, none, 0.5)
+    assert np.all(s == 1)
+
+
+def test_add_sums_locate_and_insert_compiled_equal_numpy(monkeypatch):
+    rng = np.random.default_rng(4)
+    keys = np.unique(rng.integers(0, 2**64 - 1, 20_000, np.uint64))
+    needles = np.unique(
+        np.concatenate([rng.choice(keys, 3000), rng.integers(0, 2**64 - 1, 500, np.uint64)])
+    )
+    s = rng.random(len(keys), dtype=np.float32)
+    rows = np.unique(rng.integers(0, len(keys), 4000))
+    sums = (rng.random(len(rows)) * 0.3).astype(np.float32)
+    got_rows, got_found = kernels.locate_sorted(keys, needles)
+    a = s.copy()
+    kernels.add_sums(a, rows, sums)
+    new = needles[~np.isin(needles, keys)]
+    at = np.searchsorted(keys, new)
+    merged = kernels.insert_rows(keys, new, at)
+    monkeypatch.setattr(kernels, "_nb", None)
+    want_rows, want_found = kernels.locate_sorted(keys, needles)
+    b = s.copy()
+    kernels.add_sums(b, rows, sums)
+    assert np.array_equal(merged, np.sort(np.concatenate([keys, new])))
+    assert np.array_equal(merged, kernels.insert_rows(keys, new, at))
+    assert np.array_equal(got_rows, np.searchsorted(keys, needles))
+    assert np.array_equal(got_rows, want_rows) and np.array_equal(got_found, want_found)
+    assert np.array_equal(got_found, np.isin(needles, keys))
+    assert np.array_equal(bits(a), bits(b))

@@ -320,6 +320,10 @@ def test_upsert_last_wins_and_payload_rules():
     s.upsert([5, 6], [0.3, 0.4], [b"", None])  # b"" removes, None leaves alone
     assert s.get([5, 6])[2] == [None, b"b"]
     assert s.upsert([7], [-0.0]) == 1 and s.get([7])[1].view(np.uint32).tolist() == [0]
+    assert s.upsert([8, 9, 8, 8, 9], [0.1, 0.2, 0.3, 0.4, 0.5]) == 2  # duplicates, unsorted
+    assert s.get([8, 9])[1].tolist() == [np.float32(0.4), np.float32(0.5)]
+    empty = np.empty(0, np.uint64)
+    assert s.upsert(empty, []) == 0 and s.reinforce(empty, []) == 0 and len(s) == 5
 
 
 def test_delete_reinforce_counts():
