@@ -30,8 +30,18 @@ from shared.tokens import Principal, TokenError, verify_token
 COORDINATOR = "/neuroshard.v1.Coordinator/"
 WORKER = "/neuroshard.v1.Worker/"
 
-_CLIENT_COORDINATOR = {"SubmitJob", "GetJob", "ListJobs", "WatchJob", "CancelJob",
-                       "GetClusterStatus", "GetSlotMap", "Decay", "Quality", "TopK"}
+_CLIENT_COORDINATOR = {
+    "SubmitJob",
+    "GetJob",
+    "ListJobs",
+    "WatchJob",
+    "CancelJob",
+    "GetClusterStatus",
+    "GetSlotMap",
+    "Decay",
+    "Quality",
+    "TopK",
+}
 _KEYED = {"Upsert", "Get", "Delete", "Reinforce"}
 _WORKER_COORDINATOR = {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker"}
 
@@ -63,8 +73,9 @@ def owner_check(owner: str, action: str) -> str | None:
     p = current_principal()
     if p is None or p.role == "admin" or p.subject == owner:
         return None
-    return (f"role {p.role} may {action} only its own jobs; this one belongs to "
-            f"{owner or 'nobody'!r}")
+    return (
+        f"role {p.role} may {action} only its own jobs; this one belongs to {owner or 'nobody'!r}"
+    )
 
 
 def bearer_token(metadata: Any) -> str | None:
@@ -83,22 +94,32 @@ class AuthInterceptor(aio.ServerInterceptor):
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
 
-    def _authorize(self, details: grpc.HandlerCallDetails) -> tuple[Principal | None,
-                                                                    grpc.StatusCode, str]:
+    def _authorize(
+        self, details: grpc.HandlerCallDetails
+    ) -> tuple[Principal | None, grpc.StatusCode, str]:
         token = bearer_token(details.invocation_metadata)
         if token is None:
-            return None, grpc.StatusCode.UNAUTHENTICATED, (
-                "missing bearer token: pass --token, --token-file or $NEUROSHARD_TOKEN")
+            return (
+                None,
+                grpc.StatusCode.UNAUTHENTICATED,
+                ("missing bearer token: pass --token, --token-file or $NEUROSHARD_TOKEN"),
+            )
         if not token:
-            return None, grpc.StatusCode.UNAUTHENTICATED, (
-                "authorization metadata must be 'Bearer <token>'")
+            return (
+                None,
+                grpc.StatusCode.UNAUTHENTICATED,
+                ("authorization metadata must be 'Bearer <token>'"),
+            )
         try:
             principal = verify_token(self._secret, token)
         except TokenError as exc:
             return None, grpc.StatusCode.UNAUTHENTICATED, str(exc)
         if not may_call(principal.role, details.method):
-            return principal, grpc.StatusCode.PERMISSION_DENIED, (
-                f"role {principal.role} may not call {method_name(details.method)}")
+            return (
+                principal,
+                grpc.StatusCode.PERMISSION_DENIED,
+                (f"role {principal.role} may not call {method_name(details.method)}"),
+            )
         return principal, grpc.StatusCode.OK, ""
 
     async def intercept_service(
@@ -115,8 +136,12 @@ class AuthInterceptor(aio.ServerInterceptor):
             _principal.set(principal)
             if code is not grpc.StatusCode.OK:
                 await context.abort(code, message)
-            if drain and principal is not None and principal.role == "worker" \
-                    and request.name != principal.subject:
+            if (
+                drain
+                and principal is not None
+                and principal.role == "worker"
+                and request.name != principal.subject
+            ):
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"role worker may drain only itself ({principal.subject!r}), "

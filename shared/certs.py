@@ -61,8 +61,9 @@ def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey,
-             days: int) -> x509.CertificateBuilder:
+def _builder(
+    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, days: int
+) -> x509.CertificateBuilder:
     now = dt.datetime.now(dt.UTC)
     return (
         x509.CertificateBuilder()
@@ -84,9 +85,15 @@ def make_ca(days: int = 3650) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -153,8 +160,14 @@ def write_dev_certs(directory: str | Path, hosts: Iterable[str] = ()) -> CertPat
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    paths = CertPaths(d / "ca.crt", d / "ca.key", d / "node.crt", d / "node.key",
-                      d / "client.crt", d / "client.key")
+    paths = CertPaths(
+        d / "ca.crt",
+        d / "ca.key",
+        d / "node.crt",
+        d / "node.key",
+        d / "client.crt",
+        d / "client.key",
+    )
     ca_cert, ca_key = make_ca()
     node_hosts = [h.strip() for h in hosts if h.strip()] + list(DEFAULT_HOSTS)
     node_cert, node_key = issue(ca_cert, ca_key, "neuroshard node", node_hosts, server=True)

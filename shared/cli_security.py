@@ -27,33 +27,54 @@ _ENV = {
 def add_tls_flags(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
     """``--tls-ca``, ``--tls-cert``, ``--tls-key`` (all three or none)."""
     default = argparse.SUPPRESS if suppress else None
-    parser.add_argument("--tls-ca", default=default, metavar="PEM",
-                        help="CA certificate for mutual TLS (or $NEUROSHARD_TLS_CA)")
-    parser.add_argument("--tls-cert", default=default, metavar="PEM",
-                        help="certificate presented (or $NEUROSHARD_TLS_CERT)")
-    parser.add_argument("--tls-key", default=default, metavar="PEM",
-                        help="private key of --tls-cert (or $NEUROSHARD_TLS_KEY)")
+    parser.add_argument(
+        "--tls-ca",
+        default=default,
+        metavar="PEM",
+        help="CA certificate for mutual TLS (or $NEUROSHARD_TLS_CA)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=default,
+        metavar="PEM",
+        help="certificate presented (or $NEUROSHARD_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=default,
+        metavar="PEM",
+        help="private key of --tls-cert (or $NEUROSHARD_TLS_KEY)",
+    )
 
 
 def add_client_flags(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
     """TLS flags and ``--token``/``--token-file`` of a client command."""
     add_tls_flags(parser, suppress)
     default = argparse.SUPPRESS if suppress else None
-    parser.add_argument("--token", default=default,
-                        help="bearer token (or $NEUROSHARD_TOKEN)")
-    parser.add_argument("--token-file", default=default, metavar="FILE",
-                        help="file holding the bearer token (or $NEUROSHARD_TOKEN_FILE)")
+    parser.add_argument("--token", default=default, help="bearer token (or $NEUROSHARD_TOKEN)")
+    parser.add_argument(
+        "--token-file",
+        default=default,
+        metavar="FILE",
+        help="file holding the bearer token (or $NEUROSHARD_TOKEN_FILE)",
+    )
 
 
 def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
     """TLS flags and ``--auth-secret-file``/``--auth-token-file`` of a daemon; they replace
     the config's ``tls`` and ``auth`` sections."""
     add_tls_flags(parser)
-    parser.add_argument("--auth-secret-file", metavar="FILE",
-                        help="require tokens signed with the secret in FILE (auth.secret_file)")
-    parser.add_argument("--auth-token-file", metavar="FILE",
-                        help="token this daemon presents (auth.token_file; default: it signs "
-                        "a worker token itself)")
+    parser.add_argument(
+        "--auth-secret-file",
+        metavar="FILE",
+        help="require tokens signed with the secret in FILE (auth.secret_file)",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="token this daemon presents (auth.token_file; default: it signs "
+        "a worker token itself)",
+    )
 
 
 def daemon_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,11 +90,9 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if any(files):
         if not all(files):
             raise ConfigError("--tls-ca, --tls-cert and --tls-key: give all three or none")
-        out["tls"] = {"ca_file": args.tls_ca, "cert_file": args.tls_cert,
-                      "key_file": args.tls_key}
+        out["tls"] = {"ca_file": args.tls_ca, "cert_file": args.tls_cert, "key_file": args.tls_key}
     if args.auth_secret_file:
-        out["auth"] = {"secret_file": args.auth_secret_file,
-                       "token_file": args.auth_token_file}
+        out["auth"] = {"secret_file": args.auth_secret_file, "token_file": args.auth_token_file}
     elif args.auth_token_file:
         raise ConfigError("--auth-token-file: needs --auth-secret-file")
     return out
@@ -87,8 +106,7 @@ def client_security_of(args: argparse.Namespace) -> Any:
     """
     from shared.security import client_security
 
-    values = {k: getattr(args, k, None) or os.environ.get(env) or None
-              for k, env in _ENV.items()}
+    values = {k: getattr(args, k, None) or os.environ.get(env) or None for k, env in _ENV.items()}
     return client_security(**values)
 
 
@@ -99,8 +117,10 @@ def cmd_certs(args: argparse.Namespace) -> int:
     hosts = [h for h in (args.hosts or "").split(",") if h.strip()]
     paths = write_dev_certs(args.dir, hosts)
     print(f"CA:     {paths.ca_cert} (key {paths.ca_key})")
-    print(f"node:   {paths.node_cert} (key {paths.node_key}), hosts: "
-          f"{', '.join([*hosts, 'localhost', '127.0.0.1'])}")
+    print(
+        f"node:   {paths.node_cert} (key {paths.node_key}), hosts: "
+        f"{', '.join([*hosts, 'localhost', '127.0.0.1'])}"
+    )
     print(f"client: {paths.client_cert} (key {paths.client_key})")
     return 0
 
@@ -131,11 +151,18 @@ def cmd_token_secret(args: argparse.Namespace) -> int:
 def add_security_commands(sub: Any) -> None:
     """Add ``certs`` and ``token create|secret`` to the top-level subcommands."""
     c = sub.add_parser("certs", help="generate a development CA and mutual-TLS certificates")
-    c.add_argument("dir", metavar="DIR", help="directory to write ca.crt, node.crt, client.crt "
-                   "and their keys into")
-    c.add_argument("--hosts", default="", metavar="NAME,...",
-                   help="host names and IPs of the node certificate (localhost and 127.0.0.1 "
-                   "are always added; wildcards like *.svc allowed)")
+    c.add_argument(
+        "dir",
+        metavar="DIR",
+        help="directory to write ca.crt, node.crt, client.crt and their keys into",
+    )
+    c.add_argument(
+        "--hosts",
+        default="",
+        metavar="NAME,...",
+        help="host names and IPs of the node certificate (localhost and 127.0.0.1 "
+        "are always added; wildcards like *.svc allowed)",
+    )
     c.set_defaults(func=cmd_certs)
 
     t = sub.add_parser("token", help="create bearer tokens and token secrets")
@@ -143,8 +170,9 @@ def add_security_commands(sub: Any) -> None:
     tc = tsub.add_parser("create", help="print a signed token")
     tc.add_argument("--role", required=True, choices=ROLES)  # shared.tokens.ROLES
     tc.add_argument("--ttl", default="1h", help="lifetime: 90s, 30m, 1h, 7d (default 1h)")
-    tc.add_argument("--secret-file", required=True, metavar="FILE",
-                    help="the daemons' auth.secret_file")
+    tc.add_argument(
+        "--secret-file", required=True, metavar="FILE", help="the daemons' auth.secret_file"
+    )
     tc.add_argument("--subject", help="who the token is for (default ROLE-$USER)")
     tc.set_defaults(func=cmd_token_create)
     ts = tsub.add_parser("secret", help="write a new random secret to FILE (mode 0600)")

@@ -34,21 +34,32 @@ class SecureSetup:
 
     def daemon_args(self) -> list[str]:
         """Flags of ``neuroshard coordinator`` and ``worker``: mutual TLS and token auth."""
-        return ["--tls-ca", str(self.certs.ca_cert), "--tls-cert", str(self.certs.node_cert),
-                "--tls-key", str(self.certs.node_key),
-                "--auth-secret-file", str(self.secret_file)]
+        return [
+            "--tls-ca",
+            str(self.certs.ca_cert),
+            "--tls-cert",
+            str(self.certs.node_cert),
+            "--tls-key",
+            str(self.certs.node_key),
+            "--auth-secret-file",
+            str(self.secret_file),
+        ]
 
     def client_security(self, admin: bool = False) -> ChannelSecurity:
         """The client certificate and the client (or admin) token."""
         return client_security(
-            str(self.certs.ca_cert), str(self.certs.client_cert), str(self.certs.client_key),
+            str(self.certs.ca_cert),
+            str(self.certs.client_cert),
+            str(self.certs.client_key),
             token_file=str(self.admin_token_file if admin else self.client_token_file),
         )
 
     def client_flags(self) -> str:
         """The flags a client command needs, for people to copy."""
-        return (f"--tls-ca {self.certs.ca_cert} --tls-cert {self.certs.client_cert} "
-                f"--tls-key {self.certs.client_key} --token-file {self.client_token_file}")
+        return (
+            f"--tls-ca {self.certs.ca_cert} --tls-cert {self.certs.client_cert} "
+            f"--tls-key {self.certs.client_key} --token-file {self.client_token_file}"
+        )
 
     def write_env(self, address: str) -> Path:
         """Write ``client.env`` for ``address``; return its path."""
@@ -68,8 +79,12 @@ def prepare(data_dir: str | Path) -> SecureSetup:
     root = Path(data_dir)
     cert_dir, auth_dir = root / "certs", root / "auth"
     if (cert_dir / "node.key").exists():
-        certs = CertPaths(*(cert_dir / n for n in ("ca.crt", "ca.key", "node.crt", "node.key",
-                                                    "client.crt", "client.key")))
+        certs = CertPaths(
+            *(
+                cert_dir / n
+                for n in ("ca.crt", "ca.key", "node.crt", "node.key", "client.crt", "client.key")
+            )
+        )
     else:
         certs = write_dev_certs(cert_dir)
     secret_file = auth_dir / "secret"

@@ -137,8 +137,12 @@ class RequestLogInterceptor(aio.ServerInterceptor):
                 counter.labels(method, code).inc()
                 p = current_principal()
                 log.debug(
-                    "rpc_served", method=method, peer=context.peer(), status=code,
-                    subject=p.subject if p else None, role=p.role if p else None,
+                    "rpc_served",
+                    method=method,
+                    peer=context.peer(),
+                    status=code,
+                    subject=p.subject if p else None,
+                    role=p.role if p else None,
                     duration_ms=round((time.perf_counter() - start) * 1e3, 3),
                 )
 

@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,8 +38,10 @@ def batch_error(items: int, limit: int, field: str = "ids") -> str | None:
     """The refusal message for a batch of ``items`` over ``limit`` (None when within it)."""
     if items <= limit:
         return None
-    return (f"{field}: {items} items exceed max_batch_items {limit}; "
-            "split the batch (the Python client does)")
+    return (
+        f"{field}: {items} items exceed max_batch_items {limit}; "
+        "split the batch (the Python client does)"
+    )
 
 
 def split(positions: Any, limit: int) -> list[Any]:
@@ -74,21 +76,44 @@ class BatchLimitInterceptor(aio.ServerInterceptor):
         return wrap_handler(handler, around)
 
 
-def split_parts(owners: Any, parts: list[Any], limit: int) -> tuple[Any, list[Any]]:
-    """Cut each owner's part of a routed batch into pieces of at most ``limit`` positions.
+def split_parts(
+    owners: Any, parts: list[Any], limit: int, slots_of: Callable[[Any], Any]
+) -> tuple[Any, list[Any]]:
+    """Cut each owner's part of a routed batch into requests of at most ``limit`` items,
+    along slot boundaries: every slot's items stay in one request, so the pieces can share
+    the batch's request id (workers deduplicate retries per request id and slot).
 
     Args:
         owners: [G] int64 worker index of each part.
-        parts: G arrays of positions.
-        limit: most positions per piece (the cluster's ``max_batch_items``).
+        parts: G arrays of batch positions.
+        limit: most items per request (the cluster's ``max_batch_items``).
+        slots_of: positions [n] -> their slots [n].
 
     Returns:
-        ([G'] int64 owners, G' arrays), G' >= G, in the same order.
+        ([G'] int64 owners, G' arrays of positions), G' >= G. A slot holding more than
+        ``limit`` items of the batch stays whole (the worker then refuses it).
     """
     import numpy as np
 
     if all(len(p) <= limit for p in parts):
         return owners, parts
-    pieces = [(w, piece) for w, p in zip(owners.tolist(), parts, strict=True)
-              for piece in split(p, limit)]
-    return np.array([w for w, _ in pieces], np.int64), [p for _, p in pieces]
+    out_owners: list[int] = []
+    out_parts: list[Any] = []
+    for w, part in zip(owners.tolist(), parts, strict=True):
+        if len(part) <= limit:
+            out_owners.append(w)
+            out_parts.append(part)
+            continue
+        slots = slots_of(part)
+        order = np.argsort(slots, kind="stable")  # batch order kept within each slot
+        sorted_slots = np.asarray(slots)[order].astype(np.int64)
+        starts = np.flatnonzero(np.diff(sorted_slots, prepend=-1)).tolist()
+        begin = 0
+        for a, b in zip(starts, [*starts[1:], len(part)], strict=True):  # slot group [a, b)
+            if b - begin > limit and a > begin:  # the group does not fit: close the piece
+                out_owners.append(w)
+                out_parts.append(part[order[begin:a]])
+                begin = a
+        out_owners.append(w)
+        out_parts.append(part[order[begin:]])
+    return np.array(out_owners, np.int64), out_parts

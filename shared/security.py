@@ -23,8 +23,10 @@ from grpc import aio
 from shared.config import AuthConfig, ConfigError, TlsConfig
 from shared.tokens import SecretError, TokenSource, read_secret
 
-_TLS_HINT = ("the server may require TLS (pass --tls-ca, --tls-cert and --tls-key) or refuse "
-             "this certificate")
+_TLS_HINT = (
+    "the server may require TLS (pass --tls-ca, --tls-cert and --tls-key) or refuse "
+    "this certificate"
+)
 _TLS_SIGNS = ("ssl", "handshake", "certificate", "socket closed", "connection reset", "tls")
 
 
@@ -37,9 +39,13 @@ class TlsFiles:
     key: bytes
 
     @classmethod
-    def load(cls, ca_file: str, cert_file: str, key_file: str,
-             names: tuple[str, str, str] = ("tls.ca_file", "tls.cert_file", "tls.key_file"),
-             ) -> TlsFiles:
+    def load(
+        cls,
+        ca_file: str,
+        cert_file: str,
+        key_file: str,
+        names: tuple[str, str, str] = ("tls.ca_file", "tls.cert_file", "tls.key_file"),
+    ) -> TlsFiles:
         """Read and check the three files (the key must belong to the certificate).
 
         Raises:
@@ -60,7 +66,8 @@ class TlsFiles:
             private = serialization.load_pem_private_key(key, password=None)
         except (ValueError, TypeError):
             raise ConfigError(
-                f"{key_name}: {key_file} is not an unencrypted PEM private key") from None
+                f"{key_name}: {key_file} is not an unencrypted PEM private key"
+            ) from None
         if _public_der(private.public_key()) != _public_der(leaf.public_key()):
             raise ConfigError(f"{key_name}: {key_file} is not the key of {cert_file}")
         return cls(ca, cert, key)
@@ -77,8 +84,10 @@ class TlsFiles:
 
 
 def _public_der(key: Any) -> bytes:
-    return key.public_bytes(serialization.Encoding.DER,  # type: ignore[no-any-return]
-                            serialization.PublicFormat.SubjectPublicKeyInfo)
+    return key.public_bytes(
+        serialization.Encoding.DER,  # type: ignore[no-any-return]
+        serialization.PublicFormat.SubjectPublicKeyInfo,
+    )
 
 
 def _read(field_name: str, path: str) -> bytes:
@@ -118,8 +127,7 @@ class _StreamUnaryToken(_TokenMetadata, aio.StreamUnaryClientInterceptor):
 
 
 class _StreamStreamToken(_TokenMetadata, aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any,
-                                      requests: Any) -> Any:
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
 
@@ -137,8 +145,7 @@ class ChannelSecurity:
     tls: TlsFiles | None = None
     token: TokenSource | None = None
     server_name: str | None = None
-    _creds: list[grpc.ChannelCredentials] = field(default_factory=list, repr=False,
-                                                  compare=False)
+    _creds: list[grpc.ChannelCredentials] = field(default_factory=list, repr=False, compare=False)
 
     def open(self, address: str, options: list[tuple[str, Any]]) -> aio.Channel:
         """A grpc.aio channel to ``address`` with this security and ``options``."""
@@ -149,8 +156,9 @@ class ChannelSecurity:
             self._creds.append(self.tls.channel_credentials())
         if self.server_name:
             options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
-        return aio.secure_channel(address, self._creds[0], options=options,
-                                  interceptors=interceptors)
+        return aio.secure_channel(
+            address, self._creds[0], options=options, interceptors=interceptors
+        )
 
 
 PLAINTEXT = ChannelSecurity()
@@ -175,8 +183,9 @@ class DaemonSecurity:
     channel: ChannelSecurity
 
     @classmethod
-    def from_config(cls, tls: TlsConfig | None, auth: AuthConfig | None,
-                    subject: str) -> DaemonSecurity:
+    def from_config(
+        cls, tls: TlsConfig | None, auth: AuthConfig | None, subject: str
+    ) -> DaemonSecurity:
         """Load the files; the daemon's own token is ``auth.token_file`` or a ``worker``
         token for ``subject`` it signs itself (1 h, renewed at half-life).
 
@@ -188,8 +197,11 @@ class DaemonSecurity:
         if auth is not None:
             try:
                 secret = read_secret(auth.secret_file)
-                token = (TokenSource.from_file(auth.token_file) if auth.token_file
-                         else TokenSource(secret=secret, role="worker", subject=subject))
+                token = (
+                    TokenSource.from_file(auth.token_file)
+                    if auth.token_file
+                    else TokenSource(secret=secret, role="worker", subject=subject)
+                )
             except SecretError as exc:
                 raise ConfigError(f"auth.{exc}") from None
         server_name = tls.server_name if tls is not None else None
@@ -218,10 +230,14 @@ class DaemonSecurity:
         return server.add_secure_port(listen, self.tls.server_credentials())
 
 
-def client_security(tls_ca: str | None = None, tls_cert: str | None = None,
-                    tls_key: str | None = None, token: str | None = None,
-                    token_file: str | None = None, server_name: str | None = None
-                    ) -> ChannelSecurity:
+def client_security(
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    server_name: str | None = None,
+) -> ChannelSecurity:
     """A client's ``ChannelSecurity`` from its flags (all three TLS files or none).
 
     Raises:
@@ -230,8 +246,16 @@ def client_security(tls_ca: str | None = None, tls_cert: str | None = None,
     given = [f for f in (tls_ca, tls_cert, tls_key) if f]
     if given and len(given) != 3:
         raise ConfigError("--tls-ca, --tls-cert and --tls-key: give all three or none")
-    files = TlsFiles.load(tls_ca, tls_cert, tls_key,  # type: ignore[arg-type]
-                          ("--tls-ca", "--tls-cert", "--tls-key")) if given else None
+    files = (
+        TlsFiles.load(
+            tls_ca,
+            tls_cert,
+            tls_key,  # type: ignore[arg-type]
+            ("--tls-ca", "--tls-cert", "--tls-key"),
+        )
+        if given
+        else None
+    )
     source = None
     if token:
         source = TokenSource(token)

@@ -86,8 +86,9 @@ def write_secret(path: str | Path) -> Path:
     return p
 
 
-def create_token(secret: bytes, role: str, subject: str, ttl_s: float,
-                 now: float | None = None) -> str:
+def create_token(
+    secret: bytes, role: str, subject: str, ttl_s: float, now: float | None = None
+) -> str:
     """Sign a token for ``subject`` with ``role``, valid for ``ttl_s`` seconds.
 
     Raises:
@@ -100,8 +101,13 @@ def create_token(secret: bytes, role: str, subject: str, ttl_s: float,
     if ttl_s <= 0:
         raise ValueError(f"ttl: must be > 0 seconds, got {ttl_s}")
     iat = int(time.time() if now is None else now)
-    claims = {"sub": subject, "role": role, "iss": ISSUER, "iat": iat,
-              "exp": iat + max(1, round(ttl_s))}
+    claims = {
+        "sub": subject,
+        "role": role,
+        "iss": ISSUER,
+        "iat": iat,
+        "exp": iat + max(1, round(ttl_s)),
+    }
     return jwt.encode(claims, secret, algorithm="HS256")
 
 
@@ -117,7 +123,11 @@ def verify_token(secret: bytes, token: str, leeway_s: float = 5.0) -> Principal:
     """
     try:
         claims = jwt.decode(
-            token, secret, algorithms=["HS256"], issuer=ISSUER, leeway=leeway_s,
+            token,
+            secret,
+            algorithms=["HS256"],
+            issuer=ISSUER,
+            leeway=leeway_s,
             options={"require": ["exp", "iat", "sub", "role"]},
         )
     except jwt.ExpiredSignatureError:
@@ -143,8 +153,15 @@ class TokenSource:
     """The token a process presents: a fixed one, or one it signs itself and renews when
     less than half of its lifetime is left (daemons, with ``ttl_s``)."""
 
-    def __init__(self, token: str | None = None, *, secret: bytes | None = None,
-                 role: str = "worker", subject: str = "", ttl_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        token: str | None = None,
+        *,
+        secret: bytes | None = None,
+        role: str = "worker",
+        subject: str = "",
+        ttl_s: float = 3600.0,
+    ) -> None:
         if (token is None) == (secret is None):
             raise ValueError("give either a token or a secret to sign one with")
         self._fixed = token.strip() if token is not None else None
@@ -175,7 +192,8 @@ class TokenSource:
         with self._lock:
             if now >= self._renew_at:
                 assert self._secret is not None
-                self._token = create_token(self._secret, self._role, self._subject,
-                                           self._ttl_s, now)
+                self._token = create_token(
+                    self._secret, self._role, self._subject, self._ttl_s, now
+                )
                 self._renew_at = now + self._ttl_s / 2
             return self._token
