@@ -108,6 +108,23 @@ class LocalCluster:
         port = int(self.address.rpartition(":")[2])
         self.address = self._start_coordinator(port, time.monotonic() + timeout_s)
 
+    def kill_all(self) -> None:
+        """SIGKILL every process of the cluster (a power cut, as far as processes go)."""
+        for p in [self.coordinator, *self.workers]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def restart_all(self, timeout_s: float = 120.0) -> None:
+        """Start the coordinator and workers again with the same port, names and data dirs."""
+        deadline = time.monotonic() + timeout_s
+        self.restart_coordinator(timeout_s)
+        names = [f"worker-{i}" for i in range(len(self.workers))]
+        self.workers = []
+        for name in names:
+            self.add_worker(name)
+        self.wait_workers(len(names), deadline)
+
     def kill_worker(self, index: int) -> subprocess.Popen[bytes]:
         """SIGKILL one worker process and wait for it; return the dead process."""
         proc = self.workers[index]

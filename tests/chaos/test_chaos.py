@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import yaml
@@ -153,3 +154,40 @@ async def _dead_and_replicated(client: Client) -> bool:
     s = await client.status()
     dead = {w["name"] for w in s["workers"] if w["state"] == "DEAD"}
     return "worker-1" in dead and await fully_replicated(client, 2)
+
+
+async def test_full_cluster_restart_loses_no_acknowledged_write(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path, worker_args=[])  # fsync: always is the default
+    await asyncio.to_thread(cluster.start)
+    try:
+        async with Client(cluster.address) as client:
+            await client.wait_ready()
+            ref, ids = await _load(client, 200_000)
+            writer = Writer(client, ref, ids)
+            task = asyncio.create_task(writer.run())
+            await wait_for(_async(lambda: writer.acked >= 20), 60, "writes before the stop")
+            writer.stop()
+            await task
+        # Every process dies at once, then everything starts again from its data dir.
+        await asyncio.to_thread(cluster.kill_all)
+        await asyncio.to_thread(cluster.restart_all)
+        async with Client(cluster.address) as client:
+            # The coordinator reloads its registry: until the new processes re-register
+            # (new ports), the map may still point at the old ones, so poll until it serves.
+            dumped: dict[int, float] = {}
+
+            async def served() -> bool:
+                nonlocal dumped
+                if not await fully_replicated(client, 3):
+                    return False
+                try:
+                    dumped = await dump_store(client)
+                except grpc.aio.AioRpcError:
+                    return False
+                return True
+
+            await wait_for(served, 120, "the restarted cluster to serve")
+            assert writer.failures == []
+            assert_matches(dumped, ref, CLIENT_IDS_BELOW)
+    finally:
+        await asyncio.to_thread(cluster.stop)
