@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from shared.config import CoordinatorConfig, LogConfig, MemoryJobSpec, TrainJobSpec, WorkerConfig
+from shared.config import (
+    AuthConfig,
+    CoordinatorConfig,
+    LogConfig,
+    MemoryJobSpec,
+    TlsConfig,
+    TrainJobSpec,
+    WorkerConfig,
+)
 
 
 def table(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -29,7 +37,8 @@ def table(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def main() -> None:
     for title, model in [("coordinator.yaml", CoordinatorConfig), ("worker.yaml", WorkerConfig),
-                         ("log (both)", LogConfig), ("train job", TrainJobSpec),
+                         ("log (both)", LogConfig), ("tls (both)", TlsConfig),
+                         ("auth (both)", AuthConfig), ("train job", TrainJobSpec),
                          ("memory job", MemoryJobSpec)]:
         print(f"#### {title}\n\n| key | default | meaning |\n|---|---|---|")
         print("\n".join(table(model)))
