@@ -243,19 +243,11 @@ def client_security(
     Raises:
         ConfigError: only some TLS files given, a file missing or invalid, an empty token.
     """
-    given = [f for f in (tls_ca, tls_cert, tls_key) if f]
-    if given and len(given) != 3:
+    files = None
+    if tls_ca and tls_cert and tls_key:
+        files = TlsFiles.load(tls_ca, tls_cert, tls_key, ("--tls-ca", "--tls-cert", "--tls-key"))
+    elif tls_ca or tls_cert or tls_key:
         raise ConfigError("--tls-ca, --tls-cert and --tls-key: give all three or none")
-    files = (
-        TlsFiles.load(
-            tls_ca,
-            tls_cert,
-            tls_key,  # type: ignore[arg-type]
-            ("--tls-ca", "--tls-cert", "--tls-key"),
-        )
-        if given
-        else None
-    )
     source = None
     if token:
         source = TokenSource(token)

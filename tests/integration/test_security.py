@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+import structlog
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from shared.certs import CertPaths, write_dev_certs
 from shared.client import Client, NeuroshardError
@@ -258,6 +261,45 @@ async def test_clients_cancel_only_their_own_jobs(secure, material: Material) ->
     assert "only its own jobs" in str(info.value) and "'alice'" in str(info.value)
     assert cancelled.state == "CANCELLED"
     assert cluster.coordinator.cluster.jobs.get(job.job_id).owner == "alice"
+
+
+async def test_request_logs_carry_method_caller_worker_and_job(secure, material: Material) -> None:
+    # Arrange: debug logs captured with the context variables the interceptor binds
+    wrapper = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            # Act
+            cluster = await secure(workers=1)
+            security = material.client(material.token("client", "alice"))
+            async with Client(cluster.address, security=security) as client:
+                job = await client.submit({"kind": "train", "workers": 2, "steps": 1})
+                await client.get_job(job.job_id)
+            await wait_until(
+                lambda: any(e.get("method") == "ApplySlotMap" for e in logs),
+                what="a slot map pushed to the worker",
+            )
+    finally:
+        structlog.configure(wrapper_class=wrapper)
+
+    # Assert
+    served = [e for e in logs if e["event"] == "rpc_served"]
+    get = next(e for e in served if e["method"] == "GetJob")
+    assert (get["subject"], get["role"], get["status"]) == ("alice", "client", "OK")
+    assert get["job_id"] == job.job_id and get["peer"].startswith("ipv4:127.0.0.1:")
+    assert get["duration_ms"] >= 0
+    pushed = next(e for e in served if e["method"] == "ApplySlotMap")
+    assert (pushed["worker"], pushed["subject"], pushed["role"]) == (
+        "worker-0",
+        "coordinator",
+        "worker",
+    )
+    registered = next(
+        e for e in logs if e["event"] == "worker_registered" and e.get("rpc") == "RegisterWorker"
+    )
+    assert registered["worker"] == "worker-0"
+    submitted = next(e for e in logs if e["event"] == "job_submitted")
+    assert submitted["owner"] == "alice"
 
 
 async def test_job_count_per_client_is_limited(make_cluster) -> None:
