@@ -132,6 +132,9 @@ class MemoryNode:
         self._reloaded: np.ndarray | None = (store.slot_counts() > 0) | (store.seq > 0)
         self.roles = Roles(0, np.zeros(S, bool), np.zeros(S, bool), [""] * S, {})
         self.pending: dict[int, set[str]] = defaultdict(set)  # slot -> extra copy targets
+        # [S] bool: slots whose copy was received for a map not adopted yet (no role here
+        # yet); their primary's forwards are applied even when they come from an older epoch.
+        self.incoming = np.zeros(S, bool)
         self.pending_addresses: dict[str, str] = {}  # copy target -> its address
         self._order = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
@@ -184,6 +187,7 @@ class MemoryNode:
                 replica_of,
                 dict(zip(m.workers, m.addresses, strict=True)),
             )
+            self.incoming &= ~(primary | replica)
             self.pending.clear()
             self.pending_addresses.clear()
             self.excluded.clear()
@@ -191,6 +195,7 @@ class MemoryNode:
             fenced = np.asarray(m.primary, np.int64) < 0  # no primary for a moment: keep data
             gone = held[had_role[held] & ~(primary[held] | replica[held]) & ~fenced[held]]
             if len(gone):
+                self.incoming[gone] = False
                 await self.run(self._drop, gone)
             return self.roles.epoch
 
@@ -374,10 +379,12 @@ class MemoryNode:
         """
         slots = np.asarray(req.slots, np.int64)
         seqs = np.asarray(req.seqs, np.uint64)
-        holds = self.roles.primary[slots] | self.roles.replica[slots]
+        holds = self.roles.primary[slots] | self.roles.replica[slots] | self.incoming[slots]
         if req.epoch < self.roles.epoch and not holds.all():
             # This worker has moved on to a map where it holds no copy of these slots; the
             # slots' holders in that map got copies (and the primary's forwards) already.
+            # A copy received for a map still to come counts as held: an intermediate map
+            # (the fence) gives it no role yet, but the target will.
             raise StaleForward(
                 f"forward from {req.primary} at epoch {req.epoch}: {self.name} is at epoch "
                 f"{self.roles.epoch} and no longer holds slot {int(slots[~holds][0])}"
@@ -433,8 +440,9 @@ class MemoryNode:
 
         def work() -> tuple[int, int]:
             pos = 0
+            self.store.import_slots(snaps)  # one merge for the whole batch of slots
             for snap in snaps:
-                self.store.import_slot(snap)
+                self.incoming[snap.slot] = True
                 if self._reloaded is not None:
                     self._reloaded[snap.slot] = False
                 if self.journal is not None:
