@@ -357,58 +357,49 @@ async def test_digits_training_passes_with_tls_and_tokens(secure, material: Mate
 
 @pytest.mark.slow
 def test_up_secure_runs_a_memory_job(tmp_path: Path) -> None:
-    """``neuroshard up --secure``: generated certs and tokens, the printed client settings
-    work, plaintext does not, and a memory job succeeds."""
+    """``neuroshard up --secure``: certs and tokens generated into the data dir, and a memory
+    job submitted with the settings of its ``client.env`` succeeds."""
+    import os
     import subprocess
 
-    from tests.integration.cli_helpers import processes_mentioning, run_cli
+    from tests.integration.cli_helpers import processes_mentioning
 
+    # Arrange
     data_dir = tmp_path / "up"
     proc = subprocess.Popen(
-        [*CLI, "up", "--workers", "2", "--port", "0", "--data-dir", str(data_dir), "--secure"],
+        [*CLI, "up", "--workers", "1", "--port", "0", "--data-dir", str(data_dir), "--secure"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
     )
+    job = tmp_path / "memory.yaml"
+    spec = {"kind": "memory", "memories": 5000, "iterations": 2, "access": {"batch": 1000}}
+    job.write_text(yaml.safe_dump(spec))
     try:
         assert proc.stdout is not None and proc.stderr is not None
         address = proc.stdout.readline().strip()
         assert address, proc.stderr.read()
-        env_lines = (data_dir / "client.env").read_text().splitlines()
-        env = dict(line.removeprefix("export ").split("=", 1) for line in env_lines)
-        flags = [
-            "--coordinator",
-            address,
-            "--tls-ca",
-            env["NEUROSHARD_TLS_CA"],
-            "--tls-cert",
-            env["NEUROSHARD_TLS_CERT"],
-            "--tls-key",
-            env["NEUROSHARD_TLS_KEY"],
-            "--token-file",
-            env["NEUROSHARD_TOKEN_FILE"],
-        ]
-        job = tmp_path / "memory.yaml"
-        job.write_text(
-            yaml.safe_dump(
-                {
-                    "kind": "memory",
-                    "workers": 2,
-                    "memories": 20000,
-                    "iterations": 3,
-                    "access": {"batch": 2000},
-                    "topk": 5,
-                }
-            )
-        )
+        lines = (data_dir / "client.env").read_text().splitlines()
+        env = dict(line.removeprefix("export ").split("=", 1) for line in lines)
 
-        plain = run_cli("status", "--coordinator", address)
-        result = run_cli("submit", str(job), "--follow", "--json", *flags, timeout=180)
+        # Act
+        result = subprocess.run(
+            [*CLI, "submit", str(job), "--follow", "--json"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=180,
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+        )
     finally:
         proc.send_signal(2)
         proc.wait(timeout=30)
-    assert plain.returncode == 1 and "require TLS" in plain.stderr
+
+    # Assert
+    assert env["NEUROSHARD_COORDINATOR"] == address
     assert result.returncode == 0, result.stderr
     assert '"state": "SUCCEEDED"' in result.stdout
+    assert (data_dir / "certs" / "ca.crt").is_file() and (data_dir / "auth" / "secret").is_file()
     assert processes_mentioning(str(data_dir)) == []
