@@ -131,3 +131,41 @@ def test_split_parts_keeps_each_slot_in_one_piece() -> None:
 def test_split_parts_leaves_small_parts_alone() -> None:
     owners, parts = np.array([3], np.int64), [np.arange(5)]
     assert split_parts(owners, parts, 5, lambda p: p)[1] is parts
+
+
+def test_verified_tokens_are_cached_until_they_expire(monkeypatch) -> None:
+    import time
+
+    from shared.auth import AuthInterceptor
+    from shared.tokens import TokenError, create_token
+
+    secret = b"k" * 32
+    auth = AuthInterceptor(secret, cache_size=2)
+    token = create_token(secret, "client", "alice", 60)
+    first = auth._verify(token)
+    assert auth._verify(token) is first  # from the cache
+    with pytest.raises(TokenError, match="signature"):
+        auth._verify(token[:-2] + ("AA" if not token.endswith("AA") else "BB"))
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 3600)
+    import jwt.api_jwt
+
+    monkeypatch.setattr(jwt.api_jwt, "datetime", _FrozenDatetime(now + 3600))
+    with pytest.raises(TokenError, match="expired"):
+        auth._verify(token)
+
+
+class _FrozenDatetime:
+    """Stands in for ``datetime`` inside PyJWT so that it sees a later time."""
+
+    def __init__(self, ts: float) -> None:
+        import datetime as dt
+
+        self._now = dt.datetime.fromtimestamp(ts, dt.UTC)
+        self._dt = dt.datetime
+
+    def now(self, tz: object = None) -> object:
+        return self._now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._dt, name)
