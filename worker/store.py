@@ -488,6 +488,32 @@ class SlotStore:
         self.payloads.update({int(i): bytes(p) for i, p in snapshot.payloads.items() if p})
         self.seq[slot] = np.uint64(snapshot.seq)
 
+    def import_slots(self, snapshots: Sequence[SlotSnapshot]) -> None:
+        """``import_slot`` for many slots in one merge: O(N + K) instead of O(N) per slot.
+
+        Every snapshot is validated before anything changes; a slot given twice takes the
+        last snapshot.
+
+        Raises:
+            MemoryInputError: as ``import_slot`` (nothing is changed).
+        """
+        last = {int(s.slot): s for s in snapshots}
+        checked = [(s, *self._validate_snapshot(s)) for s in last.values()]
+        if not checked:
+            return
+        drop = np.zeros(len(self.ids), bool)
+        for start, end in self._runs(np.fromiter(last, np.int64, len(last))):
+            drop[start:end] = True
+        self._remove(drop)
+        ids = np.concatenate([c[2] for c in checked])
+        strengths = np.concatenate([c[3] for c in checked])
+        keys = sort_key(ids, self.slots)
+        order = np.argsort(keys)
+        self._insert(keys[order], ids[order], strengths[order], None)
+        for snap, slot, _, _ in checked:
+            self.payloads.update({int(i): bytes(p) for i, p in snap.payloads.items() if p})
+            self.seq[slot] = np.uint64(snap.seq)
+
     def _validate_snapshot(self, snap: SlotSnapshot) -> tuple[int, np.ndarray, np.ndarray]:
         slot = int(as_slots([snap.slot], self.slots, name="snapshot.slot")[0])
         ids = as_ids(snap.ids, name="snapshot.ids")

@@ -412,3 +412,30 @@ def test_100k_lookups_among_1m_rows():
     found, strengths, _ = s.get(probe)
     assert found[:90_000].all()
     assert s.reinforce(probe, np.full(len(probe), 0.01, np.float32)) >= 90_000
+
+
+def test_import_slots_equals_one_import_per_slot() -> None:
+    # Arrange: a source store with data in several slots, two empty targets.
+    from worker.store import SlotStore
+
+    rng = np.random.default_rng(4)
+    src = SlotStore(slots=16)
+    ids = rng.choice(1 << 40, size=3000, replace=False).astype(np.uint64)
+    src.upsert(ids, rng.random(3000, dtype=np.float32), [b"p"] * 3000)
+    src.bump_seq([1, 2, 3])
+    one, bulk = SlotStore(slots=16), SlotStore(slots=16)
+    old = np.arange(10, dtype=np.uint64)
+    for target in (one, bulk):
+        target.upsert(old, np.full(10, 0.25, np.float32))  # replaced where slots overlap
+    snaps = [src.export_slot(s) for s in (3, 1, 2, 9)]
+
+    # Act
+    for snap in snaps:
+        one.import_slot(snap)
+    bulk.import_slots(snaps)
+
+    # Assert: same rows, strengths, payloads and seqs either way.
+    for a, b in zip(one.items(), bulk.items(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert one.payloads == bulk.payloads
+    np.testing.assert_array_equal(one.seq, bulk.seq)
