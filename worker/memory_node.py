@@ -188,8 +188,7 @@ class MemoryNode:
                 dict(zip(m.workers, m.addresses, strict=True)),
             )
             self.incoming &= ~(primary | replica)
-            self.pending.clear()
-            self.pending_addresses.clear()
+            self._keep_pending(primary, replica_of)
             self.excluded.clear()
             held = np.flatnonzero((self.store.slot_counts() > 0) | (self.store.seq > 0))
             fenced = np.asarray(m.primary, np.int64) < 0  # no primary for a moment: keep data
@@ -198,6 +197,19 @@ class MemoryNode:
                 self.incoming[gone] = False
                 await self.run(self._drop, gone)
             return self.roles.epoch
+
+    def _keep_pending(self, primary: np.ndarray, replica_of: list[str]) -> None:
+        """Keep feeding copy targets of slots still primary here until a map makes them the
+        slot's replica: an intermediate map (the fence, published between the copies and the
+        target map) moves no holder, and writes it lets through must reach the copies too."""
+        kept: dict[int, set[str]] = {}
+        for s, targets in self.pending.items():
+            left = targets - {replica_of[s]} if primary[s] else set()
+            if left:
+                kept[s] = left
+        self.pending = defaultdict(set, kept)
+        fed = set().union(*kept.values())
+        self.pending_addresses = {t: a for t, a in self.pending_addresses.items() if t in fed}
 
     def _drop(self, slots: np.ndarray) -> None:
         self.store.drop_slots(slots)
