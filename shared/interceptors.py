@@ -9,6 +9,7 @@ caller's ``Principal``) are visible to the servicer and to log lines of that RPC
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -33,41 +34,38 @@ def method_name(full: str) -> str:
     return full.rsplit("/", 1)[-1]
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandler:
-    """The same handler with its behavior run inside ``around(request, context)``."""
-    if handler.unary_unary is not None:
-        uu = handler.unary_unary
+def _wrap_streaming(behavior: Any, around: Around, with_request: bool) -> Any:
+    """Wrap a server-streaming behavior: an async generator, or a coroutine that writes
+    with ``context.write``."""
+    if inspect.isasyncgenfunction(behavior):
 
-        async def unary_unary(request: Any, context: aio.ServicerContext) -> Any:
-            async with around(request, context):
-                return await uu(request, context)
-
-        return handler._replace(unary_unary=unary_unary)  # type: ignore[attr-defined,no-any-return]
-    if handler.unary_stream is not None:
-        us = handler.unary_stream
-
-        async def unary_stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-            async with around(request, context):
-                async for reply in us(request, context):
+        async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+            async with around(request if with_request else None, context):
+                async for reply in behavior(request, context):
                     yield reply
 
-        return handler._replace(unary_stream=unary_stream)  # type: ignore[attr-defined,no-any-return]
-    if handler.stream_unary is not None:
-        su = handler.stream_unary
+        return stream
+    return _wrap_unary(behavior, around, with_request)
 
-        async def stream_unary(requests: Any, context: aio.ServicerContext) -> Any:
-            async with around(None, context):
-                return await su(requests, context)
 
-        return handler._replace(stream_unary=stream_unary)  # type: ignore[attr-defined,no-any-return]
-    ss = handler.stream_stream
+def _wrap_unary(behavior: Any, around: Around, with_request: bool) -> Any:
+    async def call(request: Any, context: aio.ServicerContext) -> Any:
+        async with around(request if with_request else None, context):
+            return await behavior(request, context)
 
-    async def stream_stream(requests: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-        async with around(None, context):
-            async for reply in ss(requests, context):
-                yield reply
+    return call
 
-    return handler._replace(stream_stream=stream_stream)  # type: ignore[attr-defined,no-any-return]
+
+def wrap_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandler:
+    """The same handler with its behavior run inside ``around(request, context)``."""
+    h: Any = handler
+    if h.unary_unary is not None:
+        return h._replace(unary_unary=_wrap_unary(h.unary_unary, around, True))
+    if h.unary_stream is not None:
+        return h._replace(unary_stream=_wrap_streaming(h.unary_stream, around, True))
+    if h.stream_unary is not None:
+        return h._replace(stream_unary=_wrap_unary(h.stream_unary, around, False))
+    return h._replace(stream_stream=_wrap_streaming(h.stream_stream, around, False))
 
 
 def status_of(context: aio.ServicerContext, exc: BaseException | None) -> str:
