@@ -10,6 +10,7 @@ caller's ``Principal``) are visible to the servicer and to log lines of that RPC
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -93,6 +94,9 @@ class RequestLogInterceptor(aio.ServerInterceptor):
     def __init__(self, metrics: Metrics, worker_name: str | None = None) -> None:
         self._metrics = metrics
         self._worker_name = worker_name
+        # Decided once (logging is configured before servers are built): building the
+        # debug line costs more than the rest of the interceptor.
+        self._debug = debug_enabled()
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -116,9 +120,8 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         structlog.contextvars.bind_contextvars(**fields)
 
     def _around_for(self, method: str) -> Around:
-        from shared.auth import current_principal
-
         counter = self._metrics.rpcs
+        by_code: dict[str, Any] = {}  # counter children by status name
 
         @asynccontextmanager
         async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
@@ -132,16 +135,35 @@ class RequestLogInterceptor(aio.ServerInterceptor):
                 raise
             finally:
                 code = status_of(context, exc)
-                counter.labels(method, code).inc()
-                p = current_principal()
-                log.debug(
-                    "rpc_served",
-                    method=method,
-                    peer=context.peer(),
-                    status=code,
-                    subject=p.subject if p else None,
-                    role=p.role if p else None,
-                    duration_ms=round((time.perf_counter() - start) * 1e3, 3),
-                )
+                child = by_code.get(code)
+                if child is None:
+                    child = by_code[code] = counter.labels(method, code)
+                child.inc()
+                if self._debug:
+                    self._log(method, code, context, time.perf_counter() - start)
 
         return around
+
+    @staticmethod
+    def _log(method: str, code: str, context: aio.ServicerContext, seconds: float) -> None:
+        from shared.auth import current_principal
+
+        p = current_principal()
+        log.debug(
+            "rpc_served",
+            method=method,
+            peer=context.peer(),
+            status=code,
+            subject=p.subject if p else None,
+            role=p.role if p else None,
+            duration_ms=round(seconds * 1e3, 3),
+        )
+
+
+def debug_enabled() -> bool:
+    """Whether structlog as configured now lets debug lines through."""
+    check = getattr(structlog.get_config()["wrapper_class"], "is_enabled_for", None)
+    try:
+        return True if check is None else bool(check(None, logging.DEBUG))
+    except Exception:  # another wrapper class: let the logger decide per line
+        return True
