@@ -188,25 +188,25 @@ class MemoryNode:
                 dict(zip(m.workers, m.addresses, strict=True)),
             )
             self.incoming &= ~(primary | replica)
-            self._keep_pending(primary, replica_of)
+            fenced = np.asarray(m.primary, np.int64) < 0  # no primary for a moment: keep data
+            self._keep_pending(primary if fenced.any() else np.zeros_like(primary))
             self.excluded.clear()
             held = np.flatnonzero((self.store.slot_counts() > 0) | (self.store.seq > 0))
-            fenced = np.asarray(m.primary, np.int64) < 0  # no primary for a moment: keep data
             gone = held[had_role[held] & ~(primary[held] | replica[held]) & ~fenced[held]]
             if len(gone):
                 self.incoming[gone] = False
                 await self.run(self._drop, gone)
             return self.roles.epoch
 
-    def _keep_pending(self, primary: np.ndarray, replica_of: list[str]) -> None:
-        """Keep feeding copy targets of slots still primary here until a map makes them the
-        slot's replica: an intermediate map (the fence, published between the copies and the
-        target map) moves no holder, and writes it lets through must reach the copies too."""
-        kept: dict[int, set[str]] = {}
-        for s, targets in self.pending.items():
-            left = targets - {replica_of[s]} if primary[s] else set()
-            if left:
-                kept[s] = left
+    def _keep_pending(self, keep: np.ndarray) -> None:
+        """Forget the copy targets of slots other than ``keep`` [S] bool.
+
+        A new map normally ends the copies (its holders have the data), but the fence map
+        comes between the copies and the target map and moves no holder: the primaries it
+        keeps go on accepting writes, which must still reach the copies (so ``keep`` is the
+        slots still primary here when the map fences some slot, else none).
+        """
+        kept = {s: targets for s, targets in self.pending.items() if keep[s]}
         self.pending = defaultdict(set, kept)
         fed = set().union(*kept.values())
         self.pending_addresses = {t: a for t, a in self.pending_addresses.items() if t in fed}
