@@ -112,7 +112,9 @@ async def test_each_auth_outcome(secure, material: Material, case, code, message
     # Assert
     assert got_code == code
     assert got_message.startswith(message)
-    assert cluster.coordinator.metrics.rpcs.labels("GetClusterStatus", code)._value.get() == 1
+    counted = cluster.coordinator.metrics.rpcs.labels("GetClusterStatus", code)
+    # abort() sends the status before the server's interceptor counts it: poll
+    await wait_until(lambda: counted._value.get() == 1, what=f"one {code} counted")
 
 
 async def test_health_checks_need_no_token(secure, material: Material) -> None:
