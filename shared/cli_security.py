@@ -144,7 +144,11 @@ def cmd_token_secret(args: argparse.Namespace) -> int:
     """``neuroshard token secret FILE``: a new random HS256 secret (mode 0600)."""
     from shared.tokens import write_secret
 
-    print(write_secret(args.file), file=sys.stderr)
+    path = write_secret(args.file)
+    print(
+        f"wrote a new secret to {path} (mode 0600); give it to every daemon as auth.secret_file",
+        file=sys.stderr,
+    )
     return 0
 
 
