@@ -77,13 +77,14 @@ class Cluster:
     def register_worker(
         self, name: str, address: str, device: str, process_id: str = ""
     ) -> WorkerRecord:
+        new = self.membership.get(name) is None
         rec, changed, restarted = self.membership.register(name, address, device, process_id)
         log.info("worker_registered", worker=name, address=address, device=device,
                  restarted=restarted)
         rec.extra["epoch"] = 0
         rec.extra.pop("restored", None)
         self.state.save_worker(name, address, device, process_id)
-        if restarted:
+        if restarted or new:  # whatever its data dir holds is checked before it gets a map
             self.rebalancer.worker_restarted(name)
         if changed:
             self._on_membership_change()

@@ -68,8 +68,9 @@ class Rebalancer:
         self._wake.set()
 
     def worker_restarted(self, name: str) -> None:
-        """A worker came back as a new process (with whatever its data dir held): it gets no
-        map until its copies are compared with the other holders' (saved before returning)."""
+        """A worker came back as a new process, or joined for the first time (either way with
+        whatever its data dir holds): it gets no map until its copies are compared with the
+        other holders' (saved before returning)."""
         self.trust.restarted(name)
         self._save()
         self.trigger()
@@ -115,7 +116,7 @@ class Rebalancer:
             VerificationPending: a restarted worker's copies cannot be decided yet.
         """
         t0 = time.perf_counter()
-        await self._verify()
+        verified = await self._verify()
         async with self.map_lock:
             alive = [w.name for w in self._membership.alive()]
             draining = {w.name for w in self._membership.draining()}
@@ -123,7 +124,10 @@ class Rebalancer:
                 raise VerificationPending("a worker restarted during this pass")
             version, untrusted = self.trust.version, self.trust.snapshot()
             p = plan(self.current, alive, set(), draining, untrusted=untrusted, keep_lost=True)
-            if not p.interim.same_placement(self.current):
+            # A worker just verified adopts the interim map first: it holds exactly its
+            # trusted copies there, so it drops the rest of what it reloaded before a later
+            # map can give it a slot to fill by copy (or a slot that starts empty).
+            if verified or not p.interim.same_placement(self.current):
                 await self._publish(p.interim)
         copied = await self._copy(p.copies)
         if not p.target.same_placement(self.current):
@@ -143,8 +147,9 @@ class Rebalancer:
                      slots_copied=p.slots_to_copy, memories_copied=copied,
                      slots_lost=len(p.lost), seconds=round(time.perf_counter() - t0, 3))
 
-    async def _verify(self) -> None:
-        """Compare restarted workers' copies with the other holders' (``SlotTrust.verify``)."""
+    async def _verify(self) -> bool:
+        """Compare restarted workers' copies with the other holders' (``SlotTrust.verify``);
+        return True if some worker was decided."""
         live = self._membership.alive() + self._membership.draining()
         confirmed = {w.name for w in live if not w.extra.get("restored")}
 
@@ -156,10 +161,12 @@ class Rebalancer:
                 worker_pb2.SlotSeqsRequest(slots=slots), timeout=self._timeout_s)
             return list(reply.seqs)
 
-        if await self.trust.verify(self.current, {w.name for w in live}, confirmed, seqs_of):
-            self._save()
-            log.info("restarted_workers_checked",
-                     untrusted={n: len(s) for n, s in self.trust.untrusted.items()})
+        if not await self.trust.verify(self.current, {w.name for w in live}, confirmed, seqs_of):
+            return False
+        self._save()
+        log.info("restarted_workers_checked",
+                 untrusted={n: len(s) for n, s in self.trust.untrusted.items()})
+        return True
 
     async def _copy(self, copies: dict[tuple[str, str], list[int]]) -> int:
         async def one(src: str, dst: str, slots: list[int]) -> int:
