@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 from pathlib import Path
 
 from grpc import aio
@@ -87,13 +86,7 @@ class CoordinatorServer:
 async def serve(cfg: CoordinatorConfig, ready_file: str | None = None) -> None:
     """Run a coordinator until SIGTERM or SIGINT, then shut down gracefully."""
     server = CoordinatorServer(cfg)
-    address = await server.start()
-    if ready_file:
-        await asyncio.to_thread(Path(ready_file).write_text, address)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await rpc.write_ready_file(ready_file, await server.start())
+    await rpc.wait_for_stop_signal()
     log.info("coordinator_stopping")
     await server.stop()

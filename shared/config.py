@@ -81,7 +81,25 @@ class AuthConfig(_Model):
     )
 
 
-class CoordinatorConfig(_Model):
+class _DaemonConfig(_Model):
+    """Settings both daemons have (their fields come first in each daemon's reference)."""
+
+    max_concurrent_streams: int = Field(
+        1024, ge=1,
+        description="Concurrent RPCs per client connection (grpc.max_concurrent_streams); "
+        "more wait for a free one.",
+    )
+    tls: TlsConfig | None = Field(
+        None, description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: "
+        "plaintext."
+    )
+    auth: AuthConfig | None = Field(
+        None, description="{secret_file, token_file}: require tokens; null: no auth."
+    )
+    log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
+
+
+class CoordinatorConfig(_DaemonConfig):
     """The coordinator daemon (configs/coordinator.yaml)."""
 
     listen: str = Field(
@@ -130,19 +148,6 @@ class CoordinatorConfig(_Model):
         description="Queued plus running jobs one token subject may have (all clients "
         "together without auth); more is RESOURCE_EXHAUSTED.",
     )
-    max_concurrent_streams: int = Field(
-        1024, ge=1,
-        description="Concurrent RPCs per client connection (grpc.max_concurrent_streams); "
-        "more wait for a free one.",
-    )
-    tls: TlsConfig | None = Field(
-        None, description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: "
-        "plaintext."
-    )
-    auth: AuthConfig | None = Field(
-        None, description="{secret_file, token_file}: require tokens; null: no auth."
-    )
-    log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
 
     _check_listen = field_validator("listen")(classmethod(lambda cls, v: _host_port(v)))
 
@@ -163,7 +168,7 @@ class CoordinatorConfig(_Model):
         return self
 
 
-class WorkerConfig(_Model):
+class WorkerConfig(_DaemonConfig):
     """A worker daemon (configs/worker.yaml)."""
 
     coordinator: str = Field("localhost:50051", description="Coordinator HOST:PORT.")
@@ -219,19 +224,6 @@ class WorkerConfig(_Model):
         description="Most ids one keyed memory request (upsert, get, delete, reinforce) may "
         "carry; more is INVALID_ARGUMENT.",
     )
-    max_concurrent_streams: int = Field(
-        1024, ge=1,
-        description="Concurrent RPCs per client connection (grpc.max_concurrent_streams); "
-        "more wait for a free one.",
-    )
-    tls: TlsConfig | None = Field(
-        None, description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: "
-        "plaintext."
-    )
-    auth: AuthConfig | None = Field(
-        None, description="{secret_file, token_file}: require tokens; null: no auth."
-    )
-    log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
 
     _check_addr = field_validator("coordinator", "listen")(
         classmethod(lambda cls, v: _host_port(v))

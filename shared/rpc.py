@@ -3,8 +3,11 @@ interceptor and the mapping of domain errors to status codes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -95,6 +98,29 @@ class MetricsInterceptor(aio.ServerInterceptor):
             return data  # type: ignore[no-any-return]
 
         return handler._replace(request_deserializer=count_in, response_serializer=count_out)
+
+
+async def wait_for_stop_signal(
+    extra: asyncio.Event | None = None,
+) -> None:
+    """Return on the first SIGTERM or SIGINT (or when ``extra`` is set): the daemons' main
+    wait before a graceful shutdown."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waits = [asyncio.create_task(stop.wait())]
+    if extra is not None:
+        waits.append(asyncio.create_task(extra.wait()))
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+
+
+async def write_ready_file(path: str | None, address: str) -> None:
+    """Write the bound address to ``path`` (used by the local cluster to find daemons)."""
+    if path:
+        await asyncio.to_thread(Path(path).write_text, address)
 
 
 def is_retryable(exc: BaseException) -> bool:

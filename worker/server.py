@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 from pathlib import Path
 
@@ -260,16 +259,8 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
         address = await server.start()
     except JournalError as exc:
         raise SystemExit(f"worker: {exc}") from None
-    if ready_file:
-        await asyncio.to_thread(Path(ready_file).write_text, address)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    stopped, failed = asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())
-    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    failed.cancel()
+    await rpc.write_ready_file(ready_file, address)
+    await rpc.wait_for_stop_signal(server.failed)
     if server.failed.is_set():
         await server.stop()
         raise SystemExit(f"worker: {server.error}")
