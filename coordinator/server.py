@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import torch
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -30,6 +31,7 @@ class CoordinatorServer:
         self.cfg = cfg
         self.metrics = Metrics()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, "coordinator")
+        torch.set_num_threads(cfg.torch_threads)  # process-wide: the parameter server's ops
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         self.health = health.aio.HealthServicer()
         self.server = aio.server(

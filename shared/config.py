@@ -127,6 +127,10 @@ class CoordinatorConfig(_DaemonConfig):
         60.0, gt=0, description="Seconds a worker may take for one training step."
     )
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of coordinator-to-worker RPCs.")
+    torch_threads: int = Field(
+        1, ge=1, le=256, description="torch.set_num_threads for the parameter server "
+        "(optimizer step, evaluation); more threads spin against the workers on a small host."
+    )
     checkpoint_every_steps: int = Field(
         50, ge=1, description="Training steps between parameter-server checkpoints."
     )
