@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
-from coordinator.membership import Membership, WorkerRecord
+from coordinator.membership import Membership, WorkerRecord, WorkerState
 from coordinator.memory_ops import MemoryOps
 from coordinator.persistence import StateStore
 from coordinator.rebalance import Rebalancer
@@ -48,6 +50,7 @@ class Cluster:
             cfg.slots, self.membership, self.clients, metrics, cfg.rpc_timeout_s,
             cfg.max_payload_bytes,
         )
+        self._probing: set[str] = set()
         self.state = StateStore(cfg.data_dir)
         self._restore()
         self.memory = MemoryOps(self.rebalancer, self.membership, self.clients, cfg.rpc_timeout_s)
@@ -123,6 +126,29 @@ class Cluster:
                 f"{current.epoch}; its write there is not acknowledged"
             )
         self.rebalancer.distrust(worker, chosen)
+        if worker not in self._probing:
+            self._probing.add(worker)
+            task = asyncio.get_running_loop().create_task(self._probe(worker))
+            task.add_done_callback(lambda _t: self._probing.discard(worker))
+
+    async def _probe(self, name: str) -> None:
+        """Ask a worker reported unreachable for its health at once: if it does not answer
+        within ``probe_timeout_s`` it is declared DEAD now rather than after the heartbeat
+        timeout, so its slots fail over in milliseconds instead of seconds."""
+        rec = self.membership.get(name)
+        if rec is None or rec.state is not WorkerState.ALIVE:
+            return
+        stub = health_pb2_grpc.HealthStub(self.clients.channel(name, rec.address))
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.cfg.probe_timeout_s)
+            return
+        except Exception as exc:
+            details = getattr(exc, "details", None)
+            reason = str(details() if callable(details) else exc)[:200]
+        if self.membership.mark_dead(name):
+            log.warning("worker_dead", worker=name, address=rec.address, reason=reason,
+                        detected_by="probe")
+            self._on_membership_change()
 
     def drain(self, name: str) -> tuple[bool, int]:
         """Start (or check) the drain of a worker; return (drained, slots still held).

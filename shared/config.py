@@ -115,6 +115,10 @@ class CoordinatorConfig(_DaemonConfig):
     heartbeat_timeout_s: float = Field(
         2.0, gt=0, le=600, description="Seconds without a heartbeat before a worker is DEAD."
     )
+    probe_timeout_s: float = Field(
+        0.3, gt=0, le=60, description="When a primary reports a worker unreachable, the "
+        "coordinator probes its health; no answer within this many seconds: DEAD at once."
+    )
     queue_timeout_s: float = Field(
         60.0, gt=0, description="Seconds a job may wait QUEUED for its workers before it fails."
     )

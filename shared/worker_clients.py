@@ -34,6 +34,11 @@ class WorkerClients:
         self._by_name[name] = (address, ch, stub)
         return stub
 
+    def channel(self, name: str, address: str) -> aio.Channel:
+        """The channel behind ``stub(name, address)`` (for the health service)."""
+        self.stub(name, address)
+        return self._by_name[name][1]
+
     async def close(self) -> None:
         channels = [c for _, c, _ in self._by_name.values()] + self._closing
         self._by_name.clear()
