@@ -35,19 +35,26 @@ class NotSlotPrimary(Exception):
 class Cluster:
     """Everything the coordinator knows and decides."""
 
-    def __init__(self, cfg: CoordinatorConfig, metrics: Metrics,
-                 security: ChannelSecurity | None = None) -> None:
+    def __init__(
+        self, cfg: CoordinatorConfig, metrics: Metrics, security: ChannelSecurity | None = None
+    ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.membership = Membership(cfg.heartbeat_timeout_s)
         self.jobs = JobStore()
         self.clients = WorkerClients(cfg.max_message_bytes, security)
         self.scheduler = Scheduler(
-            self.jobs, self.membership,
-            {"train": self._run_train, "memory": self._run_memory}, cfg.queue_timeout_s,
+            self.jobs,
+            self.membership,
+            {"train": self._run_train, "memory": self._run_memory},
+            cfg.queue_timeout_s,
         )
         self.rebalancer = Rebalancer(
-            cfg.slots, self.membership, self.clients, metrics, cfg.rpc_timeout_s,
+            cfg.slots,
+            self.membership,
+            self.clients,
+            metrics,
+            cfg.rpc_timeout_s,
             cfg.max_payload_bytes,
         )
         self._probing: set[str] = set()
@@ -71,8 +78,12 @@ class Cluster:
         self.rebalancer.persist = self.state.save_slot_map
         self.jobs.on_change = self.state.save_job
         if saved is not None or jobs:
-            log.info("coordinator_restored", epoch=self.rebalancer.current.epoch,
-                     workers=len(self.membership.all()), jobs=len(jobs))
+            log.info(
+                "coordinator_restored",
+                epoch=self.rebalancer.current.epoch,
+                workers=len(self.membership.all()),
+                jobs=len(jobs),
+            )
         self.rebalancer.trigger()
 
     # -- membership ------------------------------------------------------------------------
@@ -82,8 +93,9 @@ class Cluster:
     ) -> WorkerRecord:
         new = self.membership.get(name) is None
         rec, changed, restarted = self.membership.register(name, address, device, process_id)
-        log.info("worker_registered", worker=name, address=address, device=device,
-                 restarted=restarted)
+        log.info(
+            "worker_registered", worker=name, address=address, device=device, restarted=restarted
+        )
         rec.extra["epoch"] = 0
         rec.extra.pop("restored", None)
         self.state.save_worker(name, address, device, process_id)
@@ -116,8 +128,9 @@ class Cluster:
         """
         current = self.rebalancer.current
         chosen = list(range(current.slots)) if not slots else sorted(set(slots))
-        log.warning("copy_failed", reporter=reporter, worker=worker, slots=len(chosen),
-                    reason=reason)
+        log.warning(
+            "copy_failed", reporter=reporter, worker=worker, slots=len(chosen), reason=reason
+        )
         orphaned = [s for s in chosen if current.primary[s] != reporter]
         if slots and orphaned:
             self.rebalancer.distrust(reporter, orphaned)
@@ -146,8 +159,9 @@ class Cluster:
             details = getattr(exc, "details", None)
             reason = str(details() if callable(details) else exc)[:200]
         if self.membership.mark_dead(name):
-            log.warning("worker_dead", worker=name, address=rec.address, reason=reason,
-                        detected_by="probe")
+            log.warning(
+                "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"
+            )
             self._on_membership_change()
 
     def drain(self, name: str) -> tuple[bool, int]:
@@ -202,10 +216,16 @@ class Cluster:
             who = f"client {owner!r}" if owner else "unauthenticated clients"
             raise JobQuotaExceeded(
                 f"{who} already has {limit} queued or running jobs (max_jobs_per_client); "
-                "wait for one to finish or cancel one")
+                "wait for one to finish or cancel one"
+            )
         job = self.jobs.submit(spec, owner)
-        log.info("job_submitted", job_id=job.job_id, kind=job.kind, workers=spec.workers,
-                 owner=owner or None)
+        log.info(
+            "job_submitted",
+            job_id=job.job_id,
+            kind=job.kind,
+            workers=spec.workers,
+            owner=owner or None,
+        )
         self.scheduler.wake()
         self._update_gauges()
         return job
@@ -217,7 +237,12 @@ class Cluster:
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         return await TrainJob(
-            job, workers, self.cfg, self.clients, self.jobs, self.metrics,
+            job,
+            workers,
+            self.cfg,
+            self.clients,
+            self.jobs,
+            self.metrics,
             alive=self.membership.alive,
         ).run()
 

@@ -84,15 +84,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         slots = c.slot_summary()
         workers = [
             common_pb2.WorkerInfo(
-                name=w.name, address=w.address, state=_WORKER_STATE[w.state], device=w.device,
-                heartbeat_age_s=c.membership.heartbeat_age_s(w), memories=w.memories,
+                name=w.name,
+                address=w.address,
+                state=_WORKER_STATE[w.state],
+                device=w.device,
+                heartbeat_age_s=c.membership.heartbeat_age_s(w),
+                memories=w.memories,
                 slots_primary=slots["per_worker"].get(w.name, (0, 0))[0],
                 slots_replica=slots["per_worker"].get(w.name, (0, 0))[1],
             )
             for w in c.membership.all()
         ]
         return coordinator_pb2.ClusterStatus(
-            workers=workers, jobs_by_state=c.jobs.counts(), slots=slots["slots"],
+            workers=workers,
+            jobs_by_state=c.jobs.counts(),
+            slots=slots["slots"],
             replication_factor=slots["replication_factor"],
             under_replicated_slots=slots["under_replicated_slots"],
             slot_map_epoch=slots["epoch"],
@@ -116,8 +122,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """A primary reports a replica it could not update; its copies of the reported slots
         stop being trusted. FAILED_PRECONDITION: the reporter is not their primary."""
         try:
-            self._cluster.report_failure(request.reporter, request.worker, request.reason,
-                                         list(request.slots))
+            self._cluster.report_failure(
+                request.reporter, request.worker, request.reason, list(request.slots)
+            )
         except NotSlotPrimary as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return coordinator_pb2.ReportFailureResponse()

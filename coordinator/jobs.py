@@ -8,6 +8,7 @@ never a stale terminal state).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import json
 import time
@@ -80,7 +81,7 @@ class JobStore:
         self._counter = itertools.count(1)
         self.on_change: Callable[[JobRecord], None] | None = None  # persistence hook
 
-    def restore(self, jobs: list[JobRecord]) -> None:
+    def restore(self, jobs: builtins.list[JobRecord]) -> None:
         """Re-insert jobs loaded from disk (after a coordinator restart)."""
         for job in jobs:
             self._jobs[job.job_id] = job
@@ -102,14 +103,14 @@ class JobStore:
         except KeyError:
             raise JobNotFound(f"no job with id {job_id!r}") from None
 
-    def list(self) -> list[JobRecord]:
+    def list(self) -> builtins.list[JobRecord]:
         return sorted(self._jobs.values(), key=lambda j: j.seq)
 
     def active(self, owner: str) -> int:
         """Queued plus running jobs of ``owner``."""
         return sum(1 for j in self._jobs.values() if j.owner == owner and not j.state.terminal)
 
-    def queued(self) -> list[JobRecord]:
+    def queued(self) -> builtins.list[JobRecord]:
         return [j for j in self.list() if j.state is JobState.QUEUED]
 
     def counts(self) -> dict[str, int]:

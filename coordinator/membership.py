@@ -55,8 +55,9 @@ class Membership:
         now = self._clock()
         rec = self._workers.get(name)
         if rec is None:
-            rec = WorkerRecord(name, address, device, last_heartbeat=now, registered_at=now,
-                               process_id=process_id)
+            rec = WorkerRecord(
+                name, address, device, last_heartbeat=now, registered_at=now, process_id=process_id
+            )
             self._workers[name] = rec
             return rec, True, False
         restarted = rec.process_id != process_id

@@ -59,7 +59,9 @@ class MemoryJob:
         assert isinstance(job.spec, MemoryJobSpec)
         self.job, self.spec, self.cluster = job, job.spec, cluster
         self._router = MemoryRouter(
-            self._slot_map, cluster.cfg.rpc_timeout_s, cluster.cfg.max_message_bytes,
+            self._slot_map,
+            cluster.cfg.rpc_timeout_s,
+            cluster.cfg.max_message_bytes,
             security=cluster.clients.security,
         )
         self._last_progress = 0.0

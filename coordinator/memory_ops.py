@@ -30,8 +30,13 @@ class BulkOpError(RuntimeError):
 class MemoryOps:
     """Fan-out of bulk operations over the primaries of the current slot map."""
 
-    def __init__(self, rebalancer: Rebalancer, membership: Membership,
-                 clients: WorkerClients, rpc_timeout_s: float) -> None:
+    def __init__(
+        self,
+        rebalancer: Rebalancer,
+        membership: Membership,
+        clients: WorkerClients,
+        rpc_timeout_s: float,
+    ) -> None:
         self._rebalancer = rebalancer
         self._membership = membership
         self._clients = clients
@@ -49,15 +54,18 @@ class MemoryOps:
                 if rec is None:
                     raise BulkOpError(f"{what}: primary {n} is unknown")
                 stubs.append(self._clients.stub(n, rec.address))
-            results = await asyncio.gather(*(call(s, current.epoch) for s in stubs),
-                                           return_exceptions=True)
-        failed = [(n, r) for n, r in zip(names, results, strict=True)
-                  if isinstance(r, BaseException)]
+            results = await asyncio.gather(
+                *(call(s, current.epoch) for s in stubs), return_exceptions=True
+            )
+        failed = [
+            (n, r) for n, r in zip(names, results, strict=True) if isinstance(r, BaseException)
+        ]
         if failed:
             n, exc = failed[0]
             detail = exc.details() if isinstance(exc, aio.AioRpcError) else str(exc)
-            raise BulkOpError(f"{what}: {len(failed)} of {len(names)} primaries failed "
-                              f"(first: {n}: {detail})")
+            raise BulkOpError(
+                f"{what}: {len(failed)} of {len(names)} primaries failed (first: {n}: {detail})"
+            )
         return [r for r in results if not isinstance(r, BaseException)]
 
     async def decay(self, rate: float) -> int:
@@ -67,28 +75,42 @@ class MemoryOps:
             BulkOpError: a primary failed (UNAVAILABLE); others may have applied the decay.
         """
         replies = await self._fan_out(
-            lambda s, e: s.Decay(worker_pb2.WorkerDecayRequest(epoch=e, rate=rate),
-                                 timeout=self._timeout_s), "decay")
+            lambda s, e: s.Decay(
+                worker_pb2.WorkerDecayRequest(epoch=e, rate=rate), timeout=self._timeout_s
+            ),
+            "decay",
+        )
         return sum(int(r.memories) for r in replies)
 
     async def quality(self) -> Quality:
         """Merged strength statistics of every memory (one copy of each)."""
         replies = await self._fan_out(
-            lambda s, e: s.Quality(worker_pb2.WorkerQualityRequest(epoch=e),
-                                   timeout=self._timeout_s), "quality")
+            lambda s, e: s.Quality(
+                worker_pb2.WorkerQualityRequest(epoch=e), timeout=self._timeout_s
+            ),
+            "quality",
+        )
         return merge_quality([_quality(r) for r in replies])
 
     async def topk(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The exact global top-k: ids [k'] uint64 and strengths [k'] float32, strongest
         first, ties broken by smaller id."""
         replies = await self._fan_out(
-            lambda s, e: s.TopK(worker_pb2.WorkerTopKRequest(epoch=e, k=k),
-                                timeout=self._timeout_s), "topk")
+            lambda s, e: s.TopK(
+                worker_pb2.WorkerTopKRequest(epoch=e, k=k), timeout=self._timeout_s
+            ),
+            "topk",
+        )
         parts = [(ids_from_bytes(r.ids), f32_from_bytes(r.strengths)) for r in replies]
         return merge_topk(parts, k)
 
 
 def _quality(pb: Any) -> Quality:
-    return Quality(count=int(pb.count), sum=float(pb.sum), mean=float(pb.mean),
-                   min=float(pb.min), max=float(pb.max),
-                   histogram=tuple(int(h) for h in pb.histogram))
+    return Quality(
+        count=int(pb.count),
+        sum=float(pb.sum),
+        mean=float(pb.mean),
+        min=float(pb.min),
+        max=float(pb.max),
+        histogram=tuple(int(h) for h in pb.histogram),
+    )

@@ -85,13 +85,23 @@ class StateStore:
     def save_job(self, job: JobRecord) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.job_id, job.seq, job.spec_json, job.state.value,
-             json.dumps(job.result) if job.result is not None else None, job.error,
-             job.created_at, job.started_at, job.finished_at, json.dumps(job.workers)),
+            (
+                job.job_id,
+                job.seq,
+                job.spec_json,
+                job.state.value,
+                json.dumps(job.result) if job.result is not None else None,
+                job.error,
+                job.created_at,
+                job.started_at,
+                job.finished_at,
+                json.dumps(job.workers),
+            ),
         )
         if job.owner:  # a separate table: databases of earlier versions need no migration
-            self._db.execute("INSERT OR IGNORE INTO job_owners VALUES (?, ?)",
-                             (job.job_id, job.owner))
+            self._db.execute(
+                "INSERT OR IGNORE INTO job_owners VALUES (?, ?)", (job.job_id, job.owner)
+            )
 
     def load_jobs(self) -> list[JobRecord]:
         """Saved jobs in submission order; a job that was RUNNING comes back QUEUED (it is
@@ -99,14 +109,31 @@ class StateStore:
         out = []
         owners = dict(self._db.execute("SELECT job_id, owner FROM job_owners").fetchall())
         for row in self._db.execute("SELECT * FROM jobs ORDER BY seq"):
-            (job_id, seq, spec_json, state, result_json, error, created, started, finished,
-             workers_json) = row
-            job = JobRecord(job_id=job_id, spec=job_spec_from_json(spec_json), seq=seq,
-                            state=JobState(state), error=error, created_at=created,
-                            started_at=started, finished_at=finished,
-                            workers=json.loads(workers_json),
-                            result=json.loads(result_json) if result_json else None,
-                            owner=owners.get(job_id, ""))
+            (
+                job_id,
+                seq,
+                spec_json,
+                state,
+                result_json,
+                error,
+                created,
+                started,
+                finished,
+                workers_json,
+            ) = row
+            job = JobRecord(
+                job_id=job_id,
+                spec=job_spec_from_json(spec_json),
+                seq=seq,
+                state=JobState(state),
+                error=error,
+                created_at=created,
+                started_at=started,
+                finished_at=finished,
+                workers=json.loads(workers_json),
+                result=json.loads(result_json) if result_json else None,
+                owner=owners.get(job_id, ""),
+            )
             if job.state is JobState.RUNNING:
                 job.state = JobState.QUEUED
                 job.created_at = _now()  # a fresh queue timeout for the re-run

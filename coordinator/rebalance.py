@@ -33,8 +33,11 @@ def fence_moving_primaries(current: SlotMap, target: SlotMap) -> SlotMap | None:
     never act as primary of one slot at once. Holders keep their data meanwhile; clients
     retry the fenced slots for the instant it lasts. None when no primary moves.
     """
-    moving = [s for s in range(current.slots)
-              if current.primary[s] and target.primary[s] != current.primary[s]]
+    moving = [
+        s
+        for s in range(current.slots)
+        if current.primary[s] and target.primary[s] != current.primary[s]
+    ]
     if not moving:
         return None
     fence = SlotMap(current.epoch, list(current.primary), list(current.replica))
@@ -46,9 +49,16 @@ def fence_moving_primaries(current: SlotMap, target: SlotMap) -> SlotMap | None:
 class Rebalancer:
     """Owns the published slot map and moves the cluster toward rendezvous placement."""
 
-    def __init__(self, slots: int, membership: Membership, clients: WorkerClients,
-                 metrics: Metrics, rpc_timeout_s: float, max_payload_bytes: int,
-                 on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        slots: int,
+        membership: Membership,
+        clients: WorkerClients,
+        metrics: Metrics,
+        rpc_timeout_s: float,
+        max_payload_bytes: int,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.current = SlotMap.empty(slots)
         self.map_lock = asyncio.Lock()
         self.trust = SlotTrust(slots)
@@ -143,9 +153,15 @@ class Rebalancer:
         await self._push_to_laggards()  # e.g. a restarted worker whose copies all checked out
         self.copies_total += p.slots_to_copy
         if p.copies or not p.target.same_placement(p.interim):
-            log.info("rebalanced", epoch=self.current.epoch, workers=len(alive),
-                     slots_copied=p.slots_to_copy, memories_copied=copied,
-                     slots_lost=len(p.lost), seconds=round(time.perf_counter() - t0, 3))
+            log.info(
+                "rebalanced",
+                epoch=self.current.epoch,
+                workers=len(alive),
+                slots_copied=p.slots_to_copy,
+                memories_copied=copied,
+                slots_lost=len(p.lost),
+                seconds=round(time.perf_counter() - t0, 3),
+            )
 
     async def _verify(self) -> bool:
         """Compare restarted workers' copies with the other holders' (``SlotTrust.verify``);
@@ -158,14 +174,17 @@ class Rebalancer:
             if w is None:
                 raise RuntimeError(f"{name} is unknown")
             reply = await self._clients.stub(name, w.address).SlotSeqs(
-                worker_pb2.SlotSeqsRequest(slots=slots), timeout=self._timeout_s)
+                worker_pb2.SlotSeqsRequest(slots=slots), timeout=self._timeout_s
+            )
             return list(reply.seqs)
 
         if not await self.trust.verify(self.current, {w.name for w in live}, confirmed, seqs_of):
             return False
         self._save()
-        log.info("restarted_workers_checked",
-                 untrusted={n: len(s) for n, s in self.trust.untrusted.items()})
+        log.info(
+            "restarted_workers_checked",
+            untrusted={n: len(s) for n, s in self.trust.untrusted.items()},
+        )
         return True
 
     async def _copy(self, copies: dict[tuple[str, str], list[int]]) -> int:
@@ -174,8 +193,9 @@ class Rebalancer:
             if s is None or d is None:
                 raise RuntimeError(f"copy {src} -> {dst}: worker unknown")
             reply = await self._clients.stub(src, s.address).CopySlots(
-                worker_pb2.CopySlotsRequest(epoch=self.current.epoch, slots=slots,
-                                            target=dst, target_address=d.address),
+                worker_pb2.CopySlotsRequest(
+                    epoch=self.current.epoch, slots=slots, target=dst, target_address=d.address
+                ),
                 timeout=max(self._timeout_s, 60.0),
             )
             return int(reply.memories)
@@ -192,13 +212,20 @@ class Rebalancer:
         self._save()
         self._metrics.slot_map_epoch.set(new.epoch)
         first = primary_changes(old, new)
-        alive = {w.name: w for w in self._membership.alive() + self._membership.draining()
-                 if w.name not in self.trust.unverified}  # those get a map once decided
+        alive = {
+            w.name: w
+            for w in self._membership.alive() + self._membership.draining()
+            if w.name not in self.trust.unverified
+        }  # those get a map once decided
         pb = new.to_pb(self._addresses(), self.max_payload_bytes)
         for group in (first & set(alive), set(alive) - first):
             results = await asyncio.gather(
-                *(self._clients.stub(n, alive[n].address).ApplySlotMap(pb, timeout=self._timeout_s)
-                  for n in sorted(group)),
+                *(
+                    self._clients.stub(n, alive[n].address).ApplySlotMap(
+                        pb, timeout=self._timeout_s
+                    )
+                    for n in sorted(group)
+                ),
                 return_exceptions=True,
             )
             for n, r in zip(sorted(group), results, strict=True):
@@ -214,16 +241,20 @@ class Rebalancer:
         if self.current.epoch == 0:
             return
         async with self.map_lock:
-            late = [w for w in self._membership.alive()
-                    if w.extra.get("epoch", 0) != self.current.epoch
-                    and w.name not in self.trust.unverified]
+            late = [
+                w
+                for w in self._membership.alive()
+                if w.extra.get("epoch", 0) != self.current.epoch
+                and w.name not in self.trust.unverified
+            ]
             if not late:
                 return
             pb = self.current.to_pb(self._addresses(), self.max_payload_bytes)
             for w in late:
                 try:
                     await self._clients.stub(w.name, w.address).ApplySlotMap(
-                        pb, timeout=self._timeout_s)
+                        pb, timeout=self._timeout_s
+                    )
                     w.extra["epoch"] = self.current.epoch
                 except Exception as exc:
                     log.warning("slot_map_push_failed", worker=w.name, error=str(exc))

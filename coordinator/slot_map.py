@@ -42,7 +42,9 @@ class SlotMap:
         names = sorted({n for n in self.primary + self.replica if n})
         index = {n: i for i, n in enumerate(names)}
         return common_pb2.SlotMap(
-            epoch=self.epoch, slots=self.slots, workers=names,
+            epoch=self.epoch,
+            slots=self.slots,
+            workers=names,
             addresses=[addresses.get(n, "") for n in names],
             primary=[index.get(n, -1) for n in self.primary],
             replica=[index.get(n, -1) for n in self.replica],
@@ -63,7 +65,8 @@ class SlotMap:
         """Slots with fewer than ``rf`` live copies (rf capped by the live worker count)."""
         want = min(rf, len(alive))
         return sum(
-            1 for p, r in zip(self.primary, self.replica, strict=True)
+            1
+            for p, r in zip(self.primary, self.replica, strict=True)
             if sum(1 for h in (p, r) if h and h in alive) < want
         )
 
@@ -81,8 +84,13 @@ class Plan:
 
 
 def plan(
-    current: SlotMap, alive: list[str], no_data: set[str], draining: set[str] | None = None,
-    *, untrusted: dict[str, set[int]] | None = None, keep_lost: bool = False,
+    current: SlotMap,
+    alive: list[str],
+    no_data: set[str],
+    draining: set[str] | None = None,
+    *,
+    untrusted: dict[str, set[int]] | None = None,
+    keep_lost: bool = False,
 ) -> Plan:
     """Plan the move from ``current`` to rendezvous placement over ``alive`` workers.
 
@@ -110,8 +118,11 @@ def plan(
     interim = SlotMap(current.epoch, [""] * S, [""] * S)
     lost: list[int] = []
     for s in range(S):
-        trusted = [h for h in (current.primary[s], current.replica[s])
-                   if h and h not in no_data and s not in bad.get(h, ())]
+        trusted = [
+            h
+            for h in (current.primary[s], current.replica[s])
+            if h and h not in no_data and s not in bad.get(h, ())
+        ]
         holders = [h for h in trusted if h in live]
         if not holders and keep_lost and trusted:
             holders = trusted
@@ -121,8 +132,11 @@ def plan(
             interim.replica[s] = holders[1] if len(holders) > 1 else ""
     names = sorted(alive)
     p_idx, r_idx = assign_slots(names, S)
-    target = SlotMap(current.epoch, [names[i] if i >= 0 else "" for i in p_idx.tolist()],
-                     [names[i] if i >= 0 else "" for i in r_idx.tolist()])
+    target = SlotMap(
+        current.epoch,
+        [names[i] if i >= 0 else "" for i in p_idx.tolist()],
+        [names[i] if i >= 0 else "" for i in r_idx.tolist()],
+    )
     for s in lost:
         target.primary[s], target.replica[s] = interim.primary[s], interim.replica[s]
     copies: dict[tuple[str, str], list[int]] = defaultdict(list)

@@ -49,8 +49,14 @@ class TrainJob:
         self._jobs, self._metrics, self._clock = jobs, metrics, clock
         self._workers = workers
         self.members = Members(
-            job.job_id, job.spec_json, job.spec.workers, clients, alive or (lambda: []),
-            cfg.rpc_timeout_s, cfg.step_timeout_s, cfg.chunk_bytes,
+            job.job_id,
+            job.spec_json,
+            job.spec.workers,
+            clients,
+            alive or (lambda: []),
+            cfg.rpc_timeout_s,
+            cfg.step_timeout_s,
+            cfg.chunk_bytes,
         )
         self.checkpoint_path = Path(cfg.data_dir) / "checkpoints" / f"{job.job_id}.ckpt"
 
@@ -74,8 +80,9 @@ class TrainJob:
                 epoch, step_in_epoch = divmod(step, per_epoch)
                 t0 = self._clock()
                 self.members.admit()
-                results = await self.members.step(ps.params(), ps.version, step, epoch,
-                                                  step_in_epoch)
+                results = await self.members.step(
+                    ps.params(), ps.version, step, epoch, step_in_epoch
+                )
                 n, loss_sum, correct = await self._apply(ps, results, step)
                 samples += n
                 self._metrics.train_steps.inc()
@@ -85,13 +92,21 @@ class TrainJob:
                 if (step + 1) % self.cfg.checkpoint_every_steps == 0 and step + 1 < total:
                     await asyncio.to_thread(self._checkpoint, ps, step + 1)
                 elapsed = max(self._clock() - t_start, 1e-9)
-                await self._jobs.update(self.job, progress={
-                    "step": step + 1, "steps": total, "epoch": epoch + 1,
-                    "epochs": -(-total // per_epoch), "loss": loss_sum / max(n, 1),
-                    "train_accuracy": correct / max(n, 1), "test_accuracy": test_acc,
-                    "test_loss": test_loss, "samples_per_s": samples / elapsed,
-                    "workers": len(self.members.live),
-                })
+                await self._jobs.update(
+                    self.job,
+                    progress={
+                        "step": step + 1,
+                        "steps": total,
+                        "epoch": epoch + 1,
+                        "epochs": -(-total // per_epoch),
+                        "loss": loss_sum / max(n, 1),
+                        "train_accuracy": correct / max(n, 1),
+                        "test_accuracy": test_acc,
+                        "test_loss": test_loss,
+                        "samples_per_s": samples / elapsed,
+                        "workers": len(self.members.live),
+                    },
+                )
         finally:
             await self.members.stop()
         model_path = Path(self.cfg.data_dir) / "models" / f"{self.job.job_id}.pt"
@@ -99,22 +114,32 @@ class TrainJob:
         self.checkpoint_path.unlink(missing_ok=True)
         elapsed = max(self._clock() - t_start, 1e-9)
         return {
-            "test_accuracy": test_acc, "test_loss": test_loss, "steps": total,
-            "epochs": -(-total // per_epoch), "samples": samples,
-            "samples_per_s": samples / elapsed, "seconds": elapsed,
-            "model_path": str(model_path.resolve()), "resumed_from_step": start_step,
-            "worker_failures": self.members.failures, "workers": self.members.summary(),
+            "test_accuracy": test_acc,
+            "test_loss": test_loss,
+            "steps": total,
+            "epochs": -(-total // per_epoch),
+            "samples": samples,
+            "samples_per_s": samples / elapsed,
+            "seconds": elapsed,
+            "model_path": str(model_path.resolve()),
+            "resumed_from_step": start_step,
+            "worker_failures": self.members.failures,
+            "workers": self.members.summary(),
         }
 
-    async def _apply(self, ps: ParameterServer, results: dict[int, ShardResult],
-                     step: int) -> tuple[int, float, int]:
+    async def _apply(
+        self, ps: ParameterServer, results: dict[int, ShardResult], step: int
+    ) -> tuple[int, float, int]:
         counts = [r.samples for r in results.values()]
         if sum(counts) == 0:
             raise JobFailed(f"step {step}: no shard had samples")
         grads = weighted_average([r.grads for r in results.values()], counts)
         await asyncio.to_thread(ps.step, grads)
-        return (sum(counts), sum(r.loss_sum for r in results.values()),
-                sum(r.correct for r in results.values()))
+        return (
+            sum(counts),
+            sum(r.loss_sum for r in results.values()),
+            sum(r.correct for r in results.values()),
+        )
 
     def _checkpoint(self, ps: ParameterServer, next_step: int) -> None:
         """Atomically write (next step, parameter-server state) to the checkpoint file."""

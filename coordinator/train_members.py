@@ -49,16 +49,24 @@ class ShardResult:
 class Members:
     """Live members of a job and their shard assignment."""
 
-    def __init__(self, job_id: str, spec_json: str, shards: int, clients: WorkerClients,
-                 alive: Callable[[], list[WorkerRecord]], rpc_timeout_s: float,
-                 step_timeout_s: float, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        spec_json: str,
+        shards: int,
+        clients: WorkerClients,
+        alive: Callable[[], list[WorkerRecord]],
+        rpc_timeout_s: float,
+        step_timeout_s: float,
+        chunk_bytes: int,
+    ) -> None:
         self.job_id, self.spec_json, self.shards = job_id, spec_json, shards
         self._clients, self._alive = clients, alive
         self._rpc_timeout_s, self._step_timeout_s = rpc_timeout_s, step_timeout_s
         self._chunk_bytes = chunk_bytes
         self.live: dict[str, Member] = {}
         self.history: dict[str, Member] = {}  # every member ever, for the result
-        self._joining: dict[str, asyncio.Task[None]] = {}
+        self._joining: dict[str, asyncio.Task[BaseException | None]] = {}
         self.failures = 0
 
     async def start(self, workers: list[WorkerRecord]) -> None:
@@ -70,24 +78,33 @@ class Members:
         """
         errors = await asyncio.gather(*(self._join(w) for w in workers))
         for w, exc in zip(workers, errors, strict=True):
-            if exc is not None and getattr(exc, "code", lambda: None)() is \
-                    grpc.StatusCode.INVALID_ARGUMENT:
-                raise JobFailed(f"worker {w.name} refused the job: {exc.details()}")
+            if (
+                exc is not None
+                and getattr(exc, "code", lambda: None)() is grpc.StatusCode.INVALID_ARGUMENT
+            ):
+                raise JobFailed(f"worker {w.name} refused the job: {rpc_message(exc)}")
         if not self.live:
-            raise JobFailed("no worker could start training: "
-                            f"{rpc_message(next(e for e in errors if e is not None))}")
+            raise JobFailed(
+                "no worker could start training: "
+                f"{rpc_message(next(e for e in errors if e is not None))}"
+            )
 
     async def _join(self, w: WorkerRecord) -> BaseException | None:
         stub = self._clients.stub(w.name, w.address)
         try:
             await stub.StartTraining(
-                worker_pb2.StartTrainingRequest(job_id=self.job_id, spec_json=self.spec_json,
-                                                shard_index=0, shard_count=self.shards),
+                worker_pb2.StartTrainingRequest(
+                    job_id=self.job_id,
+                    spec_json=self.spec_json,
+                    shard_index=0,
+                    shard_count=self.shards,
+                ),
                 timeout=self._rpc_timeout_s,
             )
         except Exception as exc:
-            log.warning("train_join_failed", job_id=self.job_id, worker=w.name,
-                        error=rpc_message(exc))
+            log.warning(
+                "train_join_failed", job_id=self.job_id, worker=w.name, error=rpc_message(exc)
+            )
             return exc
         member = self.history.get(w.name) or Member(w.name, stub)
         member.stub, member.params_version = stub, -1
@@ -105,7 +122,13 @@ class Members:
             if w.name not in self.live and w.name not in self._joining:
                 task = asyncio.create_task(self._join(w))
                 self._joining[w.name] = task
-                task.add_done_callback(lambda _t, n=w.name: self._joining.pop(n, None))
+                task.add_done_callback(self._joined_callback(w.name))
+
+    def _joined_callback(self, name: str) -> Callable[[asyncio.Task[BaseException | None]], None]:
+        def done(_task: asyncio.Task[BaseException | None]) -> None:
+            self._joining.pop(name, None)
+
+        return done
 
     def assign(self, shards: list[int]) -> list[tuple[int, Member]]:
         """Spread shards over live members round-robin (stable by name)."""
@@ -117,19 +140,27 @@ class Members:
     def fail(self, member: Member, shard: int, exc: BaseException) -> None:
         if self.live.pop(member.name, None) is not None:
             self.failures += 1
-            log.warning("train_member_failed", job_id=self.job_id, worker=member.name,
-                        shard=shard, error=rpc_message(exc))
+            log.warning(
+                "train_member_failed",
+                job_id=self.job_id,
+                worker=member.name,
+                shard=shard,
+                error=rpc_message(exc),
+            )
 
-    async def step(self, params: dict[str, np.ndarray], version: int, step: int,
-                   epoch: int, step_in_epoch: int) -> dict[int, ShardResult]:
+    async def step(
+        self, params: dict[str, np.ndarray], version: int, step: int, epoch: int, step_in_epoch: int
+    ) -> dict[int, ShardResult]:
         """Compute every shard of one step, re-assigning the shards of failed members."""
         results: dict[int, ShardResult] = {}
         pending = list(range(self.shards))
         while pending:
             plan = self.assign(pending)
             replies = await asyncio.gather(
-                *(self._shard_step(m, s, params, version, step, epoch, step_in_epoch)
-                  for s, m in plan),
+                *(
+                    self._shard_step(m, s, params, version, step, epoch, step_in_epoch)
+                    for s, m in plan
+                ),
                 return_exceptions=True,
             )
             for (s, m), r in zip(plan, replies, strict=True):
@@ -144,16 +175,30 @@ class Members:
             m.steps += 1
         return results
 
-    async def _shard_step(self, m: Member, shard: int, params: dict[str, np.ndarray],
-                          version: int, step: int, epoch: int, step_in_epoch: int) -> ShardResult:
+    async def _shard_step(
+        self,
+        m: Member,
+        shard: int,
+        params: dict[str, np.ndarray],
+        version: int,
+        step: int,
+        epoch: int,
+        step_in_epoch: int,
+    ) -> ShardResult:
         for include in (m.params_version != version, True):
             header = worker_pb2.StepHeader(
-                job_id=self.job_id, step=step, epoch=epoch, step_in_epoch=step_in_epoch,
-                params_version=version, params_included=include,
-                shard_index=shard, shard_count=self.shards,
+                job_id=self.job_id,
+                step=step,
+                epoch=epoch,
+                step_in_epoch=step_in_epoch,
+                params_version=version,
+                params_included=include,
+                shard_index=shard,
+                shard_count=self.shards,
             )
-            call = m.stub.ComputeGradients(self._requests(header, params if include else None),
-                                           timeout=self._step_timeout_s)
+            call = m.stub.ComputeGradients(
+                self._requests(header, params if include else None), timeout=self._step_timeout_s
+            )
             result, grads = await read_gradients(call)
             if result.need_params:
                 continue
@@ -162,8 +207,9 @@ class Members:
             return ShardResult(result.samples, result.loss_sum, result.correct, grads)
         raise RuntimeError(f"worker {m.name} kept asking for parameters")
 
-    async def _requests(self, header: worker_pb2.StepHeader, params: dict[str, np.ndarray] | None
-                        ) -> AsyncIterator[worker_pb2.GradientRequest]:
+    async def _requests(
+        self, header: worker_pb2.StepHeader, params: dict[str, np.ndarray] | None
+    ) -> AsyncIterator[worker_pb2.GradientRequest]:
         yield worker_pb2.GradientRequest(header=header)
         if params is not None:
             for chunk in tensors_to_chunks(params.items(), self._chunk_bytes):
@@ -173,12 +219,15 @@ class Members:
         for task in list(self._joining.values()):
             task.cancel()
         req = worker_pb2.StopTrainingRequest(job_id=self.job_id)
-        await asyncio.gather(*(m.stub.StopTraining(req, timeout=5.0)
-                               for m in self.history.values()), return_exceptions=True)
+        await asyncio.gather(
+            *(m.stub.StopTraining(req, timeout=5.0) for m in self.history.values()),
+            return_exceptions=True,
+        )
 
     def summary(self) -> dict[str, dict[str, int]]:
-        return {n: {"samples": m.samples, "steps": m.steps}
-                for n, m in sorted(self.history.items())}
+        return {
+            n: {"samples": m.samples, "steps": m.steps} for n, m in sorted(self.history.items())
+        }
 
 
 async def read_gradients(call: Any) -> tuple[worker_pb2.StepResult, dict[str, np.ndarray]]:

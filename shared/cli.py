@@ -195,8 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--workers", type=int, default=3, help="number of workers (default 3)")
     u.add_argument("--port", type=int, default=50051, help="coordinator port (default 50051)")
     u.add_argument("--data-dir", help="data dir (default: a temporary directory)")
-    u.add_argument("--secure", action="store_true",
-                   help="mutual TLS and token auth (certificates and tokens in the data dir)")
+    u.add_argument(
+        "--secure",
+        action="store_true",
+        help="mutual TLS and token auth (certificates and tokens in the data dir)",
+    )
     u.set_defaults(func=cmd_up)
 
     d = sub.add_parser("demo", help="local cluster of 3 workers, run the digits job, stop")

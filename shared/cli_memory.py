@@ -70,8 +70,10 @@ def cmd_load(args: argparse.Namespace) -> int:
     ids, strengths = load_memories(args.file)
     t0 = time.perf_counter()
     security = client_security_of(args)
-    with SyncClient(args.coordinator, security=security) as client, \
-            _bar("loading", len(ids)) as advance:
+    with (
+        SyncClient(args.coordinator, security=security) as client,
+        _bar("loading", len(ids)) as advance,
+    ):
         for start in range(0, len(ids), args.batch):
             end = min(start + args.batch, len(ids))
             client.upsert(ids[start:end], strengths[start:end])

@@ -157,7 +157,8 @@ def print_secure_settings(setup: SecureSetup, address: str) -> None:
         f"client settings: . {setup.env_file}\n"
         f"  or: --coordinator {address} {setup.client_flags()}\n"
         f"  admin token (cancel any job, drain workers): {setup.admin_token_file}",
-        highlight=False, soft_wrap=True,
+        highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -174,8 +175,7 @@ def run_demo(workers: int, job_path: str, as_json: bool, secure: bool = False) -
         err_console.print(
             f"neuroshard demo: starting a coordinator and {workers} workers (logs in {tmp}/logs)"
         )
-        with LocalCluster(workers, data_dir=tmp, log_dir=f"{tmp}/logs",
-                          secure=secure) as cluster:
+        with LocalCluster(workers, data_dir=tmp, log_dir=f"{tmp}/logs", secure=secure) as cluster:
             with SyncClient(cluster.address, security=cluster.security) as client:
                 job = client.submit(spec)
                 err_console.print(f"submitted {job_path} as {job.job_id}")

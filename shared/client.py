@@ -44,8 +44,9 @@ class NeuroshardError(Exception):
         self.code = code
 
 
-def _error(exc: aio.AioRpcError, address: str,
-           security: ChannelSecurity | None = None) -> NeuroshardError:
+def _error(
+    exc: aio.AioRpcError, address: str, security: ChannelSecurity | None = None
+) -> NeuroshardError:
     code = exc.code()
     if code is grpc.StatusCode.UNAVAILABLE:
         details = explain_unavailable(exc.details() or "", security)
@@ -120,8 +121,7 @@ class Client:
         self._security = security
         self._channel = rpc.channel(self.address, max_message_bytes, security)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
-        self._router = MemoryRouter(self._stub, timeout_s, max_message_bytes,
-                                    security=security)
+        self._router = MemoryRouter(self._stub, timeout_s, max_message_bytes, security=security)
 
     async def __aenter__(self) -> Client:
         return self
@@ -212,7 +212,6 @@ class Client:
             "memories": s.memories,
         }
 
-
     # -- memory store ---------------------------------------------------------------------
 
     async def _routed(self, work: Any) -> Any:
@@ -245,11 +244,20 @@ class Client:
         from worker.store import MemoryInputError, validate_upsert
 
         try:
-            ids, strengths, payloads = validate_upsert(
-                ids, strengths, payloads, await self._payload_limit())
+            ids, strengths, checked = validate_upsert(
+                ids, strengths, payloads, await self._payload_limit()
+            )
         except MemoryInputError as exc:
             raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-        plain = None if payloads is None else [bytes(p or b"") for p in payloads]
+        if checked is not None and None in checked:
+            # The wire has no "leave this payload alone" per item: b"" removes a payload.
+            i = checked.index(None)
+            raise NeuroshardError(
+                f"payloads[{i}]: None; pass b'' to remove a payload, or payloads=None to "
+                "leave every payload alone",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+        plain = None if checked is None else [bytes(p or b"") for p in checked]
         return int(await self._routed(self._router.upsert(ids, strengths, plain)))
 
     async def reinforce(self, ids: Any, boosts: Any) -> int:
@@ -279,8 +287,9 @@ class Client:
             raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         return int(await self._routed(self._router.delete(ids)))
 
-    async def get(self, ids: Any, with_payloads: bool = False
-                  ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
+    async def get(
+        self, ids: Any, with_payloads: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
         """Read memories from their primaries.
 
         Returns:
@@ -307,8 +316,14 @@ class Client:
     async def quality(self) -> dict[str, Any]:
         """count, sum, mean, min, max and histogram (10 bins over [0, 1]) of all strengths."""
         q = await self._call("Quality", coordinator_pb2.QualityRequest())
-        return {"count": q.count, "sum": q.sum, "mean": q.mean, "min": q.min, "max": q.max,
-                "histogram": list(q.histogram)}
+        return {
+            "count": q.count,
+            "sum": q.sum,
+            "mean": q.mean,
+            "min": q.min,
+            "max": q.max,
+            "histogram": list(q.histogram),
+        }
 
     async def topk(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The exact global top-k: ids [k'] uint64 and strengths [k'] float32.
@@ -331,22 +346,28 @@ class Client:
                 await self._routed(self._router.slot_map(refresh=True))
                 return
             if loop.time() > deadline:
-                raise NeuroshardError("the slot map did not settle in time",
-                                      grpc.StatusCode.DEADLINE_EXCEEDED)
+                raise NeuroshardError(
+                    "the slot map did not settle in time", grpc.StatusCode.DEADLINE_EXCEEDED
+                )
             await asyncio.sleep(0.05)
 
 
 class SyncClient:
     """Blocking wrapper of ``Client`` for scripts: same methods, no ``await``."""
 
-    def __init__(self, address: str | None = None, timeout_s: float = 30.0,
-                 security: ChannelSecurity | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout_s: float = 30.0,
+        security: ChannelSecurity | None = None,
+    ) -> None:
         self._runner = asyncio.Runner()
         self._client = self._runner.run(self._make(address, timeout_s, security))
 
     @staticmethod
-    async def _make(address: str | None, timeout_s: float,
-                    security: ChannelSecurity | None) -> Client:
+    async def _make(
+        address: str | None, timeout_s: float, security: ChannelSecurity | None
+    ) -> Client:
         return Client(address, timeout_s, security=security)
 
     def __enter__(self) -> SyncClient:
@@ -373,6 +394,11 @@ class SyncClient:
         agen = self._client.watch(job_id).__aiter__()
         while True:
             try:
-                yield self._runner.run(agen.__anext__())
+                yield self._runner.run(_next(agen))
             except StopAsyncIteration:
                 return
+
+
+async def _next(agen: Any) -> Any:
+    """``anext`` as a coroutine (``asyncio.Runner.run`` takes coroutines only)."""
+    return await agen.__anext__()

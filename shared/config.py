@@ -85,13 +85,14 @@ class _DaemonConfig(_Model):
     """Settings both daemons have (their fields come first in each daemon's reference)."""
 
     max_concurrent_streams: int = Field(
-        1024, ge=1,
+        1024,
+        ge=1,
         description="Concurrent RPCs per client connection (grpc.max_concurrent_streams); "
         "more wait for a free one.",
     )
     tls: TlsConfig | None = Field(
-        None, description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: "
-        "plaintext."
+        None,
+        description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: plaintext.",
     )
     auth: AuthConfig | None = Field(
         None, description="{secret_file, token_file}: require tokens; null: no auth."
@@ -116,8 +117,11 @@ class CoordinatorConfig(_DaemonConfig):
         2.0, gt=0, le=600, description="Seconds without a heartbeat before a worker is DEAD."
     )
     probe_timeout_s: float = Field(
-        0.3, gt=0, le=60, description="When a primary reports a worker unreachable, the "
-        "coordinator probes its health; no answer within this many seconds: DEAD at once."
+        0.3,
+        gt=0,
+        le=60,
+        description="When a primary reports a worker unreachable, the "
+        "coordinator probes its health; no answer within this many seconds: DEAD at once.",
     )
     queue_timeout_s: float = Field(
         60.0, gt=0, description="Seconds a job may wait QUEUED for its workers before it fails."
@@ -132,8 +136,11 @@ class CoordinatorConfig(_DaemonConfig):
     )
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of coordinator-to-worker RPCs.")
     torch_threads: int = Field(
-        1, ge=1, le=256, description="torch.set_num_threads for the parameter server "
-        "(optimizer step, evaluation); more threads spin against the workers on a small host."
+        1,
+        ge=1,
+        le=256,
+        description="torch.set_num_threads for the parameter server "
+        "(optimizer step, evaluation); more threads spin against the workers on a small host.",
     )
     checkpoint_every_steps: int = Field(
         50, ge=1, description="Training steps between parameter-server checkpoints."
@@ -146,13 +153,16 @@ class CoordinatorConfig(_DaemonConfig):
     )
     grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
     max_batch_items: int = Field(
-        1 << 20, ge=1, le=1 << 26,
+        1 << 20,
+        ge=1,
+        le=1 << 26,
         description="Most ids clients put in one keyed memory request (upsert, get, delete, "
         "reinforce): published in the slot map, clients split larger batches; keep it equal "
         "to the workers' max_batch_items.",
     )
     max_jobs_per_client: int = Field(
-        100, ge=1,
+        100,
+        ge=1,
         description="Queued plus running jobs one token subject may have (all clients "
         "together without auth); more is RESOURCE_EXHAUSTED.",
     )
@@ -215,8 +225,10 @@ class WorkerConfig(_DaemonConfig):
     )
     torch_threads: int = Field(1, ge=1, le=256, description="torch.set_num_threads for training.")
     max_payload_bytes: int = Field(
-        4096, ge=0, description="Payload limit, bytes, until the coordinator's cluster-wide "
-        "max_payload_bytes arrives with the slot map (which then applies)."
+        4096,
+        ge=0,
+        description="Payload limit, bytes, until the coordinator's cluster-wide "
+        "max_payload_bytes arrives with the slot map (which then applies).",
     )
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message, bytes."
@@ -228,7 +240,9 @@ class WorkerConfig(_DaemonConfig):
     )
     grace_s: float = Field(5.0, ge=0, description="Seconds to drain RPCs on SIGTERM.")
     max_batch_items: int = Field(
-        1 << 20, ge=1, le=1 << 26,
+        1 << 20,
+        ge=1,
+        le=1 << 26,
         description="Most ids one keyed memory request (upsert, get, delete, reinforce) may "
         "carry; more is INVALID_ARGUMENT.",
     )
@@ -367,7 +381,9 @@ class TrainJobSpec(_Model):
 class ZipfAccess(_Model):
     distribution: Literal["zipf"] = "zipf"
     alpha: float = Field(
-        0.99, gt=0, lt=1,
+        0.99,
+        gt=0,
+        lt=1,
         description="Zipf constant theta in (0, 1) (YCSB's default 0.99; Gray et al.'s "
         "generator needs theta < 1).",
     )
@@ -382,8 +398,9 @@ class TraceAccess(_Model):
 
 def _access_tag(v: Any) -> str:
     """A mapping with a ``trace`` key is a trace; anything else is the Zipf stream."""
-    return "trace" if (isinstance(v, dict) and "trace" in v) or isinstance(v, TraceAccess) \
-        else "zipf"
+    return (
+        "trace" if (isinstance(v, dict) and "trace" in v) or isinstance(v, TraceAccess) else "zipf"
+    )
 
 
 AccessField = Annotated[

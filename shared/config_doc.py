@@ -36,12 +36,17 @@ def table(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def main() -> None:
-    for title, model in [("coordinator.yaml", CoordinatorConfig), ("worker.yaml", WorkerConfig),
-                         ("log (both)", LogConfig), ("tls (both)", TlsConfig),
-                         ("auth (both)", AuthConfig), ("train job", TrainJobSpec),
-                         ("memory job", MemoryJobSpec)]:
+    for title, model in [
+        ("coordinator.yaml", CoordinatorConfig),
+        ("worker.yaml", WorkerConfig),
+        ("log (both)", LogConfig),
+        ("tls (both)", TlsConfig),
+        ("auth (both)", AuthConfig),
+        ("train job", TrainJobSpec),
+        ("memory job", MemoryJobSpec),
+    ]:
         print(f"#### {title}\n\n| key | default | meaning |\n|---|---|---|")
-        print("\n".join(table(model)))
+        print("\n".join(table(model)))  # type: ignore[arg-type]
         print()
 
 

@@ -87,11 +87,21 @@ class LocalCluster:
     def _start_coordinator(self, port: int, deadline: float) -> str:
         ready = self.data_dir / "coordinator.addr"
         ready.unlink(missing_ok=True)
-        self.coordinator = self._spawn("coordinator", [
-            "coordinator", "--listen", f"127.0.0.1:{port}",
-            "--data-dir", str(self.data_dir / "coordinator"), "--metrics-port", "0",
-            "--ready-file", str(ready), *self._coordinator_args,
-        ])
+        self.coordinator = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--data-dir",
+                str(self.data_dir / "coordinator"),
+                "--metrics-port",
+                "0",
+                "--ready-file",
+                str(ready),
+                *self._coordinator_args,
+            ],
+        )
         while not ready.exists() or not ready.read_text():
             self._check_alive(deadline)
             time.sleep(0.05)
@@ -170,7 +180,8 @@ class LocalCluster:
         for proc in [self.coordinator, *self.workers]:
             if proc is not None and proc.poll() is not None and proc.returncode != -9:
                 raise ClusterStartError(
-                    f"{' '.join(proc.args[3:5])} exited with code {proc.returncode}"  # type: ignore[index]
+                    f"{' '.join(map(str, proc.args[3:5]))} exited with code "  # type: ignore[index]
+                    f"{proc.returncode}"
                 )
         if time.monotonic() > deadline:
             raise ClusterStartError("the local cluster did not become ready in time")

@@ -128,8 +128,9 @@ class MemoryRouter:
         parts = [pending[np.flatnonzero(owner == w)] for w in owners.tolist()]
         calls: list[Awaitable[Any]] = []
         if m.max_batch_items:  # workers refuse larger requests (INVALID_ARGUMENT)
-            owners, parts = split_parts(owners, parts, m.max_batch_items,
-                                        lambda p: slot_of(ids[p], m.slots))
+            owners, parts = split_parts(
+                owners, parts, m.max_batch_items, lambda p: slot_of(ids[p], m.slots)
+            )
         for w, part in zip(owners.tolist(), parts, strict=True):
             if w < 0:
                 calls.append(_unassigned())

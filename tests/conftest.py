@@ -16,8 +16,9 @@ from shared.config import CoordinatorConfig, WorkerConfig
 from worker.server import WorkerServer
 
 
-async def wait_until(predicate: Callable[[], object], timeout_s: float = 20.0,
-                     what: str = "condition") -> None:
+async def wait_until(
+    predicate: Callable[[], object], timeout_s: float = 20.0, what: str = "condition"
+) -> None:
     """Poll ``predicate`` (sync or async) until truthy, failing after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -43,8 +44,13 @@ class InProcessCluster:
 
     async def add_worker(self, name: str | None = None) -> WorkerServer:
         name = name or f"worker-{len(self.workers)}"
-        cfg = WorkerConfig(coordinator=self.address, listen="127.0.0.1:0", name=name,
-                           data_dir=str(self.root / name), **self.worker_overrides)
+        cfg = WorkerConfig(
+            coordinator=self.address,
+            listen="127.0.0.1:0",
+            name=name,
+            data_dir=str(self.root / name),
+            **self.worker_overrides,
+        )
         w = WorkerServer(cfg)
         await w.start()
         self.workers.append(w)
@@ -70,15 +76,21 @@ async def make_cluster(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
     """Factory: ``await make_cluster(workers=3, **coordinator_overrides)``."""
     clusters: list[InProcessCluster] = []
 
-    async def make(workers: int = 3, worker_overrides: dict[str, object] | None = None,
-                   **overrides: object) -> InProcessCluster:
-        opts: dict[str, object] = dict(listen="127.0.0.1:0", data_dir=str(tmp_path / "coord"),
-                                       metrics_port=None, grace_s=0.5)
+    async def make(
+        workers: int = 3, worker_overrides: dict[str, object] | None = None, **overrides: object
+    ) -> InProcessCluster:
+        opts: dict[str, object] = dict(
+            listen="127.0.0.1:0", data_dir=str(tmp_path / "coord"), metrics_port=None, grace_s=0.5
+        )
         opts.update(overrides)
         server = CoordinatorServer(CoordinatorConfig(**opts))
         address = await server.start()
-        c = InProcessCluster(tmp_path, server, address,
-                             worker_overrides=dict(grace_s=0.5, **(worker_overrides or {})))
+        c = InProcessCluster(
+            tmp_path,
+            server,
+            address,
+            worker_overrides=dict(grace_s=0.5, **(worker_overrides or {})),
+        )
         clusters.append(c)
         for _ in range(workers):
             await c.add_worker()

@@ -111,8 +111,13 @@ class MemoryNode:
     """Domain logic of the memory RPCs; the servicer maps its exceptions to status codes."""
 
     def __init__(
-        self, name: str, store: SlotStore, forward: Forwarder, report: Reporter,
-        journal: Journal | None = None, requests: list[Request] | None = None,
+        self,
+        name: str,
+        store: SlotStore,
+        forward: Forwarder,
+        report: Reporter,
+        journal: Journal | None = None,
+        requests: list[Request] | None = None,
     ) -> None:
         """``journal`` logs every change; ``requests`` are the request ids the journal
         replayed (with a store reloaded from it)."""
@@ -239,7 +244,11 @@ class MemoryNode:
     # -- primary operations ----------------------------------------------------------------
 
     async def mutate(
-        self, epoch: int, op: str, request: Any, ids: np.ndarray,
+        self,
+        epoch: int,
+        op: str,
+        request: Any,
+        ids: np.ndarray,
         apply: Callable[[np.ndarray], int],
     ) -> int:
         """Apply a keyed mutation as primary, then replicate it; return the applied count.
@@ -259,7 +268,11 @@ class MemoryNode:
         return await asyncio.shield(self._mutate(epoch, op, request, ids, apply))
 
     async def _mutate(
-        self, epoch: int, op: str, request: Any, ids: np.ndarray,
+        self,
+        epoch: int,
+        op: str,
+        request: Any,
+        ids: np.ndarray,
         apply: Callable[[np.ndarray], int],
     ) -> int:
         async with self._order:
@@ -304,8 +317,11 @@ class MemoryNode:
         if self.journal is None or not len(touched):
             return seqs, 0
         req = worker_pb2.ReplicateRequest(
-            primary=self.name, epoch=self.roles.epoch, slots=touched.tolist(),
-            seqs=seqs.tolist(), **{op: sub},
+            primary=self.name,
+            epoch=self.roles.epoch,
+            slots=touched.tolist(),
+            seqs=seqs.tolist(),
+            **{op: sub},
         )
         return seqs, self._log(self.journal.log_op(req))
 
@@ -318,8 +334,13 @@ class MemoryNode:
         return by_target
 
     async def _replicate(
-        self, op: str, request: Any, slots: np.ndarray, ids: np.ndarray | None,
-        seqs: np.ndarray, pos: int,
+        self,
+        op: str,
+        request: Any,
+        slots: np.ndarray,
+        ids: np.ndarray | None,
+        seqs: np.ndarray,
+        pos: int,
     ) -> None:
         """Forward an applied op to every other copy, grouped by target worker, and wait for
         all acks and for the op's journal record (``pos``) to be durable. A copy that fails is
@@ -340,8 +361,13 @@ class MemoryNode:
             await durable
 
     async def _forward_all(
-        self, op: str, request: Any, slots: np.ndarray, ids: np.ndarray | None,
-        touched: np.ndarray, seqs: np.ndarray,
+        self,
+        op: str,
+        request: Any,
+        slots: np.ndarray,
+        ids: np.ndarray | None,
+        touched: np.ndarray,
+        seqs: np.ndarray,
     ) -> None:
         seq_of = dict(zip(touched.tolist(), seqs.tolist(), strict=True))
         by_target = self._targets(touched)
@@ -350,8 +376,11 @@ class MemoryNode:
             keep = None if ids is None else np.isin(slots, np.asarray(target_slots))
             sub = request if keep is None or keep.all() else _sub_request(op, request, keep)
             req = worker_pb2.ReplicateRequest(
-                primary=self.name, epoch=self.roles.epoch, slots=target_slots,
-                seqs=[seq_of[s] for s in target_slots], **{op: sub},
+                primary=self.name,
+                epoch=self.roles.epoch,
+                slots=target_slots,
+                seqs=[seq_of[s] for s in target_slots],
+                **{op: sub},
             )
             address = self.roles.addresses.get(target) or self.pending_addresses.get(target, "")
             calls.append(self._forward(target, address, req))
@@ -366,8 +395,11 @@ class MemoryNode:
         """Stop updating every copy this primary feeds on ``target`` (its replica slots and
         pending copies), once the coordinator knows, so no slot is silently left stale."""
         slots = sorted(
-            {s for s in np.flatnonzero(self.roles.primary).tolist()
-             if self.roles.replica_of[s] == target}
+            {
+                s
+                for s in np.flatnonzero(self.roles.primary).tolist()
+                if self.roles.replica_of[s] == target
+            }
             | {s for s, targets in self.pending.items() if target in targets}
         )
         try:
@@ -491,21 +523,32 @@ def _sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
     if op == "upsert":
         payloads = (
             [p for p, k in zip(request.payloads, keep.tolist(), strict=True) if k]
-            if len(request.payloads) else []
+            if len(request.payloads)
+            else []
         )
         return worker_pb2.UpsertRequest(
-            epoch=request.epoch, ids=ids, payloads=payloads, request_id=rid,
+            epoch=request.epoch,
+            ids=ids,
+            payloads=payloads,
+            request_id=rid,
             strengths=_f32(request.strengths)[keep].astype("<f4").tobytes(),
         )
     if op == "reinforce":
         return worker_pb2.ReinforceRequest(
-            epoch=request.epoch, ids=ids, request_id=rid,
+            epoch=request.epoch,
+            ids=ids,
+            request_id=rid,
             boosts=_f32(request.boosts)[keep].astype("<f4").tobytes(),
         )
     return worker_pb2.DeleteRequest(epoch=request.epoch, ids=ids, request_id=rid)
 
 
 __all__ = [
-    "MemoryInputError", "StaleForward", "MemoryNode", "NotPrimary", "OutOfSync", "ReplicationError",
+    "MemoryInputError",
+    "StaleForward",
+    "MemoryNode",
+    "NotPrimary",
+    "OutOfSync",
+    "ReplicationError",
     "StaleEpoch",
 ]

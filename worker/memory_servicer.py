@@ -98,8 +98,11 @@ class MemoryRpcs:
                 request,
                 ids,
                 lambda keep: self.node.store.upsert(
-                    ids[keep], strengths[keep],
-                    None if payloads is None else [p for p, k in zip(payloads, keep) if k],
+                    ids[keep],
+                    strengths[keep],
+                    None
+                    if payloads is None
+                    else [p for p, k in zip(payloads, keep, strict=True) if k],
                 ),
             )
             return worker_pb2.WriteResponse(applied=n)
@@ -134,7 +137,10 @@ class MemoryRpcs:
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
             n = await self.node.mutate(
-                request.epoch, "delete", request, ids,
+                request.epoch,
+                "delete",
+                request,
+                ids,
                 lambda keep: self.node.store.delete(ids[keep]),
             )
             return worker_pb2.WriteResponse(applied=n)

@@ -94,8 +94,9 @@ class Registration:
                 code = exc.code().name if isinstance(exc, aio.AioRpcError) else type(exc).__name__
                 if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):  # retrying cannot help
                     details = exc.details() if isinstance(exc, aio.AioRpcError) else ""
-                    raise RegistrationRefused(f"the coordinator refused its token: {details}") \
-                        from None
+                    raise RegistrationRefused(
+                        f"the coordinator refused its token: {details}"
+                    ) from None
                 if self.registered.is_set():
                     log.warning("heartbeat_failed", code=code, details=str(exc)[:200])
                 self.registered.clear()

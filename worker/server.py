@@ -123,26 +123,45 @@ class WorkerServer:
             return
         journal = self._open_journal(rec.store.slots, rec.next_gen, rec.log_bytes)
         self.servicer.node_or_none = MemoryNode(
-            self.name, rec.store, self.servicer.forward, self._report_failure, journal,
+            self.name,
+            rec.store,
+            self.servicer.forward,
+            self._report_failure,
+            journal,
             rec.requests,
         )
-        log.info("worker_reloaded", worker=self.name, data_dir=str(self.data_dir),
-                 memories=len(rec.store), slots_held=int((rec.store.slot_counts() > 0).sum()),
-                 log_records=rec.records, seconds=round(rec.seconds, 3))
+        log.info(
+            "worker_reloaded",
+            worker=self.name,
+            data_dir=str(self.data_dir),
+            memories=len(rec.store),
+            slots_held=int((rec.store.slot_counts() > 0).sum()),
+            log_records=rec.records,
+            seconds=round(rec.seconds, 3),
+        )
 
     def _new_store(self, slots: int, max_payload_bytes: int | None = None) -> SlotStore:
         return SlotStore(
             slots=slots,
             device=self.cfg.device,
             max_payload_bytes=self.cfg.max_payload_bytes
-            if max_payload_bytes is None else max_payload_bytes,
+            if max_payload_bytes is None
+            else max_payload_bytes,
             k_max=1 << 31,
         )
 
     def _open_journal(self, slots: int, gen: int = 0, log_bytes: int = 0) -> Journal:
         lock, self._data_lock = self._data_lock, -1
-        return Journal(self.data_dir, lock, slots, gen, self.cfg.fsync,
-                       self.cfg.fsync_interval_s, self.cfg.snapshot_log_bytes, log_bytes)
+        return Journal(
+            self.data_dir,
+            lock,
+            slots,
+            gen,
+            self.cfg.fsync,
+            self.cfg.fsync_interval_s,
+            self.cfg.snapshot_log_bytes,
+            log_bytes,
+        )
 
     def _release_data_dir(self) -> None:
         if self._data_lock >= 0:
@@ -163,8 +182,13 @@ class WorkerServer:
         if node is None:
             slots = slot_map.slots or 1024
             store = self._new_store(slots, slot_map.max_payload_bytes)
-            node = MemoryNode(self.name, store, self.servicer.forward, self._report_failure,
-                              self._open_journal(slots))
+            node = MemoryNode(
+                self.name,
+                store,
+                self.servicer.forward,
+                self._report_failure,
+                self._open_journal(slots),
+            )
             self.servicer.node_or_none = node
         elif slot_map.slots and slot_map.slots != node.store.slots:
             raise RegistrationRefused(
@@ -184,12 +208,14 @@ class WorkerServer:
     async def _report_failure(self, worker: str, slots: list[int], reason: str) -> None:
         """Tell the coordinator that this primary stops updating ``worker``'s copies of
         ``slots`` (raises grpc.aio.AioRpcError)."""
-        log.warning("replica_failed", worker=self.name, replica=worker, slots=len(slots),
-                    reason=reason)
+        log.warning(
+            "replica_failed", worker=self.name, replica=worker, slots=len(slots), reason=reason
+        )
         stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         await stub.ReportFailure(
-            coordinator_pb2.ReportFailureRequest(reporter=self.name, worker=worker,
-                                                 reason=reason, slots=slots),
+            coordinator_pb2.ReportFailureRequest(
+                reporter=self.name, worker=worker, reason=reason, slots=slots
+            ),
             timeout=self.cfg.rpc_timeout_s,
         )
 
@@ -221,8 +247,9 @@ class WorkerServer:
                     coordinator_pb2.DrainWorkerRequest(name=self.name), timeout=5.0
                 )
             except aio.AioRpcError as exc:
-                log.warning("drain_failed", worker=self.name, code=exc.code().name,
-                            details=exc.details())
+                log.warning(
+                    "drain_failed", worker=self.name, code=exc.code().name, details=exc.details()
+                )
                 return False
             if reply.drained:
                 log.info("worker_drained", worker=self.name)

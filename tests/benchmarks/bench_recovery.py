@@ -54,8 +54,11 @@ class Load:
 async def _replicated(client: Client, workers: int) -> bool:
     s = await client.status()
     alive = sum(1 for w in s["workers"] if w["state"] == "ALIVE")
-    return alive == workers and s["under_replicated_slots"] == 0 and \
-        s["replication_factor"] == min(2, workers)
+    return (
+        alive == workers
+        and s["under_replicated_slots"] == 0
+        and s["replication_factor"] == min(2, workers)
+    )
 
 
 async def _wait(pred, timeout_s: float) -> None:
@@ -69,8 +72,9 @@ async def _wait(pred, timeout_s: float) -> None:
 async def measure(n: int, repeats: int, root: Path) -> dict[str, float]:
     cfg = root / "coordinator.yaml"
     cfg.write_text(FAST)
-    cluster = LocalCluster(3, data_dir=root / "cluster", log_dir=root / "logs",
-                           coordinator_args=["--config", str(cfg)])
+    cluster = LocalCluster(
+        3, data_dir=root / "cluster", log_dir=root / "logs", coordinator_args=["--config", str(cfg)]
+    )
     await asyncio.to_thread(cluster.start, 120.0)
     recover_s, ratios = [], []
     try:
@@ -78,8 +82,9 @@ async def measure(n: int, repeats: int, root: Path) -> dict[str, float]:
             await client.wait_ready(120)
             ids = np.arange(1, n + 1, dtype=np.uint64)
             for i in range(0, n, 500_000):
-                await client.upsert(ids[i:i + 500_000],
-                                    np.full(min(500_000, n - i), 0.5, np.float32))
+                await client.upsert(
+                    ids[i : i + 500_000], np.full(min(500_000, n - i), 0.5, np.float32)
+                )
             load = Load(client, ids)
             task = asyncio.create_task(load.run())
             for rep in range(repeats):
@@ -97,8 +102,12 @@ async def measure(n: int, repeats: int, root: Path) -> dict[str, float]:
             await task
     finally:
         await asyncio.to_thread(cluster.stop)
-    return {"memories": n, "recovery_s": statistics.median(recover_s),
-            "throughput_ratio": statistics.median(ratios), "failures": load.failures}
+    return {
+        "memories": n,
+        "recovery_s": statistics.median(recover_s),
+        "throughput_ratio": statistics.median(ratios),
+        "failures": load.failures,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,14 +115,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="100000,1000000,10000000")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
-    print(f"{'memories':>10} {'kill -9 to RF 2 (s)':>20} {'goal':>8} "
-          f"{'writes during/before':>21} {'goal':>6} {'failed calls':>13}")
+    print(
+        f"{'memories':>10} {'kill -9 to RF 2 (s)':>20} {'goal':>8} "
+        f"{'writes during/before':>21} {'goal':>6} {'failed calls':>13}"
+    )
     for n in (int(x) for x in a.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="neuroshard-recovery-") as tmp:
             r = asyncio.run(measure(n, a.repeats, Path(tmp)))
         goal = "< 3 s" if n == 1_000_000 else ""
-        print(f"{n:>10,} {r['recovery_s']:>20.2f} {goal:>8} {r['throughput_ratio']:>21.2f} "
-              f"{'>= 0.5':>6} {r['failures']:>13}", flush=True)
+        print(
+            f"{n:>10,} {r['recovery_s']:>20.2f} {goal:>8} {r['throughput_ratio']:>21.2f} "
+            f"{'>= 0.5':>6} {r['failures']:>13}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -147,8 +147,11 @@ def run_neuroshard(
 
     rates = []
     logs = tempfile.TemporaryDirectory(prefix="neuroshard-bench-")
-    with logs, LocalCluster(workers, log_dir=logs.name) as cluster, \
-            SyncClient(cluster.address) as client:
+    with (
+        logs,
+        LocalCluster(workers, log_dir=logs.name) as cluster,
+        SyncClient(cluster.address) as client,
+    ):
         for _ in range(repeats + 1):  # the first job warms up the workers
             job = client.submit(doc)
             final = client.wait(job.job_id)

@@ -19,13 +19,19 @@ from tests.memory_reference import ReferenceStore
 FAST = "heartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.0\ncheckpoint_every_steps: 20\n"
 
 
-def make_cluster(tmp_path: Path, workers: int = 3, worker_args: list[str] | None = None
-                 ) -> LocalCluster:
+def make_cluster(
+    tmp_path: Path, workers: int = 3, worker_args: list[str] | None = None
+) -> LocalCluster:
     """A LocalCluster (not started) whose coordinator detects failures within ~1 s."""
     cfg = tmp_path / "coordinator.yaml"
     cfg.write_text(FAST)
-    return LocalCluster(workers, data_dir=tmp_path / "cluster", log_dir=tmp_path / "logs",
-                        coordinator_args=["--config", str(cfg)], worker_args=worker_args)
+    return LocalCluster(
+        workers,
+        data_dir=tmp_path / "cluster",
+        log_dir=tmp_path / "logs",
+        coordinator_args=["--config", str(cfg)],
+        worker_args=worker_args,
+    )
 
 
 class Writer:
@@ -78,8 +84,11 @@ async def wait_for(predicate, timeout_s: float, what: str) -> None:
 async def fully_replicated(client: Client, workers: int) -> bool:
     s = await client.status()
     alive = [w for w in s["workers"] if w["state"] == "ALIVE"]
-    return (len(alive) == workers and s["replication_factor"] == min(2, workers)
-            and s["under_replicated_slots"] == 0)
+    return (
+        len(alive) == workers
+        and s["replication_factor"] == min(2, workers)
+        and s["under_replicated_slots"] == 0
+    )
 
 
 async def dump_store(client: Client) -> dict[int, float]:

@@ -38,7 +38,7 @@ async def _load(client: Client, n: int) -> tuple[ReferenceStore, np.ndarray]:
     ids = np.arange(1, n + 1, dtype=np.uint64) * 3
     strengths = np.random.default_rng(5).random(n, dtype=np.float32) * 0.5
     for i in range(0, n, 100_000):
-        await client.upsert(ids[i:i + 100_000], strengths[i:i + 100_000])
+        await client.upsert(ids[i : i + 100_000], strengths[i : i + 100_000])
     ref.upsert(ids, strengths)
     return ref, ids
 
@@ -50,10 +50,17 @@ async def test_kill9_worker_under_load_loses_no_acknowledged_write(tmp_path: Pat
         async with Client(cluster.address) as client:
             await client.wait_ready()
             ref, ids = await _load(client, 1_000_000)
-            job = await client.submit({
-                "kind": "memory", "workers": 3, "memories": 50_000, "iterations": 100_000,
-                "decay_rate": 0.0, "access": {"batch": 5000}, "topk": 10,
-            })
+            job = await client.submit(
+                {
+                    "kind": "memory",
+                    "workers": 3,
+                    "memories": 50_000,
+                    "iterations": 100_000,
+                    "decay_rate": 0.0,
+                    "access": {"batch": 5000},
+                    "topk": 10,
+                }
+            )
             writer = Writer(client, ref, ids)
             task = asyncio.create_task(writer.run())
             await wait_for(_async(lambda: writer.acked >= 10), 60, "writes before the kill")
@@ -147,6 +154,7 @@ async def test_sigterm_worker_drains_and_no_request_fails(tmp_path: Path) -> Non
 def _async(predicate):
     async def check() -> bool:
         return bool(predicate())
+
     return check
 
 

@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_submit_follow_json_prints_the_result(up_cluster: tuple[str, Path]) -> None:
     address, _ = up_cluster
-    done = _cli("submit", "configs/jobs/digits-mlp.yaml", "--follow", "--json",
-                "--coordinator", address)
+    done = _cli(
+        "submit", "configs/jobs/digits-mlp.yaml", "--follow", "--json", "--coordinator", address
+    )
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert set(doc) == {"job_id", "state", "kind", "result", "error"}
@@ -42,8 +43,7 @@ def test_status_json_lists_the_workers(up_cluster: tuple[str, Path]) -> None:
         assert w["state"] == "ALIVE" and w["device"] == "cpu" and w["address"]
 
 
-def test_invalid_spec_exits_2_with_one_line(up_cluster: tuple[str, Path],
-                                           tmp_path: Path) -> None:
+def test_invalid_spec_exits_2_with_one_line(up_cluster: tuple[str, Path], tmp_path: Path) -> None:
     address, _ = up_cluster
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: train\nworkers: 3\noptimizer: {name: adam, lr: -1}\n")

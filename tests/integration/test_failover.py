@@ -70,9 +70,13 @@ async def test_killed_worker_loses_no_acknowledged_write(make_cluster) -> None:
     await kill_abruptly(cluster.workers[1])
     coord = cluster.coordinator.cluster
     await wait_until(lambda: len(coord.membership.alive()) == 2, what="failure detected")
-    await wait_until(lambda: coord.rebalancer.settled.is_set()
-                     and coord.slot_summary()["under_replicated_slots"] == 0,
-                     what="replication factor back to 2")
+    await wait_until(
+        lambda: (
+            coord.rebalancer.settled.is_set()
+            and coord.slot_summary()["under_replicated_slots"] == 0
+        ),
+        what="replication factor back to 2",
+    )
     acked_at_recovery = writer.acked
     await wait_until(lambda: writer.acked >= acked_at_recovery + 5, what="writes after")
     await writer.stop()
@@ -103,6 +107,8 @@ async def test_drained_worker_hands_over_and_no_request_fails(make_cluster) -> N
 
     assert writer.failures == []
     coord = cluster.coordinator.cluster
-    assert "worker-2" not in set(coord.rebalancer.current.primary + coord.rebalancer.current.replica)
+    assert "worker-2" not in set(
+        coord.rebalancer.current.primary + coord.rebalancer.current.replica
+    )
     await assert_cluster_equals(cluster, ref)
     await client.close()

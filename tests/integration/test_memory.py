@@ -83,8 +83,11 @@ async def test_worker_joining_moves_slots_without_loss(make_cluster) -> None:
         await cluster.wait_alive(3)
         rb = cluster.coordinator.cluster.rebalancer
         from tests.conftest import wait_until
-        await wait_until(lambda: rb.settled.is_set() and
-                         len({n for n in rb.current.primary}) == 3, what="rebalance to 3")
+
+        await wait_until(
+            lambda: rb.settled.is_set() and len({n for n in rb.current.primary}) == 3,
+            what="rebalance to 3",
+        )
         boosts = np.full(2000, 0.1, np.float32)
         await client.reinforce(ids, boosts)
         ref.reinforce(ids, boosts)

@@ -27,6 +27,15 @@ def test_every_cli_command_is_documented() -> None:
 
 def test_readme_commands_are_the_makefile_targets() -> None:
     makefile = (Path(__file__).resolve().parents[3] / "Makefile").read_text()
-    for target in ("demo", "test", "test-chaos", "lint", "bench-train", "bench-memory",
-                   "bench-recovery", "deploy-check", "image"):
+    for target in (
+        "demo",
+        "test",
+        "test-chaos",
+        "lint",
+        "bench-train",
+        "bench-memory",
+        "bench-recovery",
+        "deploy-check",
+        "image",
+    ):
         assert f"\n{target}:" in makefile and f"make {target}" in README, target
