@@ -18,6 +18,7 @@ from coordinator.persistence import StateStore
 from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
 from coordinator.train_job import TrainJob
+from shared import rpc
 from shared.config import CoordinatorConfig, JobSpec, job_spec_from_json
 from shared.logging import get_logger
 from shared.metrics import Metrics
@@ -156,8 +157,7 @@ class Cluster:
             await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.cfg.probe_timeout_s)
             return
         except Exception as exc:
-            details = getattr(exc, "details", None)
-            reason = str(details() if callable(details) else exc)[:200]
+            reason = rpc.error_message(exc)
         if self.membership.mark_dead(name):
             log.warning(
                 "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"

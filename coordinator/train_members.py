@@ -22,6 +22,7 @@ from coordinator.membership import WorkerRecord
 from shared.codec import ChunkAssembler, tensors_to_chunks
 from shared.logging import get_logger
 from shared.proto import worker_pb2, worker_pb2_grpc
+from shared.rpc import error_message
 from shared.worker_clients import WorkerClients
 
 log = get_logger("coordinator.train_members")
@@ -82,11 +83,11 @@ class Members:
                 exc is not None
                 and getattr(exc, "code", lambda: None)() is grpc.StatusCode.INVALID_ARGUMENT
             ):
-                raise JobFailed(f"worker {w.name} refused the job: {rpc_message(exc)}")
+                raise JobFailed(f"worker {w.name} refused the job: {error_message(exc)}")
         if not self.live:
             raise JobFailed(
                 "no worker could start training: "
-                f"{rpc_message(next(e for e in errors if e is not None))}"
+                f"{error_message(next(e for e in errors if e is not None))}"
             )
 
     async def _join(self, w: WorkerRecord) -> BaseException | None:
@@ -103,7 +104,7 @@ class Members:
             )
         except Exception as exc:
             log.warning(
-                "train_join_failed", job_id=self.job_id, worker=w.name, error=rpc_message(exc)
+                "train_join_failed", job_id=self.job_id, worker=w.name, error=error_message(exc)
             )
             return exc
         member = self.history.get(w.name) or Member(w.name, stub)
@@ -145,7 +146,7 @@ class Members:
                 job_id=self.job_id,
                 worker=member.name,
                 shard=shard,
-                error=rpc_message(exc),
+                error=error_message(exc),
             )
 
     async def step(
@@ -242,10 +243,3 @@ async def read_gradients(call: Any) -> tuple[worker_pb2.StepResult, dict[str, np
     if result is None:
         raise RuntimeError("worker closed the gradient stream without a result")
     return result, assembler.result()
-
-
-def rpc_message(exc: BaseException) -> str:
-    details, code = getattr(exc, "details", None), getattr(exc, "code", None)
-    if callable(details) and callable(code):
-        return f"{code().name}: {details()}"
-    return f"{type(exc).__name__}: {exc}"

@@ -123,6 +123,17 @@ async def write_ready_file(path: str | None, address: str) -> None:
         await asyncio.to_thread(Path(path).write_text, address)
 
 
+def error_message(exc: BaseException, limit: int = 300) -> str:
+    """One line for an RPC failure: ``CODE: details`` for a gRPC error, else the exception's
+    text; at most ``limit`` characters."""
+    details, code = getattr(exc, "details", None), getattr(exc, "code", None)
+    if callable(details) and callable(code):
+        text = f"{code().name}: {details()}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return text[:limit]
+
+
 def is_retryable(exc: BaseException) -> bool:
     """True for the gRPC errors a caller may retry: UNAVAILABLE and DEADLINE_EXCEEDED."""
     return isinstance(exc, aio.AioRpcError) and exc.code() in (

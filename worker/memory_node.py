@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from shared.proto import common_pb2, worker_pb2
+from shared.rpc import error_message
 from shared.slots import slot_of
 from worker.journal import Journal
 from worker.journal_format import Request, apply_op
@@ -389,7 +390,7 @@ class MemoryNode:
             if _is_stale_forward(r):
                 continue
             if isinstance(r, BaseException):
-                await self._drop_copy(target, f"{type(r).__name__}: {_short(r)}")
+                await self._drop_copy(target, error_message(r))
 
     async def _drop_copy(self, target: str, reason: str) -> None:
         """Stop updating every copy this primary feeds on ``target`` (its replica slots and
@@ -407,7 +408,7 @@ class MemoryNode:
         except Exception as exc:
             raise ReplicationError(
                 f"replica {target} failed ({reason}) and the coordinator could not be told: "
-                f"{_short(exc)}"
+                f"{error_message(exc)}"
             ) from None
         self.excluded.setdefault(target, set()).update(slots)
 
@@ -509,11 +510,6 @@ def _f32(b: bytes) -> np.ndarray:
 def _is_stale_forward(r: object) -> bool:
     code = getattr(r, "code", None)
     return callable(code) and code() is grpc.StatusCode.FAILED_PRECONDITION
-
-
-def _short(exc: BaseException) -> str:
-    details = getattr(exc, "details", None)
-    return str(details() if callable(details) else exc)[:300]
 
 
 def _sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
