@@ -19,7 +19,7 @@ import numpy as np
 
 from coordinator.jobs import JobFailed
 from coordinator.membership import WorkerRecord
-from shared.codec import ChunkAssembler, tensors_to_chunks
+from shared.codec import read_header_and_tensors, tensors_to_chunks
 from shared.logging import get_logger
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc import error_message
@@ -233,13 +233,7 @@ class Members:
 
 async def read_gradients(call: Any) -> tuple[worker_pb2.StepResult, dict[str, np.ndarray]]:
     """Read a ComputeGradients response stream: the StepResult, then gradient chunks."""
-    result: worker_pb2.StepResult | None = None
-    assembler = ChunkAssembler()
-    async for msg in call:
-        if msg.HasField("result"):
-            result = msg.result
-        else:
-            assembler.add(msg.grad)
+    result, grads = await read_header_and_tensors(call, "result", "grad")
     if result is None:
         raise RuntimeError("worker closed the gradient stream without a result")
-    return result, assembler.result()
+    return result, grads

@@ -7,7 +7,8 @@ little-endian C-order bytes, and tensors larger than ``chunk_bytes`` are split i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -142,6 +143,25 @@ class ChunkAssembler:
                 )
             out[name] = _from_bytes(b"".join(parts), dtype, shape)
         return out
+
+
+async def read_header_and_tensors(
+    stream: AsyncIterable[Any], header_field: str, chunk_field: str
+) -> tuple[Any | None, dict[str, np.ndarray]]:
+    """Read a stream of ``oneof {header, chunk}`` messages: the last header seen and the
+    arrays reassembled from the ``TensorChunk`` parts (ComputeGradients in both directions).
+
+    Raises:
+        CodecError: chunks out of order or incomplete (INVALID_ARGUMENT).
+    """
+    header = None
+    assembler = ChunkAssembler()
+    async for msg in stream:
+        if msg.HasField(header_field):
+            header = getattr(msg, header_field)
+        else:
+            assembler.add(getattr(msg, chunk_field))
+    return header, assembler.result()
 
 
 def ids_to_bytes(ids: np.ndarray) -> bytes:

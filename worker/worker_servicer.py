@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc import aio
 
-from shared.codec import ChunkAssembler, CodecError, tensors_to_chunks
+from shared.codec import CodecError, read_header_and_tensors, tensors_to_chunks
 from shared.config import ConfigError
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.training.data import DataError
@@ -82,17 +82,10 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
 
         FAILED_PRECONDITION: unknown job. INVALID_ARGUMENT: malformed stream.
         """
-        header: worker_pb2.StepHeader | None = None
-        assembler = ChunkAssembler()
         try:
-            async for msg in request_iterator:
-                if msg.HasField("header"):
-                    header = msg.header
-                else:
-                    assembler.add(msg.param)
+            header, params = await read_header_and_tensors(request_iterator, "header", "param")
             if header is None:
                 raise CodecError("the stream has no StepHeader")
-            params = assembler.result()
         except CodecError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
