@@ -97,7 +97,7 @@ class RecentRequests:
         if not rid or len(slots) == 0:
             return
         with self._lock:
-            self._slots.setdefault(rid, set()).update(np.unique(slots).tolist())
+            self._slots.setdefault(rid, set()).update(slots.tolist())  # a set: repeats are harmless
             self._slots.move_to_end(rid)
             while len(self._slots) > self._capacity:
                 self._slots.popitem(last=False)
@@ -283,15 +283,16 @@ class MemoryNode:
             keep = self.recent.fresh(rid, slots)
             if not keep.all():
                 request = _sub_request(op, request, keep)
-            touched = np.unique(slots[keep])
+                slots, ids = slots[keep], ids[keep]
+            touched = np.unique(slots)  # once per write: record, seqs and forwards share it
 
             def apply_and_record() -> tuple[int, np.ndarray, int]:
                 n = apply(keep)
-                self.recent.record(rid, slots[keep])
+                self.recent.record(rid, touched)
                 return n, *self._commit(op, request, touched)
 
             applied, seqs, pos = await self.run(apply_and_record)
-            await self._replicate(op, request, slots[keep], ids[keep], seqs, pos)
+            await self._replicate(op, request, slots, ids, touched, seqs, pos)
             return applied
 
     async def decay(self, epoch: int, rate: float) -> int:
@@ -308,7 +309,7 @@ class MemoryNode:
                 return self.store.decay(rate, mine), *self._commit("decay", req, mine)
 
             n, seqs, pos = await self.run(apply_and_record)
-            await self._replicate("decay", req, mine, None, seqs, pos)
+            await self._replicate("decay", req, mine, None, mine, seqs, pos)
             return n
 
     def _commit(self, op: str, sub: Any, touched: np.ndarray) -> tuple[np.ndarray, int]:
@@ -340,6 +341,7 @@ class MemoryNode:
         request: Any,
         slots: np.ndarray,
         ids: np.ndarray | None,
+        touched: np.ndarray,
         seqs: np.ndarray,
         pos: int,
     ) -> None:
@@ -350,9 +352,9 @@ class MemoryNode:
 
         Args:
             slots: [K] int64 slot of each item (ids [K] uint64; None for decay).
-            seqs: the seq each distinct slot of ``slots`` (ascending) took.
+            touched: [T] int64 the distinct slots of ``slots``, ascending.
+            seqs: [T] uint64 the seq each of ``touched`` took.
         """
-        touched = np.unique(slots)
         if len(touched) == 0:
             return
         durable = asyncio.ensure_future(self._sync(pos))
