@@ -92,6 +92,8 @@ class Cluster:
     def register_worker(
         self, name: str, address: str, device: str, process_id: str = ""
     ) -> WorkerRecord:
+        """Add or refresh a worker; a new process under a known name is checked before it
+        gets a map."""
         new = self.membership.get(name) is None
         rec, changed, restarted = self.membership.register(name, address, device, process_id)
         log.info(
@@ -280,5 +282,6 @@ class Cluster:
             await asyncio.sleep(1.0)
 
     async def close(self) -> None:
+        """Close worker channels and the state database."""
         await self.clients.close()
         self.state.close()

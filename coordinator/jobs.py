@@ -104,6 +104,7 @@ class JobStore:
             raise JobNotFound(f"no job with id {job_id!r}") from None
 
     def list(self) -> builtins.list[JobRecord]:
+        """Every job, in submission order."""
         return sorted(self._jobs.values(), key=lambda j: j.seq)
 
     def active(self, owner: str) -> int:
@@ -111,9 +112,11 @@ class JobStore:
         return sum(1 for j in self._jobs.values() if j.owner == owner and not j.state.terminal)
 
     def queued(self) -> builtins.list[JobRecord]:
+        """QUEUED jobs, in submission order."""
         return [j for j in self.list() if j.state is JobState.QUEUED]
 
     def counts(self) -> dict[str, int]:
+        """Number of jobs per state (every state present, zeros included)."""
         out = {s.value: 0 for s in JobState}
         for j in self._jobs.values():
             out[j.state.value] += 1
@@ -156,4 +159,5 @@ class JobStore:
 
 
 def progress_json(job: JobRecord) -> str:
+    """The job's latest progress as JSON."""
     return json.dumps(job.progress)

@@ -106,12 +106,14 @@ class Membership:
         return True
 
     def draining(self) -> list[WorkerRecord]:
+        """DRAINING workers, ordered by name."""
         return sorted(
             (w for w in self._workers.values() if w.state is WorkerState.DRAINING),
             key=lambda w: w.name,
         )
 
     def get(self, name: str) -> WorkerRecord | None:
+        """The record of ``name``, or None."""
         return self._workers.get(name)
 
     def alive(self) -> list[WorkerRecord]:
@@ -122,9 +124,11 @@ class Membership:
         )
 
     def all(self) -> list[WorkerRecord]:
+        """Every known worker, ordered by name."""
         return sorted(self._workers.values(), key=lambda w: w.name)
 
     def heartbeat_age_s(self, rec: WorkerRecord) -> float:
+        """Seconds since the worker's last heartbeat."""
         return max(0.0, self._clock() - rec.last_heartbeat)
 
     def counts(self) -> dict[str, int]:

@@ -52,6 +52,7 @@ class StateStore:
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
+        """Close the database."""
         self._db.close()
 
     # -- slot map -------------------------------------------------------------------------
@@ -71,18 +72,21 @@ class StateStore:
     # -- workers --------------------------------------------------------------------------
 
     def save_worker(self, name: str, address: str, device: str, process_id: str) -> None:
+        """Save (or replace) a worker's registration."""
         self._db.execute(
             "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?)",
             (name, address, device, process_id),
         )
 
     def load_workers(self) -> list[SavedWorker]:
+        """Every saved worker registration."""
         rows = self._db.execute("SELECT name, address, device, process_id FROM workers")
         return [SavedWorker(*r) for r in rows]
 
     # -- jobs -----------------------------------------------------------------------------
 
     def save_job(self, job: JobRecord) -> None:
+        """Save a job's spec, state, result and timestamps (unix seconds)."""
         self._db.execute(
             "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (

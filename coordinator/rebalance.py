@@ -74,6 +74,7 @@ class Rebalancer:
         self.persist: Callable[[SlotMap, dict[str, object]], None] | None = None
 
     def trigger(self) -> None:
+        """Plan again soon (membership or trust changed)."""
         self.settled.clear()
         self._wake.set()
 

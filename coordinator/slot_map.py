@@ -28,6 +28,7 @@ class SlotMap:
 
     @classmethod
     def empty(cls, slots: int) -> SlotMap:
+        """A map with no holder for any of ``slots`` slots, epoch 0."""
         return cls(0, [""] * slots, [""] * slots)
 
     @property
@@ -35,6 +36,7 @@ class SlotMap:
         return len(self.primary)
 
     def same_placement(self, other: SlotMap) -> bool:
+        """True when both maps give every slot the same primary and replica."""
         return self.primary == other.primary and self.replica == other.replica
 
     def to_pb(self, addresses: dict[str, str], max_payload_bytes: int = 0) -> common_pb2.SlotMap:

@@ -139,6 +139,7 @@ class Members:
         return [(s, members[i % len(members)]) for i, s in enumerate(shards)]
 
     def fail(self, member: Member, shard: int, exc: BaseException) -> None:
+        """Remove a member whose step failed; its shards go to the survivors."""
         if self.live.pop(member.name, None) is not None:
             self.failures += 1
             log.warning(
@@ -217,6 +218,7 @@ class Members:
                 yield worker_pb2.GradientRequest(param=chunk)
 
     async def stop(self) -> None:
+        """Cancel joins in progress and tell every member the job ended (errors ignored)."""
         for task in list(self._joining.values()):
             task.cancel()
         req = worker_pb2.StopTrainingRequest(job_id=self.job_id)
@@ -226,6 +228,7 @@ class Members:
         )
 
     def summary(self) -> dict[str, dict[str, int]]:
+        """Per worker: samples (count) and steps it contributed."""
         return {
             n: {"samples": m.samples, "steps": m.steps} for n, m in sorted(self.history.items())
         }

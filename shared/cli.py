@@ -54,6 +54,7 @@ def _run_daemon(main: Any) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
+    """``neuroshard coordinator``: run the coordinator until SIGTERM."""
     from coordinator.server import serve
 
     cfg = load_config(
@@ -69,6 +70,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    """``neuroshard worker``: run a worker until SIGTERM (it drains first)."""
     from worker.server import serve
 
     cfg = load_config(
@@ -102,6 +104,7 @@ def read_job_spec(path: str) -> dict[str, Any]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """``neuroshard submit``: exit 0 when the job succeeded (or was queued without --follow)."""
     from shared.cli_output import follow_job
     from shared.client import SyncClient
 
@@ -116,6 +119,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """``neuroshard status``: workers, jobs and slot figures."""
     from shared.cli_output import print_status
     from shared.client import SyncClient
 
@@ -129,6 +133,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    """``neuroshard jobs``: every job with its state."""
     from shared.cli_output import print_jobs
     from shared.client import SyncClient
 
@@ -142,6 +147,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """``neuroshard cancel ID``. NOT_FOUND for an unknown id (exit 1)."""
     from shared.client import SyncClient
 
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
@@ -151,12 +157,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """``neuroshard up``: a local cluster in the foreground."""
     from shared.cli_output import run_up
 
     return run_up(args.workers, args.port, args.data_dir, secure=args.secure)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """``neuroshard demo``: local cluster, one job, result, stop."""
     from shared.cli_output import run_demo
 
     job = args.job or str(REPO_ROOT / "configs/jobs/digits-mlp.yaml")
@@ -164,6 +172,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of every ``neuroshard`` command."""
     p = argparse.ArgumentParser(prog="neuroshard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -79,6 +79,7 @@ class JobInfo:
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.Job) -> JobInfo:
+        """Build from a Job message (spec and result decoded from JSON)."""
         return cls(
             job_id=pb.job_id,
             kind=pb.kind,

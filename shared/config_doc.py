@@ -36,6 +36,7 @@ def table(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def main() -> None:
+    """Print the reference tables of every config model."""
     for title, model in [
         ("coordinator.yaml", CoordinatorConfig),
         ("worker.yaml", WorkerConfig),

@@ -24,6 +24,7 @@ class WorkerClients:
         self._closing: list[aio.Channel] = []
 
     def stub(self, name: str, address: str) -> worker_pb2_grpc.WorkerStub:
+        """The WorkerStub for ``name`` at ``address`` (a new address replaces the channel)."""
         cached = self._by_name.get(name)
         if cached is not None and cached[0] == address:
             return cached[2]
@@ -40,6 +41,7 @@ class WorkerClients:
         return self._by_name[name][1]
 
     async def close(self) -> None:
+        """Close every channel."""
         channels = [c for _, c, _ in self._by_name.values()] + self._closing
         self._by_name.clear()
         self._closing = []

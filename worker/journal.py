@@ -257,12 +257,15 @@ class Journal:
         return self.written
 
     def log_op(self, req: worker_pb2.ReplicateRequest) -> int:
+        """Append a replicated op record; return the journal position to wait for."""
         return self.append(fmt.KIND_OP, req.SerializeToString())
 
     def log_import(self, snap: SlotSnapshot) -> int:
+        """Append a whole-slot import record; return its journal position."""
         return self.append(fmt.KIND_IMPORT, fmt.encode_import(snap))
 
     def log_drop(self, slots: np.ndarray) -> int:
+        """Append a record of dropped slots; return its journal position."""
         return self.append(fmt.KIND_DROP, np.asarray(slots, "<u4").tobytes())
 
     # -- durability -------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class RecentRequests:
         return ~np.isin(slots, np.asarray(done, np.int64))
 
     def record(self, rid: bytes, slots: np.ndarray) -> None:
+        """Note that ``slots`` ([K] int64) applied request ``rid``."""
         if not rid or len(slots) == 0:
             return
         with self._lock:

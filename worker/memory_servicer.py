@@ -54,6 +54,7 @@ async def _guard(context: aio.ServicerContext, work: Callable[[], Awaitable[T]])
 
 
 def quality_to_pb(q: kernels.Quality) -> common_pb2.QualityStats:
+    """Quality statistics as a QualityStats message."""
     return common_pb2.QualityStats(
         count=q.count,
         sum=q.sum,
@@ -252,6 +253,7 @@ class MemoryRpcs:
     async def send_slots(
         self, target: str, address: str, snaps: list[SlotSnapshot]
     ) -> tuple[int, int]:
+        """Stream slot snapshots to a peer; return (memories, bytes). Provided by WorkerServicer."""
         raise NotImplementedError  # provided by WorkerServicer (needs the peer channels)
 
     async def ReceiveSlots(

@@ -42,6 +42,7 @@ class TrainingSessions:
         return int(trainer.train_samples)
 
     def get(self, job_id: str) -> Trainer:
+        """The trainer of a job. Raises: UnknownTrainingJob (FAILED_PRECONDITION)."""
         try:
             return self._trainers[job_id]
         except KeyError:
@@ -60,12 +61,15 @@ class TrainingSessions:
         return await loop.run_in_executor(self._executor, work)
 
     async def set_params(self, trainer: Trainer, params: dict, version: int) -> None:
+        """Load parameters (name -> float32 array) of ``version`` on the torch thread."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)
 
     def stop(self, job_id: str) -> None:
+        """Forget a job's trainer (idempotent)."""
         self._trainers.pop(job_id, None)
 
     def close(self) -> None:
+        """Drop every trainer and stop the torch thread."""
         self._trainers.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
