@@ -77,11 +77,13 @@ class ParameterServer:
         ModelError: the model cannot be built (INVALID_ARGUMENT).
     """
 
-    def __init__(self, spec: TrainJobSpec, dataset: Dataset) -> None:
+    def __init__(
+        self, spec: TrainJobSpec, dataset: Dataset, allowed_imports: Sequence[str] = ()
+    ) -> None:
         self.spec = spec
         self.dataset = dataset
         self.model: nn.Module = build_model(
-            spec.model, dataset.input_shape, dataset.num_classes, spec.seed
+            spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_imports
         )
         self.optimizer = _make_optimizer(spec, self.model)
         self.version = 0

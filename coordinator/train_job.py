@@ -68,7 +68,7 @@ class TrainJob:
         """
         spec = self.spec
         dataset = await asyncio.to_thread(load_dataset, spec.data, spec.seed, spec.test_fraction)
-        ps = await asyncio.to_thread(ParameterServer, spec, dataset)
+        ps = await asyncio.to_thread(ParameterServer, spec, dataset, self.cfg.allowed_imports)
         start_step = await asyncio.to_thread(self._restore, ps)
         await self.members.start(self._workers)
         per_epoch = steps_per_epoch(len(dataset.y_train), spec.workers, spec.batch_size)

@@ -25,12 +25,23 @@ from pydantic import (
 T = TypeVar("T", bound=BaseModel)
 
 
+# Markers of spec fields that name code or files (``shared.confinement`` finds and checks
+# every field carrying one, so a new such field cannot be forgotten).
+TRUST_KEY = "neuroshard_trust"
+IMPORT_REF: dict[str, Any] = {TRUST_KEY: "import"}
+DATA_PATH_REF: dict[str, Any] = {TRUST_KEY: "data_path"}
+
+
 class ConfigError(ValueError):
     """A config file or job spec is invalid; the message names the field (INVALID_ARGUMENT)."""
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# A dotted Python module name, e.g. ``mymodels`` or ``mymodels.vision``.
+_MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
 def _host_port(value: str) -> str:
@@ -68,16 +79,26 @@ class TlsConfig(_Model):
 
 
 class AuthConfig(_Model):
-    """Bearer-token (JWT, HS256) authentication with roles."""
+    """Bearer-token (JWT, EdDSA/Ed25519) authentication with roles.
 
-    secret_file: str = Field(
-        description="File holding the HS256 secret (at least 32 bytes) that signs and "
-        "verifies tokens; the same on every daemon."
+    The coordinator signs tokens with its private key; every daemon verifies them with the
+    public key, so a worker (which holds no private key) cannot mint a token.
+    """
+
+    public_key_file: str = Field(
+        description="PEM Ed25519 public key that verifies tokens; the same on every daemon "
+        "(`neuroshard token keygen` makes the pair)."
+    )
+    private_key_file: str | None = Field(
+        None,
+        description="PEM Ed25519 private key that signs tokens: on the coordinator only, "
+        "which then signs its own admin token; never give it to a worker.",
     )
     token_file: str | None = Field(
         None,
-        description="Token this daemon presents to the others (role worker or admin); "
-        "default: one it signs itself with role worker.",
+        description="Token this daemon presents to the others: required on a worker (role "
+        "worker, subject its name or a name pattern); the coordinator signs its own when "
+        "private_key_file is set.",
     )
 
 
@@ -98,15 +119,56 @@ class _DaemonConfig(_Model):
         None, description="{secret_file, token_file}: require tokens; null: no auth."
     )
     log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
+    insecure: bool = Field(
+        False,
+        description="Allow serving gRPC on a non-loopback address without both tls and auth "
+        "(warned about at every start); without it such a daemon refuses to start.",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address the Prometheus endpoint binds (loopback unless set; 0.0.0.0 "
+        "exposes it to every interface, e.g. for a scraper in Kubernetes).",
+    )
+    probe_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Plaintext port that serves only grpc.health.v1 (liveness/readiness "
+        "probes under mutual TLS); null: none.",
+    )
+    allowed_imports: list[Annotated[str, Field(pattern=_MODULE_PATTERN)]] = Field(
+        default_factory=list,
+        description="Modules, or package prefixes, a job's `model: {import: ...}` may name "
+        "(e.g. [mymodels] allows mymodels.resnet:build); empty: built-in models only.",
+    )
+
+
+class JobRetention(_Model):
+    """How long finished jobs are kept (in memory and in the state database)."""
+
+    max_jobs: int = Field(
+        1000, ge=1, description="Finished jobs kept; the oldest beyond this are pruned."
+    )
+    max_age_s: float = Field(
+        7 * 86400.0, gt=0, description="Finished jobs older than this are pruned, seconds."
+    )
 
 
 class CoordinatorConfig(_DaemonConfig):
     """The coordinator daemon (configs/coordinator.yaml)."""
 
     listen: str = Field(
-        "0.0.0.0:50051", description="HOST:PORT to serve gRPC on; port 0 picks one."
+        "127.0.0.1:50051",
+        description="HOST:PORT to serve gRPC on; port 0 picks one. A non-loopback host needs "
+        "tls and auth (or insecure: true).",
     )
     data_dir: str = Field(".neuroshard/coordinator", description="Directory for models and state.")
+    data_roots: list[str] | None = Field(
+        None,
+        description="Directories job files (data.path, load, access.trace) must resolve "
+        "inside; `data put` writes to the first; null: [DATA_DIR/datasets].",
+    )
     metrics_port: int | None = Field(
         9100, ge=0, le=65535, description="Prometheus port; 0 picks a free one; null disables."
     )
@@ -167,7 +229,42 @@ class CoordinatorConfig(_DaemonConfig):
         "together without auth); more is RESOURCE_EXHAUSTED.",
     )
 
+    max_spec_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest job spec (its JSON), bytes."
+    )
+    max_memories_per_job: int = Field(
+        20_000_000,
+        ge=1,
+        description="Most memories one memory job may generate or load.",
+    )
+    max_model_params: int = Field(
+        50_000_000,
+        ge=1,
+        description="Most parameters of a job's model (estimated before it is built; the "
+        "parameter server holds them and Adam's two moments, 12 bytes each).",
+    )
+    max_dataset_bytes: int = Field(
+        1 << 30,
+        ge=1024,
+        description="Largest data set a job may use or `data put` may store (file size, or "
+        "x of a synthetic set as float32), bytes.",
+    )
+    max_steps: int = Field(
+        1_000_000,
+        ge=1,
+        description="Most training steps (or memory-job iterations) one job may run.",
+    )
+    job_retention: JobRetention = Field(
+        default_factory=JobRetention,
+        description="{max_jobs, max_age_s}: finished jobs kept; older ones are pruned.",
+    )
+
     _check_listen = field_validator("listen")(classmethod(lambda cls, v: _host_port(v)))
+
+    def dataset_roots(self) -> list[Path]:
+        """The data roots as absolute paths (``data_roots``, or ``DATA_DIR/datasets``)."""
+        roots = self.data_roots if self.data_roots else [str(Path(self.data_dir) / "datasets")]
+        return [Path(r).expanduser().absolute() for r in roots]
 
     @field_validator("slots")
     @classmethod
@@ -190,7 +287,11 @@ class WorkerConfig(_DaemonConfig):
     """A worker daemon (configs/worker.yaml)."""
 
     coordinator: str = Field("localhost:50051", description="Coordinator HOST:PORT.")
-    listen: str = Field("0.0.0.0:0", description="HOST:PORT to serve gRPC on; port 0 picks one.")
+    listen: str = Field(
+        "127.0.0.1:0",
+        description="HOST:PORT to serve gRPC on; port 0 picks one. A non-loopback host needs "
+        "tls and auth (or insecure: true).",
+    )
     advertise_host: str | None = Field(
         None,
         description="Host other daemons use to reach this worker (default: listen host, "
@@ -272,7 +373,11 @@ class CnnSpec(_Model):
 
 class ImportModelSpec(_Model):
     import_: str = Field(
-        alias="import", description="package.module:callable returning an nn.Module."
+        alias="import",
+        max_length=512,
+        description="package.module:callable returning an nn.Module; the module must be in "
+        "allowed_imports of the coordinator and of the workers.",
+        json_schema_extra=IMPORT_REF,
     )
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments.")
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -294,7 +399,12 @@ class BuiltinData(_Model):
 
 
 class FileData(_Model):
-    path: str = Field(description=".npz file with arrays x (float32) and y (int64).")
+    path: str = Field(
+        max_length=4096,
+        description=".npz file with arrays x (float32) and y (int64), inside the "
+        "coordinator's data_roots (relative: looked up in each root).",
+        json_schema_extra=DATA_PATH_REF,
+    )
 
 
 class OptimizerSpec(_Model):
@@ -392,7 +502,12 @@ class ZipfAccess(_Model):
 
 
 class TraceAccess(_Model):
-    trace: str = Field(description=".npy of ids: [iterations, batch] or [batch] uint64.")
+    trace: str = Field(
+        max_length=4096,
+        description=".npy of ids: [iterations, batch] or [batch] uint64, inside the "
+        "coordinator's data_roots.",
+        json_schema_extra=DATA_PATH_REF,
+    )
     boost: float = Field(0.05, ge=0, le=1)
 
 
@@ -415,7 +530,11 @@ class MemoryJobSpec(_Model):
     workers: int = Field(1, ge=1, le=1024, description="Alive workers the job waits for.")
     memories: int = Field(1_000_000, ge=1, le=1_000_000_000, description="Memories to generate.")
     load: str | None = Field(
-        None, description=".npz with arrays ids, strengths to load instead (coordinator's path)."
+        None,
+        max_length=4096,
+        description=".npz with arrays ids, strengths to load instead, inside the "
+        "coordinator's data_roots.",
+        json_schema_extra=DATA_PATH_REF,
     )
     iterations: int = Field(
         100, ge=1, le=10_000_000, description="Rounds of reinforce, decay, quality, top-k."

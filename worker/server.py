@@ -41,7 +41,7 @@ class WorkerServer:
         self.name = cfg.name or socket.gethostname()
         _, self.device = kernels.get_xp(cfg.device)
         self.metrics = Metrics()
-        self.sessions = TrainingSessions(cfg.torch_threads)
+        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name)
         self.health = health.aio.HealthServicer()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
         self.server = aio.server(

@@ -9,6 +9,7 @@ daemon calls it in a thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,21 +53,35 @@ class Trainer:
         shard_index: this worker's shard in [0, shard_count).
         shard_count: number of shards (workers) of the job.
         torch_threads: ``torch.set_num_threads`` value. Note: this setting is process-wide.
+        allowed_imports: this worker's ``allowed_imports`` (an import model must be listed).
+        daemon: ``worker NAME``, for a refusal's message.
 
     Raises:
+        ImportNotAllowed: the model's module is not allowed here (PERMISSION_DENIED).
         DataError: the job's data cannot be loaded (INVALID_ARGUMENT).
         ModelError: the job's model cannot be built (INVALID_ARGUMENT).
         ValueError: bad shard_index/shard_count (INVALID_ARGUMENT).
     """
 
     def __init__(
-        self, spec: TrainJobSpec, shard_index: int, shard_count: int, torch_threads: int = 1
+        self,
+        spec: TrainJobSpec,
+        shard_index: int,
+        shard_count: int,
+        torch_threads: int = 1,
+        allowed_imports: Sequence[str] = (),
+        daemon: str = "worker",
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.spec = spec
         self.dataset = load_dataset(spec.data, spec.seed, spec.test_fraction)
         self.model: nn.Module = build_model(
-            spec.model, self.dataset.input_shape, self.dataset.num_classes, spec.seed
+            spec.model,
+            self.dataset.input_shape,
+            self.dataset.num_classes,
+            spec.seed,
+            allowed_imports,
+            daemon,
         )
         self._params = dict(self.model.named_parameters())
         self._x_train = torch.from_numpy(self.dataset.x_train)

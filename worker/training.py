@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from shared.config import ConfigError, TrainJobSpec, job_spec_from_json
+from shared.confinement import check_imports
 from worker.trainer import GradResult, Trainer
 
 
@@ -18,8 +20,12 @@ class UnknownTrainingJob(KeyError):
 class TrainingSessions:
     """Trainers by job id. Torch work runs on one dedicated thread, off the event loop."""
 
-    def __init__(self, torch_threads: int) -> None:
+    def __init__(
+        self, torch_threads: int, allowed_imports: Sequence[str] = (), name: str = ""
+    ) -> None:
         self._torch_threads = torch_threads
+        self._allowed_imports = tuple(allowed_imports)
+        self._daemon = f"worker {name}".strip()
         self._trainers: dict[str, Trainer] = {}
         # One thread: torch's intra-op pool (torch_threads) does the parallel work.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
@@ -30,13 +36,23 @@ class TrainingSessions:
 
         Raises:
             ConfigError: the spec is invalid or not a train spec (INVALID_ARGUMENT).
+            ImportNotAllowed: the spec imports a module this worker's ``allowed_imports``
+                does not list (PERMISSION_DENIED); nothing is imported or loaded.
         """
         spec = job_spec_from_json(spec_json)
         if not isinstance(spec, TrainJobSpec):
             raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
+        check_imports(spec, self._allowed_imports, self._daemon)
         loop = asyncio.get_running_loop()
         trainer = await loop.run_in_executor(
-            self._executor, Trainer, spec, shard_index, shard_count, self._torch_threads
+            self._executor,
+            Trainer,
+            spec,
+            shard_index,
+            shard_count,
+            self._torch_threads,
+            self._allowed_imports,
+            self._daemon,
         )
         self._trainers[job_id] = trainer
         return int(trainer.train_samples)

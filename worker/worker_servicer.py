@@ -9,6 +9,7 @@ from grpc import aio
 
 from shared.codec import CodecError, read_header_and_tensors, tensors_to_chunks
 from shared.config import ConfigError
+from shared.confinement import ImportNotAllowed
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.training.data import DataError
 from shared.worker_clients import WorkerClients
@@ -58,6 +59,7 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
         """Load this worker's shard and build the model.
 
         INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
+        PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
         """
         if request.shard_count < 1 or request.shard_index >= request.shard_count:
             await context.abort(
@@ -70,6 +72,8 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
             )
         except (ConfigError, DataError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ImportNotAllowed as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return worker_pb2.StartTrainingResponse(train_samples=n)
 
     async def ComputeGradients(

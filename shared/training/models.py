@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from shared.config import CnnSpec, ImportModelSpec, MlpSpec
+from shared.confinement import check_import
 
 # Input shapes the cnn accepts, with the number of 2x2 max-pools that suit each size.
 _CNN_POOLS: dict[tuple[int, ...], int] = {(1, 8, 8): 1, (1, 28, 28): 2}
@@ -30,6 +31,9 @@ def build_model(
     input_shape: Sequence[int],
     num_classes: int,
     seed: int,
+    allowed_imports: Sequence[str] = (),
+    daemon: str = "coordinator",
+    device: str | torch.device = "cpu",
 ) -> nn.Module:
     """Build a job's model with deterministic initial parameters.
 
@@ -42,16 +46,24 @@ def build_model(
             float32 and returns [B, num_classes] float32 logits.
         num_classes: number of classes C >= 2.
         seed: seeds the parameter initialisation.
+        allowed_imports: the building daemon's ``allowed_imports``; an import model whose
+            module it does not list is refused before anything is imported.
+        daemon: ``coordinator`` or ``worker NAME``, for the refusal's message.
+        device: ``"meta"`` builds shapes only, without allocating parameters (to count them
+            before a job is admitted).
 
     Returns:
-        The model in training mode, on the CPU, float32.
+        The model in training mode, on ``device``, float32.
 
     Raises:
+        ImportNotAllowed: an import model's module is not allowed (PERMISSION_DENIED).
         ModelError: the cnn gets an input shape it does not support, or an imported callable
             cannot be imported, fails, or does not return an ``nn.Module`` (INVALID_ARGUMENT).
     """
+    if isinstance(spec, ImportModelSpec):
+        check_import("model.import", spec.import_, allowed_imports, daemon)
     shape = tuple(int(d) for d in input_shape)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         if isinstance(spec, MlpSpec):
             model = _mlp(spec.hidden, shape, num_classes)
@@ -128,6 +140,11 @@ def _resolve(target: str) -> Callable[..., object]:
     if not callable(obj):
         raise ModelError(f"model import {target!r}: {type(obj).__name__} is not callable")
     return obj
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of parameter elements (works on a model built on the meta device)."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 from shared.config import CnnSpec, ImportModelSpec, MlpSpec
-from shared.training.models import ModelError, build_model, check_param_arrays, param_shapes
+from shared.confinement import ImportNotAllowed
+from shared.training.models import (
+    ModelError,
+    build_model,
+    check_param_arrays,
+    count_params,
+    param_shapes,
+)
 
 
 def tiny_linear(features: int, classes: int) -> nn.Module:
@@ -77,9 +86,35 @@ def test_import_builds_a_seeded_module() -> None:
         {"import": f"{__name__}:tiny_linear", "args": {"features": 64, "classes": 10}}
     )
 
-    a, b = build_model(spec, (64,), 10, seed=1), build_model(spec, (64,), 10, seed=1)
+    allowed = ["tests.unit"]  # a package prefix
+
+    a = build_model(spec, (64,), 10, seed=1, allowed_imports=allowed)
+    b = build_model(spec, (64,), 10, seed=1, allowed_imports=allowed)
 
     assert isinstance(a, nn.Linear) and torch.equal(a.weight, b.weight)
+
+
+def test_import_not_allowed_is_refused_before_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+    imported: list[str] = []
+    real_import = importlib.import_module
+    monkeypatch.setattr(
+        importlib, "import_module", lambda name, *a: imported.append(name) or real_import(name)
+    )
+    spec = ImportModelSpec.model_validate({"import": "os:system", "args": {"command": "true"}})
+
+    with pytest.raises(
+        ImportNotAllowed, match=r"model.import: module 'os' is not in the worker w0"
+    ):
+        build_model(spec, (64,), 10, seed=0, allowed_imports=["mymodels"], daemon="worker w0")
+
+    assert imported == []
+
+
+def test_meta_device_counts_params_without_allocating() -> None:
+    model = build_model(MlpSpec(hidden=[32]), (1, 8, 8), 10, seed=0, device="meta")
+
+    assert count_params(model) == 64 * 32 + 32 + 32 * 10 + 10
+    assert all(p.is_meta for p in model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -96,7 +131,7 @@ def test_import_errors_name_the_import_string(target: str, message: str) -> None
     spec = ImportModelSpec.model_validate({"import": target})
 
     with pytest.raises(ModelError) as err:
-        build_model(spec, (64,), 10, seed=0)
+        build_model(spec, (64,), 10, seed=0, allowed_imports=["tests", "no_such_pkg"])
 
     assert target in str(err.value) and message in str(err.value)
 

@@ -1,0 +1,171 @@
+"""What a job spec may make a daemon do: import only allowed modules, open only files inside
+the data roots (DESIGN.md, "Trust boundaries").
+
+A spec field that names code or a file is marked in ``shared.config`` with
+``json_schema_extra=IMPORT_REF`` or ``DATA_PATH_REF``; :func:`spec_refs` finds every marked
+field of a spec, so a field added later is checked without anyone remembering to. The
+coordinator checks them all before a job is queued; a worker checks an import again before it
+builds a model, against its own ``allowed_imports``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from pydantic import BaseModel
+
+from shared.config import DATA_PATH_REF, IMPORT_REF, TRUST_KEY
+
+
+class ImportNotAllowed(PermissionError):
+    """A spec names a module outside the daemon's ``allowed_imports`` (PERMISSION_DENIED);
+    the message names the spec key and the module."""
+
+
+class PathRefused(ValueError):
+    """A spec path is absolute outside the data roots, contains ``..``, or leads out of the
+    roots through a symlink (INVALID_ARGUMENT). The message is the same whether or not the
+    file exists."""
+
+
+def spec_refs(spec: BaseModel, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+    """Every import or data path a spec names, as ``(key, kind, value)``.
+
+    ``key`` is the dotted spec key (``model.import``, ``data.path``, ``access.trace``);
+    ``kind`` is ``"import"`` or ``"data_path"``; unset (None) fields are skipped.
+    """
+    for name, field in type(spec).model_fields.items():
+        value = getattr(spec, name)
+        key = f"{prefix}{field.alias or name}"
+        extra = field.json_schema_extra
+        kind = extra.get(TRUST_KEY) if isinstance(extra, dict) else None
+        if kind is not None and value is not None:
+            yield key, str(kind), str(value)
+        elif isinstance(value, BaseModel):
+            yield from spec_refs(value, key + ".")
+
+
+def module_of(target: str) -> str:
+    """``package.module:callable`` -> ``package.module``."""
+    return target.partition(":")[0]
+
+
+def import_allowed(module: str, allowed: Sequence[str]) -> bool:
+    """Whether ``module`` is an entry of ``allowed`` or inside a package listed there."""
+    return any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+def check_import(key: str, target: str, allowed: Sequence[str], daemon: str) -> None:
+    """Refuse an import target whose module ``allowed`` does not list.
+
+    Args:
+        key: the spec key, for the message (``model.import``).
+        target: ``package.module:callable``.
+        allowed: the daemon's ``allowed_imports``.
+        daemon: ``coordinator`` or ``worker NAME``, for the message.
+
+    Raises:
+        ImportNotAllowed: not allowed (PERMISSION_DENIED).
+    """
+    module = module_of(target)
+    if not import_allowed(module, allowed):
+        listed = ", ".join(allowed) if allowed else "nothing"
+        raise ImportNotAllowed(
+            f"{key}: module {module!r} is not in the {daemon}'s allowed_imports "
+            f"(allowed: {listed}); an operator must install the package and list it"
+        )
+
+
+def check_imports(spec: BaseModel, allowed: Sequence[str], daemon: str) -> None:
+    """:func:`check_import` for every import a spec names.
+
+    Raises:
+        ImportNotAllowed: the first import not allowed (PERMISSION_DENIED).
+    """
+    for key, kind, value in spec_refs(spec):
+        if kind == IMPORT_REF[TRUST_KEY]:
+            check_import(key, value, allowed, daemon)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def resolve_data_path(key: str, value: str, roots: Sequence[Path]) -> Path:
+    """The file a spec path names, confined to the data roots.
+
+    A relative path is looked up in each root in order (the first root holding it wins; the
+    first root when none does); an absolute one must lie inside a root. Symlinks are
+    followed and the real path must still lie inside the same root. The checks are lexical
+    and on the real path, so a refusal says nothing about whether the file exists.
+
+    Args:
+        key: the spec key, for the message (``data.path``).
+        value: the path as the spec gives it.
+        roots: absolute data roots (``CoordinatorConfig.dataset_roots()``).
+
+    Returns:
+        The real (symlink-free) absolute path, which may not exist.
+
+    Raises:
+        PathRefused: empty, NUL byte, ``..`` component, absolute outside every root, or a
+            symlink leaving the root (INVALID_ARGUMENT).
+    """
+    outside = PathRefused(f"{key}: {value!r} is outside the coordinator's data roots")
+    if not value or "\x00" in value:
+        raise PathRefused(f"{key}: must be a non-empty path without NUL bytes")
+    if ".." in PurePosixPath(value).parts or ".." in Path(value).parts:
+        raise PathRefused(f"{key}: {value!r} must not contain '..'")
+    path = Path(value)
+    candidates: list[tuple[Path, Path]] = []
+    for root in roots:
+        if path.is_absolute():
+            if _inside(path, root):
+                candidates.append((root, path))
+        else:
+            candidates.append((root, root / path))
+    if not candidates:
+        raise outside
+    chosen: tuple[Path, Path] | None = None
+    for root, candidate in candidates:
+        real_root = Path(os.path.realpath(root))
+        real = Path(os.path.realpath(candidate))
+        if not _inside(real, real_root):
+            raise outside
+        if chosen is None or (not chosen[1].exists() and real.exists()):
+            chosen = (real_root, real)
+    assert chosen is not None
+    return chosen[1]
+
+
+def resolve_data_paths(spec: BaseModel, roots: Sequence[Path]) -> dict[str, Path]:
+    """:func:`resolve_data_path` for every data path a spec names: ``{key: real path}``.
+
+    Raises:
+        PathRefused: the first path refused (INVALID_ARGUMENT).
+    """
+    return {
+        key: resolve_data_path(key, value, roots)
+        for key, kind, value in spec_refs(spec)
+        if kind == DATA_PATH_REF[TRUST_KEY]
+    }
+
+
+def with_resolved_paths(spec: Any, roots: Sequence[Path]) -> Any:
+    """A copy of ``spec`` whose data paths are replaced by their confined real paths.
+
+    Raises:
+        PathRefused: a path is refused (INVALID_ARGUMENT).
+    """
+    resolved = resolve_data_paths(spec, roots)
+    data = spec.model_dump(by_alias=True)
+    for key, path in resolved.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = str(path)
+    return type(spec).model_validate(data)
