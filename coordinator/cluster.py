@@ -11,6 +11,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.admission import admit
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.membership import Membership, WorkerRecord, WorkerState
 from coordinator.memory_ops import MemoryOps
@@ -19,7 +20,7 @@ from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
 from coordinator.train_job import TrainJob
 from shared import rpc
-from shared.config import CoordinatorConfig, JobSpec, job_spec_from_json
+from shared.config import CoordinatorConfig, JobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.security import ChannelSecurity
@@ -204,15 +205,21 @@ class Cluster:
 
     # -- jobs -----------------------------------------------------------------------------
 
-    def submit(self, spec_json: str, owner: str = "") -> JobRecord:
-        """Validate and queue a job spec for ``owner`` (a token subject; "" without auth).
+    async def submit(self, spec_json: str, owner: str = "") -> JobRecord:
+        """Admit and queue a job spec for ``owner`` (a token subject; "" without auth).
+
+        Admission (``coordinator.admission.admit``) runs in a thread: it may read file
+        headers and build the model on the meta device to count its parameters.
 
         Raises:
             ConfigError: invalid spec, naming the field (INVALID_ARGUMENT).
+            PathRefused: a path outside the data roots (INVALID_ARGUMENT).
+            ImportNotAllowed: an import not in ``allowed_imports`` (PERMISSION_DENIED).
+            LimitExceeded: over an admission cap (RESOURCE_EXHAUSTED).
             JobQuotaExceeded: ``owner`` has ``max_jobs_per_client`` unfinished jobs
                 (RESOURCE_EXHAUSTED).
         """
-        spec: JobSpec = job_spec_from_json(spec_json)
+        spec: JobSpec = await asyncio.to_thread(admit, spec_json, self.cfg)
         limit = self.cfg.max_jobs_per_client
         if self.jobs.active(owner) >= limit:
             who = f"client {owner!r}" if owner else "unauthenticated clients"

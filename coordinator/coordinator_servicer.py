@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc import aio
 
+from coordinator.admission import LimitExceeded
 from coordinator.cluster import Cluster, NotSlotPrimary
 from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
@@ -15,6 +16,7 @@ from coordinator.memory_ops import BulkOpError
 from shared.auth import current_principal, owner_check
 from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.config import ConfigError
+from shared.confinement import ImportNotAllowed, PathRefused
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from worker.memory_servicer import quality_to_pb
 from worker.store import MemoryInputError, validate_k, validate_rate
@@ -186,14 +188,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.Job:
-        """Validate and queue a job, owned by the caller's token subject. INVALID_ARGUMENT
-        names the offending field; RESOURCE_EXHAUSTED: too many unfinished jobs."""
+        """Admit and queue a job, owned by the caller's token subject.
+
+        INVALID_ARGUMENT: an invalid spec, or a path outside the data roots (names the key).
+        PERMISSION_DENIED: an import not in the coordinator's ``allowed_imports``.
+        RESOURCE_EXHAUSTED: over an admission cap (names the cap and the value), or too many
+        unfinished jobs. Nothing is queued, imported or opened for a refused spec.
+        """
         principal = current_principal()
+        owner = principal.subject if principal else ""
         try:
-            job = self._cluster.submit(request.spec_json, principal.subject if principal else "")
-        except ConfigError as exc:
+            job = await self._cluster.submit(request.spec_json, owner)
+        except (ConfigError, PathRefused) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except JobQuotaExceeded as exc:
+        except ImportNotAllowed as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except (JobQuotaExceeded, LimitExceeded) as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return job_to_pb(job)
 

@@ -22,6 +22,7 @@ from coordinator.jobs import JobFailed, JobRecord
 from coordinator.membership import WorkerRecord
 from coordinator.memory_ops import BulkOpError
 from shared.config import MemoryJobSpec, TraceAccess
+from shared.confinement import PathRefused, with_resolved_paths
 from shared.logging import get_logger
 from shared.memory_client import MemoryRouter, RoutingError
 from shared.memory_files import MemoryFileError, load_memories, load_trace
@@ -95,8 +96,14 @@ class MemoryJob:
         return self._result(len(np.unique(ids)) if self.spec.load else len(ids), load_s, t)
 
     def _prepare(self) -> tuple[np.ndarray, np.ndarray, ScrambledZipfStream | TraceStream]:
-        """Read or generate the memories and build the access stream (in a thread)."""
-        spec = self.spec
+        """Read or generate the memories and build the access stream (in a thread).
+
+        The spec's paths are confined to the data roots again here (admission did it at
+        submission; a symlink may have changed since, or the job was resumed)."""
+        try:
+            spec = with_resolved_paths(self.spec, self.cluster.cfg.dataset_roots())
+        except PathRefused as exc:
+            raise JobFailed(str(exc)) from None
         if spec.topk > self.cluster.cfg.topk_max:
             raise JobFailed(
                 f"topk: {spec.topk} exceeds the coordinator's topk_max {self.cluster.cfg.topk_max}"

@@ -22,6 +22,7 @@ from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
 from coordinator.train_members import Members, ShardResult
 from shared.config import CoordinatorConfig, TrainJobSpec
+from shared.confinement import PathRefused, with_resolved_paths
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.training.data import load_dataset, steps_per_epoch
@@ -67,7 +68,11 @@ class TrainJob:
             JobFailed: the spec or data was refused, or every worker failed (FAILED).
         """
         spec = self.spec
-        dataset = await asyncio.to_thread(load_dataset, spec.data, spec.seed, spec.test_fraction)
+        try:  # confined again: a symlink may have changed since admission
+            data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
+        except PathRefused as exc:
+            raise JobFailed(str(exc)) from None
+        dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
         ps = await asyncio.to_thread(ParameterServer, spec, dataset, self.cfg.allowed_imports)
         start_step = await asyncio.to_thread(self._restore, ps)
         await self.members.start(self._workers)

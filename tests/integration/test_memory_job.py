@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from coordinator.access_stream import ScrambledZipfStream, generate_memories
+from shared.client import NeuroshardError
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore
 
@@ -76,7 +78,7 @@ async def test_zipf_job_equals_reference_replay(make_cluster) -> None:
 
 
 async def test_loaded_memories_and_trace_file(make_cluster, tmp_path: Path) -> None:
-    cluster = await make_cluster(workers=2, slots=SLOTS)
+    cluster = await make_cluster(workers=2, slots=SLOTS, data_roots=[str(tmp_path)])
     rng = np.random.default_rng(5)
     ids = rng.choice(1 << 40, size=3_000, replace=False).astype(np.uint64)
     strengths = rng.random(3_000, dtype=np.float32)
@@ -109,7 +111,7 @@ async def test_loaded_memories_and_trace_file(make_cluster, tmp_path: Path) -> N
 
 
 async def test_bad_files_fail_the_job_before_loading(make_cluster, tmp_path: Path) -> None:
-    cluster = await make_cluster(workers=1, slots=SLOTS)
+    cluster = await make_cluster(workers=1, slots=SLOTS, data_roots=[str(tmp_path)])
     bad_trace = np.arange(30, dtype=np.int64).reshape(3, 10)
     bad_trace[1, 2] = -5
     np.save(tmp_path / "neg.npy", bad_trace)
@@ -126,17 +128,33 @@ async def test_bad_files_fail_the_job_before_loading(make_cluster, tmp_path: Pat
             f"{tmp_path / 'short.npy'}: trace has 2 rows but the job runs 3 iterations",
         ),
         (
-            {"access": {"trace": str(tmp_path / "missing.npy")}},
-            f"{tmp_path / 'missing.npy'}: no such file",
-        ),
-        (
             {"load": str(tmp_path / "mem.npz")},
             f"{tmp_path / 'mem.npz'}: no array 'strengths' (has: ids, values)",
         ),
-        ({"topk": 20_000}, "topk: 20000 exceeds the coordinator's topk_max 10000"),
     ]
     for extra, reason in cases:
         job, _ = await _run(cluster, base | extra)
         assert (job.state, job.error) == ("FAILED", reason)
     async with cluster.client() as client:
         assert (await client.quality())["count"] == 0
+
+
+async def test_missing_files_and_big_topk_are_refused_at_submission(
+    make_cluster, tmp_path: Path
+) -> None:
+    cluster = await make_cluster(workers=1, slots=SLOTS, data_roots=[str(tmp_path)])
+    base = {"kind": "memory", "workers": 1, "memories": 100, "iterations": 3}
+    cases = [
+        (
+            {"access": {"trace": "missing.npy"}},
+            "access.trace: no file 'missing.npy' in the coordinator's data roots",
+        ),
+        ({"topk": 20_000}, "topk: 20000 exceeds the coordinator's topk_max 10000"),
+    ]
+    async with cluster.client() as client:
+        for extra, reason in cases:
+            with pytest.raises(NeuroshardError) as err:
+                await client.submit(base | extra)
+            assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert str(err.value).endswith(reason)
+        assert await client.jobs() == []

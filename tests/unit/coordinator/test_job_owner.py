@@ -35,11 +35,11 @@ async def test_active_jobs_per_owner_are_limited(tmp_path: Path) -> None:
     cluster = Cluster(cfg, Metrics())
     try:
         spec = '{"kind": "train", "workers": 1, "steps": 1}'
-        cluster.submit(spec, "alice")
-        cluster.submit(spec, "alice")
-        cluster.submit(spec, "bob")  # another subject has its own count
+        await cluster.submit(spec, "alice")
+        await cluster.submit(spec, "alice")
+        await cluster.submit(spec, "bob")  # another subject has its own count
         with pytest.raises(JobQuotaExceeded, match="client 'alice' already has 2 queued"):
-            cluster.submit(spec, "alice")
+            await cluster.submit(spec, "alice")
         assert cluster.jobs.active("alice") == 2
     finally:
         await cluster.close()

@@ -1,0 +1,195 @@
+"""Admission of a job spec: everything checked before a job is queued (DESIGN.md, "Trust
+boundaries").
+
+In order: the spec's size (``max_spec_bytes``), its schema, its imports (``allowed_imports``),
+its file paths (confined to ``data_roots``), then estimates of what running it would cost,
+against the caps: the data set's bytes (``max_dataset_bytes``), the model's parameters
+(``max_model_params``, counted on a model built on torch's ``meta`` device, which allocates
+no storage), the training steps or memory iterations (``max_steps``) and the memories
+(``max_memories_per_job``). Nothing is imported, opened or allocated for a spec that an
+earlier check refused.
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.config import (
+    BuiltinData,
+    ConfigError,
+    CoordinatorConfig,
+    FileData,
+    JobSpec,
+    MemoryJobSpec,
+    TrainJobSpec,
+    job_spec_from_json,
+)
+from shared.confinement import check_imports, resolve_data_paths
+from shared.training.data import total_steps
+from shared.training.models import ModelError, build_model, count_params
+
+DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
+
+
+class LimitExceeded(Exception):
+    """A spec asks for more than an admission cap allows (RESOURCE_EXHAUSTED); the message
+    names the spec key, the value and the cap."""
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What admission needs to know of a training set: N samples, one sample's shape, C."""
+
+    samples: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def _cap(key: str, value: int, cap: int, cap_name: str, unit: str = "") -> None:
+    if value > cap:
+        raise LimitExceeded(
+            f"{key}: {value}{unit} exceeds the coordinator's {cap_name} {cap}{unit}"
+        )
+
+
+def admit(spec_json: str, cfg: CoordinatorConfig) -> JobSpec:
+    """Parse a submitted spec and check it against the coordinator's policy and caps.
+
+    Args:
+        spec_json: the spec as the SubmitJob RPC carries it (UTF-8 JSON).
+        cfg: the coordinator's config (caps, ``allowed_imports``, ``data_roots``).
+
+    Returns:
+        The validated spec, unchanged (paths are resolved again when the job runs).
+
+    Raises:
+        LimitExceeded: over a cap (RESOURCE_EXHAUSTED).
+        ConfigError: invalid spec, a missing or malformed file inside the roots, or a model
+            that cannot be built for the data (INVALID_ARGUMENT).
+        PathRefused: a path outside the data roots (INVALID_ARGUMENT).
+        ImportNotAllowed: an import not in ``allowed_imports`` (PERMISSION_DENIED).
+    """
+    _cap(
+        "spec",
+        len(spec_json.encode("utf-8", "surrogatepass")),
+        cfg.max_spec_bytes,
+        "max_spec_bytes",
+        " bytes",
+    )
+    spec = job_spec_from_json(spec_json)
+    check_imports(spec, cfg.allowed_imports, "coordinator")
+    paths = resolve_data_paths(spec, cfg.dataset_roots())
+    for key, path in paths.items():
+        _cap(key, _file_size(key, path), cfg.max_dataset_bytes, "max_dataset_bytes", " bytes")
+    if isinstance(spec, TrainJobSpec):
+        _admit_train(spec, paths.get("data.path"), cfg)
+    else:
+        _admit_memory(spec, paths.get("load"), cfg)
+    return spec
+
+
+def _file_size(key: str, path: Path) -> int:
+    """Size of a file inside the roots, bytes. Raises: ConfigError when it is missing."""
+    if not path.is_file():
+        raise ConfigError(f"{key}: no file {path.name!r} in the coordinator's data roots")
+    return path.stat().st_size
+
+
+def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
+    shape = data_shape(spec.data, path, cfg.max_dataset_bytes)
+    try:
+        model = build_model(
+            spec.model,
+            shape.input_shape,
+            shape.num_classes,
+            spec.seed,
+            cfg.allowed_imports,
+            "coordinator",
+            device="meta",
+        )
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
+    _cap("model", count_params(model), cfg.max_model_params, "max_model_params", " parameters")
+    n_train = shape.samples - math.ceil(shape.samples * spec.test_fraction)
+    steps = total_steps(spec, max(n_train, 1))
+    key = "steps" if spec.steps is not None else "epochs"
+    _cap(key, steps, cfg.max_steps, "max_steps", " steps")
+
+
+def data_shape(data: BuiltinData | FileData, path: Path | None, max_bytes: int) -> DataShape:
+    """Samples, sample shape and classes of a job's data set, without loading ``x``.
+
+    Raises:
+        LimitExceeded: a synthetic set larger than ``max_bytes`` as float32.
+        ConfigError: a file whose arrays are missing or malformed (names the array).
+    """
+    if isinstance(data, BuiltinData):
+        if data.name == "digits":
+            return DataShape(DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES)
+        _cap(
+            "data.samples",
+            data.samples * data.features * 4,
+            max_bytes,
+            "max_dataset_bytes",
+            " bytes",
+        )
+        return DataShape(data.samples, (data.features,), data.classes)
+    assert path is not None
+    headers = npz_headers("data.path", path)
+    x_shape, y_shape = headers.get("x"), headers.get("y")
+    if x_shape is None or y_shape is None:
+        raise ConfigError(f"data.path: {path.name} needs arrays 'x' and 'y'")
+    if len(x_shape[0]) < 2 or len(y_shape[0]) != 1 or x_shape[0][0] != y_shape[0][0]:
+        raise ConfigError(
+            f"data.path: {path.name}: expected x [N, ...] and y [N], got x {x_shape[0]} "
+            f"and y {y_shape[0]}"
+        )
+    if y_shape[1] != np.dtype(np.int64) or y_shape[0][0] == 0:
+        raise ConfigError(f"data.path: {path.name}: y must be non-empty int64 labels")
+    with np.load(path, allow_pickle=False) as npz:
+        classes = int(npz["y"].max()) + 1
+    return DataShape(int(x_shape[0][0]), tuple(int(d) for d in x_shape[0][1:]), max(classes, 2))
+
+
+def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of every ``.npy`` member of an ``.npz``, read from the headers only.
+
+    Raises:
+        ConfigError: not a zip of ``.npy`` arrays, or a header that cannot be read.
+    """
+    out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, _, dtype = read(f)
+                out[info.filename[: -len(".npy")]] = (tuple(shape), np.dtype(dtype))
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise ConfigError(f"{key}: {path.name} is not a readable .npz ({exc})") from None
+    return out
+
+
+def _admit_memory(spec: MemoryJobSpec, load: Path | None, cfg: CoordinatorConfig) -> None:
+    if spec.topk > cfg.topk_max:
+        raise ConfigError(f"topk: {spec.topk} exceeds the coordinator's topk_max {cfg.topk_max}")
+    _cap("iterations", spec.iterations, cfg.max_steps, "max_steps")
+    if load is None:
+        _cap("memories", spec.memories, cfg.max_memories_per_job, "max_memories_per_job")
+        return
+    ids = npz_headers("load", load).get("ids")
+    if ids is not None:  # a missing array is reported, naming it, when the job loads the file
+        count = math.prod(ids[0])
+        _cap("load", count, cfg.max_memories_per_job, "max_memories_per_job", " memories")

@@ -1,0 +1,183 @@
+"""Admission: every cap, import and path refusal happens before a job exists, and names the
+key, the value and the cap."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from coordinator.admission import LimitExceeded, admit
+from coordinator.cluster import Cluster
+from shared.config import ConfigError, CoordinatorConfig
+from shared.confinement import ImportNotAllowed, PathRefused
+from shared.metrics import Metrics
+
+
+def _cfg(tmp_path: Path, **caps: Any) -> CoordinatorConfig:
+    root = tmp_path / "root"
+    root.mkdir(exist_ok=True)
+    return CoordinatorConfig(
+        data_dir=str(tmp_path / "coord"), data_roots=[str(root)], metrics_port=None, **caps
+    )
+
+
+def _train(**kw: Any) -> str:
+    return json.dumps({"kind": "train", "workers": 1, **kw})
+
+
+def _memory(**kw: Any) -> str:
+    return json.dumps({"kind": "memory", "workers": 1, **kw})
+
+
+@pytest.mark.parametrize(
+    ("caps", "spec", "message"),
+    [
+        (
+            {"max_spec_bytes": 1024},
+            _train(name="x" * 100, model={"name": "mlp", "hidden": [1] * 400}),
+            r"^spec: \d+ bytes exceeds the coordinator's max_spec_bytes 1024 bytes$",
+        ),
+        (
+            {"max_model_params": 1000},
+            _train(model={"name": "mlp", "hidden": [32]}),
+            # digits: 64 inputs, 10 classes: 64*32 + 32 + 32*10 + 10
+            r"^model: 2410 parameters exceeds the coordinator's max_model_params 1000",
+        ),
+        (
+            {"max_model_params": 1000},
+            _train(model={"name": "cnn", "channels": [16, 32]}),
+            r"^model: \d+ parameters exceeds the coordinator's max_model_params 1000",
+        ),
+        (
+            {"max_steps": 100},
+            _train(steps=101),
+            r"^steps: 101 steps exceeds the coordinator's max_steps 100 steps$",
+        ),
+        (
+            {"max_steps": 100},
+            _train(epochs=10, batch_size=32),  # 1437 training rows: 45 steps per epoch
+            r"^epochs: 450 steps exceeds the coordinator's max_steps 100 steps$",
+        ),
+        (
+            {"max_dataset_bytes": 4096},
+            _train(data={"name": "synthetic", "samples": 100, "features": 64}),
+            r"^data.samples: 25600 bytes exceeds the coordinator's max_dataset_bytes 4096 bytes",
+        ),
+        (
+            {"max_memories_per_job": 1000},
+            _memory(memories=1001),
+            r"^memories: 1001 exceeds the coordinator's max_memories_per_job 1000$",
+        ),
+        (
+            {"max_steps": 10},
+            _memory(memories=10, iterations=11),
+            r"^iterations: 11 exceeds the coordinator's max_steps 10$",
+        ),
+    ],
+)
+def test_every_cap_is_enforced_with_its_name(
+    tmp_path: Path, caps: dict[str, Any], spec: str, message: str
+) -> None:
+    cfg = _cfg(tmp_path, **caps)
+
+    with pytest.raises(LimitExceeded, match=message):
+        admit(spec, cfg)
+
+
+def test_file_caps_count_bytes_and_memories_from_headers(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, max_dataset_bytes=4096, max_memories_per_job=100)
+    root = cfg.dataset_roots()[0]
+    np.savez(root / "big.npz", x=np.zeros((100, 64), np.float32), y=np.zeros(100, np.int64))
+    np.savez(root / "mem.npz", ids=np.arange(101, dtype=np.uint64), strengths=np.zeros(101))
+
+    with pytest.raises(LimitExceeded, match=r"^data.path: \d+ bytes exceeds .*max_dataset_bytes"):
+        admit(_train(data={"path": "big.npz"}), cfg)
+    with pytest.raises(LimitExceeded, match="^load: 101 memories exceeds .*max_memories_per_job"):
+        admit(_memory(load="mem.npz"), cfg)
+
+
+def test_a_file_data_set_is_admitted_from_its_headers(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, max_model_params=64 * 8 + 8 + 8 * 3 + 3)
+    root = cfg.dataset_roots()[0]
+    np.savez(root / "d.npz", x=np.zeros((50, 64), np.float32), y=np.arange(50, dtype=np.int64) % 3)
+
+    spec = admit(_train(data={"path": "d.npz"}, model={"name": "mlp", "hidden": [8]}), cfg)
+
+    assert spec.kind == "train"
+
+
+def test_imports_are_refused_before_anything_is_imported(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    spec = _train(model={"import": "neuroshard_no_such_pkg.evil:build", "args": {}})
+
+    with pytest.raises(ImportNotAllowed, match="model.import: module 'neuroshard_no_such_pkg"):
+        admit(spec, cfg)
+    with pytest.raises(ImportNotAllowed, match="model.import: module 'os' is not in"):
+        admit(_train(model={"import": "os:system", "args": {"command": "touch x"}}), cfg)
+
+    assert "neuroshard_no_such_pkg" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/etc/passwd", "../elsewhere.npz", "sub/../../elsewhere.npz", "/tmp/../etc/passwd"],
+)
+def test_paths_outside_the_roots_get_the_same_answer_whether_or_not_they_exist(
+    tmp_path: Path, path: str
+) -> None:
+    cfg = _cfg(tmp_path)
+    (tmp_path / "elsewhere.npz").write_bytes(b"PK")
+    absent = path.replace("passwd", "nope").replace("elsewhere", "nope")
+
+    with pytest.raises(PathRefused) as existing:
+        admit(_train(data={"path": path}), cfg)
+    with pytest.raises(PathRefused) as missing:
+        admit(_train(data={"path": absent}), cfg)
+
+    assert str(existing.value).replace(path, "P") == str(missing.value).replace(absent, "P")
+
+
+def test_a_symlink_leaving_the_root_is_refused(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    root = cfg.dataset_roots()[0]
+    secret = tmp_path / "secret.npz"
+    np.savez(secret, x=np.zeros((10, 2), np.float32), y=np.arange(10, dtype=np.int64) % 2)
+    os.symlink(secret, root / "link.npz")
+    os.symlink(tmp_path, root / "dir")
+
+    for path in ("link.npz", "dir/secret.npz", str(root / "link.npz")):
+        with pytest.raises(PathRefused, match="is outside the coordinator's data roots"):
+            admit(_train(data={"path": path}), cfg)
+    with pytest.raises(PathRefused):
+        admit(_memory(access={"trace": "link.npz"}), cfg)
+
+
+def test_missing_files_inside_the_roots_are_invalid(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+
+    with pytest.raises(ConfigError, match="^load: no file 'gone.npz' in the coordinator's"):
+        admit(_memory(load="gone.npz"), cfg)
+
+
+async def test_a_refused_spec_queues_no_job(tmp_path: Path) -> None:
+    cluster = Cluster(_cfg(tmp_path, max_steps=5), Metrics())
+    try:
+        for spec, error in [
+            (_train(steps=6), LimitExceeded),
+            (_train(model={"import": "os:system"}), ImportNotAllowed),
+            (_train(data={"path": "/etc/passwd"}), PathRefused),
+            ("{not json", ConfigError),
+        ]:
+            with pytest.raises(error):
+                await cluster.submit(spec, "alice")
+
+        assert cluster.jobs.list() == []
+        assert cluster.state.load_jobs() == []
+    finally:
+        await cluster.close()
