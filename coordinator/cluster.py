@@ -7,6 +7,7 @@ Servicers call these methods; background tasks (failure detection, scheduling) r
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,7 +16,7 @@ from coordinator.admission import admit
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.membership import Membership, WorkerRecord, WorkerState
 from coordinator.memory_ops import MemoryOps
-from coordinator.persistence import StateStore
+from coordinator.persistence import CRASHED_TWICE, StateStore
 from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
 from coordinator.train_job import TrainJob
@@ -77,6 +78,8 @@ class Cluster:
             rec.extra["restored"] = True  # until its process registers or heartbeats here
         jobs = self.state.load_jobs()
         self.jobs.restore(jobs)
+        for job_id in self.state.crashed_twice:
+            log.warning("job_failed", job_id=job_id, error=CRASHED_TWICE)
         self.rebalancer.persist = self.state.save_slot_map
         self.jobs.on_change = self.state.save_job
         if saved is not None or jobs:
@@ -285,8 +288,21 @@ class Cluster:
 
     async def _refresh_gauges(self) -> None:
         while True:
+            self.prune_jobs()
             self._update_gauges()
             await asyncio.sleep(1.0)
+
+    def prune_jobs(self, now: float | None = None) -> list[str]:
+        """Apply ``job_retention``: forget old finished jobs in memory, in SQLite and their
+        checkpoint files; return the ids pruned."""
+        keep = self.cfg.job_retention
+        dropped = self.jobs.prune(keep.max_jobs, keep.max_age_s, now)
+        if dropped:
+            self.state.delete_jobs(dropped)
+            for job_id in dropped:
+                (Path(self.cfg.data_dir) / "checkpoints" / f"{job_id}.ckpt").unlink(missing_ok=True)
+            log.info("jobs_pruned", jobs=len(dropped))
+        return dropped
 
     async def close(self) -> None:
         """Close worker channels and the state database."""

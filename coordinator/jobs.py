@@ -107,6 +107,26 @@ class JobStore:
         """Every job, in submission order."""
         return sorted(self._jobs.values(), key=lambda j: j.seq)
 
+    def prune(
+        self, max_jobs: int, max_age_s: float, now: float | None = None
+    ) -> builtins.list[str]:
+        """Drop finished jobs older than ``max_age_s`` (seconds since they finished) and the
+        oldest finished ones beyond ``max_jobs``; return the ids dropped. Queued and running
+        jobs are never dropped."""
+        now = time.time() if now is None else now
+        finished = sorted(
+            (j for j in self._jobs.values() if j.state.terminal), key=lambda j: j.finished_at
+        )
+        excess = max(0, len(finished) - max_jobs)
+        dropped = [
+            j.job_id
+            for i, j in enumerate(finished)
+            if i < excess or now - j.finished_at > max_age_s
+        ]
+        for job_id in dropped:
+            del self._jobs[job_id]
+        return dropped
+
     def active(self, owner: str) -> int:
         """Queued plus running jobs of ``owner``."""
         return sum(1 for j in self._jobs.values() if j.owner == owner and not j.state.terminal)

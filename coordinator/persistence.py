@@ -29,7 +29,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL NOT NULL, workers_json TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS job_owners (job_id TEXT PRIMARY KEY, owner TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS job_crashes (job_id TEXT PRIMARY KEY, crashes INTEGER NOT NULL);
 """
+
+# A job RUNNING when the coordinator crashed this many times in a row is not run again.
+CRASHES_BEFORE_FAILING = 2
+CRASHED_TWICE = (
+    "crashed the coordinator twice: it was running at two coordinator crashes in a row, "
+    "so it is not run again (submit it anew to retry)"
+)
 
 
 @dataclass
@@ -50,6 +58,15 @@ class StateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        # Whether the previous process stopped cleanly (``mark_clean_stop``); from now on
+        # this process counts as crashed until it, too, stops cleanly.
+        self.previous_crashed = self._get("clean_stop") is False
+        self._put("clean_stop", False)
+        self.crashed_twice: list[str] = []  # jobs ``load_jobs`` failed for that reason
+
+    def mark_clean_stop(self) -> None:
+        """Record a graceful stop: jobs left RUNNING are resumed without counting a crash."""
+        self._put("clean_stop", True)
 
     def close(self) -> None:
         """Close the database."""
@@ -107,11 +124,24 @@ class StateStore:
                 "INSERT OR IGNORE INTO job_owners VALUES (?, ?)", (job.job_id, job.owner)
             )
 
+    def delete_jobs(self, job_ids: list[str]) -> None:
+        """Forget jobs (retention): their rows in every job table."""
+        rows = [(j,) for j in job_ids]
+        for table in ("jobs", "job_owners", "job_crashes"):
+            self._db.executemany(f"DELETE FROM {table} WHERE job_id = ?", rows)
+
     def load_jobs(self) -> list[JobRecord]:
-        """Saved jobs in submission order; a job that was RUNNING comes back QUEUED (it is
-        run again, a train job from its last checkpoint)."""
+        """Saved jobs in submission order.
+
+        A job that was RUNNING comes back QUEUED (it is run again, a train job from its last
+        checkpoint), unless the previous process crashed (no ``mark_clean_stop``) while it
+        ran and it had already been running at the crash before: then it comes back FAILED
+        ("crashed the coordinator twice"), so a job that kills the coordinator is not re-run
+        forever.
+        """
         out = []
         owners = dict(self._db.execute("SELECT job_id, owner FROM job_owners").fetchall())
+        crashes = dict(self._db.execute("SELECT job_id, crashes FROM job_crashes").fetchall())
         for row in self._db.execute("SELECT * FROM jobs ORDER BY seq"):
             (
                 job_id,
@@ -139,10 +169,24 @@ class StateStore:
                 owner=owners.get(job_id, ""),
             )
             if job.state is JobState.RUNNING:
-                job.state = JobState.QUEUED
-                job.created_at = _now()  # a fresh queue timeout for the re-run
+                self._resume(job, crashes.get(job_id, 0))
             out.append(job)
         return out
+
+    def _resume(self, job: JobRecord, crashes: int) -> None:
+        """Queue a job found RUNNING again, or fail it at its second crash in a row."""
+        if self.previous_crashed:
+            crashes += 1
+            self._db.execute(
+                "INSERT OR REPLACE INTO job_crashes VALUES (?, ?)", (job.job_id, crashes)
+            )
+        if crashes >= CRASHES_BEFORE_FAILING:
+            job.state, job.error, job.finished_at = JobState.FAILED, CRASHED_TWICE, _now()
+            self.save_job(job)
+            self.crashed_twice.append(job.job_id)
+        else:
+            job.state = JobState.QUEUED
+            job.created_at = _now()  # a fresh queue timeout for the re-run
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -81,6 +81,7 @@ class CoordinatorServer:
             self._background.cancel()
             await asyncio.gather(self._background, return_exceptions=True)
         await self.server.stop(self.cfg.grace_s)
+        self.cluster.state.mark_clean_stop()
         await self.cluster.close()
         log.info("coordinator_stopped", address=self.address)
 
