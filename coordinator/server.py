@@ -13,6 +13,7 @@ from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
 from shared import rpc
 from shared.config import CoordinatorConfig
+from shared.exposure import check_listen, start_probe_server
 from shared.interceptors import RequestLogInterceptor
 from shared.limits import server_options
 from shared.logging import get_logger
@@ -29,6 +30,9 @@ class CoordinatorServer:
 
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
+        check_listen(
+            "coordinator", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure
+        )
         self.metrics = Metrics()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, "coordinator")
         torch.set_num_threads(cfg.torch_threads)  # process-wide: the parameter server's ops
@@ -49,6 +53,8 @@ class CoordinatorServer:
         self.address = ""
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
         self.metrics_port: int | None = None
+        self.probe_server: aio.Server | None = None
+        self.probe_port: int | None = None
         self._background: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
@@ -57,8 +63,12 @@ class CoordinatorServer:
         port = self.security.add_port(self.server, self.cfg.listen)
         self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
         await self.server.start()
+        if self.cfg.probe_port is not None:
+            self.probe_server, self.probe_port = await start_probe_server(
+                self.health, host, self.cfg.probe_port
+            )
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_port)
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         self._background = asyncio.create_task(self.cluster.run_background(), name="background")
         for svc in ("", SERVICE_NAME):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
@@ -69,6 +79,7 @@ class CoordinatorServer:
             data_dir=self.cfg.data_dir,
             transport=self.security.transport,
             auth=self.security.auth,
+            probe_port=self.probe_port,
         )
         return self.address
 
@@ -81,6 +92,8 @@ class CoordinatorServer:
             self._background.cancel()
             await asyncio.gather(self._background, return_exceptions=True)
         await self.server.stop(self.cfg.grace_s)
+        if self.probe_server is not None:
+            await self.probe_server.stop(0)
         self.cluster.state.mark_clean_stop()
         await self.cluster.close()
         log.info("coordinator_stopped", address=self.address)

@@ -63,6 +63,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         listen=args.listen,
         data_dir=args.data_dir,
         metrics_port=args.metrics_port,
+        **exposure_overrides(args),
         **daemon_overrides(args),
     )
     configure_logging(cfg.log)
@@ -83,10 +84,36 @@ def cmd_worker(args: argparse.Namespace) -> int:
         device=args.device,
         data_dir=args.data_dir,
         metrics_port=args.metrics_port,
+        **exposure_overrides(args),
         **daemon_overrides(args),
     )
     configure_logging(cfg.log)
     return _run_daemon(serve(cfg, args.ready_file))
+
+
+def add_exposure_flags(parser: argparse.ArgumentParser) -> None:
+    """``--insecure``, ``--metrics-host``, ``--probe-port`` of both daemons."""
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow serving beyond loopback without TLS and auth (insecure; warned at start)",
+    )
+    parser.add_argument(
+        "--metrics-host", help="address the Prometheus endpoint binds (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--probe-port", type=int, help="plaintext port serving only grpc.health.v1 (probes)"
+    )
+
+
+def exposure_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Config overrides from :func:`add_exposure_flags` (None: keep the config's value)."""
+    return {
+        "insecure": args.insecure,
+        "metrics_host": args.metrics_host,
+        "probe_port": args.probe_port,
+    }
 
 
 def read_job_spec(path: str) -> dict[str, Any]:
@@ -178,17 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("coordinator", help="run the coordinator daemon")
     c.add_argument("--config", help="YAML config (configs/coordinator.yaml)")
-    c.add_argument("--listen", help="HOST:PORT to serve on (default 0.0.0.0:50051)")
+    c.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051)")
     c.add_argument("--data-dir", help="directory for models and state")
     c.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
     c.add_argument("--ready-file", help=argparse.SUPPRESS)
+    add_exposure_flags(c)
     add_daemon_flags(c)
     c.set_defaults(func=cmd_coordinator)
 
     w = sub.add_parser("worker", help="run a worker daemon")
     w.add_argument("--coordinator", help="coordinator HOST:PORT (default localhost:50051)")
     w.add_argument("--config", help="YAML config (configs/worker.yaml)")
-    w.add_argument("--listen", help="HOST:PORT to serve on (default 0.0.0.0:0)")
+    w.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:0)")
     w.add_argument("--name", help="worker name (default: the hostname)")
     w.add_argument(
         "--advertise-host", help="host others reach this worker at, e.g. its pod DNS name"
@@ -197,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--data-dir", help="directory for slot data")
     w.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
     w.add_argument("--ready-file", help=argparse.SUPPRESS)
+    add_exposure_flags(w)
     add_daemon_flags(w)
     w.set_defaults(func=cmd_worker)
 

@@ -71,7 +71,10 @@ class Metrics:
             "neuroshard_slot_map_epoch", "Current slot-map epoch.", registry=r
         )
 
-    def serve(self, port: int) -> int:
-        """Start the HTTP endpoint on ``port`` (0 picks one); return the bound port."""
-        server, _thread = start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the HTTP endpoint on ``host:port`` (0 picks a port); return the bound port.
+
+        ``host`` is the daemon's ``metrics_host``: loopback unless the operator sets another.
+        """
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)

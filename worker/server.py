@@ -22,6 +22,7 @@ from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, work
 from shared.security import DaemonSecurity
 from shared.worker_clients import WorkerClients
 from worker import kernels
+from shared.exposure import check_listen, start_probe_server
 from worker.journal import Journal, JournalError, lock_data_dir, recover
 from worker.memory_node import MemoryNode
 from worker.registration import Registration, RegistrationRefused
@@ -41,6 +42,7 @@ class WorkerServer:
         self.name = cfg.name or socket.gethostname()
         _, self.device = kernels.get_xp(cfg.device)
         self.metrics = Metrics()
+        check_listen("worker", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure)
         self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name)
         self.health = health.aio.HealthServicer()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
@@ -69,6 +71,8 @@ class WorkerServer:
         self.registration: Registration | None = None
         self._tasks: asyncio.Task[None] | None = None
         self.failed = asyncio.Event()  # set when this worker cannot go on (see ``error``)
+        self.probe_server: aio.Server | None = None
+        self.probe_port: int | None = None
         self.error = ""
 
     async def start(self) -> str:
@@ -89,8 +93,12 @@ class WorkerServer:
         adv = self.cfg.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]") else host)
         self.address = f"{adv}:{port}"
         await self.server.start()
+        if self.cfg.probe_port is not None:
+            self.probe_server, self.probe_port = await start_probe_server(
+                self.health, host, self.cfg.probe_port
+            )
         if self.cfg.metrics_port is not None:
-            self.metrics.serve(self.cfg.metrics_port)
+            self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         self.registration = Registration(
             coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel),
             self.name,
@@ -113,6 +121,7 @@ class WorkerServer:
             device=self.device,
             transport=self.security.transport,
             auth=self.security.auth,
+            probe_port=self.probe_port,
         )
         return self.address
 
@@ -265,6 +274,8 @@ class WorkerServer:
             self._tasks.cancel()
             await asyncio.gather(self._tasks, return_exceptions=True)
         await self.server.stop(self.cfg.grace_s)
+        if self.probe_server is not None:
+            await self.probe_server.stop(0)
         await self.coordinator_channel.close()
         await self.peers.close()
         self.sessions.close()

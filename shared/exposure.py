@@ -1,0 +1,84 @@
+"""Refuse to be open by accident: a daemon serves gRPC beyond loopback only with mutual TLS and
+tokens, or when the operator says ``insecure`` (and then it warns at every start); and the
+health-only probe listener that Kubernetes probes use while the main port requires TLS.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2_grpc
+
+from shared.config import ConfigError
+from shared.logging import get_logger
+
+log = get_logger("exposure")
+
+
+class ExposureRefused(ConfigError):
+    """A daemon would listen beyond loopback without TLS and auth (the process exits 2)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as in HOST:PORT, brackets allowed) only reaches this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost may resolve to anything
+        return False
+
+
+def check_listen(
+    daemon: str, listen: str, tls: bool, auth: bool, insecure: bool, field: str = "listen"
+) -> None:
+    """Refuse (or, with ``insecure``, warn about) serving beyond loopback unprotected.
+
+    Args:
+        daemon: ``coordinator`` or ``worker``, for the message.
+        listen: the HOST:PORT the daemon binds.
+        tls: whether mutual TLS is configured; auth: whether tokens are required.
+        insecure: the operator's ``insecure`` setting (``--insecure``).
+        field: the config key, for the message.
+
+    Raises:
+        ExposureRefused: non-loopback host without both TLS and auth, and not insecure.
+    """
+    host = listen.rpartition(":")[0]
+    if is_loopback(host) or (tls and auth):
+        return
+    missing = " and ".join(name for name, on in (("tls", tls), ("auth", auth)) if not on)
+    if not insecure:
+        raise ExposureRefused(
+            f"{field}: {listen} is reachable from other machines but the {daemon} has no "
+            f"{missing}; configure tls and auth (README: Security), listen on 127.0.0.1, or "
+            "start with --insecure to accept the risk"
+        )
+    log.warning(
+        "insecure_listen",
+        daemon=daemon,
+        listen=listen,
+        missing=missing,
+        hint="anyone who reaches this port can use the cluster without credentials",
+    )
+
+
+async def start_probe_server(
+    servicer: health.aio.HealthServicer, host: str, port: int
+) -> tuple[aio.Server, int]:
+    """Serve only ``grpc.health.v1`` on a plaintext port (Kubernetes gRPC probes).
+
+    Args:
+        servicer: the daemon's health servicer (the same statuses as on the main port).
+        host: the bind host (the daemon's listen host); port: 0 picks one.
+
+    Returns:
+        The started server and the port bound.
+    """
+    server = aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound
