@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared import rpc
 from shared.config import WorkerConfig
+from shared.exposure import check_listen, start_probe_server
 from shared.interceptors import RequestLogInterceptor
 from shared.limits import BatchLimitInterceptor, server_options
 from shared.logging import get_logger
@@ -22,7 +23,6 @@ from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, work
 from shared.security import DaemonSecurity
 from shared.worker_clients import WorkerClients
 from worker import kernels
-from shared.exposure import check_listen, start_probe_server
 from worker.journal import Journal, JournalError, lock_data_dir, recover
 from worker.memory_node import MemoryNode
 from worker.registration import Registration, RegistrationRefused
