@@ -242,10 +242,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if job.version == seen:
                 await self._cluster.jobs.wait_change(job, seen)
             seen = job.version
+            # Decide on the snapshot sent: the job may end while the event is in flight, and
+            # then that terminal state must still be sent as the last event.
+            terminal = job.state.terminal
             yield coordinator_pb2.JobEvent(
                 job=job_to_pb(job), progress_json=json.dumps(job.progress)
             )
-            if job.state.terminal:
+            if terminal:
                 return
 
     async def _job(self, job_id: str, context: aio.ServicerContext) -> JobRecord:

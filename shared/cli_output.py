@@ -17,6 +17,7 @@ from shared.client import JobInfo, SyncClient
 if TYPE_CHECKING:
     from shared.dev_security import SecureSetup
 
+TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 err_console = Console(stderr=True)
 out_console = Console()
 
@@ -64,6 +65,8 @@ def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
                 info=_describe(progress),
                 description=f"{final.job_id} {final.state}",
             )
+    if final.state not in TERMINAL_STATES:  # the stream ended early: ask for the final state
+        final = client.get_job(job.job_id)
     if as_json:
         print(json.dumps(final.summary()))
     else:
