@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from shared.config import (
     AuthConfig,
     CoordinatorConfig,
+    JobRetention,
     LogConfig,
     MemoryJobSpec,
     TlsConfig,
@@ -43,6 +44,7 @@ def main() -> None:
         ("log (both)", LogConfig),
         ("tls (both)", TlsConfig),
         ("auth (both)", AuthConfig),
+        ("job_retention (coordinator)", JobRetention),
         ("train job", TrainJobSpec),
         ("memory job", MemoryJobSpec),
     ]:
