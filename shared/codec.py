@@ -79,11 +79,13 @@ def tensor_to_chunks(
 ) -> Iterator[common_pb2.TensorChunk]:
     """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each."""
     a = np.ascontiguousarray(array)
-    data = a.astype(_le(a.dtype), copy=False).tobytes()
-    total = len(data)
+    # A byte view of the (little-endian) array: each chunk copies only its own bytes, so a
+    # large tensor (a data shard) is never copied whole.
+    data = memoryview(np.ascontiguousarray(a.astype(_le(a.dtype), copy=False))).cast("B")
+    total = data.nbytes
     offset = 0
     while True:
-        piece = data[offset : offset + chunk_bytes]
+        piece = bytes(data[offset : offset + chunk_bytes])
         yield common_pb2.TensorChunk(
             name=name,
             dtype=a.dtype.name,

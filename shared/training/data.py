@@ -73,7 +73,7 @@ def load_dataset(spec: BuiltinData | FileData, seed: int, test_fraction: float) 
             (INVALID_ARGUMENT).
     """
     if isinstance(spec, FileData):
-        x, y = _load_npz(Path(spec.path))
+        x, y = load_training_npz(Path(spec.path))
     elif spec.name == "digits":
         bunch = load_digits()
         x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
@@ -118,8 +118,15 @@ def _split(
     )
 
 
-def _load_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read and validate ``x`` and ``y`` from an .npz file (no pickles)."""
+def load_training_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read and validate ``x`` and ``y`` from an .npz file (no pickles).
+
+    Returns:
+        x [N, ...] float32 (finite), y [N] int64 labels in [0, C) with C >= 2.
+
+    Raises:
+        DataError: missing or unreadable file, or an array missing or malformed (names it).
+    """
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     try:
