@@ -1,0 +1,370 @@
+"""Deploy-check of each daemon as a rendered overlay would run it: secure, and consistent.
+
+A ``Daemon`` is one StatefulSet's container with the config it would load: its args parsed
+by the real ``neuroshard`` parser, its ``--config`` file taken from the ConfigMap, the
+flags applied over it, validated as ``CoordinatorConfig`` or ``WorkerConfig``. On that:
+
+* security: ``tls`` and ``auth`` set, ``insecure`` not true, the coordinator holding the
+  token-signing private key and workers a token but never the private key;
+* secrets: every file the config names lies in a read-only mount of a Secret volume (not
+  optional, files 0400 or 0440, fsGroup set so the non-root user reads them), and the Secret
+  holding the private key is mounted in the coordinator's pod only;
+* ports: ``listen``, ``probe_port`` and ``metrics_port`` are the container ports ``grpc``,
+  ``probe`` and ``metrics``, every probe is a gRPC probe of ``probe_port``, Prometheus'
+  annotation names ``metrics_port`` off loopback, the Services reach the gRPC ports, and a
+  worker's ``coordinator`` and ``advertise_host`` name Services that lead to them.
+
+Every function returns one line per problem, prefixed with the object it is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import posixpath
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.cli import build_parser
+from shared.cli_security import daemon_overrides
+from shared.config import ConfigError, CoordinatorConfig, WorkerConfig, load_config
+from shared.exposure import is_loopback
+
+MODELS: dict[str, type[CoordinatorConfig] | type[WorkerConfig]] = {
+    "coordinator": CoordinatorConfig,
+    "worker": WorkerConfig,
+}
+SECRET_MODES = (0o400, 0o440)  # owner, or owner and fsGroup; never world-readable
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+@dataclass
+class Daemon:
+    """One StatefulSet's daemon: its objects and the config it would run with."""
+
+    name: str  # the StatefulSet's name
+    command: str  # coordinator | worker
+    sts: dict[str, Any]
+    config: CoordinatorConfig | WorkerConfig
+
+    @property
+    def pod(self) -> dict[str, Any]:
+        return self.sts["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+    @property
+    def container(self) -> dict[str, Any]:
+        return self.pod["containers"][0]  # type: ignore[no-any-return]
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self.sts["spec"]["template"]["metadata"].get("labels", {})  # type: ignore[no-any-return]
+
+    @property
+    def namespace(self) -> str:
+        return self.sts["metadata"].get("namespace", "default")  # type: ignore[no-any-return]
+
+    def port(self, name: str) -> int | None:
+        """The container port called ``name``, or None."""
+        for p in self.container.get("ports", []):
+            if p.get("name") == name:
+                return int(p["containerPort"])
+        return None
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    """The objects of one kind, by name."""
+    return {d["metadata"]["name"]: d for d in docs if d.get("kind") == kind}
+
+
+def _expand_env(container: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The container's args with each ``$(VAR)`` replaced by a sample value, and the names of
+    referenced variables its env does not define (Kubernetes would leave those verbatim)."""
+    defined = {e["name"] for e in container.get("env", [])}
+    refs = {v for a in container.get("args", []) for v in re.findall(r"\$\((\w+)\)", a)}
+    args = [
+        re.sub(r"\$\((\w+)\)", lambda m: "sample-" + m.group(1).lower().replace("_", "-"), a)
+        for a in container.get("args", [])
+    ]
+    return args, sorted(refs - defined)
+
+
+def _parse_args(args: list[str]) -> argparse.Namespace | str:
+    """Parse with the real ``neuroshard`` parser; argparse's error line on failure."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_parser().parse_args(args)
+    except SystemExit:
+        return (err.getvalue().strip().splitlines() or ["argparse failed"])[-1]
+
+
+def _overrides(ns: argparse.Namespace, model: type[Any]) -> dict[str, Any]:
+    """The config overrides the daemon's command applies: flags named like a field
+    (listen, name, insecure, probe_port, ...) and the ``tls``/``auth`` flags."""
+    out = {k: v for k, v in vars(ns).items() if k in model.model_fields}
+    out.update(daemon_overrides(ns))
+    return out
+
+
+def load_daemons(docs: list[dict[str, Any]]) -> tuple[list[Daemon], list[str]]:
+    """Parse each StatefulSet's args with the real CLI and load the config the daemon would:
+    its ``--config`` file from the ConfigMap, overridden by its flags."""
+    daemons, problems = [], []
+    config_map: dict[str, Any] = next(iter(by_kind(docs, "ConfigMap").values()), {"data": {}})
+    for name, sts in by_kind(docs, "StatefulSet").items():
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        args, undefined = _expand_env(container)
+        problems += [f"StatefulSet/{name}: args use $({v}), not in the env" for v in undefined]
+        ns = _parse_args(args)
+        if isinstance(ns, str):
+            problems.append(f"StatefulSet/{name}: args: {ns}")
+            continue
+        model = MODELS.get(ns.command)
+        file = Path(ns.config or "").name
+        if model is None or file not in config_map.get("data", {}):
+            problems.append(
+                f"StatefulSet/{name}: expected a daemon with a --config file from "
+                f"the ConfigMap, got {' '.join(args)}"
+            )
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / file
+            path.write_text(config_map["data"][file])
+            try:
+                config = load_config(model, path, **_overrides(ns, model))
+            except ConfigError as exc:
+                problems.append(f"StatefulSet/{name}: {exc}".replace(f"{path}: ", ""))
+                continue
+        daemons.append(Daemon(name, ns.command, sts, config))
+    return daemons, problems
+
+
+def security_problems(d: Daemon) -> list[str]:
+    """TLS and auth on, insecure off, the private key on the coordinator only."""
+    cfg, problems = d.config, []
+    if cfg.tls is None:
+        problems.append("runs without tls (mutual TLS): set tls in its config")
+    if cfg.auth is None:
+        problems.append("runs without auth (tokens): set auth in its config")
+    if cfg.insecure:
+        problems.append("runs with insecure: true (config or --insecure)")
+    if is_loopback(cfg.listen.rpartition(":")[0]):
+        problems.append(f"listen {cfg.listen} is loopback: no other pod can reach it")
+    auth = cfg.auth
+    if auth is not None and d.command == "coordinator" and not auth.private_key_file:
+        problems.append("auth.private_key_file is not set: the coordinator signs the tokens")
+    if auth is not None and d.command == "worker":
+        if auth.private_key_file:
+            problems.append("auth.private_key_file is set: a worker must never hold it")
+        if not auth.token_file:
+            problems.append("auth.token_file is not set: a worker presents a worker token")
+    return [f"StatefulSet/{d.name}: {p}" for p in problems]
+
+
+def config_files(d: Daemon) -> dict[str, str]:
+    """The files the daemon's tls and auth sections name, by config key."""
+    files: dict[str, str] = {}
+    for section in ("tls", "auth"):
+        value = getattr(d.config, section)
+        if value is not None:
+            for key, path in value.model_dump().items():
+                if key.endswith("_file") and path:
+                    files[f"{section}.{key}"] = path
+    return files
+
+
+def _secret_of(d: Daemon, path: str) -> tuple[dict[str, Any] | None, str]:
+    """The Secret volume (or None) whose read-only mount holds ``path``, and why not."""
+    volumes = {v["name"]: v for v in d.pod.get("volumes", [])}
+    for mount in d.container.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/")
+        if posixpath.dirname(path) != root:
+            continue
+        volume = volumes.get(mount["name"], {})
+        if "secret" not in volume:
+            return None, f"is in {root}, which is not a Secret volume"
+        if not mount.get("readOnly"):
+            return None, f"is in {root}, which is not mounted readOnly"
+        return volume, ""
+    return None, "is in no volume mount (the daemon would not find it)"
+
+
+def _secret_file_problems(volume: dict[str, Any], file: str) -> list[str]:
+    secret = volume["secret"]
+    problems = []
+    if secret.get("optional"):
+        problems.append(f"Secret {secret['secretName']} is optional (pods would start without it)")
+    items = secret.get("items")
+    item = next((i for i in items or [] if i["path"] == file), None)
+    if items is not None and item is None:
+        problems.append(f"Secret {secret['secretName']}'s items do not include {file}")
+    mode = (item or {}).get("mode", secret.get("defaultMode", 0o644))
+    if mode not in SECRET_MODES:
+        problems.append(f"mode {mode:#o}, expected 0400 or 0440")
+    return problems
+
+
+def secret_problems(daemons: list[Daemon]) -> list[str]:
+    """Each tls/auth file in a read-only, non-optional Secret mount with mode 0400/0440; the
+    private key's Secret mounted in the coordinator only; fsGroup set."""
+    problems, private_secrets = [], set()
+    for d in daemons:
+        ctx = d.pod.get("securityContext", {})
+        if not ctx.get("runAsNonRoot") or ctx.get("fsGroup") is None:
+            problems.append(
+                f"StatefulSet/{d.name}: needs runAsNonRoot and an fsGroup (the secrets' "
+                "files are root-owned with group fsGroup)"
+            )
+        for key, path in config_files(d).items():
+            volume, why = _secret_of(d, path)
+            found = [why] if volume is None else _secret_file_problems(volume, Path(path).name)
+            problems += [f"StatefulSet/{d.name}: {key} {path}: {p}" for p in found if p]
+            if volume is not None and key == "auth.private_key_file":
+                private_secrets.add(volume["secret"]["secretName"])
+    for d in daemons:
+        if d.command == "coordinator":
+            continue
+        for volume in d.pod.get("volumes", []):
+            name = volume.get("secret", {}).get("secretName")
+            if name in private_secrets:
+                problems.append(
+                    f"StatefulSet/{d.name}: mounts Secret {name}, which holds the "
+                    "coordinator's token-signing private key"
+                )
+    return problems
+
+
+def _selects(service: dict[str, Any], d: Daemon) -> bool:
+    selector = service["spec"].get("selector") or {}
+    same_ns = service["metadata"].get("namespace", "default") == d.namespace
+    return same_ns and bool(selector) and selector.items() <= d.labels.items()
+
+
+def _target(service_port: dict[str, Any], d: Daemon) -> int | None:
+    """The container port a Service port leads to on the daemon's pods (None: no such)."""
+    target = service_port.get("targetPort", service_port["port"])
+    if isinstance(target, str):
+        return d.port(target)
+    numbers = {int(p["containerPort"]) for p in d.container.get("ports", [])}
+    return target if target in numbers else None
+
+
+def _port_of(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def _probe_problems(d: Daemon) -> list[str]:
+    probe_port, problems = d.config.probe_port, []
+    if probe_port is None:
+        return ["probe_port is not set: the kubelet cannot probe a mutual-TLS port"]
+    if probe_port != d.port("probe"):
+        problems.append(f"probe_port {probe_port} is not the container port probe")
+    if probe_port == _port_of(d.config.listen):
+        problems.append("probe_port is the listen port: it must be a separate plaintext port")
+    for kind in PROBES:
+        grpc = d.container.get(kind, {}).get("grpc")
+        if grpc is not None and grpc.get("port") != probe_port:
+            problems.append(f"{kind} probes port {grpc.get('port')}, not probe_port {probe_port}")
+    return problems
+
+
+def _metrics_problems(d: Daemon) -> list[str]:
+    cfg, problems = d.config, []
+    declared = d.port("metrics")
+    if cfg.metrics_port != declared:
+        problems.append(f"metrics_port {cfg.metrics_port} is not the container port metrics")
+    if cfg.metrics_port is not None and is_loopback(cfg.metrics_host):
+        problems.append(f"metrics_host {cfg.metrics_host} is loopback: Prometheus cannot scrape")
+    annotated = d.sts["spec"]["template"]["metadata"].get("annotations", {})
+    if "prometheus.io/port" in annotated and annotated["prometheus.io/port"] != str(
+        cfg.metrics_port
+    ):
+        problems.append(f"annotation prometheus.io/port is not metrics_port {cfg.metrics_port}")
+    return problems
+
+
+def _service_problems(d: Daemon, services: dict[str, dict[str, Any]]) -> list[str]:
+    problems, reaches_grpc = [], False
+    listen_port = _port_of(d.config.listen)
+    for name, svc in services.items():
+        if not _selects(svc, d):
+            continue
+        for port in svc["spec"].get("ports", []):
+            target = _target(port, d)
+            if target is None:
+                problems.append(
+                    f"Service/{name} port {port['port']} targets {port.get('targetPort')}, "
+                    "which is no container port"
+                )
+            reaches_grpc |= target == listen_port
+    if not reaches_grpc:
+        problems.append(f"no Service port leads to the gRPC port (listen {d.config.listen})")
+    return problems
+
+
+def _worker_address_problems(
+    d: Daemon, daemons: list[Daemon], services: dict[str, dict[str, Any]]
+) -> list[str]:
+    """The coordinator address leads to the coordinator's gRPC port; the advertised host is
+    a pod name under the StatefulSet's headless Service."""
+    cfg = d.config
+    assert isinstance(cfg, WorkerConfig)
+    problems = []
+    host, _, port = cfg.coordinator.rpartition(":")
+    svc = services.get(host.split(".")[0])
+    coordinators = [c for c in daemons if c.command == "coordinator"]
+    reached = [
+        c
+        for c in coordinators
+        if svc is not None
+        and _selects(svc, c)
+        and any(
+            p["port"] == int(port) and _target(p, c) == _port_of(c.config.listen)
+            for p in svc["spec"].get("ports", [])
+        )
+    ]
+    if not reached:
+        problems.append(
+            f"coordinator {cfg.coordinator} does not lead to the coordinator's gRPC port "
+            "through a Service"
+        )
+    service_name = d.sts["spec"].get("serviceName")
+    labels = (cfg.advertise_host or "").split(".")
+    headless = services.get(service_name or "", {}).get("spec", {}).get("clusterIP") == "None"
+    if len(labels) < 2 or labels[1] != service_name or not headless:
+        problems.append(
+            f"advertise_host {cfg.advertise_host} is not POD.{service_name}.NAMESPACE.svc "
+            "of a headless Service"
+        )
+    return problems
+
+
+def port_problems(daemons: list[Daemon], docs: list[dict[str, Any]]) -> list[str]:
+    """listen, probe_port and metrics_port against the container ports, probes, annotation
+    and Services; a worker's coordinator and advertise_host against the Services."""
+    services = by_kind(docs, "Service")
+    problems = []
+    for d in daemons:
+        found = []
+        if d.config.listen.rpartition(":")[2] in ("0", "") or d.port("grpc") != _port_of(
+            d.config.listen
+        ):
+            found.append(f"listen {d.config.listen} is not on the container port grpc")
+        found += _probe_problems(d) + _metrics_problems(d) + _service_problems(d, services)
+        if d.command == "worker":
+            found += _worker_address_problems(d, daemons, services)
+        problems += [f"StatefulSet/{d.name}: {p}" for p in found]
+    return problems
+
+
+def daemon_problems(docs: list[dict[str, Any]]) -> tuple[list[Daemon], list[str]]:
+    """Load every daemon and run every check of this module; the daemons and the problems."""
+    daemons, problems = load_daemons(docs)
+    for d in daemons:
+        problems += security_problems(d)
+    problems += secret_problems(daemons) + port_problems(daemons, docs)
+    return daemons, problems
