@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/shared/proto/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
 
 .PHONY: install protos demo test test-chaos lint bench-train bench-memory bench-recovery clean \
-	image deploy-configs deploy-check
+	image deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -46,12 +46,9 @@ lint: install
 image:
 	docker build -f deploy/docker/Dockerfile -t neuroshard:dev .
 
-# kustomize reads files only under its root: the ConfigMap is made from copies of configs/.
-deploy-configs:
-	cp configs/coordinator.yaml configs/worker.yaml deploy/k8s/base/config/
-
 # Render every overlay with kubectl kustomize, validate it offline against the Kubernetes
-# schemas and the daemons' CLI/config, check the config copies, lint the Dockerfile.
+# schemas and the daemons' CLI/config, fail if a daemon would run without mutual TLS and
+# tokens (or with insecure), check ports, secrets and NetworkPolicies, lint the Dockerfile.
 deploy-check: $(STAMP)
 	$(PY) deploy/check.py
 
