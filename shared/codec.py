@@ -7,6 +7,7 @@ little-endian C-order bytes, and tensors larger than ``chunk_bytes`` are split i
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import Any
 
@@ -65,13 +66,18 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     if dtype not in _WIRE_DTYPES:
         raise CodecError(f"tensor dtype {dtype!r} is not supported")
     dt = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if any(d < 0 for d in shape):
+        raise CodecError(f"tensor shape {list(shape)} has a negative dimension")
+    n = math.prod(shape)  # Python ints: a product of huge dims must not wrap around
     if len(data) != n * dt.itemsize:
         raise CodecError(
             f"tensor of dtype {dtype} and shape {list(shape)} needs {n * dt.itemsize} bytes, "
             f"got {len(data)}"
         )
-    return np.frombuffer(data, dtype=dt).astype(np.dtype(dtype), copy=True).reshape(shape)
+    try:  # numpy still refuses some empty shapes: over 64 dims, or a size beyond intp
+        return np.frombuffer(data, dtype=dt).astype(np.dtype(dtype), copy=True).reshape(shape)
+    except ValueError as exc:
+        raise CodecError(f"tensor shape {list(shape)[:8]}: {exc}") from None
 
 
 def tensor_to_chunks(
@@ -81,7 +87,7 @@ def tensor_to_chunks(
     a = np.ascontiguousarray(array)
     # A byte view of the (little-endian) array: each chunk copies only its own bytes, so a
     # large tensor (a data shard) is never copied whole.
-    data = memoryview(np.ascontiguousarray(a.astype(_le(a.dtype), copy=False))).cast("B")
+    data = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).data.cast("B")
     total = data.nbytes
     offset = 0
     while True:
