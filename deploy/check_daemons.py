@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import posixpath
 import re
 import tempfile
 from dataclasses import dataclass
@@ -177,20 +176,25 @@ def config_files(d: Daemon) -> dict[str, str]:
     return files
 
 
-def _secret_of(d: Daemon, path: str) -> tuple[dict[str, Any] | None, str]:
-    """The Secret volume (or None) whose read-only mount holds ``path``, and why not."""
+def _secret_of(d: Daemon, path: str) -> tuple[dict[str, Any] | None, str, str]:
+    """The Secret volume whose read-only mount holds ``path`` (the deepest mount containing
+    it), the path inside that volume, and why not when the volume is None."""
     volumes = {v["name"]: v for v in d.pod.get("volumes", [])}
-    for mount in d.container.get("volumeMounts", []):
-        root = mount["mountPath"].rstrip("/")
-        if posixpath.dirname(path) != root:
-            continue
-        volume = volumes.get(mount["name"], {})
-        if "secret" not in volume:
-            return None, f"is in {root}, which is not a Secret volume"
-        if not mount.get("readOnly"):
-            return None, f"is in {root}, which is not mounted readOnly"
-        return volume, ""
-    return None, "is in no volume mount (the daemon would not find it)"
+    mounts = [
+        m
+        for m in d.container.get("volumeMounts", [])
+        if path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    if not mounts:
+        return None, "", "is in no volume mount (the daemon would not find it)"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    root = mount["mountPath"].rstrip("/")
+    volume = volumes.get(mount["name"], {})
+    if "secret" not in volume:
+        return None, "", f"is in {root}, which is not a Secret volume"
+    if not mount.get("readOnly"):
+        return None, "", f"is in {root}, which is not mounted readOnly"
+    return volume, path[len(root) + 1 :], ""
 
 
 def _secret_file_problems(volume: dict[str, Any], file: str) -> list[str]:
@@ -220,8 +224,8 @@ def secret_problems(daemons: list[Daemon]) -> list[str]:
                 "files are root-owned with group fsGroup)"
             )
         for key, path in config_files(d).items():
-            volume, why = _secret_of(d, path)
-            found = [why] if volume is None else _secret_file_problems(volume, Path(path).name)
+            volume, inside, why = _secret_of(d, path)
+            found = [why] if volume is None else _secret_file_problems(volume, inside)
             problems += [f"StatefulSet/{d.name}: {key} {path}: {p}" for p in found if p]
             if volume is not None and key == "auth.private_key_file":
                 private_secrets.add(volume["secret"]["secretName"])
