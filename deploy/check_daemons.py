@@ -39,6 +39,7 @@ MODELS: dict[str, type[CoordinatorConfig] | type[WorkerConfig]] = {
 }
 SECRET_MODES = (0o400, 0o440)  # owner, or owner and fsGroup; never world-readable
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+OTHER_WORKLOADS = ("Pod", "Deployment", "ReplicaSet", "DaemonSet", "Job", "CronJob")
 
 
 @dataclass
@@ -109,13 +110,37 @@ def _overrides(ns: argparse.Namespace, model: type[Any]) -> dict[str, Any]:
     return out
 
 
+def _config_text(docs: list[dict[str, Any]], pod: dict[str, Any], path: str) -> str | None:
+    """The text of the ConfigMap file mounted at ``path`` in the pod (None: none is)."""
+    directory, _, file = path.rpartition("/")
+    mount = next(
+        (m for m in pod["containers"][0].get("volumeMounts", []) if m["mountPath"] == directory),
+        None,
+    )
+    volume = next((v for v in pod.get("volumes", []) if mount and v["name"] == mount["name"]), {})
+    config_map = by_kind(docs, "ConfigMap").get(volume.get("configMap", {}).get("name", ""))
+    return None if config_map is None else config_map.get("data", {}).get(file)
+
+
 def load_daemons(docs: list[dict[str, Any]]) -> tuple[list[Daemon], list[str]]:
     """Parse each StatefulSet's args with the real CLI and load the config the daemon would:
     its ``--config`` file from the ConfigMap, overridden by its flags."""
-    daemons, problems = [], []
-    config_map: dict[str, Any] = next(iter(by_kind(docs, "ConfigMap").values()), {"data": {}})
+    daemons: list[Daemon] = []
+    problems = [
+        f"{d['kind']}/{d['metadata']['name']}: only the two StatefulSets may run pods "
+        "(deploy-check vets nothing else)"
+        for d in docs
+        if d.get("kind") in OTHER_WORKLOADS
+    ]
     for name, sts in by_kind(docs, "StatefulSet").items():
-        container = sts["spec"]["template"]["spec"]["containers"][0]
+        pod = sts["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        if len(pod["containers"]) != 1 or pod.get("initContainers") or "command" in container:
+            problems.append(
+                f"StatefulSet/{name}: expected one container running the image's entrypoint "
+                "(no other containers, initContainers or command)"
+            )
+            continue
         args, undefined = _expand_env(container)
         problems += [f"StatefulSet/{name}: args use $({v}), not in the env" for v in undefined]
         ns = _parse_args(args)
@@ -123,22 +148,25 @@ def load_daemons(docs: list[dict[str, Any]]) -> tuple[list[Daemon], list[str]]:
             problems.append(f"StatefulSet/{name}: args: {ns}")
             continue
         model = MODELS.get(ns.command)
-        file = Path(ns.config or "").name
-        if model is None or file not in config_map.get("data", {}):
+        text = _config_text(docs, pod, ns.config or "")
+        if model is None or text is None:
             problems.append(
                 f"StatefulSet/{name}: expected a daemon with a --config file from "
-                f"the ConfigMap, got {' '.join(args)}"
+                f"a mounted ConfigMap, got {' '.join(args)}"
             )
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / file
-            path.write_text(config_map["data"][file])
+            path = Path(tmp) / Path(ns.config).name
+            path.write_text(text)
             try:
                 config = load_config(model, path, **_overrides(ns, model))
             except ConfigError as exc:
                 problems.append(f"StatefulSet/{name}: {exc}".replace(f"{path}: ", ""))
                 continue
         daemons.append(Daemon(name, ns.command, sts, config))
+    commands = sorted(d.command for d in daemons)
+    if not problems and commands != ["coordinator", "worker"]:
+        problems.append(f"expected one coordinator and one worker StatefulSet, got {commands}")
     return daemons, problems
 
 

@@ -89,6 +89,16 @@ def test_a_loopback_listen_flag_is_rejected(dev: Docs) -> None:
     assert "listen 127.0.0.1:50051 is loopback" in _problems(dev)
 
 
+def test_workloads_the_check_cannot_vet_are_rejected(dev: Docs) -> None:
+    sts = _one(dev, "StatefulSet", "neuroshard-worker")
+    dev.append({"kind": "Deployment", "metadata": {"name": "extra"}, "spec": sts["spec"]})
+    _container(dev, "neuroshard-coordinator")["command"] = ["sh", "-c"]
+
+    problems = _problems(dev)
+    assert "Deployment/extra: only the two StatefulSets may run pods" in problems
+    assert "StatefulSet/neuroshard-coordinator: expected one container" in problems
+
+
 def test_the_private_key_on_a_worker_is_rejected(dev: Docs) -> None:
     pod = _one(dev, "StatefulSet", "neuroshard-worker")["spec"]["template"]["spec"]
     auth = next(v for v in pod["volumes"] if v["name"] == "auth")
