@@ -71,6 +71,13 @@ def _peer_matches(peer: dict[str, Any], policy_ns: str, ep: Endpoint) -> bool:
     return "podSelector" not in peer or selector_matches(peer["podSelector"], ep.labels)
 
 
+def policy_types(policy: dict[str, Any]) -> list[str]:
+    """The directions a policy isolates: its policyTypes, or by default Ingress, plus Egress
+    when it has egress rules."""
+    spec = policy["spec"]
+    return spec.get("policyTypes") or ["Ingress"] + (["Egress"] if "egress" in spec else [])
+
+
 def _port_matches(ports: list[dict[str, Any]] | None, dst: Endpoint, port: int, proto: str) -> bool:
     if not ports:
         return True
@@ -107,7 +114,7 @@ def allows(
         if subject.namespace is not None
         and p["metadata"].get("namespace", "default") == subject.namespace
         and selector_matches(p["spec"].get("podSelector"), subject.labels)
-        and direction in p["spec"].get("policyTypes", ["Ingress"])
+        and direction in policy_types(p)
     ]
     if subject.namespace is None or not selecting:
         return True  # not a pod of ours, or not isolated in this direction
@@ -218,7 +225,7 @@ def network_problems(daemons: list[Daemon], docs: list[dict[str, Any]]) -> list[
         for direction in ("Ingress", "Egress"):
             if not any(
                 selector_matches(p["spec"].get("podSelector"), d.labels)
-                and direction in p["spec"].get("policyTypes", ["Ingress"])
+                and direction in policy_types(p)
                 for p in policies
             ):
                 problems.append(
