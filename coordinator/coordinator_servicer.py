@@ -13,7 +13,7 @@ from coordinator.cluster import Cluster, NotSlotPrimary
 from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
-from shared.auth import current_principal, owner_check
+from shared.auth import current_principal, may_see_job
 from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.config import ConfigError
 from shared.confinement import ImportNotAllowed, PathRefused
@@ -210,32 +210,32 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.Job:
-        """One job. NOT_FOUND: unknown id."""
+        """One job. NOT_FOUND: unknown id, or another subject's job (the same answer)."""
         return job_to_pb(await self._job(request.job_id, context))
 
     async def ListJobs(
         self, request: coordinator_pb2.ListJobsRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.ListJobsResponse:
-        """All jobs in submission order."""
+        """The jobs the caller may see (its own; admin and no auth: all), in submission
+        order."""
         return coordinator_pb2.ListJobsResponse(
-            jobs=[job_to_pb(j) for j in self._cluster.jobs.list()]
+            jobs=[job_to_pb(j) for j in self._cluster.jobs.list() if may_see_job(j.owner)]
         )
 
     async def CancelJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.Job:
-        """Cancel a queued or running job (a finished one is returned as is). NOT_FOUND;
-        PERMISSION_DENIED: a client cancelling another subject's job."""
-        denied = owner_check((await self._job(request.job_id, context)).owner, "cancel")
-        if denied is not None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
+        """Cancel a queued or running job (a finished one is returned as is). NOT_FOUND:
+        unknown id, or another subject's job (admin may cancel any)."""
+        await self._job(request.job_id, context)
         job = await self._cluster.scheduler.cancel(request.job_id)
         return job_to_pb(job)
 
     async def WatchJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.JobEvent]:
-        """Stream the job's state and progress until it reaches a terminal state. NOT_FOUND."""
+        """Stream the job's state and progress until it reaches a terminal state. NOT_FOUND:
+        unknown id, or another subject's job."""
         job = await self._job(request.job_id, context)
         seen = -1
         while True:
@@ -253,7 +253,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _job(self, job_id: str, context: aio.ServicerContext) -> JobRecord:
         try:
-            return self._cluster.jobs.get(job_id)
+        """The job ``job_id`` if the caller may see it. NOT_FOUND otherwise: another
+        subject's job gets the very answer of an unknown id (no existence oracle)."""
+            job = self._cluster.jobs.get(job_id)
+            if not may_see_job(job.owner):
+                raise JobNotFound(f"no job with id {job_id!r}")
+            return job
         except JobNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
             raise  # unreachable: abort raises

@@ -34,7 +34,9 @@ class CoordinatorServer:
             "coordinator", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure
         )
         self.metrics = Metrics()
-        self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, "coordinator")
+        self.security = DaemonSecurity.from_config(
+            cfg.tls, cfg.auth, "coordinator", coordinator=True
+        )
         torch.set_num_threads(cfg.torch_threads)  # process-wide: the parameter server's ops
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         self.health = health.aio.HealthServicer()

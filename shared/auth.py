@@ -1,17 +1,24 @@
 """Token authentication and role-based authorization of every RPC (one server interceptor).
 
-Roles and what they may call (``admin`` may call everything; the gRPC health service is open
-to all, without a token):
+Roles and what they may call (the gRPC health service is open to all, without a token):
 
-- ``worker``: Coordinator RegisterWorker, Heartbeat, ReportFailure, DrainWorker (of itself:
-  the request's name must be the token's subject); every Worker RPC.
-- ``client``: Coordinator SubmitJob, GetJob, ListJobs, WatchJob, CancelJob (of its own jobs),
-  GetClusterStatus, GetSlotMap, Decay, Quality, TopK; Worker Upsert, Get, Delete, Reinforce.
+- ``reader``: Coordinator GetJob, ListJobs, WatchJob, GetClusterStatus, GetSlotMap, Quality,
+  TopK, ListDatasets; Worker Get.
+- ``writer``: what ``reader`` may, and Coordinator SubmitJob, CancelJob, PutDataset; Worker
+  Upsert, Reinforce, Delete.
+- ``admin``: everything, e.g. Coordinator Decay of the whole store, DrainWorker of any worker.
+  The coordinator presents an ``admin`` token it signs itself (subject ``coordinator``).
+- ``worker`` (a worker daemon): Coordinator RegisterWorker, Heartbeat, ReportFailure,
+  DrainWorker and FetchShard, each only under a worker name its token covers (``BOUND_FIELDS``,
+  ``Principal.may_act_as``); every Worker RPC (workers call each other's internal RPCs).
 
-The daemons present a ``worker`` token to each other: the coordinator runs memory jobs and
-bulk operations through the workers' keyed RPCs, hence ``worker`` may call those as well.
-Refusals: a missing, malformed, badly signed or expired token is UNAUTHENTICATED; a role that
-may not call the method is PERMISSION_DENIED; both messages say which.
+People (readers and writers) see their own jobs only: ``may_see_job``.
+
+The token is checked from the request's metadata before its message is deserialized: a
+missing or invalid token (UNAUTHENTICATED) or a role that may not call the method
+(PERMISSION_DENIED) gets a stand-in handler that parses nothing and aborts, so the servicer
+and the message parser never run for it. A worker naming another worker in a bound field is
+PERMISSION_DENIED, naming both, before the servicer runs.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc import aio
 
 from shared.interceptors import HEALTH_PREFIX, Continuation, method_name, wrap_handler
@@ -31,20 +39,40 @@ from shared.tokens import Principal, TokenError, verify_token
 COORDINATOR = "/neuroshard.v1.Coordinator/"
 WORKER = "/neuroshard.v1.Worker/"
 
-_CLIENT_COORDINATOR = {
-    "SubmitJob",
-    "GetJob",
-    "ListJobs",
-    "WatchJob",
-    "CancelJob",
-    "GetClusterStatus",
-    "GetSlotMap",
-    "Decay",
-    "Quality",
-    "TopK",
+_READER_COORDINATOR = frozenset(
+    {
+        "GetJob",
+        "ListJobs",
+        "WatchJob",
+        "GetClusterStatus",
+        "GetSlotMap",
+        "Quality",
+        "TopK",
+        "ListDatasets",
+    }
+)
+_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset"}
+_WORKER_COORDINATOR = frozenset(
+    {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker", "FetchShard"}
+)
+_READER_WORKER = frozenset({"Get"})
+_WRITER_WORKER = _READER_WORKER | {"Upsert", "Reinforce", "Delete"}
+
+# Per role: (Coordinator methods, Worker methods); None: every method of that service.
+_TABLE: dict[str, tuple[frozenset[str], frozenset[str] | None]] = {
+    "reader": (_READER_COORDINATOR, _READER_WORKER),
+    "writer": (_WRITER_COORDINATOR, _WRITER_WORKER),
+    "worker": (_WORKER_COORDINATOR, None),
 }
-_KEYED = {"Upsert", "Get", "Delete", "Reinforce"}
-_WORKER_COORDINATOR = {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker"}
+
+# Coordinator methods whose request names a worker: a worker token may name only itself.
+BOUND_FIELDS = {
+    "RegisterWorker": "name",
+    "Heartbeat": "name",
+    "ReportFailure": "reporter",
+    "DrainWorker": "name",
+    "FetchShard": "worker",
+}
 
 _principal: ContextVar[Principal | None] = ContextVar("neuroshard_principal", default=None)
 
@@ -55,28 +83,38 @@ def current_principal() -> Principal | None:
 
 
 def may_call(role: str, full_method: str) -> bool:
-    """Whether ``role`` may call ``/package.Service/Method`` (ownership checked elsewhere)."""
+    """Whether ``role`` may call ``/package.Service/Method`` (job ownership and worker names
+    are checked elsewhere)."""
     if role == "admin" or full_method.startswith(HEALTH_PREFIX):
         return True
+    allowed = _TABLE.get(role)
+    if allowed is None:
+        return False
     name = method_name(full_method)
     if full_method.startswith(COORDINATOR):
-        allowed = _WORKER_COORDINATOR if role == "worker" else _CLIENT_COORDINATOR
-        return role in ("worker", "client") and name in allowed
+        return name in allowed[0]
     if full_method.startswith(WORKER):
-        return role == "worker" or (role == "client" and name in _KEYED)
+        return allowed[1] is None or name in allowed[1]
     return False
 
 
-def owner_check(owner: str, action: str) -> str | None:
-    """Why the current caller may not ``action`` a resource of ``owner`` (None: it may).
-
-    Admins and callers without auth may; a ``client`` only its own (same subject)."""
+def may_see_job(owner: str) -> bool:
+    """Whether the current caller may see (get, watch, list, cancel) a job of ``owner``:
+    admins and callers without auth see every job, others only their own (same subject)."""
     p = current_principal()
-    if p is None or p.role == "admin" or p.subject == owner:
+    return p is None or p.role == "admin" or p.subject == owner
+
+
+def bound_name_error(principal: Principal, method: str, request: Any) -> str | None:
+    """Why a worker token may not make this request (None: it may): the request's worker
+    name (``BOUND_FIELDS``) must be the token's subject or match its ``names`` pattern."""
+    field = BOUND_FIELDS.get(method)
+    if field is None or principal.role != "worker":
         return None
-    return (
-        f"role {p.role} may {action} only its own jobs; this one belongs to {owner or 'nobody'!r}"
-    )
+    name = getattr(request, field, "")
+    if principal.may_act_as(name):
+        return None
+    return f"{method}: the worker token of {principal.describe()} may not act as {field} {name!r}"
 
 
 def bearer_token(metadata: Any) -> str | None:
@@ -89,14 +127,39 @@ def bearer_token(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(aio.ServerInterceptor):
-    """Verify the bearer token of every RPC but health checks and enforce ``may_call``."""
+def refusal_handler(
+    handler: grpc.RpcMethodHandler,
+    code: grpc.StatusCode,
+    message: str,
+    principal: Principal | None = None,
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that aborts with ``code`` and ``message``
+    without deserializing the request (no request_deserializer: the bytes stay bytes, and a
+    client-streaming request is never read). ``principal`` is the caller for request logs."""
 
-    def __init__(self, secret: bytes, cache_size: int = 1024) -> None:
-        self._secret = secret
-        # Verified tokens until they expire: an HS256 check costs ~50-200 us, and a daemon
-        # presents the same token on thousands of calls. Keyed by the whole token (with its
-        # signature), so only a token that was verified once can hit.
+    async def refuse(request: Any, context: aio.ServicerContext) -> None:
+        _principal.set(principal)
+        await context.abort(code, message)
+
+    h: Any = handler
+    if h.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(refuse)
+    if h.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    if h.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+class AuthInterceptor(aio.ServerInterceptor):
+    """Verify the bearer token of every RPC but health checks, enforce ``may_call`` and the
+    worker-name binding, and make the caller ``current_principal()`` for the servicer."""
+
+    def __init__(self, public_key: Ed25519PublicKey, cache_size: int = 1024) -> None:
+        self._public_key = public_key
+        # Verified tokens until they expire: an Ed25519 check through PyJWT costs ~100-300 us,
+        # and a daemon presents the same token on thousands of calls. Keyed by the whole
+        # token (with its signature), so only a token that was verified once can hit.
         self._verified: dict[str, Principal] = {}
         self._cache_size = cache_size
 
@@ -105,27 +168,28 @@ class AuthInterceptor(aio.ServerInterceptor):
         hit = self._verified.get(token)
         if hit is not None and hit.expires_at > time.time():
             return hit
-        principal = verify_token(self._secret, token)
+        principal = verify_token(self._public_key, token)
         if len(self._verified) >= self._cache_size:
             self._verified.clear()
         self._verified[token] = principal
         return principal
 
-    def _authorize(
+    def authorize(
         self, details: grpc.HandlerCallDetails
     ) -> tuple[Principal | None, grpc.StatusCode, str]:
+        """The caller of an RPC from its metadata, and OK or the refusal's code and message."""
         token = bearer_token(details.invocation_metadata)
         if token is None:
             return (
                 None,
                 grpc.StatusCode.UNAUTHENTICATED,
-                ("missing bearer token: pass --token, --token-file or $NEUROSHARD_TOKEN"),
+                "missing bearer token: pass --token, --token-file or $NEUROSHARD_TOKEN",
             )
         if not token:
             return (
                 None,
                 grpc.StatusCode.UNAUTHENTICATED,
-                ("authorization metadata must be 'Bearer <token>'"),
+                "authorization metadata must be 'Bearer <token>'",
             )
         try:
             principal = self._verify(token)
@@ -135,7 +199,7 @@ class AuthInterceptor(aio.ServerInterceptor):
             return (
                 principal,
                 grpc.StatusCode.PERMISSION_DENIED,
-                (f"role {principal.role} may not call {method_name(details.method)}"),
+                f"role {principal.role} may not call {method_name(details.method)}",
             )
         return principal, grpc.StatusCode.OK, ""
 
@@ -143,27 +207,22 @@ class AuthInterceptor(aio.ServerInterceptor):
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+        full = handler_call_details.method
+        if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
-        principal, code, message = self._authorize(handler_call_details)
-        drain = handler_call_details.method == COORDINATOR + "DrainWorker"
+        principal, code, message = self.authorize(handler_call_details)
+        if code is not grpc.StatusCode.OK:
+            return refusal_handler(handler, code, message, principal)
+        method = method_name(full)
+        bound = full.startswith(COORDINATOR) and method in BOUND_FIELDS
 
         @asynccontextmanager
         async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
             _principal.set(principal)
-            if code is not grpc.StatusCode.OK:
-                await context.abort(code, message)
-            if (
-                drain
-                and principal is not None
-                and principal.role == "worker"
-                and request.name != principal.subject
-            ):
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"role worker may drain only itself ({principal.subject!r}), "
-                    f"not {request.name!r}",
-                )
+            if bound and principal is not None:
+                denied = bound_name_error(principal, method, request)
+                if denied is not None:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
             yield
 
         return wrap_handler(handler, around)

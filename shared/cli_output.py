@@ -159,7 +159,9 @@ def print_secure_settings(setup: SecureSetup, address: str) -> None:
     err_console.print(
         f"client settings: . {setup.env_file}\n"
         f"  or: --coordinator {address} {setup.client_flags()}\n"
-        f"  admin token (cancel any job, drain workers): {setup.admin_token_file}",
+        f"  (writer token: submit and cancel own jobs, write memories)\n"
+        f"  admin token (every job, decay the whole store, drain workers): "
+        f"{setup.admin_token_file}",
         highlight=False,
         soft_wrap=True,
     )

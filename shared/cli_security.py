@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-ROLES = ("worker", "client", "admin")  # as shared.tokens.ROLES (not imported: no jwt here)
+ROLES = ("worker", "reader", "writer", "admin")  # shared.tokens.ROLES (no jwt import here)
 _ENV = {
     "tls_ca": "NEUROSHARD_TLS_CA",
     "tls_cert": "NEUROSHARD_TLS_CERT",
@@ -61,19 +61,24 @@ def add_client_flags(parser: argparse.ArgumentParser, suppress: bool = False) ->
 
 
 def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
-    """TLS flags and ``--auth-secret-file``/``--auth-token-file`` of a daemon; they replace
-    the config's ``tls`` and ``auth`` sections."""
+    """TLS flags and ``--auth-public-key-file``/``--auth-private-key-file``/
+    ``--auth-token-file`` of a daemon; they replace the config's ``tls`` and ``auth``."""
     add_tls_flags(parser)
     parser.add_argument(
-        "--auth-secret-file",
-        metavar="FILE",
-        help="require tokens signed with the secret in FILE (auth.secret_file)",
+        "--auth-public-key-file",
+        metavar="PEM",
+        help="require tokens signed by the key pair of this Ed25519 public key "
+        "(auth.public_key_file)",
+    )
+    parser.add_argument(
+        "--auth-private-key-file",
+        metavar="PEM",
+        help="coordinator only: the private key that signs its own token (auth.private_key_file)",
     )
     parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
-        help="token this daemon presents (auth.token_file; default: it signs "
-        "a worker token itself)",
+        help="token this daemon presents (auth.token_file; required on a worker)",
     )
 
 
@@ -81,7 +86,8 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Config overrides (``tls``, ``auth``) from a daemon's flags; empty when none given.
 
     Raises:
-        ConfigError: only some of the TLS flags, or --auth-token-file without a secret.
+        ConfigError: only some of the TLS flags, or an --auth-* flag without
+            --auth-public-key-file.
     """
     from shared.config import ConfigError
 
@@ -91,10 +97,15 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, Any]:
         if not all(files):
             raise ConfigError("--tls-ca, --tls-cert and --tls-key: give all three or none")
         out["tls"] = {"ca_file": args.tls_ca, "cert_file": args.tls_cert, "key_file": args.tls_key}
-    if args.auth_secret_file:
-        out["auth"] = {"secret_file": args.auth_secret_file, "token_file": args.auth_token_file}
-    elif args.auth_token_file:
-        raise ConfigError("--auth-token-file: needs --auth-secret-file")
+    if args.auth_public_key_file:
+        out["auth"] = {
+            "public_key_file": args.auth_public_key_file,
+            "private_key_file": args.auth_private_key_file,
+            "token_file": args.auth_token_file,
+        }
+    elif args.auth_private_key_file or args.auth_token_file:
+        flag = "--auth-private-key-file" if args.auth_private_key_file else "--auth-token-file"
+        raise ConfigError(f"{flag}: needs --auth-public-key-file")
     return out
 
 
@@ -126,34 +137,46 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:
-    """``neuroshard token create --role R --ttl 1h --secret-file F [--subject S]``."""
+    """``neuroshard token create --role R --subject S [--names P] [--ttl 7d]
+    --private-key-file F``: print a signed token."""
     from shared.config import ConfigError
-    from shared.tokens import SecretError, create_token, parse_ttl, read_secret
+    from shared.tokens import KeyFileError, create_token, parse_ttl, read_private_key
 
     try:
         ttl_s = parse_ttl(args.ttl)
-        secret = read_secret(args.secret_file)
-    except (ValueError, SecretError) as exc:
-        raise ConfigError(str(exc).replace("secret_file", "--secret-file", 1)) from None
-    subject = args.subject or f"{args.role}-{os.environ.get('USER', 'user')}"
-    print(create_token(secret, args.role, subject, ttl_s))
+        key = read_private_key(args.private_key_file, "--private-key-file")
+        print(create_token(key, args.role, args.subject, ttl_s, names=args.names))
+    except (ValueError, KeyFileError) as exc:  # KeyFileError is a ValueError
+        message = str(exc)
+        if message.startswith(("subject:", "names:", "ttl:")):
+            message = "--" + message
+        raise ConfigError(message) from None
     return 0
 
 
-def cmd_token_secret(args: argparse.Namespace) -> int:
-    """``neuroshard token secret FILE``: a new random HS256 secret (mode 0600)."""
-    from shared.tokens import write_secret
+def cmd_token_keygen(args: argparse.Namespace) -> int:
+    """``neuroshard token keygen DIR``: a new Ed25519 pair, ``private.pem`` (0600) and
+    ``public.pem``."""
+    from shared.config import ConfigError
+    from shared.tokens import write_keypair
 
-    path = write_secret(args.file)
+    try:
+        private, public = write_keypair(args.dir)
+    except FileExistsError:
+        raise ConfigError(
+            f"{args.dir}: holds a private key already (tokens signed with it would stop "
+            "working); remove it first to replace the pair"
+        ) from None
     print(
-        f"wrote a new secret to {path} (mode 0600); give it to every daemon as auth.secret_file",
+        f"wrote {private} (mode 0600: auth.private_key_file of the coordinator only) and "
+        f"{public} (auth.public_key_file of every daemon)",
         file=sys.stderr,
     )
     return 0
 
 
 def add_security_commands(sub: Any) -> None:
-    """Add ``certs`` and ``token create|secret`` to the top-level subcommands."""
+    """Add ``certs`` and ``token keygen|create`` to the top-level subcommands."""
     c = sub.add_parser("certs", help="generate a development CA and mutual-TLS certificates")
     c.add_argument(
         "dir",
@@ -169,16 +192,27 @@ def add_security_commands(sub: Any) -> None:
     )
     c.set_defaults(func=cmd_certs)
 
-    t = sub.add_parser("token", help="create bearer tokens and token secrets")
+    t = sub.add_parser("token", help="make the token key pair and signed tokens")
     tsub = t.add_subparsers(dest="token_command", required=True, metavar="COMMAND")
-    tc = tsub.add_parser("create", help="print a signed token")
-    tc.add_argument("--role", required=True, choices=ROLES)  # shared.tokens.ROLES
+    tk = tsub.add_parser("keygen", help="write a new Ed25519 key pair into DIR")
+    tk.add_argument("dir", metavar="DIR", help="directory for private.pem and public.pem")
+    tk.set_defaults(func=cmd_token_keygen)
+    tc = tsub.add_parser("create", help="print a token signed with the private key")
+    tc.add_argument("--role", required=True, choices=ROLES)
+    tc.add_argument(
+        "--subject", required=True, help="who the token is for (a person, or a worker's name)"
+    )
+    tc.add_argument(
+        "--names",
+        metavar="PATTERN",
+        help="worker tokens: also register as names matching PATTERN (fnmatch, e.g. "
+        "'neuroshard-worker-*' for a StatefulSet's pods)",
+    )
     tc.add_argument("--ttl", default="1h", help="lifetime: 90s, 30m, 1h, 7d (default 1h)")
     tc.add_argument(
-        "--secret-file", required=True, metavar="FILE", help="the daemons' auth.secret_file"
+        "--private-key-file",
+        required=True,
+        metavar="PEM",
+        help="the coordinator's auth.private_key_file",
     )
-    tc.add_argument("--subject", help="who the token is for (default ROLE-$USER)")
     tc.set_defaults(func=cmd_token_create)
-    ts = tsub.add_parser("secret", help="write a new random secret to FILE (mode 0600)")
-    ts.add_argument("file", metavar="FILE")
-    ts.set_defaults(func=cmd_token_secret)

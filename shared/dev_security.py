@@ -1,9 +1,11 @@
 """Security material of a local cluster (``neuroshard up --secure``, ``demo --secure``).
 
 Under ``DATA_DIR``: ``certs/`` (CA, node and client certificates: ``shared.certs``),
-``auth/secret`` (the HS256 secret), ``auth/admin.token`` and ``auth/client.token`` (7 days),
-and ``client.env`` (``NEUROSHARD_*`` variables for a shell: ``. DATA_DIR/client.env``).
-Certificates and the secret of an earlier run are kept; tokens are signed anew each time.
+``auth/private.pem`` and ``auth/public.pem`` (the Ed25519 token key pair), ``auth/admin.token``
+and ``auth/writer.token`` (for people, 7 days), ``auth/workers/NAME.token`` (one ``worker``
+token per worker name, made when the worker starts), and ``client.env`` (``NEUROSHARD_*``
+variables for a shell, with the writer token: ``. DATA_DIR/client.env``). Certificates and the
+key pair of an earlier run are kept; tokens are signed anew each time.
 """
 
 from __future__ import annotations
@@ -13,69 +15,109 @@ from pathlib import Path
 
 from shared.certs import CertPaths, write_dev_certs
 from shared.security import ChannelSecurity, client_security
-from shared.tokens import create_token, read_secret, write_secret
+from shared.tokens import (
+    PRIVATE_KEY_NAME,
+    PUBLIC_KEY_NAME,
+    create_token,
+    read_private_key,
+    write_keypair,
+)
 
 TOKEN_TTL_S = 7 * 86400
 
 
+def _write_token(path: Path, token: str) -> Path:
+    """Write ``token`` to ``path`` with mode 0600 (replacing an older one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return path
+
+
 @dataclass(frozen=True)
 class SecureSetup:
-    """Paths of a local cluster's certificates, secret and tokens."""
+    """Paths of a local cluster's certificates, token keys and tokens."""
 
     root: Path
     certs: CertPaths
-    secret_file: Path
+    private_key_file: Path
+    public_key_file: Path
     admin_token_file: Path
-    client_token_file: Path
+    writer_token_file: Path
 
     @property
     def env_file(self) -> Path:
         return self.root / "client.env"
 
-    def daemon_args(self) -> list[str]:
-        """Flags of ``neuroshard coordinator`` and ``worker``: mutual TLS and token auth."""
+    def _tls_args(self) -> list[str]:
+        c = self.certs
         return [
             "--tls-ca",
-            str(self.certs.ca_cert),
+            str(c.ca_cert),
             "--tls-cert",
-            str(self.certs.node_cert),
+            str(c.node_cert),
             "--tls-key",
-            str(self.certs.node_key),
-            "--auth-secret-file",
-            str(self.secret_file),
+            str(c.node_key),
+        ]
+
+    def coordinator_args(self) -> list[str]:
+        """Flags of ``neuroshard coordinator``: mutual TLS, and tokens verified with the public
+        key; it signs its own admin token with the private key."""
+        return [
+            *self._tls_args(),
+            "--auth-public-key-file",
+            str(self.public_key_file),
+            "--auth-private-key-file",
+            str(self.private_key_file),
+        ]
+
+    def worker_args(self, name: str) -> list[str]:
+        """Flags of ``neuroshard worker --name NAME``: mutual TLS, the public key, and a
+        ``worker`` token for ``name`` signed now (the worker never sees the private key)."""
+        key = read_private_key(self.private_key_file)
+        token = create_token(key, "worker", name, TOKEN_TTL_S)
+        token_file = _write_token(self.root / "auth" / "workers" / f"{name}.token", token)
+        return [
+            *self._tls_args(),
+            "--auth-public-key-file",
+            str(self.public_key_file),
+            "--auth-token-file",
+            str(token_file),
         ]
 
     def client_security(self, admin: bool = False) -> ChannelSecurity:
-        """The client certificate and the client (or admin) token."""
+        """The client certificate and the writer (or admin) token."""
         return client_security(
             str(self.certs.ca_cert),
             str(self.certs.client_cert),
             str(self.certs.client_key),
-            token_file=str(self.admin_token_file if admin else self.client_token_file),
+            token_file=str(self.admin_token_file if admin else self.writer_token_file),
         )
 
     def client_flags(self) -> str:
-        """The flags a client command needs, for people to copy."""
+        """The flags a client command needs (writer token), for people to copy."""
         return (
             f"--tls-ca {self.certs.ca_cert} --tls-cert {self.certs.client_cert} "
-            f"--tls-key {self.certs.client_key} --token-file {self.client_token_file}"
+            f"--tls-key {self.certs.client_key} --token-file {self.writer_token_file}"
         )
 
     def write_env(self, address: str) -> Path:
-        """Write ``client.env`` for ``address``; return its path."""
+        """Write ``client.env`` (writer token) for ``address``; return its path."""
         lines = [
             f"NEUROSHARD_COORDINATOR={address}",
             f"NEUROSHARD_TLS_CA={self.certs.ca_cert}",
             f"NEUROSHARD_TLS_CERT={self.certs.client_cert}",
             f"NEUROSHARD_TLS_KEY={self.certs.client_key}",
-            f"NEUROSHARD_TOKEN_FILE={self.client_token_file}",
+            f"NEUROSHARD_TOKEN_FILE={self.writer_token_file}",
         ]
         self.env_file.write_text("".join(f"export {line}\n" for line in lines))
         return self.env_file
 
 
 def prepare(data_dir: str | Path) -> SecureSetup:
-    """Create (or reuse) the certificates and secret under ``data_dir``, sign the tokens."""
+    """Create (or reuse) the certificates and key pair under ``data_dir``, sign the admin
+    and writer tokens (subjects ``local-admin``, ``local-writer``)."""
     root = Path(data_dir)
     cert_dir, auth_dir = root / "certs", root / "auth"
     if (cert_dir / "node.key").exists():
@@ -87,15 +129,15 @@ def prepare(data_dir: str | Path) -> SecureSetup:
         )
     else:
         certs = write_dev_certs(cert_dir)
-    secret_file = auth_dir / "secret"
-    if not secret_file.exists():
-        write_secret(secret_file)
-    secret = read_secret(secret_file)
-    tokens = {}
-    for role in ("admin", "client"):
-        path = auth_dir / f"{role}.token"
-        path.unlink(missing_ok=True)
-        path.touch(mode=0o600)
-        path.write_text(create_token(secret, role, f"local-{role}", TOKEN_TTL_S) + "\n")
-        tokens[role] = path
-    return SecureSetup(root, certs, secret_file, tokens["admin"], tokens["client"])
+    private_file, public_file = auth_dir / PRIVATE_KEY_NAME, auth_dir / PUBLIC_KEY_NAME
+    if not (private_file.exists() and public_file.exists()):
+        private_file.unlink(missing_ok=True)
+        write_keypair(auth_dir)
+    key = read_private_key(private_file)
+    tokens = {
+        role: _write_token(
+            auth_dir / f"{role}.token", create_token(key, role, f"local-{role}", TOKEN_TTL_S)
+        )
+        for role in ("admin", "writer")
+    }
+    return SecureSetup(root, certs, private_file, public_file, tokens["admin"], tokens["writer"])

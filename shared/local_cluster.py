@@ -39,7 +39,8 @@ class LocalCluster:
         secure: bool = False,
     ) -> None:
         """``secure``: mutual TLS and token auth with material generated under the data dir
-        (``shared.dev_security``); ``self.security`` is then the admin's client security."""
+        (``shared.dev_security``; each worker gets a worker token for its name);
+        ``self.security`` is then the admin's client security."""
         self.n_workers = workers
         self.port = port
         self._tmp = tempfile.TemporaryDirectory(prefix="neuroshard-") if data_dir is None else None
@@ -52,8 +53,7 @@ class LocalCluster:
         if secure:
             self.secure = prepare(self.data_dir)
             self.security = self.secure.client_security(admin=True)
-            self._coordinator_args += self.secure.daemon_args()
-            self._worker_args += self.secure.daemon_args()
+            self._coordinator_args += self.secure.coordinator_args()
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[Any]] = []
@@ -157,6 +157,7 @@ class LocalCluster:
                 "--data-dir",
                 str(self.data_dir / name),
                 *self._worker_args,
+                *(self.secure.worker_args(name) if self.secure is not None else []),
                 *(extra or []),
             ],
         )

@@ -3,7 +3,8 @@
 A daemon builds one ``DaemonSecurity`` from its config (``tls``, ``auth``): its server port
 (TLS that requires client certificates signed by the CA, or plaintext), its server
 interceptor (token check), and the ``ChannelSecurity`` of every channel it opens (to the
-coordinator, to peer workers: TLS with its own certificate, and a ``worker`` token). The client
+coordinator, to peer workers: TLS with its own certificate, and its token: the coordinator's
+``admin`` token signed with its private key, a worker's ``worker`` token from a file). The client
 builds a ``ChannelSecurity`` from ``--tls-ca/--tls-cert/--tls-key`` and ``--token`` flags.
 Every channel goes through ``shared.rpc.channel``.
 """
@@ -18,10 +19,18 @@ from typing import Any
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc import aio
 
 from shared.config import AuthConfig, ConfigError, TlsConfig
-from shared.tokens import SecretError, TokenSource, read_secret
+from shared.tokens import (
+    KeyFileError,
+    TokenError,
+    TokenSource,
+    read_private_key,
+    read_public_key,
+    verify_token,
+)
 
 _TLS_HINT = (
     "the server may require TLS (pass --tls-ca, --tls-cert and --tls-key) or refuse "
@@ -181,38 +190,92 @@ def explain_unavailable(details: str, security: ChannelSecurity | None) -> str:
     return text
 
 
+def _coordinator_token(auth: AuthConfig, public_key: Ed25519PublicKey, subject: str) -> TokenSource:
+    """The coordinator's own token source. Raises: ConfigError, KeyFileError."""
+    if auth.private_key_file:
+        key = read_private_key(auth.private_key_file, "auth.private_key_file")
+        if _public_der(key.public_key()) != _public_der(public_key):
+            raise ConfigError(
+                f"auth.private_key_file: {auth.private_key_file} is not the private key of "
+                f"auth.public_key_file {auth.public_key_file}"
+            )
+        return TokenSource(private_key=key, role="admin", subject=subject)
+    if auth.token_file:
+        return TokenSource.from_file(auth.token_file, "auth.token_file")
+    raise ConfigError(
+        "auth.private_key_file: required on the coordinator, which signs its own token "
+        "(or give auth.token_file)"
+    )
+
+
+def _worker_token(auth: AuthConfig, public_key: Ed25519PublicKey, name: str) -> TokenSource:
+    """A worker's token source, checked now rather than refused at registration.
+
+    Raises: ConfigError, KeyFileError.
+    """
+    if auth.private_key_file:
+        raise ConfigError(
+            "auth.private_key_file: a worker must not hold the private key (it could mint "
+            "any token); give it auth.token_file, a worker token"
+        )
+    if not auth.token_file:
+        raise ConfigError(
+            "auth.token_file: required on a worker (neuroshard token create --role worker "
+            f"--subject {name or 'NAME'} ...)"
+        )
+    source = TokenSource.from_file(auth.token_file, "auth.token_file")
+    try:
+        principal = verify_token(public_key, source())
+    except TokenError as exc:
+        raise ConfigError(f"auth.token_file: {auth.token_file}: {exc}") from None
+    if principal.role != "worker" or not principal.may_act_as(name):
+        raise ConfigError(
+            f"auth.token_file: {auth.token_file} is a {principal.role} token for "
+            f"{principal.describe()}; worker {name!r} needs a worker token for its name"
+        )
+    return source
+
+
 @dataclass
 class DaemonSecurity:
     """A daemon's security, from its ``tls`` and ``auth`` config sections."""
 
     tls: TlsFiles | None
-    secret: bytes | None
+    public_key: Ed25519PublicKey | None
     channel: ChannelSecurity
 
     @classmethod
     def from_config(
-        cls, tls: TlsConfig | None, auth: AuthConfig | None, subject: str
+        cls,
+        tls: TlsConfig | None,
+        auth: AuthConfig | None,
+        subject: str,
+        *,
+        coordinator: bool = False,
     ) -> DaemonSecurity:
-        """Load the files; the daemon's own token is ``auth.token_file`` or a ``worker``
-        token for ``subject`` it signs itself (1 h, renewed at half-life).
+        """Load the files. The coordinator's own token is an ``admin`` token for ``subject``
+        it signs with ``auth.private_key_file`` (1 h, renewed at half-life), or the one in
+        ``auth.token_file``; a worker presents ``auth.token_file``, which must be a valid
+        ``worker`` token covering its name ``subject``.
 
         Raises:
-            ConfigError: a file is missing or invalid (names the field).
+            ConfigError: a file is missing or invalid, a worker has no token_file or holds the
+                private key, or a worker's token is not for it (names the field).
         """
         files = None if tls is None else TlsFiles.load(tls.ca_file, tls.cert_file, tls.key_file)
-        secret, token = None, None
+        public_key, token = None, None
         if auth is not None:
             try:
-                secret = read_secret(auth.secret_file)
+                public_key = read_public_key(auth.public_key_file, "auth.public_key_file")
                 token = (
-                    TokenSource.from_file(auth.token_file)
-                    if auth.token_file
-                    else TokenSource(secret=secret, role="worker", subject=subject)
+                    _coordinator_token(auth, public_key, subject)
+                    if coordinator
+                    else _worker_token(auth, public_key, subject)
                 )
-            except SecretError as exc:
-                raise ConfigError(f"auth.{exc}") from None
+            except KeyFileError as exc:
+                raise ConfigError(str(exc)) from None
         server_name = tls.server_name if tls is not None else None
-        return cls(files, secret, ChannelSecurity(files, token, server_name))
+        return cls(files, public_key, ChannelSecurity(files, token, server_name))
 
     @property
     def transport(self) -> str:
@@ -222,13 +285,13 @@ class DaemonSecurity:
     @property
     def auth(self) -> str:
         """``token`` or ``none`` (logged at start)."""
-        return "none" if self.secret is None else "token"
+        return "none" if self.public_key is None else "token"
 
     def interceptors(self) -> list[aio.ServerInterceptor]:
         """The token check, when auth is configured."""
         from shared.auth import AuthInterceptor
 
-        return [] if self.secret is None else [AuthInterceptor(self.secret)]
+        return [] if self.public_key is None else [AuthInterceptor(self.public_key)]
 
     def add_port(self, server: aio.Server, listen: str) -> int:
         """Bind ``listen`` (TLS or plaintext); return the port bound."""
@@ -260,7 +323,7 @@ def client_security(
         source = TokenSource(token)
     elif token_file:
         try:
-            source = TokenSource.from_file(token_file)
-        except SecretError as exc:
-            raise ConfigError(f"--{str(exc).replace('_', '-', 1)}") from None
+            source = TokenSource.from_file(token_file, "--token-file")
+        except KeyFileError as exc:
+            raise ConfigError(str(exc)) from None
     return ChannelSecurity(files, source, server_name)

@@ -1,47 +1,70 @@
-"""Bearer tokens: JWTs signed with HS256 (RFC 7519, via PyJWT), carrying a subject and a role.
+"""Bearer tokens: JWTs signed with EdDSA over Ed25519 (RFC 7519, RFC 8037; via PyJWT and
+cryptography), carrying a subject, a role and, on worker tokens, an optional name pattern.
 
-Claims: ``sub`` (who: a user, a client program or a daemon's name), ``role`` (``worker``,
-``client`` or ``admin``), ``iat`` and ``exp`` (Unix seconds), ``iss`` = ``neuroshard``.
-Every daemon holds the same secret (``auth.secret_file``): it verifies incoming tokens and signs
-the ``worker`` token it presents itself (unless ``auth.token_file`` gives one).
+Claims: ``sub`` (who: a person, a program or a daemon's name), ``role`` (``worker``,
+``reader``, ``writer`` or ``admin``), ``iat`` and ``exp`` (Unix seconds), ``iss`` =
+``neuroshard``, and ``names`` (worker tokens only: an fnmatch pattern such as
+``neuroshard-worker-*`` for the pods of a StatefulSet that share one token).
+
+The coordinator holds the private key (``auth.private_key_file``) and signs; every daemon
+verifies with the public key (``auth.public_key_file``), so a daemon or person that holds only
+the public key cannot mint a token. Verification accepts the ``EdDSA`` algorithm only: an
+unsigned (``alg: none``) or HMAC-signed token is refused whatever its claims.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import fnmatch
 import os
 import re
-import secrets
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-ROLES = ("worker", "client", "admin")
+ROLES = ("worker", "reader", "writer", "admin")
 ISSUER = "neuroshard"
-MIN_SECRET_BYTES = 32
+ALGORITHM = "EdDSA"
+PRIVATE_KEY_NAME, PUBLIC_KEY_NAME = "private.pem", "public.pem"
 _TTL = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class TokenError(Exception):
-    """A token is missing, malformed, badly signed, expired or names no known role
+    """A token is missing, malformed, not EdDSA, badly signed, expired or names no known role
     (UNAUTHENTICATED); the message says which."""
 
 
-class SecretError(ValueError):
-    """The secret file is missing or too short; the message names the file."""
+class KeyFileError(ValueError):
+    """A key or token file is missing, unreadable or not what it should be; the message
+    starts with the file's role (``public_key_file``, ...) and path."""
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who made a request: the token's subject and role, and when the token expires."""
+    """Who made a request: the token's subject, role, expiry and (worker tokens) the
+    pattern of worker names it may act as."""
 
     subject: str
     role: str
     expires_at: float
+    names: str | None = None
+
+    def may_act_as(self, name: str) -> bool:
+        """Whether a request naming worker ``name`` is this token's: the subject itself, or
+        a name matching the ``names`` pattern (fnmatch, case-sensitive)."""
+        if name == self.subject:
+            return True
+        return self.names is not None and bool(name) and fnmatch.fnmatchcase(name, self.names)
+
+    def describe(self) -> str:
+        """``'w0'`` or ``'pool' (names 'neuroshard-worker-*')`` for messages."""
+        return repr(self.subject) + (f" (names {self.names!r})" if self.names else "")
 
 
 def parse_ttl(text: str) -> float:
@@ -56,43 +79,108 @@ def parse_ttl(text: str) -> float:
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
-def read_secret(path: str | Path) -> bytes:
-    """The HS256 secret in ``path`` (surrounding whitespace stripped).
+def write_keypair(directory: str | Path) -> tuple[Path, Path]:
+    """Write a new Ed25519 pair as ``private.pem`` (PKCS#8, mode 0600) and ``public.pem``
+    (SubjectPublicKeyInfo, mode 0644) into ``directory``; return their paths.
 
     Raises:
-        SecretError: missing, unreadable or shorter than 32 bytes.
+        FileExistsError: ``private.pem`` exists already (replacing it would invalidate every
+            token signed with it; remove it first if that is meant).
     """
-    p = Path(path)
-    try:
-        secret = p.read_bytes().strip()
-    except OSError as exc:
-        raise SecretError(f"secret_file {p}: {exc.strerror or exc}") from None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise SecretError(
-            f"secret_file {p}: holds {len(secret)} bytes, need at least {MIN_SECRET_BYTES} "
-            f"(neuroshard token secret {p})"
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    private_path, public_path = d / PRIVATE_KEY_NAME, d / PUBLIC_KEY_NAME
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_pem)
+    public_path.unlink(missing_ok=True)
+    public_path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
-    return secret
+    )
+    return private_path, public_path
 
 
-def write_secret(path: str | Path) -> Path:
-    """Write a new random secret (64 hex characters) to ``path`` with mode 0600."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.unlink(missing_ok=True)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    return p
+def _read_bytes(field: str, path: str | Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise KeyFileError(f"{field} {path}: {exc.strerror or exc}") from None
+
+
+def read_private_key(path: str | Path, field: str = "private_key_file") -> Ed25519PrivateKey:
+    """The Ed25519 private key in the PEM file ``path``.
+
+    Raises:
+        KeyFileError: missing, unreadable, encrypted, not PEM or not Ed25519 (names
+            ``field`` and the file).
+    """
+    data = _read_bytes(field, path)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError):
+        raise KeyFileError(
+            f"{field} {path}: is not an unencrypted PEM private key (neuroshard token keygen)"
+        ) from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyFileError(f"{field} {path}: is not an Ed25519 key ({type(key).__name__})")
+    return key
+
+
+def read_public_key(path: str | Path, field: str = "public_key_file") -> Ed25519PublicKey:
+    """The Ed25519 public key in the PEM file ``path``.
+
+    Raises:
+        KeyFileError: missing, unreadable, not PEM or not Ed25519 (names ``field`` and the
+            file).
+    """
+    data = _read_bytes(field, path)
+    try:
+        key = serialization.load_pem_public_key(data)
+    except (ValueError, TypeError):
+        raise KeyFileError(
+            f"{field} {path}: is not a PEM public key (neuroshard token keygen)"
+        ) from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise KeyFileError(f"{field} {path}: is not an Ed25519 key ({type(key).__name__})")
+    return key
+
+
+def read_token_file(path: str | Path, field: str = "token_file") -> str:
+    """The token stored in ``path`` (surrounding whitespace stripped).
+
+    Raises:
+        KeyFileError: missing, unreadable or empty (names ``field`` and the file).
+    """
+    token = _read_bytes(field, path).decode(errors="replace").strip()
+    if not token:
+        raise KeyFileError(f"{field} {path}: is empty")
+    return token
 
 
 def create_token(
-    secret: bytes, role: str, subject: str, ttl_s: float, now: float | None = None
+    private_key: Ed25519PrivateKey,
+    role: str,
+    subject: str,
+    ttl_s: float,
+    names: str | None = None,
+    now: float | None = None,
 ) -> str:
     """Sign a token for ``subject`` with ``role``, valid for ``ttl_s`` seconds.
 
+    Args:
+        names: worker tokens only: an fnmatch pattern of the worker names the token may
+            register as, besides ``subject`` (e.g. ``neuroshard-worker-*``).
+
     Raises:
-        ValueError: unknown role, empty subject or ttl_s <= 0.
+        ValueError: unknown role, empty subject, ttl_s <= 0, or names on a non-worker token.
     """
     if role not in ROLES:
         raise ValueError(f"role: expected one of {', '.join(ROLES)}, got {role!r}")
@@ -100,32 +188,49 @@ def create_token(
         raise ValueError("subject: must not be empty")
     if ttl_s <= 0:
         raise ValueError(f"ttl: must be > 0 seconds, got {ttl_s}")
+    if names is not None and (role != "worker" or not names):
+        raise ValueError(f"names: a non-empty pattern, on worker tokens only (role {role})")
     iat = int(time.time() if now is None else now)
-    claims = {
+    claims: dict[str, object] = {
         "sub": subject,
         "role": role,
         "iss": ISSUER,
         "iat": iat,
         "exp": iat + max(1, round(ttl_s)),
     }
-    return jwt.encode(claims, secret, algorithm="HS256")
+    if names is not None:
+        claims["names"] = names
+    return jwt.encode(claims, private_key, algorithm=ALGORITHM)
 
 
 def _utc(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def verify_token(secret: bytes, token: str, leeway_s: float = 5.0) -> Principal:
-    """Check the signature, expiry and claims of ``token``.
+def _algorithm_of(token: str) -> str:
+    """The header's ``alg`` (unverified), or raises TokenError for a malformed token."""
+    try:
+        return str(jwt.get_unverified_header(token).get("alg"))
+    except jwt.InvalidTokenError as exc:
+        raise TokenError(f"token is malformed ({exc})") from None
+
+
+def verify_token(public_key: Ed25519PublicKey, token: str, leeway_s: float = 5.0) -> Principal:
+    """Check the algorithm (EdDSA only), signature, expiry and claims of ``token``.
 
     Raises:
-        TokenError: with a message saying what is wrong (expired at ..., bad signature, ...).
+        TokenError: with a message saying what is wrong (UNAUTHENTICATED at the RPC layer).
     """
+    alg = _algorithm_of(token)
+    if alg != ALGORITHM:
+        raise TokenError(
+            f"token is signed with alg {alg!r}; only {ALGORITHM} (Ed25519) tokens are accepted"
+        )
     try:
         claims = jwt.decode(
             token,
-            secret,
-            algorithms=["HS256"],
+            public_key,
+            algorithms=[ALGORITHM],
             issuer=ISSUER,
             leeway=leeway_s,
             options={"require": ["exp", "iat", "sub", "role"]},
@@ -134,7 +239,7 @@ def verify_token(secret: bytes, token: str, leeway_s: float = 5.0) -> Principal:
         exp = jwt.decode(token, options={"verify_signature": False}).get("exp", 0)
         raise TokenError(f"token expired at {_utc(float(exp))}") from None
     except jwt.InvalidSignatureError:
-        raise TokenError("token signature is invalid (signed with another secret?)") from None
+        raise TokenError("token signature is invalid (signed with another key?)") from None
     except jwt.MissingRequiredClaimError as exc:
         raise TokenError(f"token lacks the {exc.claim!r} claim") from None
     except jwt.InvalidIssuerError:
@@ -143,47 +248,43 @@ def verify_token(secret: bytes, token: str, leeway_s: float = 5.0) -> Principal:
         raise TokenError("token is not valid yet (issued in the future: clock skew?)") from None
     except jwt.InvalidTokenError as exc:
         raise TokenError(f"token is malformed ({exc})") from None
-    role = claims["role"]
+    role, names = claims["role"], claims.get("names")
     if role not in ROLES:
         raise TokenError(f"token has unknown role {role!r} (expected {', '.join(ROLES)})")
-    return Principal(str(claims["sub"]), role, float(claims["exp"]))
+    if names is not None and (role != "worker" or not isinstance(names, str) or not names):
+        raise TokenError("token has a 'names' claim, which only worker tokens may carry")
+    return Principal(str(claims["sub"]), role, float(claims["exp"]), names)
 
 
 class TokenSource:
-    """The token a process presents: a fixed one, or one it signs itself and renews when
-    less than half of its lifetime is left (daemons, with ``ttl_s``)."""
+    """The token a process presents: a fixed one (read from a file or given), or one it
+    signs itself with the private key and renews when less than half of its lifetime is
+    left (the coordinator's own ``admin`` token)."""
 
     def __init__(
         self,
         token: str | None = None,
         *,
-        secret: bytes | None = None,
-        role: str = "worker",
+        private_key: Ed25519PrivateKey | None = None,
+        role: str = "admin",
         subject: str = "",
         ttl_s: float = 3600.0,
     ) -> None:
-        if (token is None) == (secret is None):
-            raise ValueError("give either a token or a secret to sign one with")
+        if (token is None) == (private_key is None):
+            raise ValueError("give either a token or a private key to sign one with")
         self._fixed = token.strip() if token is not None else None
-        self._secret, self._role, self._subject, self._ttl_s = secret, role, subject, ttl_s
+        self._key, self._role, self._subject, self._ttl_s = private_key, role, subject, ttl_s
         self._token, self._renew_at = "", 0.0
         self._lock = threading.Lock()
 
     @classmethod
-    def from_file(cls, path: str | Path) -> TokenSource:
+    def from_file(cls, path: str | Path, field: str = "token_file") -> TokenSource:
         """The token stored in ``path``.
 
         Raises:
-            SecretError: missing or empty file (names it).
+            KeyFileError: missing, unreadable or empty file (names ``field`` and the file).
         """
-        p = Path(path)
-        try:
-            token = p.read_text().strip()
-        except OSError as exc:
-            raise SecretError(f"token_file {p}: {exc.strerror or exc}") from None
-        if not token:
-            raise SecretError(f"token_file {p}: is empty")
-        return cls(token)
+        return cls(read_token_file(path, field))
 
     def __call__(self) -> str:
         if self._fixed is not None:
@@ -191,9 +292,9 @@ class TokenSource:
         now = time.time()
         with self._lock:
             if now >= self._renew_at:
-                assert self._secret is not None
+                assert self._key is not None
                 self._token = create_token(
-                    self._secret, self._role, self._subject, self._ttl_s, now
+                    self._key, self._role, self._subject, self._ttl_s, now=now
                 )
                 self._renew_at = now + self._ttl_s / 2
             return self._token
