@@ -83,6 +83,17 @@ def test_insecure_flag_is_rejected(dev: Docs) -> None:
     assert "StatefulSet/neuroshard-worker: runs with insecure: true" in _problems(dev)
 
 
+def test_tls_and_auth_given_as_flags_count(dev: Docs) -> None:
+    _edit_config(dev, "coordinator.yaml", lambda c: c.pop("tls"))
+    _container(dev, "neuroshard-coordinator")["args"] += [
+        "--tls-ca=/etc/neuroshard-tls/ca.crt",
+        "--tls-cert=/etc/neuroshard-tls/tls.crt",
+        "--tls-key=/etc/neuroshard-tls/tls.key",
+    ]
+
+    assert _problems(dev) == ""
+
+
 def test_a_loopback_listen_flag_is_rejected(dev: Docs) -> None:
     _container(dev, "neuroshard-coordinator")["args"].append("--listen=127.0.0.1:50051")
 
