@@ -19,7 +19,7 @@ from shared.config import ConfigError
 from shared.confinement import ImportNotAllowed, PathRefused
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from worker.memory_servicer import quality_to_pb
-from worker.store import MemoryInputError, validate_k, validate_rate
+from worker.store import MemoryInputError, as_slots, validate_k, validate_rate
 
 _WORKER_STATE = {
     WorkerState.ALIVE: common_pb2.WORKER_STATE_ALIVE,
@@ -122,11 +122,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.ReportFailureResponse:
         """A primary reports a replica it could not update; its copies of the reported slots
-        stop being trusted. FAILED_PRECONDITION: the reporter is not their primary."""
+        stop being trusted. FAILED_PRECONDITION: the reporter is not their primary.
+        INVALID_ARGUMENT: a slot out of range."""
         try:
-            self._cluster.report_failure(
-                request.reporter, request.worker, request.reason, list(request.slots)
-            )
+            slots = as_slots(list(request.slots), self._cluster.cfg.slots).tolist()
+            self._cluster.report_failure(request.reporter, request.worker, request.reason, slots)
+        except MemoryInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NotSlotPrimary as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return coordinator_pb2.ReportFailureResponse()

@@ -19,6 +19,7 @@ from shared.limits import server_options
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import coordinator_pb2_grpc
+from shared.request_decoding import DecodeGuardInterceptor
 from shared.security import DaemonSecurity
 
 log = get_logger("coordinator.server")
@@ -43,6 +44,7 @@ class CoordinatorServer:
         self.server = aio.server(
             interceptors=[
                 RequestLogInterceptor(self.metrics),
+                DecodeGuardInterceptor(),
                 *self.security.interceptors(),
                 rpc.MetricsInterceptor(self.metrics),
             ],

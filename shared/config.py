@@ -604,6 +604,10 @@ def job_spec_from_json(text: str) -> JobSpec:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"spec_json: not valid JSON ({exc.msg} at char {exc.pos})") from None
+    except RecursionError:
+        raise ConfigError("spec_json: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more digits than int() converts
+        raise ConfigError(f"spec_json: {str(exc)[:200]}") from None
     return parse_job_spec(data)
 
 

@@ -19,11 +19,11 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from shared.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.limits import split_parts
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from shared.security import ChannelSecurity
-from shared.slots import slot_of
+from shared.slots import SlotMapError, slot_of, validate_slot_map
 from shared.worker_clients import WorkerClients
 
 _RETRY = (
@@ -78,8 +78,20 @@ class MemoryRouter:
         await self._workers.close()
 
     async def slot_map(self, refresh: bool = False) -> common_pb2.SlotMap:
+        """The cached map (fetched when None or ``refresh``).
+
+        Raises:
+            RoutingError: the coordinator sent a map that cannot be routed with (UNAVAILABLE).
+        """
         if self._map is None or refresh:
-            self._map = await self._fetch_map()
+            m = await self._fetch_map()
+            try:
+                validate_slot_map(m)
+            except SlotMapError as exc:
+                raise RoutingError(
+                    f"the coordinator's slot map is unusable: {exc}", grpc.StatusCode.UNAVAILABLE
+                ) from None
+            self._map = m
         return self._map
 
     async def route(self, ids: np.ndarray, call: Call) -> list[tuple[np.ndarray, Any]]:
@@ -215,13 +227,33 @@ class MemoryRouter:
         strengths = np.zeros(len(ids), np.float32)
         payloads: list[bytes | None] = [None] * len(ids)
         for idx, r in await self.route(ids, call):
-            f = np.frombuffer(r.found, np.uint8).astype(bool)
+            f, s = _get_reply(r, len(idx), with_payloads)
             found[idx] = f
-            strengths[idx] = f32_from_bytes(r.strengths)
+            strengths[idx] = s
             if with_payloads:
                 for i, p, ok in zip(idx.tolist(), r.payloads, f.tolist(), strict=True):
                     payloads[i] = p if ok and p else None
         return found, strengths, payloads
+
+
+def _get_reply(r: Any, n: int, with_payloads: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(found [n] bool, strengths [n] float32)`` of a worker's GetResponse for n ids.
+
+    Raises:
+        RoutingError: the reply does not hold n of each (INTERNAL: a worker bug).
+    """
+    try:
+        s = f32_from_bytes(r.strengths, "strengths")
+    except CodecError as exc:
+        raise RoutingError(f"a worker's Get reply: {exc}", grpc.StatusCode.INTERNAL) from None
+    payloads = len(r.payloads) if with_payloads else n
+    if len(r.found) != n or len(s) != n or payloads != n:
+        raise RoutingError(
+            f"a worker answered Get for {n} ids with {len(r.found)} found flags, {len(s)} "
+            f"strengths and {len(r.payloads)} payloads",
+            grpc.StatusCode.INTERNAL,
+        )
+    return np.frombuffer(r.found, np.uint8).astype(bool), s
 
 
 async def _unassigned() -> Any:

@@ -13,8 +13,12 @@ with it and the job fails with it.
 
 from __future__ import annotations
 
+import math
+import struct
 import zipfile
+import zlib
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -34,13 +38,60 @@ def _open(path: Path, suffix: str) -> object:
         raise MemoryFileError(f"{path}: no such file")
     with path.open("rb") as f:
         head = f.read(6)
+        if head.startswith(_MAGIC[1]):
+            f.seek(0)
+            _check_npy_size(path, "", f, path.stat().st_size)
     if not head.startswith(_MAGIC):
         raise MemoryFileError(f"{path}: not a {suffix} file (as {_WRITER[suffix]} writes)")
     try:
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise MemoryFileError(f"{path}: not a readable {suffix} file ({detail})") from None
+    except _UNREADABLE as exc:
+        raise MemoryFileError(f"{path}: not a readable {suffix} file ({_detail(exc)})") from None
+
+
+# What reading a corrupt .npy/.npz raises (zipfile: NotImplementedError for an unknown
+# compression method, zlib.error for a corrupt deflate stream).
+_UNREADABLE = (
+    OSError,
+    ValueError,
+    EOFError,
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+    struct.error,
+)
+
+
+_HEADER_READERS = {
+    (1, 0): np.lib.format.read_array_header_1_0,
+    (2, 0): np.lib.format.read_array_header_2_0,
+}
+
+
+def _detail(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+
+
+def _check_npy_size(path: Path, what: str, f: IO[bytes], size: int) -> None:
+    """Refuse an .npy whose header claims more data than the ``size`` bytes it holds,
+    before NumPy allocates the array the header asks for (``f`` at the start of the .npy).
+
+    Raises:
+        MemoryFileError: an unreadable header, or a claimed size beyond the data.
+    """
+    try:
+        version = np.lib.format.read_magic(f)
+        if version not in _HEADER_READERS:
+            raise ValueError(f".npy format version {version} is not supported")
+        shape, _, dtype = _HEADER_READERS[version](f)
+        need = math.prod(shape) * dtype.itemsize
+    except _UNREADABLE as exc:
+        raise MemoryFileError(f"{path}: {what}unreadable .npy header ({_detail(exc)})") from None
+    have = size - f.tell()
+    if need > have:
+        raise MemoryFileError(
+            f"{path}: {what}header claims shape {shape} ({need} bytes) but {have} bytes follow"
+        )
 
 
 def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -54,15 +105,20 @@ def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     if not isinstance(data, np.lib.npyio.NpzFile):
         raise MemoryFileError(f"{p}: expected an .npz archive of arrays, got a single array")
     with data:
+        archive = data.zip
+        assert archive is not None  # an open NpzFile holds its archive
         out = {}
         for name in names:
             if name not in data.files:
                 has = ", ".join(data.files) or "no arrays"
                 raise MemoryFileError(f"{p}: no array {name!r} (has: {has})")
             try:
+                key = name if name in archive.namelist() else f"{name}.npy"
+                with archive.open(key) as f:
+                    _check_npy_size(p, f"array {name!r}: ", f, archive.getinfo(key).file_size)
                 out[name] = data[name]
-            except ValueError as exc:  # e.g. an object array, refused without pickle
-                raise MemoryFileError(f"{p}: array {name!r}: {exc}") from None
+            except _UNREADABLE as exc:  # e.g. an object array, refused without pickle
+                raise MemoryFileError(f"{p}: array {name!r}: {_detail(exc)}") from None
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -182,3 +183,42 @@ def group_by_slot(slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     present, starts = np.unique(slot_ids[order], return_index=True)
     bounds = np.append(starts, len(slot_ids)).astype(np.int64)
     return order.astype(np.int64), present.astype(np.int64), bounds
+
+
+MAX_SLOTS = 1 << 16  # the largest slot count a coordinator may be configured with
+
+
+class SlotMapError(ValueError):
+    """A slot map received from a peer is inconsistent (INVALID_ARGUMENT); nothing was
+    adopted or routed with it."""
+
+
+def validate_slot_map(m: Any) -> None:
+    """Check a ``SlotMap`` message before a worker adopts it or a client routes with it.
+
+    A map of epoch 0 only carries the slot count (the registration reply); a later one
+    assigns every slot: ``primary`` and ``replica`` [S] index into ``workers`` (-1: none),
+    worker names are distinct and each has an address.
+
+    Raises:
+        SlotMapError: names the field and the first bad entry (INVALID_ARGUMENT).
+    """
+    if m.slots and (m.slots > MAX_SLOTS or m.slots & (m.slots - 1)):
+        raise SlotMapError(f"slots: {m.slots} is not a power of two <= {MAX_SLOTS}")
+    if m.epoch == 0:
+        return
+    if not m.slots:
+        raise SlotMapError(f"slots: 0 in a map of epoch {m.epoch}")
+    n = len(m.workers)
+    if len(m.addresses) != n:
+        raise SlotMapError(f"addresses: {len(m.addresses)} for {n} workers")
+    if len(set(m.workers)) != n:
+        raise SlotMapError("workers: a name repeats")
+    for name in ("primary", "replica"):
+        owners = np.asarray(getattr(m, name), np.int64)
+        if len(owners) != m.slots:
+            raise SlotMapError(f"{name}: {len(owners)} entries for {m.slots} slots")
+        bad = np.flatnonzero((owners < -1) | (owners >= n))
+        if len(bad):
+            i = int(bad[0])
+            raise SlotMapError(f"{name}[{i}]: {owners[i]} is not -1 or a worker index < {n}")

@@ -102,6 +102,7 @@ def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered
     slots = state.slots if state is not None else _segment_slots(data_dir, gens)
     if slots is None:
         return None
+    fmt.check_slot_count(slots, str(segment_path(data_dir, gens[0]) if gens else data_dir))
     store = make_store(slots)
     requests: list[Request] = list(state.recent) if state is not None else []
     if state is not None:

@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
+from shared.codec import f32_from_bytes, ids_from_bytes
 from shared.proto import worker_pb2
-from worker.store import SlotSnapshot, SlotStore
+from shared.slots import MAX_SLOTS
+from worker.store import SlotSnapshot, SlotStore, as_slots
 
 LOG_MAGIC, SNAP_MAGIC = b"NSLOG001", b"NSSNAP01"
 LOG_HEADER = struct.Struct("<8sIQ")  # magic, slots, generation
@@ -107,18 +110,32 @@ def replay(
     """Apply one log record to ``store``; report client request ids to ``on_request``.
 
     Raises:
-        JournalError: an unknown record kind (a newer format).
+        JournalError: an unknown record kind (a newer format), or a record whose content does
+            not decode or does not apply (the CRC matched: written so, not torn).
     """
+    try:
+        _replay(store, kind, body, on_request)
+    except (DecodeError, ValueError) as exc:  # MemoryInputError is a ValueError
+        raise JournalError(f"log record of kind {kind!r} is invalid: {exc}") from None
+
+
+def _replay(
+    store: SlotStore, kind: bytes, body: bytes, on_request: Callable[[bytes, list[int]], None]
+) -> None:
     if kind == KIND_OP:
         req = worker_pb2.ReplicateRequest.FromString(body)
-        slots = np.asarray(req.slots, np.int64)
+        slots = as_slots(list(req.slots), store.slots, "record.slots")
         op = req.WhichOneof("op")
+        if op is None or len(req.seqs) != len(slots):
+            raise ValueError(f"op {op}, {len(req.seqs)} seqs for {len(slots)} slots")
         rid = apply_op(store, op, getattr(req, op), slots)
         store.seq[slots] = np.asarray(req.seqs, np.uint64)
         if rid:
             on_request(rid, slots.tolist())
     elif kind == KIND_IMPORT:
         msg = worker_pb2.SlotData.FromString(body)
+        if len(msg.payload_ids) != len(msg.payloads):
+            raise ValueError(f"{len(msg.payloads)} payloads for {len(msg.payload_ids)} ids")
         store.import_slot(
             SlotSnapshot(
                 msg.slot,
@@ -193,7 +210,21 @@ def decode_snapshot(buf: bytes, name: str) -> SnapshotState:
         raise JournalError(f"{name}: not a neuroshard snapshot (bad magic)")
     if zlib.crc32(memoryview(buf)[:-4]) != struct.unpack_from("<I", buf, len(buf) - 4)[0]:
         raise JournalError(f"{name}: CRC mismatch, the snapshot is corrupt")
+    try:  # the CRC matched: counts that do not fit the file were written so
+        return _decode_snapshot(buf, name)
+    except (ValueError, OverflowError, struct.error) as exc:
+        raise JournalError(f"{name}: inconsistent snapshot ({exc})") from None
+
+
+def check_slot_count(slots: int, name: str) -> None:
+    """Raises: JournalError unless ``slots`` is a power of two <= MAX_SLOTS (read off disk)."""
+    if not 1 <= slots <= MAX_SLOTS or slots & (slots - 1):
+        raise JournalError(f"{name}: {slots} slots is not a power of two <= {MAX_SLOTS}")
+
+
+def _decode_snapshot(buf: bytes, name: str) -> SnapshotState:
     _, slots, gen, n, p, blob_bytes, n_recent = SNAP_HEADER.unpack_from(buf)
+    check_slot_count(slots, name)
     pos = SNAP_HEADER.size
 
     def take(count: int, dtype: str) -> np.ndarray:
@@ -207,6 +238,8 @@ def decode_snapshot(buf: bytes, name: str) -> SnapshotState:
     lens = take(p, "<u4").astype(np.int64)
     ends = np.cumsum(lens) + pos
     starts = ends - lens
+    if int(lens.sum()) != blob_bytes or pos + blob_bytes > len(buf) - 4:
+        raise ValueError(f"payload lengths sum to {int(lens.sum())}, header says {blob_bytes}")
     payloads = {i: buf[a:b] for i, a, b in zip(pids, starts.tolist(), ends.tolist(), strict=True)}
     pos += blob_bytes
     recent: list[Request] = []
@@ -215,12 +248,14 @@ def decode_snapshot(buf: bytes, name: str) -> SnapshotState:
         rid = buf[pos + 6 : pos + 6 + k]
         pos += 6 + k
         recent.append((rid, take(m, "<u4").tolist()))
+    if pos != len(buf) - 4:
+        raise ValueError(f"{len(buf) - 4 - pos} bytes between the last section and the CRC")
     return SnapshotState(slots, gen, seq, ids, strengths, payloads, recent)
 
 
 def _ids(b: bytes) -> np.ndarray:
-    return np.frombuffer(b, "<u8").astype(np.uint64)
+    return ids_from_bytes(b).copy()  # CodecError when not whole uint64 values
 
 
 def _f32(b: bytes) -> np.ndarray:
-    return np.frombuffer(b, "<f4").astype(np.float32)
+    return f32_from_bytes(b).copy()

@@ -32,7 +32,7 @@ from shared.rpc import error_message
 from shared.slots import slot_of
 from worker.journal import Journal
 from worker.journal_format import Request, apply_op
-from worker.store import MemoryInputError, SlotSnapshot, SlotStore
+from worker.store import MemoryInputError, SlotSnapshot, SlotStore, as_slots
 
 T = TypeVar("T")
 
@@ -424,8 +424,15 @@ class MemoryNode:
 
         Raises:
             OutOfSync: a slot is primary here, or the sequence skips (ABORTED).
+            MemoryInputError: a slot out of range, seqs not one per slot, or no op
+                (INVALID_ARGUMENT).
         """
-        slots = np.asarray(req.slots, np.int64)
+        slots = as_slots(list(req.slots), self.store.slots)
+        if len(req.seqs) != len(slots) or req.WhichOneof("op") is None:
+            raise MemoryInputError(
+                f"a forward needs one seq per slot and an op: {len(req.seqs)} seqs for "
+                f"{len(slots)} slots, op {req.WhichOneof('op')}"
+            )
         seqs = np.asarray(req.seqs, np.uint64)
         holds = self.roles.primary[slots] | self.roles.replica[slots] | self.incoming[slots]
         if req.epoch < self.roles.epoch and not holds.all():

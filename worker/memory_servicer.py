@@ -12,6 +12,7 @@ from grpc import aio
 
 from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.proto import common_pb2, coordinator_pb2, worker_pb2
+from shared.slots import SlotMapError, validate_slot_map
 from worker import kernels
 from worker.memory_node import (
     MemoryNode,
@@ -21,6 +22,7 @@ from worker.memory_node import (
     StaleEpoch,
     StaleForward,
 )
+from worker.registration import RegistrationRefused
 from worker.store import MemoryInputError, SlotSnapshot, as_slots, validate_k, validate_rate
 
 T = TypeVar("T")
@@ -33,6 +35,8 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (OutOfSync, grpc.StatusCode.ABORTED),
     (StaleForward, grpc.StatusCode.FAILED_PRECONDITION),
     (ReplicationError, grpc.StatusCode.UNAVAILABLE),
+    (SlotMapError, grpc.StatusCode.INVALID_ARGUMENT),
+    (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
 ]
 
 
@@ -51,6 +55,13 @@ async def _guard(context: aio.ServicerContext, work: Callable[[], Awaitable[T]])
             raise
         await context.abort(code, str(exc))
         raise  # unreachable: abort raises
+
+
+def _same_length(ids: np.ndarray, **others: np.ndarray | list[bytes] | None) -> None:
+    """Raises: MemoryInputError when a per-id field has another length than ``ids``."""
+    for name, values in others.items():
+        if values is not None and len(values) != len(ids):
+            raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(values)})")
 
 
 def quality_to_pb(q: kernels.Quality) -> common_pb2.QualityStats:
@@ -93,6 +104,7 @@ class MemoryRpcs:
             ids = ids_from_bytes(request.ids, "ids")
             strengths = f32_from_bytes(request.strengths, "strengths")
             payloads = list(request.payloads) if len(request.payloads) else None
+            _same_length(ids, strengths=strengths, payloads=payloads)
             n = await self.node.mutate(
                 request.epoch,
                 "upsert",
@@ -119,6 +131,7 @@ class MemoryRpcs:
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
             boosts = f32_from_bytes(request.boosts, "boosts")
+            _same_length(ids, boosts=boosts)
             n = await self.node.mutate(
                 request.epoch,
                 "reinforce",
@@ -224,6 +237,7 @@ class MemoryRpcs:
         """Adopt a slot map from the coordinator (older epochs are ignored)."""
 
         async def work() -> worker_pb2.ApplySlotMapResponse:
+            validate_slot_map(request)
             node = self.ensure_node(request)
             return worker_pb2.ApplySlotMapResponse(epoch=await node.apply_slot_map(request))
 
@@ -266,6 +280,11 @@ class MemoryRpcs:
             async for msg in request_iterator:
                 snap = snaps.get(msg.slot)
                 ids, strengths = ids_from_bytes(msg.ids), f32_from_bytes(msg.strengths)
+                if len(msg.payload_ids) != len(msg.payloads):
+                    raise MemoryInputError(
+                        f"slot {msg.slot}: {len(msg.payloads)} payloads for "
+                        f"{len(msg.payload_ids)} payload_ids"
+                    )
                 payloads = dict(zip(msg.payload_ids, msg.payloads, strict=True))
                 if snap is None or msg.first:
                     snaps[msg.slot] = SlotSnapshot(msg.slot, msg.seq, ids, strengths, payloads)
@@ -284,7 +303,11 @@ class MemoryRpcs:
         """Stream every held slot's data (tests and diagnostics compare copies with it)."""
         if self.node_or_none is None:
             return
-        slots = list(request.slots) or self.node.store.held_slots().tolist()
+        try:
+            chosen = as_slots(list(request.slots), self.node.store.slots)
+        except MemoryInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        slots = chosen.tolist() or self.node.store.held_slots().tolist()
         snaps = await self.node.run(lambda: [self.node.store.export_slot(s) for s in slots])
         for snap in snaps:
             for msg in slot_messages(snap, self.chunk_bytes):

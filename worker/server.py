@@ -20,6 +20,7 @@ from shared.limits import BatchLimitInterceptor, server_options
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shared.request_decoding import DecodeGuardInterceptor
 from shared.security import DaemonSecurity
 from shared.worker_clients import WorkerClients
 from worker import kernels
@@ -49,6 +50,7 @@ class WorkerServer:
         self.server = aio.server(
             interceptors=[
                 RequestLogInterceptor(self.metrics, worker_name=self.name),
+                DecodeGuardInterceptor(),
                 *self.security.interceptors(),
                 BatchLimitInterceptor(cfg.max_batch_items),
                 rpc.MetricsInterceptor(self.metrics),
