@@ -12,6 +12,7 @@ from grpc import aio
 
 from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.proto import common_pb2, coordinator_pb2, worker_pb2
+from shared.rpc import error_message
 from shared.slots import SlotMapError, validate_slot_map
 from worker import kernels
 from worker.memory_node import (
@@ -258,7 +259,13 @@ class MemoryRpcs:
                     snaps = await self.node.export_for_copy(
                         slots[i : i + 64], request.target, request.target_address
                     )
-                    m, b = await self.send_slots(request.target, request.target_address, snaps)
+                    try:
+                        m, b = await self.send_slots(request.target, request.target_address, snaps)
+                    except aio.AioRpcError as exc:
+                        raise ReplicationError(
+                            f"copying slots to {request.target} at {request.target_address} "
+                            f"failed: {error_message(exc)}"
+                        ) from None
                 memories, nbytes = memories + m, nbytes + b
             return worker_pb2.CopySlotsResponse(memories=memories, bytes=nbytes)
 

@@ -71,7 +71,8 @@ LEFT_OPEN = {"/neuroshard.v1.Coordinator/WatchJob"}  # follows a QUEUED job unti
 SKIPPED = {
     # Copies slots to the named target and forwards every later write of them there; its
     # input is the coordinator's own plan. Its slot list is checked by the store's as_slots,
-    # fuzzed in tests/unit/worker/test_fuzz_decoders.py.
+    # fuzzed in tests/unit/worker/test_fuzz_decoders.py; an unreachable target is
+    # test_copy_to_an_unreachable_worker_is_unavailable.
     "/neuroshard.v1.Worker/CopySlots",
 }
 # Examples per method: the other methods get DEFAULT_EXAMPLES.
@@ -694,3 +695,22 @@ def test_fuzzer_findings_are_refused_cleanly(cluster: Cluster, case: int) -> Non
     assert message in info.value.details()
     assert_still_serving(cluster)  # a refused map is not adopted: the epoch is unchanged
     assert cluster.kept() == before
+
+
+async def test_copy_to_an_unreachable_worker_is_unavailable(make_cluster) -> None:
+    """CopySlots (skipped by the fuzz, which must not start copies) once answered UNKNOWN
+    when its target could not be reached: the peer's AioRpcError escaped the servicer."""
+    from shared.rpc import channel
+
+    cluster = await make_cluster(workers=1, slots=S)
+    await cluster.wait_alive(1)
+    worker = cluster.workers[0]
+    epoch = cluster.coordinator.cluster.rebalancer.current.epoch
+    request = worker_pb2.CopySlotsRequest(
+        epoch=epoch, slots=[0], target="gone", target_address="127.0.0.1:1"
+    )
+    async with channel(worker.address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await worker_pb2_grpc.WorkerStub(ch).CopySlots(request, timeout=20)
+    assert info.value.code() is SC.UNAVAILABLE
+    assert "copying slots to gone" in (info.value.details() or "")
