@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,8 +152,18 @@ def data_shape(data: BuiltinData | FileData, path: Path | None, max_bytes: int) 
         )
     if y_shape[1] != np.dtype(np.int64) or y_shape[0][0] == 0:
         raise ConfigError(f"data.path: {path.name}: y must be non-empty int64 labels")
-    with np.load(path, allow_pickle=False) as npz:
-        classes = int(npz["y"].max()) + 1
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            classes = int(npz["y"].max()) + 1
+    except (
+        OSError,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+        zipfile.BadZipFile,
+        zlib.error,
+    ) as exc:
+        raise ConfigError(f"data.path: {path.name}: array 'y' is not readable ({exc})") from None
     return DataShape(int(x_shape[0][0]), tuple(int(d) for d in x_shape[0][1:]), max(classes, 2))
 
 
@@ -177,7 +188,15 @@ def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dty
                     )
                     shape, _, dtype = read(f)
                 out[info.filename[: -len(".npy")]] = (tuple(shape), np.dtype(dtype))
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+    except (
+        OSError,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+        zipfile.BadZipFile,
+        zlib.error,
+    ) as exc:
+        # NotImplementedError: a member compressed with a method zipfile lacks.
         raise ConfigError(f"{key}: {path.name} is not a readable .npz ({exc})") from None
     return out
 

@@ -181,3 +181,23 @@ async def test_a_refused_spec_queues_no_job(tmp_path: Path) -> None:
         assert cluster.state.load_jobs() == []
     finally:
         await cluster.close()
+
+
+def test_a_corrupt_archive_inside_the_roots_is_invalid(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    root = cfg.dataset_roots()[0]
+    good = root / "d.npz"
+    np.savez_compressed(good, x=np.zeros((20, 4), np.float32), y=np.arange(20, dtype=np.int64) % 2)
+    raw = bytearray(good.read_bytes())
+    # An unknown compression method (99) in every local and central header.
+    for sig, offset in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+        at = raw.find(sig)
+        while at >= 0:
+            raw[at + offset : at + offset + 2] = (99).to_bytes(2, "little")
+            at = raw.find(sig, at + 4)
+    (root / "bad.npz").write_bytes(bytes(raw))
+    (root / "junk.npz").write_bytes(b"PK\x03\x04" + os.urandom(64))
+
+    for name in ("bad.npz", "junk.npz"):
+        with pytest.raises(ConfigError, match=f"^data.path: {name}"):
+            admit(_train(data={"path": name}), cfg)
