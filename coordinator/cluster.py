@@ -20,6 +20,7 @@ from coordinator.persistence import CRASHED_TWICE, StateStore
 from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
 from coordinator.train_job import TrainJob
+from coordinator.train_sets import TrainSets
 from shared import rpc
 from shared.config import CoordinatorConfig, JobSpec
 from shared.logging import get_logger
@@ -45,6 +46,7 @@ class Cluster:
         self.metrics = metrics
         self.membership = Membership(cfg.heartbeat_timeout_s)
         self.jobs = JobStore()
+        self.train_sets = TrainSets()  # running train jobs' data, for their workers' FetchShard
         self.clients = WorkerClients(cfg.max_message_bytes, security)
         self.scheduler = Scheduler(
             self.jobs,
@@ -256,6 +258,7 @@ class Cluster:
             self.jobs,
             self.metrics,
             alive=self.membership.alive,
+            train_sets=self.train_sets,
         ).run()
 
     # -- status ---------------------------------------------------------------------------

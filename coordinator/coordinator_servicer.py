@@ -10,6 +10,7 @@ from grpc import aio
 
 from coordinator.admission import LimitExceeded
 from coordinator.cluster import Cluster, NotSlotPrimary
+from coordinator.data_servicer import DataRpcs
 from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
@@ -44,8 +45,8 @@ def job_to_pb(job: JobRecord) -> coordinator_pb2.Job:
     )
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    """Thin RPC layer over ``Cluster``."""
+class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
+    """Thin RPC layer over ``Cluster``; the data set RPCs come from ``DataRpcs``."""
 
     def __init__(self, cluster: Cluster) -> None:
         self._cluster = cluster

@@ -21,6 +21,7 @@ from coordinator.aggregation import ParameterServer, weighted_average
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
 from coordinator.train_members import Members, ShardResult
+from coordinator.train_sets import TrainSets
 from shared.config import CoordinatorConfig, TrainJobSpec
 from shared.confinement import PathRefused, with_resolved_paths
 from shared.logging import get_logger
@@ -44,11 +45,14 @@ class TrainJob:
         metrics: Metrics,
         alive: Callable[[], list[WorkerRecord]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        train_sets: TrainSets | None = None,
     ) -> None:
         assert isinstance(job.spec, TrainJobSpec)
         self.job, self.spec, self.cfg = job, job.spec, cfg
         self._jobs, self._metrics, self._clock = jobs, metrics, clock
         self._workers = workers
+        # Where the job's workers fetch their shards' rows (FetchShard) while it runs.
+        self._train_sets = train_sets if train_sets is not None else TrainSets()
         self.members = Members(
             job.job_id,
             job.spec_json,
@@ -67,6 +71,12 @@ class TrainJob:
         Raises:
             JobFailed: the spec or data was refused, or every worker failed (FAILED).
         """
+        try:
+            return await self._run()
+        finally:
+            self._train_sets.close(self.job.job_id)
+
+    async def _run(self) -> dict[str, Any]:
         spec = self.spec
         try:  # confined again: a symlink may have changed since admission
             data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
@@ -75,6 +85,9 @@ class TrainJob:
         dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
         ps = await asyncio.to_thread(ParameterServer, spec, dataset, self.cfg.allowed_imports)
         start_step = await asyncio.to_thread(self._restore, ps)
+        self._train_sets.open(
+            self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
+        )
         await self.members.start(self._workers)
         per_epoch = steps_per_epoch(len(dataset.y_train), spec.workers, spec.batch_size)
         total = spec.steps if spec.steps is not None else (spec.epochs or 1) * per_epoch

@@ -68,6 +68,7 @@ class Members:
         self.live: dict[str, Member] = {}
         self.history: dict[str, Member] = {}  # every member ever, for the result
         self._joining: dict[str, asyncio.Task[BaseException | None]] = {}
+        self.invited: set[str] = set()  # every worker asked to train: may fetch shards
         self.failures = 0
 
     async def start(self, workers: list[WorkerRecord]) -> None:
@@ -77,7 +78,10 @@ class Members:
             JobFailed: a worker refused the spec or its data (INVALID_ARGUMENT), or none
                 could start.
         """
-        errors = await asyncio.gather(*(self._join(w) for w in workers))
+        order = sorted(w.name for w in workers)  # the shard each will get (see ``assign``)
+        errors = await asyncio.gather(
+            *(self._join(w, order.index(w.name) % self.shards) for w in workers)
+        )
         for w, exc in zip(workers, errors, strict=True):
             if (
                 exc is not None
@@ -90,14 +94,20 @@ class Members:
                 f"{error_message(next(e for e in errors if e is not None))}"
             )
 
-    async def _join(self, w: WorkerRecord) -> BaseException | None:
+    async def _join(self, w: WorkerRecord, shard: int | None = None) -> BaseException | None:
+        """StartTraining on one worker with the shard it will likely compute first (it
+        fetches that shard's rows of a file data set then); None: its place by name among
+        the live members."""
+        if shard is None:
+            shard = sorted([*self.live, w.name]).index(w.name) % self.shards
         stub = self._clients.stub(w.name, w.address)
+        self.invited.add(w.name)  # before StartTraining: the worker fetches its shard in it
         try:
             await stub.StartTraining(
                 worker_pb2.StartTrainingRequest(
                     job_id=self.job_id,
                     spec_json=self.spec_json,
-                    shard_index=0,
+                    shard_index=shard,
                     shard_count=self.shards,
                 ),
                 timeout=self._rpc_timeout_s,

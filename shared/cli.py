@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_memory_commands(client_parser("memory", "memory store operations"))
+    from shared.cli_data import add_data_commands
+
+    add_data_commands(client_parser("data", "data sets in the coordinator's data roots"))
     return p
 
 

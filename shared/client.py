@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,6 +25,13 @@ from grpc import aio
 
 from shared import rpc
 from shared.codec import f32_from_bytes, ids_from_bytes
+from shared.dataset_client import (
+    UploadRefused,
+    entries_from_pb,
+    info_from_pb,
+    put_file,
+    upload_timeout_s,
+)
 from shared.memory_client import MemoryRouter, RoutingError
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.security import ChannelSecurity, explain_unavailable
@@ -187,6 +195,57 @@ class Client:
             final = job
         assert final is not None
         return final
+
+    async def put_dataset(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        replace: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Upload a local ``.npz`` to the coordinator's first data root as ``NAME.npz``; a
+        job then names it ``data: {path: NAME.npz}`` (or ``load: NAME.npz``).
+
+        Args:
+            path: the file: arrays ``x`` float32 [N, ...] and ``y`` int64 [N] (a training
+                set) or ``ids`` and ``strengths`` (a memory set).
+            name: ``[A-Za-z0-9][A-Za-z0-9._-]*``, at most 128 characters; default the
+                file's stem; a trailing ``.npz`` is dropped.
+            replace: overwrite a data set of that name.
+            progress: called with each chunk's size in bytes as it is sent.
+
+        Returns:
+            ``name``, ``path`` (in the data root), ``bytes``, ``sha256`` (hex), ``kind``
+            (``train`` or ``memory``) and ``arrays`` (name, dtype, shape of each).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT (no such local file, a bad name, not a valid
+                data set), RESOURCE_EXHAUSTED (over the coordinator's max_dataset_bytes),
+                ALREADY_EXISTS (the name is taken and ``replace`` is false), UNAVAILABLE.
+        """
+        p = Path(path)
+        if not await asyncio.to_thread(p.is_file):
+            raise NeuroshardError(f"{p}: no such file", grpc.StatusCode.INVALID_ARGUMENT)
+        size = (await asyncio.to_thread(p.stat)).st_size
+        header = coordinator_pb2.DatasetHeader(
+            name=p.stem if name is None else name, total_bytes=size, replace=replace
+        )
+        try:
+            info = await put_file(
+                self._stub, p, header, progress, upload_timeout_s(self.timeout_s, size)
+            )
+        except aio.AioRpcError as exc:
+            raise _error(exc, self.address, self._security) from None
+        except UploadRefused as exc:
+            raise NeuroshardError(str(exc), exc.code) from None
+        return info_from_pb(info)
+
+    async def list_datasets(self) -> list[dict[str, Any]]:
+        """The .npz and .npy files in the coordinator's data roots: ``path`` (relative to
+        its root), ``bytes``, ``modified_at`` (unix seconds), ``root`` (index)."""
+        return entries_from_pb(
+            await self._call("ListDatasets", coordinator_pb2.ListDatasetsRequest())
+        )
 
     async def status(self) -> dict[str, Any]:
         """Cluster status: ``workers`` (name, address, state, device, ...) and job counts."""

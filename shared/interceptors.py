@@ -127,6 +127,9 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
             self._bind(method, request)
             start = time.perf_counter()
+            # Asked now: after a streaming RPC ended (aborted, cancelled) the call may be gone,
+            # and grpc_call_get_peer on it crashed the process.
+            peer = context.peer() if self._debug else ""
             exc: BaseException | None = None
             try:
                 yield
@@ -140,19 +143,19 @@ class RequestLogInterceptor(aio.ServerInterceptor):
                     child = by_code[code] = counter.labels(method, code)
                 child.inc()
                 if self._debug:
-                    self._log(method, code, context, time.perf_counter() - start)
+                    self._log(method, code, peer, time.perf_counter() - start)
 
         return around
 
     @staticmethod
-    def _log(method: str, code: str, context: aio.ServicerContext, seconds: float) -> None:
+    def _log(method: str, code: str, peer: str, seconds: float) -> None:
         from shared.auth import current_principal
 
         p = current_principal()
         log.debug(
             "rpc_served",
             method=method,
-            peer=context.peer(),
+            peer=peer,
             status=code,
             subject=p.subject if p else None,
             role=p.role if p else None,

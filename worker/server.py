@@ -27,6 +27,7 @@ from worker import kernels
 from worker.journal import Journal, JournalError, lock_data_dir, recover
 from worker.memory_node import MemoryNode
 from worker.registration import Registration, RegistrationRefused
+from worker.shards import ShardFetcher
 from worker.store import SlotStore
 from worker.training import TrainingSessions
 from worker.worker_servicer import WorkerServicer
@@ -66,6 +67,12 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.coordinator_channel = rpc.channel(
             cfg.coordinator, cfg.max_message_bytes, self.security.channel
+        )
+        # File data sets' rows come from the coordinator over this channel (no shared disk).
+        self.sessions.fetcher = ShardFetcher(
+            coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel),
+            self.name,
+            cfg.rpc_timeout_s,
         )
         self.address = ""
         self.data_dir = Path(cfg.data_dir)

@@ -3,7 +3,7 @@
 Each step the coordinator sends the current parameters (``set_params``), or only their version
 when this worker already holds them, and asks for the gradients of the mean cross-entropy over
 this shard's mini-batch (``compute_gradients``). Pure CPU torch, no networking: the worker
-daemon calls it in a thread.
+daemon calls it in a thread, and fetches the rows of file data sets (``worker.shards``) before.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from shared.config import TrainJobSpec
-from shared.training.data import batch_indices, load_dataset, shard_bounds
+from shared.training.data import batch_indices, shard_bounds
 from shared.training.models import build_model, check_param_arrays, param_shapes
+from worker.shards import TrainData
 
 
 class TrainerError(RuntimeError):
@@ -55,10 +56,14 @@ class Trainer:
         torch_threads: ``torch.set_num_threads`` value. Note: this setting is process-wide.
         allowed_imports: this worker's ``allowed_imports`` (an import model must be listed).
         daemon: ``worker NAME``, for a refusal's message.
+        data: the job's training rows held here (at least this shard's); None makes a
+            built-in data set here.
 
     Raises:
         ImportNotAllowed: the model's module is not allowed here (PERMISSION_DENIED).
-        DataError: the job's data cannot be loaded (INVALID_ARGUMENT).
+        DataError: the job's data cannot be loaded, or ``data`` is None for a file data set
+            (INVALID_ARGUMENT).
+        ShardMissing: ``data`` does not hold this shard (FAILED_PRECONDITION).
         ModelError: the job's model cannot be built (INVALID_ARGUMENT).
         ValueError: bad shard_index/shard_count (INVALID_ARGUMENT).
     """
@@ -71,21 +76,20 @@ class Trainer:
         torch_threads: int = 1,
         allowed_imports: Sequence[str] = (),
         daemon: str = "worker",
+        data: TrainData | None = None,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.spec = spec
-        self.dataset = load_dataset(spec.data, spec.seed, spec.test_fraction)
+        self.data = data if data is not None else TrainData.local(spec)
         self.model: nn.Module = build_model(
             spec.model,
-            self.dataset.input_shape,
-            self.dataset.num_classes,
+            self.data.input_shape,
+            self.data.num_classes,
             spec.seed,
             allowed_imports,
             daemon,
         )
         self._params = dict(self.model.named_parameters())
-        self._x_train = torch.from_numpy(self.dataset.x_train)
-        self._y_train = torch.from_numpy(self.dataset.y_train)
         self.params_version: int | None = None
         self.shard_index = 0
         self.shard_count = 1
@@ -94,7 +98,7 @@ class Trainer:
     @property
     def n_train(self) -> int:
         """Training rows of the whole data set (all shards)."""
-        return len(self.dataset.y_train)
+        return self.data.n_train
 
     @property
     def train_samples(self) -> int:
@@ -107,8 +111,9 @@ class Trainer:
 
         Raises:
             ValueError: shard_count < 1 or shard_index outside [0, shard_count).
+            ShardMissing: the shard's rows are not held here (FAILED_PRECONDITION).
         """
-        shard_bounds(self.n_train, shard_index, shard_count)  # validates
+        self.data.rows((shard_index, shard_count))  # validates
         self.shard_index, self.shard_count = shard_index, shard_count
 
     def set_params(self, params: dict[str, np.ndarray], version: int) -> None:
@@ -150,8 +155,9 @@ class Trainer:
             zeros = {n: np.zeros(tuple(p.shape), np.float32) for n, p in self._params.items()}
             return GradResult(zeros, samples=0, loss_sum=0.0, correct=0, compute_s=0.0)
         t0 = time.perf_counter()
-        index = torch.from_numpy(rows)
-        x, y = self._x_train[index], self._y_train[index]
+        shard = self.data.rows((self.shard_index, self.shard_count))
+        local = rows - shard.start  # global row indices -> this shard's rows
+        x, y = torch.from_numpy(shard.x[local]), torch.from_numpy(shard.y[local])
         self.model.zero_grad(set_to_none=True)
         logits = self.model(x)
         loss = nn.functional.cross_entropy(logits, y)

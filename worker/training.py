@@ -1,4 +1,9 @@
-"""The training jobs this worker takes part in: one ``Trainer`` per job id."""
+"""The training jobs this worker takes part in: one ``Trainer`` per job id.
+
+A file data set's rows come from the coordinator (``worker.shards.ShardFetcher``): the shard
+given at StartTraining is fetched before the trainer is built, and a shard handed over later
+(a dead worker's) is fetched before its first step here.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shared.config import ConfigError, TrainJobSpec, job_spec_from_json
+from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.confinement import check_imports
+from shared.training.data import DataError
+from worker.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.trainer import GradResult, Trainer
 
 
@@ -18,11 +25,17 @@ class UnknownTrainingJob(KeyError):
 
 
 class TrainingSessions:
-    """Trainers by job id. Torch work runs on one dedicated thread, off the event loop."""
+    """Trainers by job id. Torch work runs on one dedicated thread, off the event loop.
+
+    ``fetcher`` gets file data sets' shards from the coordinator; the worker server sets it
+    once its coordinator channel exists (None: file data sets are refused).
+    """
 
     def __init__(
         self, torch_threads: int, allowed_imports: Sequence[str] = (), name: str = ""
     ) -> None:
+        self.fetcher: ShardFetcher | None = None
+        self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, ShardRows]]] = {}
         self._torch_threads = torch_threads
         self._allowed_imports = tuple(allowed_imports)
         self._daemon = f"worker {name}".strip()
@@ -38,11 +51,17 @@ class TrainingSessions:
             ConfigError: the spec is invalid or not a train spec (INVALID_ARGUMENT).
             ImportNotAllowed: the spec imports a module this worker's ``allowed_imports``
                 does not list (PERMISSION_DENIED); nothing is imported or loaded.
+            DataError: the data set cannot be made, or the fetched shard is malformed
+                (INVALID_ARGUMENT).
+            ShardFetchError: the coordinator did not deliver the shard (its status).
         """
         spec = job_spec_from_json(spec_json)
         if not isinstance(spec, TrainJobSpec):
             raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
         check_imports(spec, self._allowed_imports, self._daemon)
+        data = None  # a built-in data set is made on the torch thread by the Trainer
+        if isinstance(spec.data, FileData):
+            data, _rows = await self._fetch(job_id, (shard_index, shard_count))
         loop = asyncio.get_running_loop()
         trainer = await loop.run_in_executor(
             self._executor,
@@ -53,6 +72,7 @@ class TrainingSessions:
             self._torch_threads,
             self._allowed_imports,
             self._daemon,
+            data,
         )
         self._trainers[job_id] = trainer
         return int(trainer.train_samples)
@@ -64,10 +84,36 @@ class TrainingSessions:
         except KeyError:
             raise UnknownTrainingJob(f"no training session for job {job_id!r}") from None
 
+    async def _fetch(self, job_id: str, shard: Shard) -> tuple[TrainData, ShardRows]:
+        """Fetch ``shard`` from the coordinator: a ``TrainData`` holding it, and its rows.
+        Concurrent asks for the same shard share one fetch."""
+        if self.fetcher is None:
+            raise DataError("data.path: this worker has no coordinator to fetch shards from")
+        key = (job_id, shard)
+        pending = self._fetching.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self.fetcher.fetch(job_id, shard))
+            self._fetching[key] = pending
+            pending.add_done_callback(lambda _f: self._fetching.pop(key, None))
+        return await asyncio.shield(pending)
+
     async def compute(
-        self, trainer: Trainer, epoch: int, step_in_epoch: int, shard: tuple[int, int]
+        self,
+        job_id: str,
+        trainer: Trainer,
+        epoch: int,
+        step_in_epoch: int,
+        shard: tuple[int, int],
     ) -> GradResult:
-        """Gradients of one step on the torch thread."""
+        """Gradients of one step on the torch thread, fetching the shard's rows first when
+        they are not held here (a shard handed over from another worker).
+
+        Raises:
+            ShardFetchError, DataError: as :meth:`start`.
+        """
+        if not trainer.data.has(shard):
+            _data, rows = await self._fetch(job_id, shard)
+            await asyncio.to_thread(trainer.data.add, shard, rows)  # checks the rows
         loop = asyncio.get_running_loop()
 
         def work() -> GradResult:
@@ -86,6 +132,8 @@ class TrainingSessions:
         self._trainers.pop(job_id, None)
 
     def close(self) -> None:
-        """Drop every trainer and stop the torch thread."""
+        """Drop every trainer, cancel shard fetches and stop the torch thread."""
+        for pending in list(self._fetching.values()):
+            pending.cancel()
         self._trainers.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

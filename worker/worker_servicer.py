@@ -15,6 +15,7 @@ from shared.training.data import DataError
 from shared.worker_clients import WorkerClients
 from worker.memory_node import MemoryNode
 from worker.memory_servicer import MemoryRpcs, slot_messages
+from worker.shards import ShardFetchError, ShardMissing
 from worker.store import SlotSnapshot
 from worker.training import TrainingSessions, UnknownTrainingJob
 
@@ -60,6 +61,8 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
 
         INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
         PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
+        A file data set's shard is fetched from the coordinator: when that fails, FetchShard's
+        status (NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE, ...).
         """
         if request.shard_count < 1 or request.shard_index >= request.shard_count:
             await context.abort(
@@ -74,6 +77,8 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ImportNotAllowed as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ShardFetchError as exc:
+            await context.abort(exc.code, str(exc))
         return worker_pb2.StartTrainingResponse(train_samples=n)
 
     async def ComputeGradients(
@@ -84,7 +89,9 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
         """Receive a step header (and parameters when included); stream back the step result
         and one float32 gradient per parameter (of the mean loss over the mini-batch).
 
-        FAILED_PRECONDITION: unknown job. INVALID_ARGUMENT: malformed stream.
+        FAILED_PRECONDITION: unknown job. INVALID_ARGUMENT: malformed stream, or a malformed
+        shard from the coordinator. A shard not held here is fetched from the coordinator
+        first; when that fails, FetchShard's status.
         """
         try:
             header, params = await read_header_and_tensors(request_iterator, "header", "param")
@@ -103,9 +110,23 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
         elif trainer.params_version != header.params_version:
             yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
             return
-        res = await self._sessions.compute(
-            trainer, header.epoch, header.step_in_epoch, (header.shard_index, header.shard_count)
-        )
+        try:
+            res = await self._sessions.compute(
+                header.job_id,
+                trainer,
+                header.epoch,
+                header.step_in_epoch,
+                (header.shard_index, header.shard_count),
+            )
+        except ShardFetchError as exc:
+            await context.abort(exc.code, str(exc))
+            return
+        except DataError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        except ShardMissing as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return
         yield worker_pb2.GradientResponse(
             result=worker_pb2.StepResult(
                 samples=res.samples,

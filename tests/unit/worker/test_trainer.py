@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shared.config import TrainJobSpec
-from shared.training.data import batch_indices
+from shared.training.data import batch_indices, load_dataset
 from shared.training.models import build_model
 from worker.trainer import Trainer, TrainerError
 
@@ -33,8 +33,9 @@ def test_shard_size_and_version(trainer: Trainer) -> None:
 def test_gradients_are_of_the_mean_loss_over_the_shard_batch(trainer: Trainer) -> None:
     rows = batch_indices(1437, 1, 3, 32, epoch=2, step_in_epoch=3, seed=0)
     model = build_model(make_spec().model, (1, 8, 8), 10, seed=0)
-    x = torch.from_numpy(trainer.dataset.x_train[rows])
-    y = torch.from_numpy(trainer.dataset.y_train[rows])
+    full = load_dataset(make_spec().data, seed=0, test_fraction=make_spec().test_fraction)
+    x = torch.from_numpy(full.x_train[rows])
+    y = torch.from_numpy(full.y_train[rows])
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
 

@@ -1,0 +1,180 @@
+"""The ``neuroshard.v1.Coordinator`` service, data set RPCs: PutDataset and ListDatasets (for
+people, ``neuroshard data put|ls``) and FetchShard (for the workers of a train job).
+
+Validation and mapping only; the work is in ``coordinator.dataset_store`` (uploads and
+listing, blocking file I/O run in a thread) and ``coordinator.train_sets`` (the rows of
+running jobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from coordinator.cluster import Cluster
+from coordinator.dataset_check import DatasetInvalid, DatasetTooLarge
+from coordinator.dataset_store import (
+    DatasetExists,
+    DatasetNameError,
+    StoredDataset,
+    Upload,
+    UploadError,
+    list_datasets,
+)
+from coordinator.train_sets import BadShard, NotJobMember, ShardNotServed
+from shared.auth import current_principal
+from shared.codec import tensors_to_chunks
+from shared.logging import get_logger
+from shared.proto import coordinator_pb2
+
+log = get_logger("coordinator.data")
+
+# Domain errors of the data set RPCs and the status each maps to.
+_STATUS: dict[type[Exception], grpc.StatusCode] = {
+    DatasetNameError: grpc.StatusCode.INVALID_ARGUMENT,
+    DatasetInvalid: grpc.StatusCode.INVALID_ARGUMENT,
+    UploadError: grpc.StatusCode.INVALID_ARGUMENT,
+    DatasetTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DatasetExists: grpc.StatusCode.ALREADY_EXISTS,
+    ShardNotServed: grpc.StatusCode.NOT_FOUND,
+    NotJobMember: grpc.StatusCode.PERMISSION_DENIED,
+    BadShard: grpc.StatusCode.INVALID_ARGUMENT,
+}
+_ERRORS = tuple(_STATUS)
+
+
+async def _abort(context: aio.ServicerContext, exc: Exception) -> None:
+    message = str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)
+    await context.abort(_STATUS[type(exc)], message)
+
+
+def info_to_pb(stored: StoredDataset) -> coordinator_pb2.DatasetInfo:
+    """A stored data set as its wire form."""
+    return coordinator_pb2.DatasetInfo(
+        name=stored.name,
+        path=stored.path,
+        bytes=stored.bytes,
+        sha256=stored.sha256,
+        kind=stored.kind,
+        arrays=[
+            coordinator_pb2.DatasetArray(name=a.name, dtype=a.dtype, shape=list(a.shape))
+            for a in stored.arrays
+        ],
+    )
+
+
+class DataRpcs:
+    """PutDataset, ListDatasets and FetchShard, mixed into ``CoordinatorServicer``."""
+
+    _cluster: Cluster
+
+    async def PutDataset(
+        self,
+        request_iterator: AsyncIterator[coordinator_pb2.DatasetChunk],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[coordinator_pb2.DatasetReply]:
+        """Store a streamed .npz as NAME.npz in the first data root: reply ``accepted`` to
+        the header, then ``stored`` once the bytes are in place.
+
+        INVALID_ARGUMENT: no header first, a bad ``name``, a byte count other than declared,
+        or not a valid data set. RESOURCE_EXHAUSTED: over ``max_dataset_bytes`` (names the
+        cap and the size). ALREADY_EXISTS: the name is taken and ``replace`` is false.
+        Nothing is left in the data root when the upload is refused or cancelled.
+        """
+        cfg = self._cluster.cfg
+        upload: Upload | None = None
+        try:
+            async for msg in request_iterator:
+                if msg.HasField("header"):
+                    if upload is not None:
+                        raise UploadError("a second DatasetHeader in the stream")
+                    h = msg.header
+                    upload = await asyncio.to_thread(
+                        Upload,
+                        cfg.dataset_roots()[0],
+                        h.name,
+                        h.total_bytes,
+                        cfg.max_dataset_bytes,
+                        h.replace,
+                    )
+                    yield coordinator_pb2.DatasetReply(accepted=coordinator_pb2.DatasetAccepted())
+                elif upload is None:
+                    raise UploadError("the stream must start with a DatasetHeader")
+                else:
+                    await asyncio.to_thread(upload.write, msg.data)
+            if upload is None:
+                raise UploadError("the stream must start with a DatasetHeader")
+            stored = await asyncio.to_thread(upload.commit)
+        except _ERRORS as exc:
+            await _abort(context, exc)
+            return
+        finally:
+            if upload is not None:
+                upload.discard()  # a cancelled or failed stream leaves nothing (no-op if kept)
+        principal = current_principal()
+        log.info(
+            "dataset_stored",
+            name=stored.name,
+            bytes=stored.bytes,
+            sha256=stored.sha256,
+            kind=stored.kind,
+            owner=principal.subject if principal else None,
+        )
+        yield coordinator_pb2.DatasetReply(stored=info_to_pb(stored))
+
+    async def ListDatasets(
+        self, request: coordinator_pb2.ListDatasetsRequest, context: aio.ServicerContext
+    ) -> coordinator_pb2.ListDatasetsResponse:
+        """The .npz and .npy files in the data roots (relative path, bytes, mtime, root)."""
+        entries = await asyncio.to_thread(list_datasets, self._cluster.cfg.dataset_roots())
+        return coordinator_pb2.ListDatasetsResponse(
+            datasets=[
+                coordinator_pb2.DatasetEntry(
+                    path=e.path, bytes=e.bytes, modified_at=e.modified_at, root=e.root
+                )
+                for e in entries
+            ]
+        )
+
+    async def FetchShard(
+        self, request: coordinator_pb2.FetchShardRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.ShardChunk]:
+        """Stream one shard's training rows of a running train job to one of its workers:
+        a ShardHeader, then TensorChunks of ``x`` [rows, ...] float32 and ``y`` [rows] int64.
+
+        INVALID_ARGUMENT: no worker name, or a shard that is not the job's.
+        PERMISSION_DENIED: the worker is not part of the job (under auth, the interceptor
+        has already refused a worker token naming another worker in ``worker``).
+        NOT_FOUND: no running train job with that id.
+        """
+        if not request.worker:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: a name is required")
+        try:
+            rows = self._cluster.train_sets.shard(
+                request.job_id, request.worker, request.shard_index, request.shard_count
+            )
+        except _ERRORS as exc:
+            await _abort(context, exc)
+            return
+        log.info(
+            "shard_served",
+            job_id=request.job_id,
+            worker=request.worker,
+            shard=request.shard_index,
+            rows=rows.stop - rows.start,
+        )
+        yield coordinator_pb2.ShardChunk(
+            header=coordinator_pb2.ShardHeader(
+                n_train=rows.n_train,
+                input_shape=list(rows.input_shape),
+                num_classes=rows.num_classes,
+                start=rows.start,
+                stop=rows.stop,
+            )
+        )
+        chunk_bytes = self._cluster.cfg.chunk_bytes
+        for chunk in tensors_to_chunks((("x", rows.x), ("y", rows.y)), chunk_bytes):
+            yield coordinator_pb2.ShardChunk(rows=chunk)

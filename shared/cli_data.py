@@ -1,0 +1,146 @@
+"""``neuroshard data ...``: put a data set into the coordinator's data roots, list them.
+
+A job then names an uploaded set by its file name: ``data: {path: NAME.npz}`` (train) or
+``load: NAME.npz`` (memory). The coordinator validates the file as it arrives and serves the
+workers their shards' rows itself, so no filesystem is shared between the machines.
+A missing local file exits 2; a refusal by the coordinator exits 2 when it is
+INVALID_ARGUMENT, else 1 (``shared.cli.main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from shared.cli_security import add_client_flags, client_security_of
+
+EXIT_OK, EXIT_USAGE = 0, 2
+Command = Callable[[argparse.Namespace], int]
+_USE = {"train": "data: {{path: {path}}}", "memory": "load: {path}"}
+
+
+@contextlib.contextmanager
+def _bytes_bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar in bytes on stderr when it is a terminal; yields ``advance(n)``."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from shared.cli_output import err_console
+
+    columns = (
+        what,
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(
+        *columns, console=err_console, disable=not err_console.is_terminal, transient=True
+    ) as progress:
+        task = progress.add_task(what, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def cmd_put(args: argparse.Namespace) -> int:
+    """Upload an .npz (x, y or ids, strengths) to the coordinator as NAME.npz."""
+    from shared.client import SyncClient
+
+    path = Path(args.file)
+    if not path.is_file():
+        print(f"error: {path}: no such file", file=sys.stderr)
+        return EXIT_USAGE
+    security = client_security_of(args)
+    with (
+        SyncClient(args.coordinator, security=security) as client,
+        _bytes_bar(f"uploading {path.name}", path.stat().st_size) as advance,
+    ):
+        info = client.put_dataset(path, name=args.name, replace=args.replace, progress=advance)
+    if args.json:
+        print(json.dumps(info))
+        return EXIT_OK
+    _print_info(info)
+    return EXIT_OK
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    print(f"stored {info['path']}: {info['bytes']} bytes, sha256 {info['sha256']}")
+    for a in info["arrays"]:
+        print(f"  {a['name']}: {a['dtype']} {a['shape']}")
+    use = _USE.get(info["kind"])
+    if use is not None:
+        print(f"use it in a {info['kind']} job as  {use.format(path=info['path'])}")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """List the .npz and .npy files in the coordinator's data roots."""
+    from shared.client import SyncClient
+
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
+        listed = client.list_datasets()
+    if args.json:
+        print(json.dumps(listed, indent=2))
+        return EXIT_OK
+    _print_listing(listed)
+    return EXIT_OK
+
+
+def _print_listing(listed: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    from shared.cli_output import out_console
+
+    if not listed:
+        out_console.print("no data sets (neuroshard data put FILE.npz adds one)")
+        return
+    table = Table()
+    for col in ("path", "bytes", "modified", "root"):
+        table.add_column(col)
+    for e in listed:
+        when = dt.datetime.fromtimestamp(e["modified_at"]).isoformat(timespec="seconds")
+        table.add_row(e["path"], str(e["bytes"]), when, str(e["root"]))
+    out_console.print(table)
+
+
+def add_data_commands(parser: argparse.ArgumentParser) -> None:
+    """Add ``put`` and ``ls`` under ``data``.
+
+    ``--coordinator`` and the TLS and token flags are accepted before or after the
+    subcommand.
+    """
+    sub = parser.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_: str, func: Command) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=func.__doc__)
+        sp.add_argument(
+            "--coordinator",
+            default=argparse.SUPPRESS,
+            help="coordinator HOST:PORT (default $NEUROSHARD_COORDINATOR or localhost:50051)",
+        )
+        add_client_flags(sp, suppress=True)
+        sp.set_defaults(func=func)
+        return sp
+
+    p = command("put", "upload an .npz data set to the coordinator's data root", cmd_put)
+    p.add_argument(
+        "file", help=".npz with x [N, ...] float32 and y [N] int64, or ids and strengths"
+    )
+    p.add_argument(
+        "--name",
+        help="name to store it as NAME.npz ([A-Za-z0-9][A-Za-z0-9._-]*; default: the file's stem)",
+    )
+    p.add_argument("--replace", action="store_true", help="overwrite a data set of that name")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    ls = command("ls", "list the data sets in the coordinator's data roots", cmd_ls)
+    ls.add_argument("--json", action="store_true", help="print a JSON list")
