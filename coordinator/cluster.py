@@ -13,6 +13,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.admission import admit
+from coordinator.dataset_store import remove_stale_uploads
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.membership import Membership, WorkerRecord, WorkerState
 from coordinator.memory_ops import MemoryOps
@@ -47,6 +48,9 @@ class Cluster:
         self.membership = Membership(cfg.heartbeat_timeout_s)
         self.jobs = JobStore()
         self.train_sets = TrainSets()  # running train jobs' data, for their workers' FetchShard
+        stale = remove_stale_uploads(cfg.dataset_roots()[0])
+        if stale:
+            log.info("stale_uploads_removed", files=len(stale))
         self.clients = WorkerClients(cfg.max_message_bytes, security)
         self.scheduler = Scheduler(
             self.jobs,

@@ -185,6 +185,17 @@ class Upload:
         self.tmp.unlink(missing_ok=True)
 
 
+def remove_stale_uploads(root: Path) -> list[str]:
+    """Remove the temporary files of uploads a previous process did not finish (call at
+    start, before any upload); return their names."""
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.glob(f".*{_PART_SUFFIX}") if p.is_file()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return [p.name for p in stale]
+
+
 def _fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable (POSIX: fsync the directory)."""
     fd = os.open(path, os.O_RDONLY)

@@ -19,6 +19,7 @@ from coordinator.dataset_store import (
     UploadError,
     dataset_name,
     list_datasets,
+    remove_stale_uploads,
 )
 
 MiB = 1 << 20
@@ -204,3 +205,15 @@ def test_listing_skips_uploads_in_progress_and_symlinks_out_of_the_root(tmp_path
         ("o.npz", 2, 1),
     ]
     assert all(e.modified_at > 0 for e in entries)
+
+
+def test_uploads_left_by_a_crash_are_removed_at_start(tmp_path: Path) -> None:
+    Upload(tmp_path, "interrupted", 100, MiB, False).write(b"x")  # never committed
+    put(tmp_path, "kept", train_set())
+    (tmp_path / ".notes").write_text("not ours")
+
+    removed = remove_stale_uploads(tmp_path)
+
+    assert len(removed) == 1 and removed[0].startswith(".interrupted.npz.")
+    assert sorted(os.listdir(tmp_path)) == [".notes", "kept.npz"]
+    assert remove_stale_uploads(tmp_path / "missing") == []
