@@ -279,3 +279,57 @@ async def test_fetch_shard_is_refused_to_a_worker_outside_the_job(
     assert unknown.code() is grpc.StatusCode.NOT_FOUND
     assert ended.code() is grpc.StatusCode.NOT_FOUND  # the job's rows are dropped at its end
     assert fetches(cluster, "PERMISSION_DENIED") == 1
+
+
+async def test_under_tls_and_tokens_writers_put_readers_list_and_workers_fetch(
+    make_cluster, tmp_path: Path
+) -> None:
+    from shared.certs import write_dev_certs
+    from shared.client import Client
+    from shared.config import AuthConfig, TlsConfig
+    from shared.security import client_security
+    from shared.tokens import create_token, read_private_key, write_keypair
+
+    certs = write_dev_certs(tmp_path / "certs")
+    private, public = write_keypair(tmp_path / "auth")
+    key = read_private_key(private)
+    (tmp_path / "auth" / "pool.token").write_text(
+        create_token(key, "worker", "pool", 300, names="worker-*")
+    )
+    tls = TlsConfig(
+        ca_file=str(certs.ca_cert), cert_file=str(certs.node_cert), key_file=str(certs.node_key)
+    )
+    worker_auth = AuthConfig(
+        public_key_file=str(public), token_file=str(tmp_path / "auth" / "pool.token")
+    )
+    cluster = await make_cluster(
+        workers=2,
+        tls=tls,
+        auth=AuthConfig(public_key_file=str(public), private_key_file=str(private)),
+        worker_overrides={"tls": tls, "auth": worker_auth},
+    )
+
+    def person(role: str) -> Client:
+        token = create_token(key, role, f"a-{role}", 300)
+        security = client_security(
+            str(certs.ca_cert), str(certs.client_cert), str(certs.client_key), token=token
+        )
+        return Client(cluster.address, security=security)
+
+    src = write_npz(tmp_path / "blobs.npz", **blobs())
+    reader, writer = person("reader"), person("writer")
+    with pytest.raises(NeuroshardError) as denied:
+        await reader.put_dataset(src)
+    await writer.put_dataset(src)
+    listed = await reader.list_datasets()
+    job = await writer.submit(
+        {"kind": "train", "workers": 2, "data": {"path": "blobs.npz"}, "epochs": 2}
+    )
+    final = await writer.wait(job.job_id)
+    await reader.close()
+    await writer.close()
+
+    assert denied.value.code is grpc.StatusCode.PERMISSION_DENIED
+    assert [e["path"] for e in listed] == ["blobs.npz"]
+    assert final.state == "SUCCEEDED", final.error
+    assert fetches(cluster) == 2  # under the shared worker-* token, each as itself
