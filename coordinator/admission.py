@@ -86,7 +86,7 @@ def admit(spec_json: str, cfg: CoordinatorConfig) -> JobSpec:
     check_imports(spec, cfg.allowed_imports, "coordinator")
     paths = resolve_data_paths(spec, cfg.dataset_roots())
     for key, path in paths.items():
-        _cap(key, _file_size(key, path), cfg.max_dataset_bytes, "max_dataset_bytes", " bytes")
+        _cap(key, _data_bytes(key, path), cfg.max_dataset_bytes, "max_dataset_bytes", " bytes")
     if isinstance(spec, TrainJobSpec):
         _admit_train(spec, paths.get("data.path"), cfg)
     else:
@@ -99,6 +99,20 @@ def _file_size(key: str, path: Path) -> int:
     if not path.is_file():
         raise ConfigError(f"{key}: no file {path.name!r} in the coordinator's data roots")
     return path.stat().st_size
+
+
+def _data_bytes(key: str, path: Path) -> int:
+    """Bytes a file holds once loaded: the file's size, or for an ``.npz`` (a zip archive,
+    possibly compressed) the sum of its arrays' sizes from their headers, whichever is larger.
+
+    Raises:
+        ConfigError: missing file, or an archive whose headers cannot be read.
+    """
+    size = _file_size(key, path)
+    if not zipfile.is_zipfile(path):
+        return size
+    arrays = npz_headers(key, path).values()
+    return max(size, sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays))
 
 
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:

@@ -201,3 +201,14 @@ def test_a_corrupt_archive_inside_the_roots_is_invalid(tmp_path: Path) -> None:
     for name in ("bad.npz", "junk.npz"):
         with pytest.raises(ConfigError, match=f"^data.path: {name}"):
             admit(_train(data={"path": name}), cfg)
+
+
+def test_a_compressed_archive_counts_its_arrays_not_its_file(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, max_dataset_bytes=64 * 1024)
+    root = cfg.dataset_roots()[0]
+    x = np.zeros((1000, 64), np.float32)  # 256,000 bytes of zeros: a tiny compressed file
+    np.savez_compressed(root / "zeros.npz", x=x, y=np.zeros(1000, np.int64))
+    assert (root / "zeros.npz").stat().st_size < 64 * 1024
+
+    with pytest.raises(LimitExceeded, match=r"^data.path: 264000 bytes exceeds"):
+        admit(_train(data={"path": "zeros.npz"}), cfg)
