@@ -106,7 +106,11 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
             return
         if header.params_included:
-            await self._sessions.set_params(trainer, params, header.params_version)
+            try:
+                await self._sessions.set_params(trainer, params, header.params_version)
+            except ValueError as exc:  # names or shapes that are not the model's
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"param: {exc}")
+                return
         elif trainer.params_version != header.params_version:
             yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
             return

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from coordinator.coordinator_servicer import CoordinatorServicer
 from coordinator.server import CoordinatorServer
-from shared.codec import CodecError, read_header_and_tensors, tensors_to_chunks
+from shared.codec import tensors_to_chunks
 from shared.config import ConfigError, CoordinatorConfig, WorkerConfig, job_spec_from_json
 from shared.proto import (
     common_pb2,
@@ -472,32 +472,6 @@ def _queued_only(text: str) -> str:
     return json.dumps(doc)
 
 
-def _around_known_bug(stream: list[bytes], c: Cluster) -> list[bytes]:
-    """Send a parameter load for the started job only when its names and shapes are the
-    model's: other ones hit a known bug (``test_compute_gradients_with_wrong_parameters_...``)
-    and go to an unknown job instead, so the rest of the fuzz keeps its strict check."""
-    msgs = [_parse(worker_pb2.GradientRequest, raw) for raw in stream]
-    if any(m is None for m in msgs):
-        return stream  # refused at the undecodable message, before any parameter is set
-
-    async def each() -> Any:
-        for m in msgs:
-            yield m
-
-    try:
-        header, params = asyncio.run(read_header_and_tensors(each(), "header", "param"))
-    except CodecError:
-        return stream
-    if header is None or not header.params_included or header.job_id not in _trainers(c):
-        return stream
-    if {n: a.shape for n, a in params.items()} == {n: a.shape for n, a in _params(c)}:
-        return stream  # every trainer here is TINY_TRAIN's model (see _make_safe)
-    for m in msgs:
-        if m.WhichOneof("part") == "header":
-            m.header.job_id = "fuzz-unknown"
-    return [m.SerializeToString() for m in msgs]
-
-
 # --- calling ---------------------------------------------------------------------------------
 
 
@@ -571,8 +545,6 @@ def test_fuzzed_requests_get_clean_statuses_and_change_nothing(
     def fuzz_method(request: Any) -> None:
         if isinstance(request, list):
             request = [r for r in map(safe, request) if r is not None]
-            if method.name == "ComputeGradients":
-                request = _around_known_bug(request, cluster)
             if method.name == "ReceiveSlots":
                 # A slot past the last one, last: the stream is decoded and checked message
                 # by message, then refused whole (an installed copy would replace a slot).
@@ -617,12 +589,6 @@ def test_every_method_is_fuzzed_or_skipped_with_a_reason() -> None:
     assert {m.path for m in METHODS} | SKIPPED == names
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known bug: Worker.ComputeGradients lets set_params' ValueError (parameter names or "
-    "shapes that are not the model's) escape as UNKNOWN (worker/worker_servicer.py)",
-)
 def test_compute_gradients_with_parameters_of_another_model_is_invalid_argument(
     cluster: Cluster,
 ) -> None:
