@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,7 @@ def load_training_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     try:
+        _check_member_sizes(path)
         with np.load(path, allow_pickle=False) as npz:
             missing = [k for k in ("x", "y") if k not in npz.files]
             if missing:
@@ -137,12 +139,49 @@ def load_training_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
                     f"{path}: missing array {missing[0]!r} (found: {sorted(npz.files)})"
                 )
             x, y = npz["x"], npz["y"]
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+    except (
+        OSError,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+        zipfile.BadZipFile,
+        zlib.error,
+    ) as exc:
+        # NotImplementedError: a member compressed with a method zipfile lacks.
         if isinstance(exc, DataError):
             raise
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
     _check_arrays(path, x, y)
     return x, y
+
+
+def _check_member_sizes(path: Path) -> None:
+    """Refuse an archive whose ``x``/``y`` headers claim more bytes than the members hold,
+    before NumPy allocates what a header asks for.
+
+    Raises:
+        DataError: a claimed size beyond the member's uncompressed size.
+        ValueError, zipfile.BadZipFile, ...: unreadable archive (the caller reports them).
+    """
+    with zipfile.ZipFile(path) as zf:
+        for info in zf.infolist():
+            if info.filename not in ("x.npy", "y.npy"):
+                continue
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read(f)
+                header_bytes = f.tell()
+            need = math.prod(shape) * np.dtype(dtype).itemsize
+            if need > info.file_size - header_bytes:
+                raise DataError(
+                    f"{path}: array {info.filename[:-4]!r} claims shape {tuple(shape)} "
+                    f"({need} bytes) but the archive holds {info.file_size - header_bytes}"
+                )
 
 
 def _check_arrays(path: Path, x: np.ndarray, y: np.ndarray) -> None:

@@ -12,6 +12,7 @@ from shared.training.data import (
     DataError,
     batch_indices,
     load_dataset,
+    load_training_npz,
     shard_bounds,
     steps_per_epoch,
     total_steps,
@@ -163,3 +164,20 @@ def test_exhausted_shard_gives_an_empty_batch() -> None:
     # 10 rows in 3 shards of 4, 3, 3 with batch 3: shard 0 has a second step, shard 1 does not.
     assert len(batch_indices(10, 0, 3, 3, 0, 1, 0)) == 1
     assert len(batch_indices(10, 1, 3, 3, 0, 1, 0)) == 0
+
+
+def test_an_archive_claiming_a_giant_array_is_refused_before_allocation(tmp_path) -> None:
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (1 << 38, 1)}
+    )
+    path = tmp_path / "giant.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("x.npy", header.getvalue() + b"\0" * 64)
+        zf.writestr("y.npy", header.getvalue())
+
+    with pytest.raises(DataError, match=r"array 'x' claims shape \(274877906944, 1\)"):
+        load_training_npz(path)
