@@ -1,4 +1,5 @@
-"""Fixtures of the CLI tests: a real ``neuroshard up`` cluster in a subprocess."""
+"""Fixtures of the integration tests: a real ``neuroshard up`` cluster in a subprocess (CLI
+tests), and security material with secure in-process clusters (security tests)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_helpers import CLI, REPO, processes_mentioning
+from tests.integration.security_helpers import POOL_PATTERN, Material
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +41,28 @@ def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     while processes_mentioning(str(data_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_mentioning(str(data_dir)) == [], "up left daemons running"
+
+
+@pytest.fixture
+def material(tmp_path: Path) -> Material:
+    """Certificates and an Ed25519 token key pair for one test (``security_helpers``)."""
+    return Material.make(tmp_path / "security")
+
+
+@pytest.fixture
+async def secure(make_cluster, material: Material):
+    """Factory of in-process clusters with mutual TLS and tokens on every daemon: the
+    coordinator signs its own admin token; workers share a worker token for ``worker-*``."""
+
+    async def make(workers: int = 0, **overrides: object):
+        pool = material.token("worker", "worker-pool", names=POOL_PATTERN)
+        worker = {"tls": material.tls, "auth": material.worker_auth(pool, "pool")}
+        return await make_cluster(
+            workers=workers,
+            worker_overrides=worker,
+            tls=material.tls,
+            auth=material.coordinator_auth,
+            **overrides,
+        )
+
+    return make

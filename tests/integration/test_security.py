@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -15,65 +13,27 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
-from shared.certs import CertPaths, write_dev_certs
+from shared.certs import write_dev_certs
 from shared.client import Client, NeuroshardError
 from shared.codec import f32_to_bytes, ids_to_bytes
-from shared.config import AuthConfig, TlsConfig
+from shared.config import ConfigError
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.rpc import channel
-from shared.security import ChannelSecurity, TlsFiles, client_security
-from shared.tokens import TokenSource, create_token, read_secret, write_secret
+from shared.security import ChannelSecurity, TlsFiles
+from shared.tokens import TokenSource
 from tests.conftest import wait_until
 from tests.integration.cli_helpers import CLI, REPO
+from tests.integration.security_helpers import (
+    FORGED_MESSAGES,
+    Material,
+    coordinator_state,
+    forged_tokens,
+    worker_state,
+)
 
 pytestmark = pytest.mark.integration
 
 DIGITS_MLP = REPO / "configs/jobs/digits-mlp.yaml"
-
-
-@dataclass
-class Material:
-    """Certificates and a token secret generated for one test."""
-
-    certs: CertPaths
-    secret_file: Path
-    secret: bytes
-
-    @property
-    def tls(self) -> TlsConfig:
-        return TlsConfig(
-            ca_file=str(self.certs.ca_cert),
-            cert_file=str(self.certs.node_cert),
-            key_file=str(self.certs.node_key),
-        )
-
-    @property
-    def auth(self) -> AuthConfig:
-        return AuthConfig(secret_file=str(self.secret_file))
-
-    def token(self, role: str, subject: str = "tester", ttl_s: float = 300) -> str:
-        return create_token(self.secret, role, subject, ttl_s)
-
-    def client(self, token: str | None) -> ChannelSecurity:
-        c = self.certs
-        return client_security(str(c.ca_cert), str(c.client_cert), str(c.client_key), token=token)
-
-
-@pytest.fixture
-def material(tmp_path: Path) -> Material:
-    secret_file = write_secret(tmp_path / "auth" / "secret")
-    return Material(write_dev_certs(tmp_path / "certs"), secret_file, read_secret(secret_file))
-
-
-@pytest.fixture
-async def secure(make_cluster, material: Material):
-    """Factory of in-process clusters with mutual TLS and token auth on every daemon."""
-
-    async def make(workers: int = 0, **overrides: object):
-        both = {"tls": material.tls, "auth": material.auth}
-        return await make_cluster(workers=workers, worker_overrides=both, **both, **overrides)
-
-    return make
 
 
 async def _status_code(address: str, security: ChannelSecurity | None) -> tuple[str, str]:
@@ -89,8 +49,7 @@ async def _status_code(address: str, security: ChannelSecurity | None) -> tuple[
     ("case", "code", "message"),
     [
         ("no token", "UNAUTHENTICATED", "missing bearer token"),
-        ("bad signature", "UNAUTHENTICATED", "token signature is invalid"),
-        ("expired", "UNAUTHENTICATED", "token expired at "),
+        *[("forged: " + kind, "UNAUTHENTICATED", text) for kind, text in FORGED_MESSAGES.items()],
         ("wrong role", "PERMISSION_DENIED", "role worker may not call GetClusterStatus"),
         ("right role", "OK", ""),
     ],
@@ -98,16 +57,15 @@ async def _status_code(address: str, security: ChannelSecurity | None) -> tuple[
 async def test_each_auth_outcome(secure, material: Material, case, code, message) -> None:
     # Arrange
     cluster = await secure()
-    token = {
+    tokens = {"forged: " + kind: t for kind, t in forged_tokens(material).items()}
+    tokens |= {
         "no token": None,
-        "bad signature": create_token(b"x" * 32, "client", "mallory", 300),
-        "expired": create_token(material.secret, "client", "old", 10, now=time.time() - 600),
-        "wrong role": material.token("worker"),
-        "right role": material.token("client"),
-    }[case]
+        "wrong role": material.token("worker", "worker-0"),
+        "right role": material.token("reader"),
+    }
 
     # Act
-    got_code, got_message = await _status_code(cluster.address, material.client(token))
+    got_code, got_message = await _status_code(cluster.address, material.client(tokens[case]))
 
     # Assert
     assert got_code == code
@@ -115,6 +73,50 @@ async def test_each_auth_outcome(secure, material: Material, case, code, message
     counted = cluster.coordinator.metrics.rpcs.labels("GetClusterStatus", code)
     # abort() sends the status before the server's interceptor counts it: poll
     await wait_until(lambda: counted._value.get() == 1, what=f"one {code} counted")
+
+
+@pytest.mark.parametrize("kind", sorted(FORGED_MESSAGES))
+async def test_a_forged_admin_token_changes_nothing(secure, material: Material, kind) -> None:
+    # Arrange: a settled cluster of one worker
+    cluster = await secure(workers=1)
+    async with Client(cluster.address, security=material.client(material.token("admin"))) as c:
+        await c.wait_ready()
+    worker = cluster.workers[0]
+    before = coordinator_state(cluster), worker_state(worker)
+    forged = material.client(forged_tokens(material)[kind])
+
+    # Act: a job, a write to the store, a worker registration, a drain
+    async with channel(cluster.address, security=forged) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        results = [
+            await _rpc(stub.SubmitJob(coordinator_pb2.SubmitJobRequest(spec_json="{}"))),
+            await _rpc(
+                stub.RegisterWorker(
+                    coordinator_pb2.RegisterWorkerRequest(name="evil", address="127.0.0.1:1")
+                )
+            ),
+            await _rpc(stub.DrainWorker(coordinator_pb2.DrainWorkerRequest(name="worker-0"))),
+        ]
+    async with channel(worker.address, security=forged) as ch:
+        upsert = worker_pb2.UpsertRequest(
+            epoch=before[1][0], ids=ids_to_bytes([1]), strengths=f32_to_bytes([1.0])
+        )
+        results.append(await _rpc(worker_pb2_grpc.WorkerStub(ch).Upsert(upsert)))
+
+    # Assert
+    for code, details in results:
+        assert code is grpc.StatusCode.UNAUTHENTICATED
+        assert details.startswith(FORGED_MESSAGES[kind])
+    assert (coordinator_state(cluster), worker_state(worker)) == before
+
+
+async def _rpc(call) -> tuple[grpc.StatusCode, str]:
+    """Await an RPC (5 s); its status code and details (OK, "" on success)."""
+    try:
+        await asyncio.wait_for(call, 5)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
 
 
 async def test_health_checks_need_no_token(secure, material: Material) -> None:
@@ -158,7 +160,7 @@ async def test_certificates_of_another_ca_are_refused(
     # Arrange
     cluster = await secure()
     other = write_dev_certs(tmp_path / "other")
-    token = TokenSource(material.token("client"))
+    token = TokenSource(material.token("reader"))
     ours = material.certs
     trusts_other_ca = ChannelSecurity(
         TlsFiles.load(str(other.ca_cert), str(ours.client_cert), str(ours.client_key)), token
@@ -180,89 +182,44 @@ async def test_certificates_of_another_ca_are_refused(
     assert await _status_code(cluster.address, material.client(token())) == ("OK", "")
 
 
-async def test_worker_without_worker_token_cannot_register(
-    secure, material: Material, tmp_path: Path
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("writer token", "is a writer token for 'intruder'; worker 'intruder' needs a worker"),
+        ("another worker's token", "is a worker token for 'worker-0'; worker 'intruder'"),
+        ("expired worker token", "token expired at "),
+        ("no token file", "auth.token_file: required on a worker"),
+        ("the private key", "auth.private_key_file: a worker must not hold the private key"),
+    ],
+)
+async def test_a_worker_without_its_own_worker_token_does_not_start(
+    secure, material: Material, case: str, message: str
 ) -> None:
-    # Arrange: a worker presenting a client token
+    # Arrange
     cluster = await secure()
-    token_file = tmp_path / "client.token"
-    token_file.write_text(material.token("client", "intruder"))
-    cluster.worker_overrides["auth"] = AuthConfig(
-        secret_file=str(material.secret_file), token_file=str(token_file)
-    )
+    tokens = {
+        "writer token": material.token("writer", "intruder"),
+        "another worker's token": material.token("worker", "worker-0"),
+        "expired worker token": material.token("worker", "intruder", ttl_s=10, now=0),
+    }
+    if case in tokens:
+        auth = material.worker_auth(tokens[case], "intruder")
+    elif case == "no token file":
+        auth = material.worker_auth("unused").model_copy(update={"token_file": None})
+    else:
+        auth = material.coordinator_auth
+    cluster.worker_overrides["auth"] = auth
 
     # Act
-    worker = await cluster.add_worker("intruder")
-    await wait_until(worker.failed.is_set, what="the worker to give up")
+    with pytest.raises(ConfigError) as info:
+        await cluster.add_worker("intruder")
 
-    # Assert
-    assert "role client may not call RegisterWorker" in worker.error
-    assert cluster.coordinator.cluster.membership.get("intruder") is None
-
-
-async def test_slot_data_needs_a_worker_token(secure, material: Material) -> None:
-    # Arrange
-    cluster = await secure(workers=1)
-    target = cluster.workers[0].address
-    slot_data = worker_pb2.SlotData(
-        slot=1, seq=5, first=True, ids=ids_to_bytes([7]), strengths=f32_to_bytes([1.0])
-    )
-
-    async def send(token: str | None) -> grpc.StatusCode:
-        async with channel(target, security=material.client(token)) as ch:
-            stub = worker_pb2_grpc.WorkerStub(ch)
-            try:
-                await stub.ReceiveSlots(iter([slot_data]), timeout=5)
-                await stub.Replicate(worker_pb2.ReplicateRequest(), timeout=5)
-            except grpc.aio.AioRpcError as exc:
-                return exc.code()
-        return grpc.StatusCode.OK
-
-    # Act / Assert
-    assert await send(None) is grpc.StatusCode.UNAUTHENTICATED
-    assert await send(material.token("client")) is grpc.StatusCode.PERMISSION_DENIED
-    seqs = await cluster.workers[0].servicer.SlotSeqs(worker_pb2.SlotSeqsRequest(slots=[1]), None)  # type: ignore[arg-type]
-    assert list(seqs.seqs) == [0]
-
-
-async def test_a_worker_may_drain_only_itself(secure, material: Material) -> None:
-    cluster = await secure(workers=1)
-    async with channel(
-        cluster.address, security=material.client(material.token("worker", "worker-9"))
-    ) as ch:
-        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.DrainWorker(coordinator_pb2.DrainWorkerRequest(name="worker-0"), timeout=5)
-    assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
-    assert "may drain only itself" in info.value.details()
-
-
-async def test_clients_cancel_only_their_own_jobs(secure, material: Material) -> None:
-    # Arrange: alice's job waits QUEUED for a worker that never comes
-    cluster = await secure()
-    spec = {"kind": "train", "workers": 1, "steps": 1}
-    async with Client(
-        cluster.address, security=material.client(material.token("client", "alice"))
-    ) as a:
-        job = await a.submit(spec)
-        async with (
-            Client(
-                cluster.address, security=material.client(material.token("client", "bob"))
-            ) as bob,
-            Client(
-                cluster.address, security=material.client(material.token("admin", "root"))
-            ) as admin,
-        ):
-            # Act
-            with pytest.raises(NeuroshardError) as info:
-                await bob.cancel(job.job_id)
-            cancelled = await admin.cancel(job.job_id)
-
-    # Assert
-    assert info.value.code is grpc.StatusCode.PERMISSION_DENIED
-    assert "only its own jobs" in str(info.value) and "'alice'" in str(info.value)
-    assert cancelled.state == "CANCELLED"
-    assert cluster.coordinator.cluster.jobs.get(job.job_id).owner == "alice"
+    # Assert: refused before serving or registering anything
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+    admin = material.client(material.token("admin"))
+    async with Client(cluster.address, security=admin) as client:
+        assert (await client.status())["workers"] == []
 
 
 async def test_request_logs_carry_method_caller_worker_and_job(secure, material: Material) -> None:
@@ -273,7 +230,7 @@ async def test_request_logs_carry_method_caller_worker_and_job(secure, material:
         with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
             # Act
             cluster = await secure(workers=1)
-            security = material.client(material.token("client", "alice"))
+            security = material.client(material.token("writer", "alice"))
             async with Client(cluster.address, security=security) as client:
                 job = await client.submit({"kind": "train", "workers": 2, "steps": 1})
                 await client.get_job(job.job_id)
@@ -287,14 +244,14 @@ async def test_request_logs_carry_method_caller_worker_and_job(secure, material:
     # Assert
     served = [e for e in logs if e["event"] == "rpc_served"]
     get = next(e for e in served if e["method"] == "GetJob")
-    assert (get["subject"], get["role"], get["status"]) == ("alice", "client", "OK")
+    assert (get["subject"], get["role"], get["status"]) == ("alice", "writer", "OK")
     assert get["job_id"] == job.job_id and get["peer"].startswith("ipv4:127.0.0.1:")
     assert get["duration_ms"] >= 0
     pushed = next(e for e in served if e["method"] == "ApplySlotMap")
     assert (pushed["worker"], pushed["subject"], pushed["role"]) == (
         "worker-0",
         "coordinator",
-        "worker",
+        "admin",
     )
     registered = next(
         e for e in logs if e["event"] == "worker_registered" and e.get("rpc") == "RegisterWorker"
@@ -346,7 +303,7 @@ async def test_digits_training_passes_with_tls_and_tokens(secure, material: Mate
 
     # Act
     async with Client(
-        cluster.address, security=material.client(material.token("client"))
+        cluster.address, security=material.client(material.token("writer"))
     ) as client:
         job = await client.submit(spec)
         final = await client.wait(job.job_id)
@@ -357,10 +314,16 @@ async def test_digits_training_passes_with_tls_and_tokens(secure, material: Mate
     assert set(final.result["workers"]) == {"worker-0", "worker-1", "worker-2"}
 
 
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
 @pytest.mark.slow
 def test_up_secure_runs_a_memory_job(tmp_path: Path) -> None:
-    """``neuroshard up --secure``: certs and tokens generated into the data dir, and a memory
-    job submitted with the settings of its ``client.env`` succeeds."""
+    """``neuroshard up --secure``: certs, key pair and tokens generated into the data dir;
+    a memory job submitted with the settings of its ``client.env`` (a writer token)
+    succeeds, the same token may not decay the whole store, and no worker is given the
+    private key."""
     import os
     import subprocess
 
@@ -384,24 +347,62 @@ def test_up_secure_runs_a_memory_job(tmp_path: Path) -> None:
         assert address, proc.stderr.read()
         lines = (data_dir / "client.env").read_text().splitlines()
         env = dict(line.removeprefix("export ").split("=", 1) for line in lines)
+        worker_cmdlines = [_cmdline(p) for p in processes_mentioning(str(data_dir / "worker-0"))]
 
         # Act
-        result = subprocess.run(
-            [*CLI, "submit", str(job), "--follow", "--json"],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=180,
-            env={**os.environ, **env},
-            stdin=subprocess.DEVNULL,
-        )
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*CLI, *args],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=180,
+                env={**os.environ, **env},
+                stdin=subprocess.DEVNULL,
+            )
+
+        result = run("submit", str(job), "--follow", "--json")
+        decay = run("memory", "decay", "0.5")
     finally:
         proc.send_signal(2)
         proc.wait(timeout=30)
 
     # Assert
     assert env["NEUROSHARD_COORDINATOR"] == address
+    assert env["NEUROSHARD_TOKEN_FILE"] == str(data_dir / "auth" / "writer.token")
     assert result.returncode == 0, result.stderr
     assert '"state": "SUCCEEDED"' in result.stdout
-    assert (data_dir / "certs" / "ca.crt").is_file() and (data_dir / "auth" / "secret").is_file()
+    assert decay.returncode == 1
+    assert "role writer may not call Decay" in decay.stderr
+    auth = data_dir / "auth"
+    assert (data_dir / "certs" / "ca.crt").is_file() and (auth / "public.pem").is_file()
+    assert (auth / "private.pem").stat().st_mode & 0o777 == 0o600
+    assert len(worker_cmdlines) == 1
+    assert str(auth / "workers" / "worker-0.token") in worker_cmdlines[0]
+    assert "private.pem" not in worker_cmdlines[0]
     assert processes_mentioning(str(data_dir)) == []
+
+
+@pytest.mark.slow
+def test_demo_secure_runs_a_job(tmp_path: Path) -> None:
+    """``neuroshard demo --secure``: a local cluster with mutual TLS and tokens runs a job."""
+    import subprocess
+
+    # Arrange
+    job = tmp_path / "memory.yaml"
+    spec = {"kind": "memory", "memories": 2000, "iterations": 2, "access": {"batch": 500}}
+    job.write_text(yaml.safe_dump(spec))
+
+    # Act
+    result = subprocess.run(
+        [*CLI, "demo", "--secure", "--workers", "2", "--job", str(job), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+
+    # Assert
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert '"state": "SUCCEEDED"' in result.stdout

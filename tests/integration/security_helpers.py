@@ -1,0 +1,128 @@
+"""Certificates, a token key pair and tokens for the security tests, and state snapshots that
+show a refused request changed nothing."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shared.certs import CertPaths, write_dev_certs
+from shared.config import AuthConfig, TlsConfig
+from shared.security import ChannelSecurity, client_security
+from shared.tokens import create_token, read_private_key, write_keypair
+
+POOL_PATTERN = "worker-*"  # the in-process workers are worker-0, worker-1, ...
+
+
+@dataclass
+class Material:
+    """Certificates and an Ed25519 token key pair generated for one test."""
+
+    root: Path
+    certs: CertPaths
+    private_key_file: Path
+    public_key_file: Path
+
+    @classmethod
+    def make(cls, root: Path) -> Material:
+        private, public = write_keypair(root / "auth")
+        return cls(root, write_dev_certs(root / "certs"), private, public)
+
+    @property
+    def key(self) -> Ed25519PrivateKey:
+        return read_private_key(self.private_key_file)
+
+    @property
+    def tls(self) -> TlsConfig:
+        return TlsConfig(
+            ca_file=str(self.certs.ca_cert),
+            cert_file=str(self.certs.node_cert),
+            key_file=str(self.certs.node_key),
+        )
+
+    @property
+    def coordinator_auth(self) -> AuthConfig:
+        return AuthConfig(
+            public_key_file=str(self.public_key_file),
+            private_key_file=str(self.private_key_file),
+        )
+
+    def worker_auth(self, token: str, name: str = "worker") -> AuthConfig:
+        """Auth of a worker presenting ``token`` (written to a file named after ``name``)."""
+        path = self.root / "auth" / f"{name}.token"
+        path.write_text(token + "\n")
+        return AuthConfig(public_key_file=str(self.public_key_file), token_file=str(path))
+
+    def token(
+        self,
+        role: str,
+        subject: str = "tester",
+        ttl_s: float = 300,
+        names: str | None = None,
+        now: float | None = None,
+    ) -> str:
+        return create_token(self.key, role, subject, ttl_s, names=names, now=now)
+
+    def client(self, token: str | None) -> ChannelSecurity:
+        c = self.certs
+        return client_security(str(c.ca_cert), str(c.client_cert), str(c.client_key), token=token)
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def forged_tokens(material: Material) -> dict[str, str]:
+    """Tokens that claim the admin role but must be refused, by what is wrong with them."""
+    now = int(time.time())
+    claims = {"sub": "mallory", "role": "admin", "iss": "neuroshard", "iat": now, "exp": now + 300}
+    # HS256 keyed with the public key's PEM: the algorithm-confusion attack (built by hand,
+    # PyJWT refuses a PEM key as an HMAC secret).
+    head = _b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+    body = _b64(json.dumps(claims).encode())
+    mac = hmac.new(material.public_key_file.read_bytes(), f"{head}.{body}".encode(), "sha256")
+    return {
+        "alg none": jwt.encode(claims, None, algorithm="none"),
+        "hs256": jwt.encode(claims, hashlib.sha256(b"guess").hexdigest(), algorithm="HS256"),
+        "hs256 keyed with the public key": f"{head}.{body}.{_b64(mac.digest())}",
+        "expired": material.token("admin", "old", ttl_s=10, now=time.time() - 600),
+        "another key": create_token(Ed25519PrivateKey.generate(), "admin", "mallory", 300),
+    }
+
+
+FORGED_MESSAGES = {
+    "alg none": "token is signed with alg 'none'; only EdDSA (Ed25519) tokens are accepted",
+    "hs256": "token is signed with alg 'HS256'; only EdDSA (Ed25519) tokens are accepted",
+    "hs256 keyed with the public key": "token is signed with alg 'HS256'",
+    "expired": "token expired at ",
+    "another key": "token signature is invalid",
+}
+
+
+def coordinator_state(cluster: Any) -> dict[str, Any]:
+    """What a refused request must not change on the coordinator: jobs, members, slot map."""
+    c = cluster.coordinator.cluster
+    return {
+        "jobs": [(j.job_id, j.state.value, j.owner) for j in c.jobs.list()],
+        "workers": [(w.name, w.address, w.state.value, w.memories) for w in c.membership.all()],
+        "epoch": c.rebalancer.current.epoch,
+    }
+
+
+def worker_state(worker: Any) -> tuple[int, list[int], list[float]]:
+    """A worker's slot-map epoch and its store's ``{id: strength}`` as sorted lists."""
+    node = worker.servicer.node_or_none
+    if node is None:
+        return 0, [], []
+    ids, strengths = node.store.items()
+    order = ids.argsort()
+    return node.roles.epoch, ids[order].tolist(), strengths[order].tolist()

@@ -1,0 +1,309 @@
+"""Identities against real servers: roles, worker names bound to tokens, job visibility, and
+refusals decided from metadata alone. Every refusal is checked to have changed nothing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from shared.client import Client, NeuroshardError
+from shared.codec import f32_to_bytes, ids_to_bytes
+from shared.proto import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from shared.rpc import channel
+from tests.conftest import wait_until
+from tests.integration.security_helpers import Material, coordinator_state, worker_state
+
+pytestmark = pytest.mark.integration
+
+QUEUED_JOB = {"kind": "train", "workers": 1, "steps": 1}  # no worker comes: stays QUEUED
+
+
+async def _code(call) -> tuple[grpc.StatusCode, str]:
+    """Await an RPC; its status code and details (OK, "" on success)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def _seeded(secure, material: Material, workers: int = 2):
+    """A secure cluster whose slot map has settled, with memories 0..99 at strength 0.5."""
+    cluster = await secure(workers=workers)
+    async with Client(cluster.address, security=material.client(material.token("writer"))) as c:
+        await c.wait_ready()
+        await c.upsert(list(range(100)), [0.5] * 100)
+    return cluster
+
+
+async def test_a_worker_token_cannot_act_as_another_worker(secure, material: Material) -> None:
+    # Arrange: worker-0's own token in the hands of whoever wants to be worker-1
+    cluster = await _seeded(secure, material)
+    before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
+    stolen = material.client(material.token("worker", "worker-0"))
+    calls = {
+        "RegisterWorker": coordinator_pb2.RegisterWorkerRequest(
+            name="worker-1", address="127.0.0.1:1", incarnation="evil"
+        ),
+        "Heartbeat": coordinator_pb2.HeartbeatRequest(name="worker-1", memories=999),
+        "ReportFailure": coordinator_pb2.ReportFailureRequest(
+            reporter="worker-1", worker="worker-0", reason="lies", slots=list(range(16))
+        ),
+        "DrainWorker": coordinator_pb2.DrainWorkerRequest(name="worker-1"),
+    }
+
+    # Act
+    got = {}
+    async with channel(cluster.address, security=stolen) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        for method, request in calls.items():
+            got[method] = await _code(getattr(stub, method)(request, timeout=5))
+        own = await _code(stub.Heartbeat(coordinator_pb2.HeartbeatRequest(name="worker-0")))
+        shard = stub.FetchShard(coordinator_pb2.FetchShardRequest(job_id="j", worker="worker-1"))
+        got["FetchShard"] = await _code(shard.read())
+
+    # Assert: each refused naming both names; the token still works for its own name
+    for method, (code, details) in got.items():
+        assert code is grpc.StatusCode.PERMISSION_DENIED, (method, details)
+        assert details.startswith(f"{method}: the worker token of 'worker-0' may not act as")
+        assert "'worker-1'" in details
+    assert own[0] is grpc.StatusCode.OK
+    assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
+
+
+async def test_a_name_pattern_token_registers_matching_names_only(
+    secure, material: Material
+) -> None:
+    # Arrange: the shared token of a StatefulSet's pods
+    cluster = await secure(workers=0)
+    pool = material.token("worker", "neuroshard-worker", names="neuroshard-worker-*")
+    cluster.worker_overrides["auth"] = material.worker_auth(pool, "statefulset")
+
+    # Act: a pod with a matching name starts; the same token claims a name outside the pattern
+    await cluster.add_worker("neuroshard-worker-7")
+    async with Client(cluster.address, security=material.client(material.token("admin"))) as c:
+        await c.wait_ready()
+    before = coordinator_state(cluster)
+    async with channel(cluster.address, security=material.client(pool)) as ch:
+        code, details = await _code(
+            coordinator_pb2_grpc.CoordinatorStub(ch).RegisterWorker(
+                coordinator_pb2.RegisterWorkerRequest(name="other-7", address="127.0.0.1:1"),
+                timeout=5,
+            )
+        )
+
+    # Assert
+    assert code is grpc.StatusCode.PERMISSION_DENIED
+    assert details == (
+        "RegisterWorker: the worker token of 'neuroshard-worker' (names "
+        "'neuroshard-worker-*') may not act as name 'other-7'"
+    )
+    assert coordinator_state(cluster) == before
+    assert [w[0] for w in before["workers"]] == ["neuroshard-worker-7"]
+
+
+async def test_a_reader_cannot_write(secure, material: Material) -> None:
+    # Arrange: a writer's queued job and 100 memories
+    cluster = await _seeded(secure, material)
+    async with Client(cluster.address, security=material.client(material.token("writer"))) as w:
+        job = await w.submit(QUEUED_JOB)
+    before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
+    reader = material.client(material.token("reader", "rita"))
+    worker = cluster.workers[0]
+    epoch = worker_state(worker)[0]
+
+    # Act: the coordinator's write RPCs, then a worker's keyed writes
+    async with channel(cluster.address, security=reader) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        submit = await _code(stub.SubmitJob(coordinator_pb2.SubmitJobRequest(spec_json="{}")))
+        cancel = await _code(stub.CancelJob(coordinator_pb2.JobRequest(job_id=job.job_id)))
+    async with channel(worker.address, security=reader) as ch:
+        wstub = worker_pb2_grpc.WorkerStub(ch)
+        ids = ids_to_bytes(list(range(100)))
+        upsert = await _code(
+            wstub.Upsert(
+                worker_pb2.UpsertRequest(epoch=epoch, ids=ids, strengths=f32_to_bytes([1.0] * 100))
+            )
+        )
+        delete = await _code(wstub.Delete(worker_pb2.DeleteRequest(epoch=epoch, ids=ids)))
+    async with Client(cluster.address, security=reader) as r:
+        with pytest.raises(NeuroshardError) as via_client:
+            await r.upsert([1, 2], [1.0, 1.0])
+        found, strengths, _ = await r.get(list(range(100)))  # reading is allowed
+
+    # Assert
+    assert submit == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call SubmitJob")
+    assert cancel == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call CancelJob")
+    assert upsert == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call Upsert")
+    assert delete == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call Delete")
+    assert via_client.value.code is grpc.StatusCode.PERMISSION_DENIED
+    assert found.all() and (strengths == 0.5).all()
+    assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
+
+
+async def test_a_writer_cannot_decay_the_store_or_drain_workers(secure, material: Material) -> None:
+    # Arrange
+    cluster = await _seeded(secure, material)
+    before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
+
+    # Act
+    async with channel(
+        cluster.address, security=material.client(material.token("writer", "wendy"))
+    ) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        decay = await _code(stub.Decay(coordinator_pb2.DecayRequest(rate=1.0), timeout=5))
+        drain = await _code(
+            stub.DrainWorker(coordinator_pb2.DrainWorkerRequest(name="worker-0"), timeout=5)
+        )
+
+    # Assert
+    assert decay == (grpc.StatusCode.PERMISSION_DENIED, "role writer may not call Decay")
+    assert drain == (grpc.StatusCode.PERMISSION_DENIED, "role writer may not call DrainWorker")
+    assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
+
+
+@pytest.mark.parametrize("role", ["reader", "writer"])
+async def test_people_cannot_call_worker_internal_rpcs(
+    secure, material: Material, role: str
+) -> None:
+    # Arrange
+    cluster = await _seeded(secure, material)
+    before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
+    person = material.client(material.token(role, "pat"))
+    target, other = cluster.workers
+    evil_map = common_pb2.SlotMap(epoch=10**6, slots=16)
+    slot = worker_pb2.SlotData(
+        slot=1, seq=99, first=True, ids=ids_to_bytes([7]), strengths=f32_to_bytes([1.0])
+    )
+
+    # Act
+    async with channel(target.address, security=person) as ch:
+        w = worker_pb2_grpc.WorkerStub(ch)
+        got = {
+            "ApplySlotMap": await _code(w.ApplySlotMap(evil_map, timeout=5)),
+            "Replicate": await _code(w.Replicate(worker_pb2.ReplicateRequest(), timeout=5)),
+            "CopySlots": await _code(
+                w.CopySlots(worker_pb2.CopySlotsRequest(target=other.address, slots=[1]), timeout=5)
+            ),
+            "ReceiveSlots": await _code(w.ReceiveSlots(iter([slot]), timeout=5)),
+            "Decay": await _code(w.Decay(worker_pb2.WorkerDecayRequest(rate=1.0), timeout=5)),
+        }
+    async with channel(cluster.address, security=person) as ch:
+        c = coordinator_pb2_grpc.CoordinatorStub(ch)
+        got["RegisterWorker"] = await _code(
+            c.RegisterWorker(
+                coordinator_pb2.RegisterWorkerRequest(name="pat", address="127.0.0.1:1"),
+                timeout=5,
+            )
+        )
+        got["Heartbeat"] = await _code(
+            c.Heartbeat(coordinator_pb2.HeartbeatRequest(name="worker-0"), timeout=5)
+        )
+
+    # Assert
+    for method, result in got.items():
+        assert result == (grpc.StatusCode.PERMISSION_DENIED, f"role {role} may not call {method}")
+    assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
+
+
+async def test_a_client_cannot_see_or_cancel_another_clients_job(
+    secure, material: Material
+) -> None:
+    # Arrange: alice's job waits QUEUED for a worker that never comes
+    cluster = await secure()
+    people = {
+        name: Client(cluster.address, security=material.client(material.token(role, name)))
+        for name, role in [("alice", "writer"), ("bob", "writer"), ("rita", "reader")]
+    }
+    admin = Client(cluster.address, security=material.client(material.token("admin", "root")))
+    alice, bob, rita = people["alice"], people["bob"], people["rita"]
+    job = await alice.submit(QUEUED_JOB)
+
+    async def refusal(client: Client, action: str, job_id: str) -> tuple[grpc.StatusCode, str]:
+        try:
+            if action == "watch":
+                async for _ in client.watch(job_id):
+                    break
+            else:
+                await getattr(client, action)(job_id)
+        except NeuroshardError as exc:
+            return exc.code, str(exc)
+        return grpc.StatusCode.OK, ""
+
+    # Act
+    try:
+        theirs = {
+            (who, action): await refusal(client, action, job.job_id)
+            for who, client, actions in [
+                ("bob", bob, ("get_job", "watch", "cancel")),
+                ("rita", rita, ("get_job", "watch")),  # a reader may cancel nothing at all
+            ]
+            for action in actions
+        }
+        unknown = {
+            action: await refusal(bob, action, "no-such-job")
+            for action in ("get_job", "watch", "cancel")
+        }
+        listed = {name: [j.job_id for j in await c.jobs()] for name, c in people.items()}
+        state_after_bob = cluster.coordinator.cluster.jobs.get(job.job_id).state.value
+        seen_by_admin = [j.job_id for j in await admin.jobs()]
+        cancelled = await admin.cancel(job.job_id)
+    finally:
+        for c in [*people.values(), admin]:
+            await c.close()
+
+    # Assert: exactly the answer of an unknown id (no existence oracle)
+    for (who, action), (code, message) in theirs.items():
+        code_u, message_u = unknown[action]
+        assert code is code_u is grpc.StatusCode.NOT_FOUND, (who, action)
+        assert message == message_u.replace("no-such-job", job.job_id), (who, action)
+    assert listed == {"alice": [job.job_id], "bob": [], "rita": []}
+    assert state_after_bob == "QUEUED"
+    assert seen_by_admin == [job.job_id]
+    assert cancelled.state == "CANCELLED"
+
+
+async def test_a_refused_request_is_never_deserialized(secure, material: Material) -> None:
+    # Arrange: bytes that are no SubmitJobRequest (a varint that never ends)
+    cluster = await _seeded(secure, material, workers=1)
+    garbage = b"\xff" * 12
+
+    async def raw(address: str, method: str, token: str | None, stream: bool = False):
+        async with channel(address, security=material.client(token)) as ch:
+            identity = {"request_serializer": None, "response_deserializer": None}
+            if stream:
+                call = ch.stream_unary(method, **identity)(iter([garbage, garbage]), timeout=5)
+            else:
+                call = ch.unary_unary(method, **identity)(garbage, timeout=5)
+            return (await _code(call))[0]
+
+    submit = "/neuroshard.v1.Coordinator/SubmitJob"
+    receive = "/neuroshard.v1.Worker/ReceiveSlots"
+    forged = material.token("admin", "x", now=0)  # expired long ago
+    before = coordinator_state(cluster), worker_state(cluster.workers[0])
+
+    # Act
+    got = {
+        "no token": await raw(cluster.address, submit, None),
+        "expired": await raw(cluster.address, submit, forged),
+        "reader": await raw(cluster.address, submit, material.token("reader")),
+        "stream, writer": await raw(
+            cluster.workers[0].address, receive, material.token("writer"), stream=True
+        ),
+        # control: a caller who may call it gets the bytes parsed, and refused as garbage
+        "writer": await raw(cluster.address, submit, material.token("writer")),
+    }
+
+    # Assert
+    assert got["no token"] is got["expired"] is grpc.StatusCode.UNAUTHENTICATED
+    assert got["reader"] is got["stream, writer"] is grpc.StatusCode.PERMISSION_DENIED
+    assert got["writer"] in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
+    assert (coordinator_state(cluster), worker_state(cluster.workers[0])) == before
+    counted = cluster.coordinator.metrics.rpcs.labels("SubmitJob", "UNAUTHENTICATED")
+    await wait_until(lambda: counted._value.get() == 2, what="two refusals counted")
