@@ -116,7 +116,9 @@ class _DaemonConfig(_Model):
         description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: plaintext.",
     )
     auth: AuthConfig | None = Field(
-        None, description="{secret_file, token_file}: require tokens; null: no auth."
+        None,
+        description="{public_key_file, private_key_file, token_file}: require Ed25519-signed "
+        "tokens; null: no auth.",
     )
     log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
     insecure: bool = Field(
