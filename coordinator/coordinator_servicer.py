@@ -255,9 +255,9 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 return
 
     async def _job(self, job_id: str, context: aio.ServicerContext) -> JobRecord:
-        try:
         """The job ``job_id`` if the caller may see it. NOT_FOUND otherwise: another
         subject's job gets the very answer of an unknown id (no existence oracle)."""
+        try:
             job = self._cluster.jobs.get(job_id)
             if not may_see_job(job.owner):
                 raise JobNotFound(f"no job with id {job_id!r}")
