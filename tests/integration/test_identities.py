@@ -39,6 +39,12 @@ async def _seeded(secure, material: Material, workers: int = 2):
     async with Client(cluster.address, security=material.client(material.token("writer"))) as c:
         await c.wait_ready()
         await c.upsert(list(range(100)), [0.5] * 100)
+    members = cluster.coordinator.cluster.membership
+    # Heartbeats report each worker's primary memories: wait for them, so that only a
+    # refused request could change the membership snapshot taken next.
+    await wait_until(
+        lambda: sum(w.memories for w in members.alive()) == 100, what="heartbeats of 100"
+    )
     return cluster
 
 
@@ -64,7 +70,15 @@ async def test_a_worker_token_cannot_act_as_another_worker(secure, material: Mat
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         for method, request in calls.items():
             got[method] = await _code(getattr(stub, method)(request, timeout=5))
-        own = await _code(stub.Heartbeat(coordinator_pb2.HeartbeatRequest(name="worker-0")))
+        # control: the token works for its own name (repeating what worker-0 reports)
+        memories = cluster.coordinator.cluster.membership.get("worker-0").memories
+        own = await _code(
+            stub.Heartbeat(
+                coordinator_pb2.HeartbeatRequest(
+                    name="worker-0", memories=memories, slot_map_epoch=before[0]["epoch"]
+                )
+            )
+        )
         shard = stub.FetchShard(coordinator_pb2.FetchShardRequest(job_id="j", worker="worker-1"))
         got["FetchShard"] = await _code(shard.read())
 
