@@ -421,8 +421,11 @@ class MemoryNode:
         """Apply a primary's forwarded op if it is the next in each slot's sequence.
 
         A repeat of an op already applied (every seq <= current) is acknowledged and ignored.
+        A forward from an older epoch is applied to the slots this worker still holds.
 
         Raises:
+            StaleForward: the forward is from an older epoch and this worker holds none of
+                its slots any more (FAILED_PRECONDITION).
             OutOfSync: a slot is primary here, or the sequence skips (ABORTED).
             MemoryInputError: a slot out of range, seqs not one per slot, or no op
                 (INVALID_ARGUMENT).
@@ -436,14 +439,19 @@ class MemoryNode:
         seqs = np.asarray(req.seqs, np.uint64)
         holds = self.roles.primary[slots] | self.roles.replica[slots] | self.incoming[slots]
         if req.epoch < self.roles.epoch and not holds.all():
-            # This worker has moved on to a map where it holds no copy of these slots; the
-            # slots' holders in that map got copies (and the primary's forwards) already.
-            # A copy received for a map still to come counts as held: an intermediate map
-            # (the fence) gives it no role yet, but the target will.
-            raise StaleForward(
-                f"forward from {req.primary} at epoch {req.epoch}: {self.name} is at epoch "
-                f"{self.roles.epoch} and no longer holds slot {int(slots[~holds][0])}"
-            )
+            # This worker has moved on to a map where it holds no copy of some of these
+            # slots; their holders in that map got copies (and the primary's forwards)
+            # already. A copy received for a map still to come counts as held: an
+            # intermediate map (the fence) gives it no role yet, but the target will. The
+            # slots still held take their part of the op, or their next forward would skip
+            # this seq (the primary counts a stale answer as delivered).
+            if not holds.any():
+                raise StaleForward(
+                    f"forward from {req.primary} at epoch {req.epoch}: {self.name} is at "
+                    f"epoch {self.roles.epoch} and no longer holds slot {int(slots[0])}"
+                )
+            req, slots = _narrow(req, holds, self.store.slots), slots[holds]
+            seqs = np.asarray(req.seqs, np.uint64)
         if self.roles.primary[slots].any():
             s = int(slots[self.roles.primary[slots]][0])
             raise OutOfSync(
@@ -520,6 +528,26 @@ def _f32(b: bytes) -> np.ndarray:
 def _is_stale_forward(r: object) -> bool:
     code = getattr(r, "code", None)
     return callable(code) and code() is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def _narrow(
+    req: worker_pb2.ReplicateRequest, keep_slots: np.ndarray, num_slots: int
+) -> worker_pb2.ReplicateRequest:
+    """The part of a forward that touches the slots where keep_slots [T] bool is set (T the
+    forward's slots): those slots and seqs, and the items (for keyed ops) in them."""
+    op = req.WhichOneof("op")
+    slots = np.asarray(req.slots, np.int64)
+    sub = getattr(req, op)
+    if op != "decay":
+        keep = np.isin(slot_of(_ids(sub.ids), num_slots), slots[keep_slots])
+        sub = _sub_request(op, sub, keep)
+    return worker_pb2.ReplicateRequest(
+        primary=req.primary,
+        epoch=req.epoch,
+        slots=slots[keep_slots].tolist(),
+        seqs=np.asarray(req.seqs, np.uint64)[keep_slots].tolist(),
+        **{op: sub},
+    )
 
 
 def _sub_request(op: str, request: Any, keep: np.ndarray) -> Any:

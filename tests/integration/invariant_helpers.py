@@ -251,7 +251,9 @@ async def assert_invariant(cluster: Cluster, ref: ReferenceStore) -> None:
     coordinator re-copies the slot, which can hide the missed write by the time the copies
     are compared. No fault is injected here, so no forward may fail.
     """
-    assert cluster.copy_failures == [], "a primary could not update a copy"
+    assert cluster.copy_failures == [], (
+        f"a primary could not update a copy: {cluster.copy_failures}"
+    )
     await assert_cluster_equals(cluster, ref)
     await assert_copies_identical(cluster)
 
