@@ -18,9 +18,9 @@ from shared.auth import current_principal, may_see_job
 from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.config import ConfigError
 from shared.confinement import ImportNotAllowed, PathRefused
+from shared.memory.stats import quality_to_pb
+from shared.memory.validation import MemoryInputError, as_slots, validate_k, validate_rate
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from worker.memory_servicer import quality_to_pb
-from worker.store import MemoryInputError, as_slots, validate_k, validate_rate
 
 _WORKER_STATE = {
     WorkerState.ALIVE: common_pb2.WORKER_STATE_ALIVE,
@@ -146,7 +146,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Decay(
         self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext
-    ) -> coordinator_pb2.DecayResponse:
+    ) -> common_pb2.DecayResponse:
         """Decay every memory: ``s = clip(s - rate, 0, 1)``.
 
         INVALID_ARGUMENT: rate outside [0, 1] or not finite. UNAVAILABLE: a primary failed.
@@ -158,7 +158,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except BulkOpError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return coordinator_pb2.DecayResponse(memories=n)
+        return common_pb2.DecayResponse(memories=n)
 
     async def Quality(
         self, request: coordinator_pb2.QualityRequest, context: aio.ServicerContext
@@ -172,7 +172,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
 
     async def TopK(
         self, request: coordinator_pb2.TopKRequest, context: aio.ServicerContext
-    ) -> coordinator_pb2.TopKResponse:
+    ) -> common_pb2.TopKResponse:
         """The exact global top-k by strength (ties: smaller id).
 
         INVALID_ARGUMENT: k <= 0 or above ``topk_max``. UNAVAILABLE: a primary failed.
@@ -184,9 +184,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except BulkOpError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return coordinator_pb2.TopKResponse(
-            ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths)
-        )
+        return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext

@@ -6,7 +6,7 @@ pickles (``np.load(allow_pickle=False)``), of one of two kinds:
 - ``train``: ``x`` [N, ...] float32 and ``y`` [N] int64, checked by
   ``shared.training.data.load_training_npz`` (what a train job's ``data: {path}`` needs);
 - ``memory``: ``ids`` [N] uint64 and ``strengths`` [N] float32 in [0, 1], checked by
-  ``shared.memory_files.load_memories`` (what a memory job's ``load`` needs).
+  ``shared.memory.files.load_memories`` (what a memory job's ``load`` needs).
 
 Every member's header is read before any array is loaded, so an archive that would
 decompress to more than ``max_dataset_bytes`` (a zip bomb) is refused without allocating it.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.memory_files import MemoryFileError, load_memories
+from shared.memory.files import MemoryFileError, load_memories
 from shared.training.data import DataError, load_training_npz
 
 

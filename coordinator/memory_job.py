@@ -24,11 +24,11 @@ from coordinator.memory_ops import BulkOpError
 from shared.config import MemoryJobSpec, TraceAccess
 from shared.confinement import PathRefused, with_resolved_paths
 from shared.logging import get_logger
+from shared.memory.files import MemoryFileError, load_memories, load_trace
+from shared.memory.stats import Quality
+from shared.memory.validation import validate_rate
 from shared.memory_client import MemoryRouter, RoutingError
-from shared.memory_files import MemoryFileError, load_memories, load_trace
 from shared.proto import common_pb2
-from worker.kernels import Quality
-from worker.store import validate_rate
 
 if TYPE_CHECKING:
     from coordinator.cluster import Cluster

@@ -1,14 +1,14 @@
 """Bulk memory operations fanned out to every primary: decay, quality, top-k.
 
 Each runs under the rebalancer's ``map_lock`` so every worker sees the same epoch, and merges
-the workers' answers exactly (``worker.kernels.merge_quality`` / ``merge_topk``).
+the workers' answers exactly (``shared.memory.stats.merge_quality`` / ``merge_topk``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from grpc import aio
@@ -16,9 +16,9 @@ from grpc import aio
 from coordinator.membership import Membership
 from coordinator.rebalance import Rebalancer
 from shared.codec import f32_from_bytes, ids_from_bytes
+from shared.memory.stats import Quality, merge_quality, merge_topk, quality_from_pb
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.worker_clients import WorkerClients
-from worker.kernels import Quality, merge_quality, merge_topk
 
 T = TypeVar("T")
 
@@ -90,7 +90,7 @@ class MemoryOps:
             ),
             "quality",
         )
-        return merge_quality([_quality(r) for r in replies])
+        return merge_quality([quality_from_pb(r) for r in replies])
 
     async def topk(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The exact global top-k: ids [k'] uint64 and strengths [k'] float32, strongest
@@ -103,14 +103,3 @@ class MemoryOps:
         )
         parts = [(ids_from_bytes(r.ids), f32_from_bytes(r.strengths)) for r in replies]
         return merge_topk(parts, k)
-
-
-def _quality(pb: Any) -> Quality:
-    return Quality(
-        count=int(pb.count),
-        sum=float(pb.sum),
-        mean=float(pb.mean),
-        min=float(pb.min),
-        max=float(pb.max),
-        histogram=tuple(int(h) for h in pb.histogram),
-    )

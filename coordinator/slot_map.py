@@ -4,7 +4,7 @@ plan that moves the cluster from one map to the next.
 A change goes in two published steps so that a slot is never served by a worker without its
 data: first an *interim* map that keeps only live workers that hold the data (a dead
 primary's replica is promoted at once), then, after the copies, the *target* map given by
-rendezvous hashing over the live workers (``shared.slots.assign_slots``). A slot whose only
+rendezvous hashing over the live workers (``shared.memory.slots.assign_slots``). A slot whose only
 trusted copies are on dead workers can stay with them (``keep_lost``): it is unavailable
 until one comes back with its data dir, rather than restarted empty.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from shared.memory.slots import assign_slots
 from shared.proto import common_pb2
-from shared.slots import assign_slots
 
 
 @dataclass

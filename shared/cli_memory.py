@@ -1,6 +1,6 @@
 """``neuroshard memory ...``: load, get, reinforce, decay, stats and top-k from the command line.
 
-Input files are read and validated whole before anything is sent (``shared.memory_files``);
+Input files are read and validated whole before anything is sent (``shared.memory.files``);
 a bad file or argument exits 2 with one line naming the file and array (or the argument), and
 so does a request the cluster refuses as INVALID_ARGUMENT (``shared.cli.main``).
 """
@@ -38,7 +38,7 @@ def _usage_errors(command: Command) -> Command:
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from shared.memory_files import MemoryFileError
+        from shared.memory.files import MemoryFileError
 
         try:
             return command(args)
@@ -63,7 +63,7 @@ def _uint64(text: str, what: str) -> int:
 def cmd_load(args: argparse.Namespace) -> int:
     """Upsert the memories of an .npz (ids, strengths) in batches, with a progress bar."""
     from shared.client import SyncClient
-    from shared.memory_files import load_memories
+    from shared.memory.files import load_memories
 
     if args.batch < 1:
         raise _UsageError(f"--batch: {args.batch} must be >= 1")
@@ -124,7 +124,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 def cmd_reinforce(args: argparse.Namespace) -> int:
     """Apply the .npz (ids, boosts) as one reinforce batch (duplicate ids add up)."""
     from shared.client import SyncClient
-    from shared.memory_files import load_reinforcements
+    from shared.memory.files import load_reinforcements
 
     ids, boosts = load_reinforcements(args.file)
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:

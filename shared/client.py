@@ -32,6 +32,12 @@ from shared.dataset_client import (
     put_file,
     upload_timeout_s,
 )
+from shared.memory.validation import (
+    MemoryInputError,
+    as_ids,
+    validate_reinforce,
+    validate_upsert,
+)
 from shared.memory_client import MemoryRouter, RoutingError
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.security import ChannelSecurity, explain_unavailable
@@ -301,7 +307,6 @@ class Client:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
                 UNAVAILABLE when the batch could not be delivered.
         """
-        from worker.store import MemoryInputError, validate_upsert
 
         try:
             ids, strengths, checked = validate_upsert(
@@ -329,7 +334,6 @@ class Client:
         Raises:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent).
         """
-        from worker.store import MemoryInputError, validate_reinforce
 
         try:
             ids, boosts = validate_reinforce(ids, boosts)
@@ -339,7 +343,6 @@ class Client:
 
     async def delete(self, ids: Any) -> int:
         """Delete memories; return how many existed."""
-        from worker.store import MemoryInputError, as_ids
 
         try:
             ids = as_ids(ids)
@@ -356,7 +359,6 @@ class Client:
             found [N] bool, strengths [N] float32 (0 where missing), payloads [N] (None where
             missing or absent; only when ``with_payloads``).
         """
-        from worker.store import MemoryInputError, as_ids
 
         try:
             ids = as_ids(ids)

@@ -21,9 +21,9 @@ from grpc import aio
 
 from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.limits import split_parts
+from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
 from shared.security import ChannelSecurity
-from shared.slots import SlotMapError, slot_of, validate_slot_map
 from shared.worker_clients import WorkerClients
 
 _RETRY = (

@@ -16,10 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shared.slots import slot_of
-from worker import kernels
-from worker.kernels import Quality
-from worker.store import (
+from shared.memory.slots import slot_of
+from shared.memory.stats import Quality
+from shared.memory.validation import (
     as_ids,
     as_slots,
     validate_k,
@@ -27,6 +26,7 @@ from worker.store import (
     validate_reinforce,
     validate_upsert,
 )
+from worker import kernels
 
 
 class ReferenceStore:

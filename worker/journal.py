@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.logging import get_logger
+from shared.memory.slots import sort_key
 from shared.proto import worker_pb2
-from shared.slots import sort_key
 from worker import journal_format as fmt
 from worker import kernels
 from worker.journal_format import JournalError, Request, SnapshotState

@@ -19,11 +19,12 @@ Shape letters: N memories, K batch items, U distinct rows, C top-k candidates, R
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from shared.memory.stats import EMPTY_QUALITY, HIST_BINS, Quality, merge_quality, merge_topk
 
 try:  # optional GPU path
     import cupy as _cupy
@@ -35,7 +36,6 @@ try:
 except ImportError:  # pragma: no cover - numba is a declared dependency
     _nb = None  # type: ignore[assignment]
 
-HIST_BINS = 10
 DECAY_BLOCK = 1 << 16  # elements: 256 KiB of float32, stays in L2 between subtract and clip
 _NUMBA_MIN = 1 << 15  # below this, thread start-up outweighs the fused loop's gain
 # numba's "workqueue" threading layer aborts on concurrent launches; a lock keeps us safe
@@ -245,26 +245,6 @@ def add_sums(strength: Any, rows: np.ndarray, sums: np.ndarray) -> None:
     strength[rows_d] = values
 
 
-@dataclass(frozen=True)
-class Quality:
-    """Summary of a set of strengths.
-
-    ``sum`` and ``mean`` are float64; ``min``/``max`` are float32 values as Python floats;
-    ``histogram`` counts 10 bins of width 0.1 over [0, 1], the last one including 1.0.
-    An empty set has count 0 and every other field 0.
-    """
-
-    count: int
-    sum: float
-    mean: float
-    min: float
-    max: float
-    histogram: tuple[int, ...]
-
-
-EMPTY_QUALITY = Quality(0, 0.0, 0.0, 0.0, 0.0, (0,) * HIST_BINS)
-
-
 # Bin edges as NumPy's histogram builds them for float32 data (float32(k / 10)), so a strength
 # written as 0.7 counts in [0.7, 0.8) although float32(0.7) is a hair below 7/10.
 _EDGES = np.linspace(0.0, 1.0, HIST_BINS + 1).astype(np.float32)
@@ -320,24 +300,6 @@ def quality_runs(strength: Any, starts: np.ndarray, ends: np.ndarray) -> Quality
         mean=float(total) / int(n),
         min=float(np.int32(lo).view(np.float32)),
         max=float(np.int32(hi).view(np.float32)),
-        histogram=tuple(int(c) for c in hist),
-    )
-
-
-def merge_quality(parts: list[Quality]) -> Quality:
-    """Merge summaries of disjoint sets: count, min, max and histogram exact, sum in float64."""
-    parts = [q for q in parts if q.count > 0]
-    if not parts:
-        return EMPTY_QUALITY
-    count = sum(q.count for q in parts)
-    total = float(np.sum(np.array([q.sum for q in parts], dtype=np.float64)))
-    hist = np.sum(np.array([q.histogram for q in parts], dtype=np.int64), axis=0)
-    return Quality(
-        count=count,
-        sum=total,
-        mean=total / count,
-        min=min(q.min for q in parts),
-        max=max(q.max for q in parts),
         histogram=tuple(int(c) for c in hist),
     )
 
@@ -400,23 +362,3 @@ def topk_runs(
     cand_ids, cand_s = ids[rows], strength[rows]
     order = np.lexsort((cand_ids, -cand_s))
     return cand_ids[order], cand_s[order]
-
-
-def merge_topk(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Merge local top-k lists of disjoint id sets into the exact global top-k.
-
-    Exact because each global winner is a winner of its own part: it ranks at least as
-    high there as in the union.
-
-    Args:
-        parts: ``(ids [k_i] uint64, strengths [k_i] float32)`` pairs, ids disjoint.
-        k: number wanted.
-
-    Returns:
-        ``(ids, strengths)`` as :func:`topk`.
-    """
-    if not parts:
-        return np.empty(0, np.uint64), np.empty(0, np.float32)
-    ids = np.concatenate([np.asarray(p[0], dtype=np.uint64) for p in parts])
-    strengths = np.concatenate([np.asarray(p[1], dtype=np.float32) for p in parts])
-    return topk(strengths, ids, k)

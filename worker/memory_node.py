@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from shared.memory.slots import slot_of
+from shared.memory.validation import MemoryInputError, as_slots
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc import error_message
-from shared.slots import slot_of
 from worker.journal import Journal
 from worker.journal_format import Request, apply_op
-from worker.store import MemoryInputError, SlotSnapshot, SlotStore, as_slots
+from worker.store import SlotSnapshot, SlotStore
 
 T = TypeVar("T")
 
@@ -578,7 +579,6 @@ def _sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
 
 
 __all__ = [
-    "MemoryInputError",
     "StaleForward",
     "MemoryNode",
     "NotPrimary",

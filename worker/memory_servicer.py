@@ -11,10 +11,11 @@ import numpy as np
 from grpc import aio
 
 from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
-from shared.proto import common_pb2, coordinator_pb2, worker_pb2
+from shared.memory.slots import SlotMapError, validate_slot_map
+from shared.memory.stats import quality_to_pb
+from shared.memory.validation import MemoryInputError, as_slots, validate_k, validate_rate
+from shared.proto import common_pb2, worker_pb2
 from shared.rpc import error_message
-from shared.slots import SlotMapError, validate_slot_map
-from worker import kernels
 from worker.memory_node import (
     MemoryNode,
     NotPrimary,
@@ -24,7 +25,7 @@ from worker.memory_node import (
     StaleForward,
 )
 from worker.registration import RegistrationRefused
-from worker.store import MemoryInputError, SlotSnapshot, as_slots, validate_k, validate_rate
+from worker.store import SlotSnapshot
 
 T = TypeVar("T")
 
@@ -63,18 +64,6 @@ def _same_length(ids: np.ndarray, **others: np.ndarray | list[bytes] | None) -> 
     for name, values in others.items():
         if values is not None and len(values) != len(ids):
             raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(values)})")
-
-
-def quality_to_pb(q: kernels.Quality) -> common_pb2.QualityStats:
-    """Quality statistics as a QualityStats message."""
-    return common_pb2.QualityStats(
-        count=q.count,
-        sum=q.sum,
-        mean=q.mean,
-        min=q.min,
-        max=q.max,
-        histogram=[int(h) for h in q.histogram],
-    )
 
 
 class NotReady(Exception):
@@ -182,14 +171,12 @@ class MemoryRpcs:
 
     async def Decay(
         self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext
-    ) -> coordinator_pb2.DecayResponse:
+    ) -> common_pb2.DecayResponse:
         """Decay this worker's primary slots (called by the coordinator's fan-out)."""
 
-        async def work() -> coordinator_pb2.DecayResponse:
+        async def work() -> common_pb2.DecayResponse:
             rate = float(validate_rate(request.rate))
-            return coordinator_pb2.DecayResponse(
-                memories=await self.node.decay(request.epoch, rate)
-            )
+            return common_pb2.DecayResponse(memories=await self.node.decay(request.epoch, rate))
 
         return await _guard(context, work)
 
@@ -207,17 +194,15 @@ class MemoryRpcs:
 
     async def TopK(
         self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext
-    ) -> coordinator_pb2.TopKResponse:
+    ) -> common_pb2.TopKResponse:
         """The k strongest memories of this worker's primary slots (ties: smaller id)."""
 
-        async def work() -> coordinator_pb2.TopKResponse:
+        async def work() -> common_pb2.TopKResponse:
             self.node.check_epoch(request.epoch)
             k = validate_k(request.k, self.node.store.k_max)
             mine = np.flatnonzero(self.node.roles.primary)
             ids, strengths = await self.node.run(self.node.store.topk, k, mine)
-            return coordinator_pb2.TopKResponse(
-                ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths)
-            )
+            return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
         return await _guard(context, work)
 

@@ -38,6 +38,7 @@ from coordinator.coordinator_servicer import CoordinatorServicer
 from coordinator.server import CoordinatorServer
 from shared.codec import tensors_to_chunks
 from shared.config import ConfigError, CoordinatorConfig, WorkerConfig, job_spec_from_json
+from shared.memory.slots import slot_of
 from shared.proto import (
     common_pb2,
     coordinator_pb2,
@@ -45,7 +46,6 @@ from shared.proto import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from shared.slots import slot_of
 from tests.fuzz_strategies import fuzz, message_bytes
 from worker.server import WorkerServer
 from worker.worker_servicer import WorkerServicer

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.slot_map import SlotMap, plan, primary_changes
-from shared.slots import assign_slots
+from shared.memory.slots import assign_slots
 
 S = 64
 

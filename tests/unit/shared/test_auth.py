@@ -14,8 +14,8 @@ from shared.auth import _principal, bearer_token, bound_name_error, may_call, ma
 from shared.cli_security import ROLES, client_security_of, daemon_overrides
 from shared.config import ConfigError
 from shared.limits import batch_error, split_parts
+from shared.memory.slots import slot_of
 from shared.proto import coordinator_pb2
-from shared.slots import slot_of
 from shared.tokens import ROLES as TOKEN_ROLES
 from shared.tokens import Principal
 

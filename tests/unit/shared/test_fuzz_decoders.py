@@ -34,10 +34,10 @@ from shared.codec import (
     tensors_to_chunks,
 )
 from shared.config import ConfigError, JobSpec, job_spec_from_json, parse_job_spec
+from shared.memory.files import MemoryFileError, load_memories, load_reinforcements, load_trace
+from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory_client import MemoryRouter, RoutingError
-from shared.memory_files import MemoryFileError, load_memories, load_reinforcements, load_trace
 from shared.proto import common_pb2, worker_pb2
-from shared.slots import SlotMapError, validate_slot_map
 from tests.fuzz_strategies import (
     fuzz,
     hostile_message,

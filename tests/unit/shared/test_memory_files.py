@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.memory_files import (
+from shared.memory.files import (
     MemoryFileError,
     load_memories,
     load_reinforcements,

@@ -1,4 +1,4 @@
-"""Tests for shared/slots.py: mixer, slot keys, rendezvous placement, stable grouping."""
+"""Tests for shared/memory/slots.py: mixer, slot keys, rendezvous placement, stable grouping."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.slots import (
+from shared.memory.slots import (
     assign_slots,
     group_by_slot,
     hash64,

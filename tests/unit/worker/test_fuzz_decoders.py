@@ -23,20 +23,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shared.codec import CodecError, f32_from_bytes, ids_from_bytes
+from shared.memory.slots import slot_of
+from shared.memory.validation import MemoryInputError, as_ids, as_slots, validate_k, validate_rate
 from shared.proto import worker_pb2
-from shared.slots import slot_of
 from tests.fuzz_strategies import fuzz, message_bytes, mutated_bytes
 from worker import journal_format as fmt
 from worker.journal import JournalError, recover, segment_path
-from worker.store import (
-    MemoryInputError,
-    SlotSnapshot,
-    SlotStore,
-    as_ids,
-    as_slots,
-    validate_k,
-    validate_rate,
-)
+from worker.store import SlotSnapshot, SlotStore
 
 S = 16
 IDS = np.array([3, 17, 2**40 + 5, 2**63 + 9, 99], np.uint64)

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared.memory.slots import slot_of
 from shared.proto import worker_pb2
-from shared.slots import slot_of
 from worker import journal as journal_mod
 from worker.journal import Journal, JournalError, lock_data_dir, recover, segment_path
 from worker.journal_format import apply_op

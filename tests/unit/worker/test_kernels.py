@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.slots import slot_of
+from shared.memory.slots import slot_of
+from shared.memory.stats import EMPTY_QUALITY, Quality, merge_quality, merge_topk
 from worker import kernels
-from worker.kernels import EMPTY_QUALITY, Quality
 
 UNIT = st.floats(0, 1, width=32)
 
@@ -158,7 +158,7 @@ def test_quality_bins_and_empty():
 @given(st.lists(st.lists(UNIT, max_size=30), max_size=5))
 def test_merge_quality_equals_quality_of_the_union(parts):
     arrays = [np.array(p, np.float32) for p in parts]
-    merged = kernels.merge_quality([kernels.quality(a) for a in arrays])
+    merged = merge_quality([kernels.quality(a) for a in arrays])
     union = np.concatenate([np.empty(0, np.float32), *arrays])
     whole = kernels.quality(union)
     assert (merged.count, merged.min, merged.max, merged.histogram) == (
@@ -214,10 +214,10 @@ def test_merge_topk_equals_topk_of_concatenation(rows, parts, k):
     ids = np.array([r[1] for r in rows], np.uint64)
     pieces = np.array_split(np.arange(len(rows)), parts)
     local = [kernels.topk(s[p], ids[p], k) for p in pieces]
-    got_ids, got_s = kernels.merge_topk(local, k)
+    got_ids, got_s = merge_topk(local, k)
     want_ids, want_s = kernels.topk(s, ids, k)
     assert np.array_equal(got_ids, want_ids) and np.array_equal(got_s, want_s)
-    assert kernels.merge_topk([], k)[0].size == 0
+    assert merge_topk([], k)[0].size == 0
 
 
 # -- run kernels (a store's slot set: rows starts[r]:ends[r]) --------------------------------

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shared.memory.slots import slot_of
 from shared.proto import common_pb2, worker_pb2
-from shared.slots import slot_of
 from worker.memory_node import MemoryNode, StaleForward
 from worker.store import SlotStore
 

@@ -12,10 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.slots import assign_slots, slot_of
+from shared.memory.slots import assign_slots, slot_of
+from shared.memory.stats import merge_quality, merge_topk
+from shared.memory.validation import MemoryInputError
 from tests.memory_reference import ReferenceStore
-from worker import kernels
-from worker.store import MemoryInputError, SlotStore
+from worker.store import SlotStore
 
 SLOTS = 16
 
@@ -190,7 +191,7 @@ def test_cluster_equals_reference(workers, ops, k):
     for op in ops:
         apply(op, cluster, ref, joined)
         assert_matches(cluster, ref)
-    quality = kernels.merge_quality([s.quality(mine) for s, mine in cluster.primaries()])
+    quality = merge_quality([s.quality(mine) for s, mine in cluster.primaries()])
     want = ref.quality()
     assert (quality.count, quality.min, quality.max, quality.histogram) == (
         want.count,
@@ -199,7 +200,7 @@ def test_cluster_equals_reference(workers, ops, k):
         want.histogram,
     )
     assert quality.sum == pytest.approx(want.sum, rel=1e-12, abs=1e-12)
-    got_ids, got_s = kernels.merge_topk([s.topk(k, mine) for s, mine in cluster.primaries()], k)
+    got_ids, got_s = merge_topk([s.topk(k, mine) for s, mine in cluster.primaries()], k)
     want_ids, want_s = ref.topk(k)
     assert np.array_equal(got_ids, want_ids) and np.array_equal(got_s, want_s)
 

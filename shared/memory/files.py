@@ -22,7 +22,7 @@ from typing import IO
 
 import numpy as np
 
-from worker.store import MemoryInputError, as_ids, validate_values
+from shared.memory.validation import MemoryInputError, as_ids, validate_values
 
 
 class MemoryFileError(ValueError):

@@ -1,0 +1,163 @@
+"""Validation of memory-store input, shared by the client, the coordinator and the workers.
+
+Each function checks a whole batch before anything is applied, so a refused batch changes
+nothing, and names the field and the first offending index in its ``MemoryInputError``
+(INVALID_ARGUMENT at every gRPC boundary).
+
+Shape letters: K batch items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "MemoryInputError",
+    "as_ids",
+    "as_slots",
+    "validate_k",
+    "validate_rate",
+    "validate_reinforce",
+    "validate_upsert",
+    "validate_values",
+]
+
+
+class MemoryInputError(ValueError):
+    """A memory-store request is malformed (maps to INVALID_ARGUMENT); nothing was applied."""
+
+
+def _fmt(value: object) -> str:
+    return repr(float(value))  # type: ignore[arg-type]
+
+
+def as_ids(ids: object, name: str = "ids") -> np.ndarray:
+    """Return ids as a 1-D uint64 array; refuse other shapes, negatives and non-integers."""
+    a = np.asarray(ids)
+    if a.ndim != 1:
+        raise MemoryInputError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if a.size == 0 or a.dtype == np.uint64:
+        return a.astype(np.uint64, copy=False)
+    if a.dtype.kind == "i":
+        negative = np.flatnonzero(a < 0)
+        if len(negative):
+            i = int(negative[0])
+            raise MemoryInputError(f"{name}[{i}]: {a[i]} is negative; ids are uint64")
+    elif a.dtype.kind != "u":
+        raise MemoryInputError(f"{name}: dtype {a.dtype} is not an integer type")
+    return a.astype(np.uint64)
+
+
+def as_slots(slots: object, num_slots: int, name: str = "slots") -> np.ndarray:
+    """Return slot numbers as a 1-D int64 array, each in [0, num_slots)."""
+    a = np.asarray(slots)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise MemoryInputError(f"{name}: expected a 1-D array of integers")
+    a = a.astype(np.int64)
+    bad = np.flatnonzero((a < 0) | (a >= num_slots))
+    if len(bad):
+        i = int(bad[0])
+        raise MemoryInputError(f"{name}[{i}]: {a[i]} is outside [0, {num_slots})")
+    return a
+
+
+def validate_values(
+    values: object, name: str, ids: np.ndarray, *, unit_range: bool = False
+) -> np.ndarray:
+    """Return values as [K] float32 matching ids: finite, >= 0, and <= 1 when unit_range.
+
+    -0.0 becomes +0.0, so stored strengths compare equal bit for bit.
+    """
+    a = np.asarray(values)
+    if a.ndim != 1:
+        raise MemoryInputError(f"{name}: expected a 1-D array, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "fiu":
+        raise MemoryInputError(f"{name}: dtype {a.dtype} is not a number type")
+    if len(a) != len(ids):
+        raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(a)})")
+    if a.dtype == np.float32:  # the usual case: two comparisons also refuse NaN and inf
+        upper = np.float32(1) if unit_range else np.finfo(np.float32).max
+        if np.all((a >= 0) & (a <= upper)):
+            return a + np.float32(0)
+    a64 = a.astype(np.float64)
+    with np.errstate(over="ignore"):
+        overflow = np.isinf(a64.astype(np.float32)) & np.isfinite(a64)
+    bad = ~np.isfinite(a64) | overflow | (a64 < 0) | ((a64 > 1) & unit_range)
+    if bad.any():
+        i = int(np.argmax(bad))
+        v = a64[i]
+        if not np.isfinite(v):
+            what = "is not finite"
+        elif overflow[i]:
+            what = "overflows float32"
+        else:
+            what = "is outside [0, 1]" if unit_range else "is negative"
+        raise MemoryInputError(f"{name}[{i}]: {_fmt(v)} {what}")
+    return a.astype(np.float32) + np.float32(0)
+
+
+def validate_upsert(
+    ids: object, strengths: object, payloads: Sequence[bytes | None] | None, max_payload_bytes: int
+) -> tuple[np.ndarray, np.ndarray, list[bytes | None] | None]:
+    """Check an upsert batch; return ``(ids [K] uint64, strengths [K] float32, payloads)``.
+
+    Raises:
+        MemoryInputError: names the field and the first offending index (INVALID_ARGUMENT).
+    """
+    ids = as_ids(ids)
+    values = validate_values(strengths, "strengths", ids, unit_range=True)
+    if payloads is None:
+        return ids, values, None
+    payloads = list(payloads)
+    if len(payloads) != len(ids):
+        raise MemoryInputError(f"ids and payloads differ in length ({len(ids)} != {len(payloads)})")
+    for i, p in enumerate(payloads):
+        if p is not None and not isinstance(p, bytes | bytearray | memoryview):
+            raise MemoryInputError(f"payloads[{i}]: expected bytes, got {type(p).__name__}")
+        if p is not None and len(p) > max_payload_bytes:
+            raise MemoryInputError(
+                f"payloads[{i}]: {len(p)} bytes exceeds max_payload_bytes {max_payload_bytes}"
+            )
+    return ids, values, payloads
+
+
+def validate_reinforce(ids: object, boosts: object) -> tuple[np.ndarray, np.ndarray]:
+    """Check a reinforce batch; return ``(ids [K] uint64, boosts [K] float32)``, boosts >= 0.
+
+    Raises:
+        MemoryInputError: names the field and the first offending index (INVALID_ARGUMENT).
+    """
+    ids = as_ids(ids)
+    return ids, validate_values(boosts, "boosts", ids)
+
+
+def validate_rate(rate: object) -> np.float32:
+    """Check a decay rate (finite, in [0, 1]) and return it as float32.
+
+    Raises:
+        MemoryInputError: (INVALID_ARGUMENT).
+    """
+    if isinstance(rate, bool) or not isinstance(rate, int | float | np.integer | np.floating):
+        raise MemoryInputError(f"rate: {rate!r} is not a number")
+    if not np.isfinite(rate):
+        raise MemoryInputError(f"rate: {_fmt(rate)} is not finite")
+    if not 0 <= rate <= 1:
+        raise MemoryInputError(f"rate: {_fmt(rate)} is outside [0, 1]")
+    return np.float32(rate)
+
+
+def validate_k(k: object, k_max: int) -> int:
+    """Check a top-k size: an integer in [1, k_max].
+
+    Raises:
+        MemoryInputError: (INVALID_ARGUMENT).
+    """
+    if isinstance(k, bool) or not isinstance(k, int | np.integer):
+        raise MemoryInputError(f"k: {k!r} is not an integer")
+    if k < 1:
+        raise MemoryInputError(f"k: {k} must be >= 1")
+    if k > k_max:
+        raise MemoryInputError(f"k: {k} exceeds the limit {k_max}")
+    return int(k)
