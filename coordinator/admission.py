@@ -30,7 +30,7 @@ from shared.config import (
     TrainJobSpec,
     job_spec_from_json,
 )
-from shared.confinement import check_imports, resolve_data_paths
+from shared.security.confinement import check_imports, resolve_data_paths
 from shared.training.data import total_steps
 from shared.training.models import ModelError, build_model, count_params
 

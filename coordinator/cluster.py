@@ -26,8 +26,8 @@ from shared import rpc
 from shared.config import CoordinatorConfig, JobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
-from shared.security import ChannelSecurity
-from shared.worker_clients import WorkerClients
+from shared.rpc.peers import WorkerClients
+from shared.security.transport import ChannelSecurity
 
 log = get_logger("coordinator.cluster")
 

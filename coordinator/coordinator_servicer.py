@@ -14,13 +14,13 @@ from coordinator.data_servicer import DataRpcs
 from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
-from shared.auth import current_principal, may_see_job
-from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.config import ConfigError
-from shared.confinement import ImportNotAllowed, PathRefused
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import MemoryInputError, as_slots, validate_k, validate_rate
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.security.auth import current_principal, may_see_job
+from shared.security.confinement import ImportNotAllowed, PathRefused
 
 _WORKER_STATE = {
     WorkerState.ALIVE: common_pb2.WORKER_STATE_ALIVE,

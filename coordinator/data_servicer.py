@@ -25,10 +25,10 @@ from coordinator.dataset_store import (
     list_datasets,
 )
 from coordinator.train_sets import BadShard, NotJobMember, ShardNotServed
-from shared.auth import current_principal
-from shared.codec import tensors_to_chunks
 from shared.logging import get_logger
 from shared.proto import coordinator_pb2
+from shared.rpc.codec import tensors_to_chunks
+from shared.security.auth import current_principal
 
 log = get_logger("coordinator.data")
 

@@ -21,14 +21,14 @@ from coordinator.access_stream import ScrambledZipfStream, TraceStream, generate
 from coordinator.jobs import JobFailed, JobRecord
 from coordinator.membership import WorkerRecord
 from coordinator.memory_ops import BulkOpError
+from shared.client.memory import MemoryRouter, RoutingError
 from shared.config import MemoryJobSpec, TraceAccess
-from shared.confinement import PathRefused, with_resolved_paths
 from shared.logging import get_logger
 from shared.memory.files import MemoryFileError, load_memories, load_trace
 from shared.memory.stats import Quality
 from shared.memory.validation import validate_rate
-from shared.memory_client import MemoryRouter, RoutingError
 from shared.proto import common_pb2
+from shared.security.confinement import PathRefused, with_resolved_paths
 
 if TYPE_CHECKING:
     from coordinator.cluster import Cluster

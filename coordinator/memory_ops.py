@@ -15,10 +15,10 @@ from grpc import aio
 
 from coordinator.membership import Membership
 from coordinator.rebalance import Rebalancer
-from shared.codec import f32_from_bytes, ids_from_bytes
 from shared.memory.stats import Quality, merge_quality, merge_topk, quality_from_pb
 from shared.proto import worker_pb2, worker_pb2_grpc
-from shared.worker_clients import WorkerClients
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes
+from shared.rpc.peers import WorkerClients
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ from coordinator.trust import SlotTrust, VerificationPending
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import worker_pb2
-from shared.worker_clients import WorkerClients
+from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.rebalance")
 

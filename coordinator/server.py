@@ -13,14 +13,13 @@ from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
 from shared import rpc
 from shared.config import CoordinatorConfig
-from shared.exposure import check_listen, start_probe_server
-from shared.interceptors import RequestLogInterceptor
-from shared.limits import server_options
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import coordinator_pb2_grpc
-from shared.request_decoding import DecodeGuardInterceptor
-from shared.security import DaemonSecurity
+from shared.rpc.interceptors import server_interceptors
+from shared.rpc.limits import server_options
+from shared.security.exposure import check_listen, start_probe_server
+from shared.security.transport import DaemonSecurity
 
 log = get_logger("coordinator.server")
 SERVICE_NAME = "neuroshard.v1.Coordinator"
@@ -42,12 +41,7 @@ class CoordinatorServer:
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         self.health = health.aio.HealthServicer()
         self.server = aio.server(
-            interceptors=[
-                RequestLogInterceptor(self.metrics),
-                DecodeGuardInterceptor(),
-                *self.security.interceptors(),
-                rpc.MetricsInterceptor(self.metrics),
-            ],
+            interceptors=server_interceptors(self.metrics, self.security.public_key),
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(

@@ -23,11 +23,11 @@ from coordinator.membership import WorkerRecord
 from coordinator.train_members import Members, ShardResult
 from coordinator.train_sets import TrainSets
 from shared.config import CoordinatorConfig, TrainJobSpec
-from shared.confinement import PathRefused, with_resolved_paths
 from shared.logging import get_logger
 from shared.metrics import Metrics
+from shared.rpc.peers import WorkerClients
+from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.training.data import load_dataset, steps_per_epoch
-from shared.worker_clients import WorkerClients
 
 log = get_logger("coordinator.train_job")
 

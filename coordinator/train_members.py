@@ -19,11 +19,11 @@ import numpy as np
 
 from coordinator.jobs import JobFailed
 from coordinator.membership import WorkerRecord
-from shared.codec import read_header_and_tensors, tensors_to_chunks
 from shared.logging import get_logger
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc import error_message
-from shared.worker_clients import WorkerClients
+from shared.rpc.codec import read_header_and_tensors, tensors_to_chunks
+from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.train_members")
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.cli import build_parser
-from shared.cli_security import daemon_overrides
+from shared.cli.main import build_parser
+from shared.cli.security import daemon_overrides
 from shared.config import ConfigError, CoordinatorConfig, WorkerConfig, load_config
-from shared.exposure import is_loopback
+from shared.security.exposure import is_loopback
 
 MODELS: dict[str, type[CoordinatorConfig] | type[WorkerConfig]] = {
     "coordinator": CoordinatorConfig,

@@ -25,7 +25,7 @@ from pydantic import (
 T = TypeVar("T", bound=BaseModel)
 
 
-# Markers of spec fields that name code or files (``shared.confinement`` finds and checks
+# Markers of spec fields that name code or files (``shared.security.confinement`` finds and checks
 # every field carrying one, so a new such field cannot be forgotten).
 TRUST_KEY = "neuroshard_trust"
 IMPORT_REF: dict[str, Any] = {TRUST_KEY: "import"}

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from shared.codec import f32_from_bytes, ids_from_bytes
 from shared.memory.slots import MAX_SLOTS
 from shared.memory.validation import as_slots
 from shared.proto import worker_pb2
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 from worker.store import SlotSnapshot, SlotStore
 
 LOG_MAGIC, SNAP_MAGIC = b"NSLOG001", b"NSSNAP01"

@@ -10,12 +10,12 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import MemoryInputError, as_slots, validate_k, validate_rate
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc import error_message
+from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from worker.memory_node import (
     MemoryNode,
     NotPrimary,

@@ -14,15 +14,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared import rpc
 from shared.config import WorkerConfig
-from shared.exposure import check_listen, start_probe_server
-from shared.interceptors import RequestLogInterceptor
-from shared.limits import BatchLimitInterceptor, server_options
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
-from shared.request_decoding import DecodeGuardInterceptor
-from shared.security import DaemonSecurity
-from shared.worker_clients import WorkerClients
+from shared.rpc.interceptors import server_interceptors
+from shared.rpc.limits import server_options
+from shared.rpc.peers import WorkerClients
+from shared.security.exposure import check_listen, start_probe_server
+from shared.security.transport import DaemonSecurity
 from worker import kernels
 from worker.journal import Journal, JournalError, lock_data_dir, recover
 from worker.memory_node import MemoryNode
@@ -49,13 +48,9 @@ class WorkerServer:
         self.health = health.aio.HealthServicer()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
         self.server = aio.server(
-            interceptors=[
-                RequestLogInterceptor(self.metrics, worker_name=self.name),
-                DecodeGuardInterceptor(),
-                *self.security.interceptors(),
-                BatchLimitInterceptor(cfg.max_batch_items),
-                rpc.MetricsInterceptor(self.metrics),
-            ],
+            interceptors=server_interceptors(
+                self.metrics, self.security.public_key, self.name, cfg.max_batch_items
+            ),
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         self.peers = WorkerClients(cfg.max_message_bytes, self.security.channel)

@@ -20,10 +20,10 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from shared.codec import ChunkAssembler, CodecError
 from shared.config import FileData, TrainJobSpec
 from shared.logging import get_logger
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
+from shared.rpc.codec import ChunkAssembler, CodecError
 from shared.training.data import DataError, Dataset, load_dataset, shard_bounds
 
 log = get_logger("worker.shards")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
-from shared.confinement import check_imports
+from shared.security.confinement import check_imports
 from shared.training.data import DataError
 from worker.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.trainer import GradResult, Trainer

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc import aio
 
-from shared.codec import CodecError, read_header_and_tensors, tensors_to_chunks
 from shared.config import ConfigError
-from shared.confinement import ImportNotAllowed
 from shared.proto import worker_pb2, worker_pb2_grpc
+from shared.rpc.codec import CodecError, read_header_and_tensors, tensors_to_chunks
+from shared.rpc.peers import WorkerClients
+from shared.security.confinement import ImportNotAllowed
 from shared.training.data import DataError
-from shared.worker_clients import WorkerClients
 from worker.memory_node import MemoryNode
 from worker.memory_servicer import MemoryRpcs, slot_messages
 from worker.shards import ShardFetchError, ShardMissing

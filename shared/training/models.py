@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shared.config import CnnSpec, ImportModelSpec, MlpSpec
-from shared.confinement import check_import
+from shared.security.confinement import check_import
 
 # Input shapes the cnn accepts, with the number of 2x2 max-pools that suit each size.
 _CNN_POOLS: dict[tuple[int, ...], int] = {(1, 8, 8): 1, (1, 28, 28): 2}

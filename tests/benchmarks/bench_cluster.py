@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.access_stream import ScrambledZipfStream, generate_memories
+from shared.cli.local_cluster import LocalCluster
 from shared.client import Client
-from shared.local_cluster import LocalCluster
 
 BATCH = 100_000
 ALPHA, BOOST, DECAY_RATE, TOP_K, SEED = 0.99, 0.05, 0.001, 100, 0

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.cli.local_cluster import LocalCluster
 from shared.client import Client
-from shared.local_cluster import LocalCluster
 
 FAST = "heartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.0\n"
 

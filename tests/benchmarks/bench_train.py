@@ -138,8 +138,8 @@ def run_neuroshard(
     submitted ``repeats`` times; each job's own samples/s covers its step loop only (after
     the workers loaded the data), as the other runners time steps after a warm-up.
     """
+    from shared.cli.local_cluster import LocalCluster
     from shared.client import SyncClient
-    from shared.local_cluster import LocalCluster
 
     doc = spec.model_dump(by_alias=True)
     doc.update(workers=workers, batch_size=global_batch // workers, steps=steps, epochs=None)

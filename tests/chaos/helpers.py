@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.cli.local_cluster import LocalCluster
 from shared.client import Client
-from shared.local_cluster import LocalCluster
 from shared.proto import worker_pb2_grpc
 from shared.rpc import channel
 from tests.integration.memory_helpers import dump_worker

@@ -14,11 +14,11 @@ import pytest
 
 from coordinator.server import CoordinatorServer
 from shared.client import Client
-from shared.codec import f32_from_bytes, ids_from_bytes
 from shared.config import CoordinatorConfig
 from shared.memory.slots import assign_slots
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc import channel
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 from tests.conftest import InProcessCluster, wait_until
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.codec import f32_from_bytes, ids_from_bytes
 from shared.proto import worker_pb2, worker_pb2_grpc
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 
 
 async def dump_worker(stub: worker_pb2_grpc.WorkerStub) -> dict[int, dict[int, float]]:

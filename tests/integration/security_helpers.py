@@ -15,10 +15,10 @@ from typing import Any
 import jwt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shared.certs import CertPaths, write_dev_certs
 from shared.config import AuthConfig, TlsConfig
-from shared.security import ChannelSecurity, client_security
-from shared.tokens import create_token, read_private_key, write_keypair
+from shared.security.certs import CertPaths, write_dev_certs
+from shared.security.tokens import create_token, read_private_key, write_keypair
+from shared.security.transport import ChannelSecurity, client_security
 
 POOL_PATTERN = "worker-*"  # the in-process workers are worker-0, worker-1, ...
 

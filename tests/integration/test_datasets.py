@@ -284,11 +284,11 @@ async def test_fetch_shard_is_refused_to_a_worker_outside_the_job(
 async def test_under_tls_and_tokens_writers_put_readers_list_and_workers_fetch(
     make_cluster, tmp_path: Path
 ) -> None:
-    from shared.certs import write_dev_certs
     from shared.client import Client
     from shared.config import AuthConfig, TlsConfig
-    from shared.security import client_security
-    from shared.tokens import create_token, read_private_key, write_keypair
+    from shared.security.certs import write_dev_certs
+    from shared.security.tokens import create_token, read_private_key, write_keypair
+    from shared.security.transport import client_security
 
     certs = write_dev_certs(tmp_path / "certs")
     private, public = write_keypair(tmp_path / "auth")

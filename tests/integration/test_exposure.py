@@ -12,8 +12,8 @@ from structlog.testing import capture_logs
 
 from coordinator.server import CoordinatorServer
 from shared.config import CoordinatorConfig
-from shared.exposure import ExposureRefused, check_listen, is_loopback
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
+from shared.security.exposure import ExposureRefused, check_listen, is_loopback
 from tests.integration.cli_helpers import run_cli
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.memory.slots import assign_slots, slot_of
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc import channel
+from shared.rpc.codec import f32_to_bytes, ids_to_bytes
 from tests.conftest import InProcessCluster
 from tests.integration.invariant_helpers import (
     OP_TIMEOUT_S,

@@ -5,7 +5,7 @@ hypothesis tests drive them with a plain blocking channel). Every method listed 
 generated descriptors is called with serialized requests built from valid seeds, mutated at
 field and byte level (``tests/fuzz_strategies.py``), bypassing the client library's checks.
 Each answer must be a clean status (``CLEAN``): UNKNOWN or INTERNAL mean an exception escaped
-a servicer, or grpc.aio failed to parse the request (``shared.request_decoding`` turns that
+a servicer, or grpc.aio failed to parse the request (``shared.rpc.interceptors`` turns that
 into INVALID_ARGUMENT). After each method both servers must still answer a health check and
 a valid request, and the memories loaded before must read back unchanged.
 
@@ -36,7 +36,6 @@ from hypothesis import strategies as st
 
 from coordinator.coordinator_servicer import CoordinatorServicer
 from coordinator.server import CoordinatorServer
-from shared.codec import tensors_to_chunks
 from shared.config import ConfigError, CoordinatorConfig, WorkerConfig, job_spec_from_json
 from shared.memory.slots import slot_of
 from shared.proto import (
@@ -46,6 +45,7 @@ from shared.proto import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from shared.rpc.codec import tensors_to_chunks
 from tests.fuzz_strategies import fuzz, message_bytes
 from worker.server import WorkerServer
 from worker.worker_servicer import WorkerServicer

@@ -7,7 +7,6 @@ import grpc
 import pytest
 
 from shared.client import Client, NeuroshardError
-from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.proto import (
     common_pb2,
     coordinator_pb2,
@@ -16,6 +15,7 @@ from shared.proto import (
     worker_pb2_grpc,
 )
 from shared.rpc import channel
+from shared.rpc.codec import f32_to_bytes, ids_to_bytes
 from tests.conftest import wait_until
 from tests.integration.security_helpers import Material, coordinator_state, worker_state
 

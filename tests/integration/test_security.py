@@ -13,14 +13,14 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 
-from shared.certs import write_dev_certs
 from shared.client import Client, NeuroshardError
-from shared.codec import f32_to_bytes, ids_to_bytes
 from shared.config import ConfigError
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, worker_pb2_grpc
 from shared.rpc import channel
-from shared.security import ChannelSecurity, TlsFiles
-from shared.tokens import TokenSource
+from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.security.certs import write_dev_certs
+from shared.security.tokens import TokenSource
+from shared.security.transport import ChannelSecurity, TlsFiles
 from tests.conftest import wait_until
 from tests.integration.cli_helpers import CLI, REPO
 from tests.integration.security_helpers import (

@@ -15,8 +15,8 @@ import pytest
 from coordinator.admission import LimitExceeded, admit
 from coordinator.cluster import Cluster
 from shared.config import ConfigError, CoordinatorConfig
-from shared.confinement import ImportNotAllowed, PathRefused
 from shared.metrics import Metrics
+from shared.security.confinement import ImportNotAllowed, PathRefused
 
 
 def _cfg(tmp_path: Path, **caps: Any) -> CoordinatorConfig:

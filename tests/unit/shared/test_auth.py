@@ -10,14 +10,21 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shared.auth import _principal, bearer_token, bound_name_error, may_call, may_see_job
-from shared.cli_security import ROLES, client_security_of, daemon_overrides
+from shared.cli.security import ROLES, client_security_of, daemon_overrides
 from shared.config import ConfigError
-from shared.limits import batch_error, split_parts
 from shared.memory.slots import slot_of
 from shared.proto import coordinator_pb2
-from shared.tokens import ROLES as TOKEN_ROLES
-from shared.tokens import Principal
+from shared.rpc.limits import batch_error, split_parts
+from shared.security.auth import (
+    bearer_token,
+    bound_name_error,
+    may_call,
+    may_see_job,
+    reset_principal,
+    set_principal,
+)
+from shared.security.tokens import ROLES as TOKEN_ROLES
+from shared.security.tokens import Principal
 
 C, W = "/neuroshard.v1.Coordinator/", "/neuroshard.v1.Worker/"
 
@@ -131,11 +138,11 @@ def test_job_visibility_follows_the_subject() -> None:
     cases += [(Principal("bob", "writer", 0.0), "alice", False)]
     cases += [(Principal("bob", "reader", 0.0), "", False)]
     for principal, owner, visible in cases:
-        token = _principal.set(principal)
+        token = set_principal(principal)
         try:
             assert may_see_job(owner) is visible, (principal, owner)
         finally:
-            _principal.reset(token)
+            reset_principal(token)
 
 
 def test_bearer_token_from_metadata() -> None:
@@ -232,8 +239,8 @@ def test_split_parts_leaves_small_parts_alone() -> None:
 def test_verified_tokens_are_cached_until_they_expire(monkeypatch) -> None:
     import time
 
-    from shared.auth import AuthInterceptor
-    from shared.tokens import TokenError, create_token
+    from shared.rpc.interceptors import AuthInterceptor
+    from shared.security.tokens import TokenError, create_token
 
     key = Ed25519PrivateKey.generate()
     auth = AuthInterceptor(key.public_key(), cache_size=2)
@@ -297,8 +304,8 @@ def _explode(data: bytes) -> object:
 )
 async def test_a_refused_call_gets_a_handler_that_parses_nothing(make, role, code) -> None:
     # Arrange: a servicer handler whose deserializer and behavior must never run
-    from shared.auth import AuthInterceptor
-    from shared.tokens import create_token
+    from shared.rpc.interceptors import AuthInterceptor
+    from shared.security.tokens import create_token
 
     key = Ed25519PrivateKey.generate()
     token = create_token(key, role, "r", 60) if role else None

@@ -11,9 +11,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from shared.certs import write_dev_certs
 from shared.config import ConfigError
-from shared.security import TlsFiles, client_security
+from shared.security.certs import write_dev_certs
+from shared.security.transport import TlsFiles, client_security
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,12 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.codec import (
+from shared.client.memory import MemoryRouter, RoutingError
+from shared.config import ConfigError, JobSpec, job_spec_from_json, parse_job_spec
+from shared.memory.files import MemoryFileError, load_memories, load_reinforcements, load_trace
+from shared.memory.slots import SlotMapError, validate_slot_map
+from shared.proto import common_pb2, worker_pb2
+from shared.rpc.codec import (
     CodecError,
     decode_tensor,
     encode_tensor,
@@ -33,11 +38,6 @@ from shared.codec import (
     read_header_and_tensors,
     tensors_to_chunks,
 )
-from shared.config import ConfigError, JobSpec, job_spec_from_json, parse_job_spec
-from shared.memory.files import MemoryFileError, load_memories, load_reinforcements, load_trace
-from shared.memory.slots import SlotMapError, validate_slot_map
-from shared.memory_client import MemoryRouter, RoutingError
-from shared.proto import common_pb2, worker_pb2
 from tests.fuzz_strategies import (
     fuzz,
     hostile_message,
@@ -53,7 +53,7 @@ JOB_SPECS = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "configs/jobs
 
 def parse_or_none(cls: Any, raw: bytes) -> Any:
     """The message ``raw`` parses to, or None (a DecodeError is the protobuf layer's clean
-    refusal, answered INVALID_ARGUMENT by ``shared.request_decoding``)."""
+    refusal, answered INVALID_ARGUMENT by ``shared.rpc.interceptors``)."""
     try:
         return cls.FromString(raw)
     except DecodeError:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shared.config import CnnSpec, ImportModelSpec, MlpSpec
-from shared.confinement import ImportNotAllowed
+from shared.security.confinement import ImportNotAllowed
 from shared.training.models import (
     ModelError,
     build_model,

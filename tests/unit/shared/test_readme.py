@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import build_parser
+from shared.cli.main import build_parser
 from shared.config import CoordinatorConfig, MemoryJobSpec, TrainJobSpec, WorkerConfig
 
 README = (Path(__file__).resolve().parents[3] / "README.md").read_text()

@@ -22,10 +22,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared.codec import CodecError, f32_from_bytes, ids_from_bytes
 from shared.memory.slots import slot_of
 from shared.memory.validation import MemoryInputError, as_ids, as_slots, validate_k, validate_rate
 from shared.proto import worker_pb2
+from shared.rpc.codec import CodecError, f32_from_bytes, ids_from_bytes
 from tests.fuzz_strategies import fuzz, message_bytes, mutated_bytes
 from worker import journal_format as fmt
 from worker.journal import JournalError, recover, segment_path

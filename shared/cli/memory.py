@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.cli_security import add_client_flags, client_security_of
+from shared.cli.security import add_client_flags, client_security_of
 
 EXIT_OK, EXIT_USAGE = 0, 2
 LOAD_BATCH = 100_000
@@ -33,7 +33,7 @@ def _usage_errors(command: Command) -> Command:
     """Print a bad file or argument as one line and exit 2.
 
     Handled here rather than with ``shared.cli.CliError``: under ``python -m shared.cli`` that
-    module runs as ``__main__``, and a class imported from ``shared.cli`` would not be caught.
+    module runs as ``__main__``, and a class imported from ``shared.cli.main`` would not be caught.
     """
 
     @functools.wraps(command)
@@ -89,7 +89,7 @@ def _bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
     """A rich progress bar on stderr when it is a terminal; yields ``advance(n)``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from shared.cli_output import err_console
+    from shared.cli.output import err_console
 
     columns = (what, BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(
@@ -178,7 +178,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def _print_stats(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from shared.cli_output import out_console
+    from shared.cli.output import out_console
 
     q = doc["quality"]
     out_console.print(

@@ -12,17 +12,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
-import grpc
-from grpc import aio
-
-from shared.interceptors import Continuation, wrap_handler
-
 DEFAULT_MAX_BATCH_ITEMS = 1 << 20
-_KEYED = {"/neuroshard.v1.Worker/" + m for m in ("Upsert", "Get", "Delete", "Reinforce")}
+KEYED_METHODS = {"/neuroshard.v1.Worker/" + m for m in ("Upsert", "Get", "Delete", "Reinforce")}
 
 
 def server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, Any]]:
@@ -49,31 +43,6 @@ def split(positions: Any, limit: int) -> list[Any]:
     if not limit or len(positions) <= limit:
         return [positions]
     return [positions[i : i + limit] for i in range(0, len(positions), limit)]
-
-
-class BatchLimitInterceptor(aio.ServerInterceptor):
-    """On a worker: refuse keyed memory requests with more than ``limit`` ids
-    (INVALID_ARGUMENT, before any work)."""
-
-    def __init__(self, limit: int = DEFAULT_MAX_BATCH_ITEMS) -> None:
-        self.limit = limit
-
-    async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method not in _KEYED:
-            return handler
-
-        @asynccontextmanager
-        async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
-            error = batch_error(len(request.ids) // 8, self.limit)
-            if error is not None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-            yield
-
-        return wrap_handler(handler, around)
 
 
 def split_parts(

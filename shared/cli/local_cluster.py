@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.client import NeuroshardError, SyncClient
-from shared.dev_security import SecureSetup, prepare
-from shared.security import ChannelSecurity
+from shared.security.dev import SecureSetup, prepare
+from shared.security.transport import ChannelSecurity
 
 
 class ClusterStartError(RuntimeError):
@@ -39,7 +39,7 @@ class LocalCluster:
         secure: bool = False,
     ) -> None:
         """``secure``: mutual TLS and token auth with material generated under the data dir
-        (``shared.dev_security``; each worker gets a worker token for its name);
+        (``shared.security.dev``; each worker gets a worker token for its name);
         ``self.security`` is then the admin's client security."""
         self.n_workers = workers
         self.port = port

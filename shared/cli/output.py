@@ -1,11 +1,8 @@
-"""What the CLI shows: progress bars, tables, and the ``up``/``demo`` local clusters."""
+"""What the CLI shows: progress bars and tables (on ``out_console``/``err_console``)."""
 
 from __future__ import annotations
 
 import json
-import signal
-import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -15,7 +12,7 @@ from rich.table import Table
 from shared.client import JobInfo, SyncClient
 
 if TYPE_CHECKING:
-    from shared.dev_security import SecureSetup
+    pass
 
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 err_console = Console(stderr=True)
@@ -119,75 +116,3 @@ def print_jobs(jobs: list[JobInfo]) -> None:
     for j in jobs:
         table.add_row(j.job_id, j.kind, j.state, ",".join(j.workers), j.error)
     out_console.print(table)
-
-
-def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) -> int:
-    """``neuroshard up``: a local cluster in the foreground until Ctrl-C or SIGTERM; with
-    ``secure``, mutual TLS and tokens (files under the data dir, settings printed)."""
-    from shared.local_cluster import LocalCluster
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-    cluster = LocalCluster(workers, port=port, data_dir=data_dir, secure=secure)
-    try:
-        address = cluster.start()
-        err_console.print(
-            f"neuroshard: coordinator at {address} with {workers} workers "
-            f"({'mutual TLS, token auth' if secure else 'plaintext, no auth'}); "
-            "Ctrl-C stops the cluster"
-        )
-        if cluster.secure is not None:
-            print_secure_settings(cluster.secure, address)
-        print(address, flush=True)
-        while True:
-            for p in [cluster.coordinator, *cluster.workers]:
-                if p is not None and p.poll() is not None:
-                    err_console.print(f"neuroshard: a daemon exited with code {p.returncode}")
-                    return 1
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        cluster.stop()
-
-
-def print_secure_settings(setup: SecureSetup, address: str) -> None:
-    """Tell people how to reach a secure local cluster (on stderr)."""
-    err_console.print(
-        f"client settings: . {setup.env_file}\n"
-        f"  or: --coordinator {address} {setup.client_flags()}\n"
-        f"  (writer token: submit and cancel own jobs, write memories)\n"
-        f"  admin token (every job, decay the whole store, drain workers): "
-        f"{setup.admin_token_file}",
-        highlight=False,
-        soft_wrap=True,
-    )
-
-
-def run_demo(workers: int, job_path: str, as_json: bool, secure: bool = False) -> int:
-    """``neuroshard demo``: start a local cluster, run one job, print the result, stop."""
-    import tempfile
-
-    from shared.cli import read_job_spec
-    from shared.local_cluster import LocalCluster
-
-    spec = read_job_spec(job_path)
-    spec["workers"] = min(int(spec.get("workers", workers)), workers) or workers
-    with tempfile.TemporaryDirectory(prefix="neuroshard-demo-") as tmp:
-        err_console.print(
-            f"neuroshard demo: starting a coordinator and {workers} workers (logs in {tmp}/logs)"
-        )
-        with LocalCluster(workers, data_dir=tmp, log_dir=f"{tmp}/logs", secure=secure) as cluster:
-            with SyncClient(cluster.address, security=cluster.security) as client:
-                job = client.submit(spec)
-                err_console.print(f"submitted {job_path} as {job.job_id}")
-                final = follow_job(client, job, as_json=as_json)
-        ok = final.state == "SUCCEEDED"
-        if not ok:
-            for log in sorted((__import__("pathlib").Path(tmp) / "logs").glob("*.log")):
-                sys.stderr.write(f"--- {log.name} (last lines)\n")
-                sys.stderr.writelines(log.read_text().splitlines(True)[-20:])
-    return 0 if ok else 1

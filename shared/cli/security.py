@@ -115,7 +115,7 @@ def client_security_of(args: argparse.Namespace) -> Any:
     Raises:
         ConfigError: incomplete TLS flags, a missing or invalid file (names the flag).
     """
-    from shared.security import client_security
+    from shared.security.transport import client_security
 
     values = {k: getattr(args, k, None) or os.environ.get(env) or None for k, env in _ENV.items()}
     return client_security(**values)
@@ -123,7 +123,7 @@ def client_security_of(args: argparse.Namespace) -> Any:
 
 def cmd_certs(args: argparse.Namespace) -> int:
     """``neuroshard certs DIR --hosts a,b``: a development CA and certificates."""
-    from shared.certs import write_dev_certs
+    from shared.security.certs import write_dev_certs
 
     hosts = [h for h in (args.hosts or "").split(",") if h.strip()]
     paths = write_dev_certs(args.dir, hosts)
@@ -140,7 +140,7 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     """``neuroshard token create --role R --subject S [--names P] [--ttl 7d]
     --private-key-file F``: print a signed token."""
     from shared.config import ConfigError
-    from shared.tokens import KeyFileError, create_token, parse_ttl, read_private_key
+    from shared.security.tokens import KeyFileError, create_token, parse_ttl, read_private_key
 
     try:
         ttl_s = parse_ttl(args.ttl)
@@ -158,7 +158,7 @@ def cmd_token_keygen(args: argparse.Namespace) -> int:
     """``neuroshard token keygen DIR``: a new Ed25519 pair, ``private.pem`` (0600) and
     ``public.pem``."""
     from shared.config import ConfigError
-    from shared.tokens import write_keypair
+    from shared.security.tokens import write_keypair
 
     try:
         private, public = write_keypair(args.dir)

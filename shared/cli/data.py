@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shared.cli_security import add_client_flags, client_security_of
+from shared.cli.security import add_client_flags, client_security_of
 
 EXIT_OK, EXIT_USAGE = 0, 2
 Command = Callable[[argparse.Namespace], int]
@@ -36,7 +36,7 @@ def _bytes_bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
         TransferSpeedColumn,
     )
 
-    from shared.cli_output import err_console
+    from shared.cli.output import err_console
 
     columns = (
         what,
@@ -98,7 +98,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _print_listing(listed: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    from shared.cli_output import out_console
+    from shared.cli.output import out_console
 
     if not listed:
         out_console.print("no data sets (neuroshard data put FILE.npz adds one)")

@@ -1,6 +1,6 @@
 """Security material of a local cluster (``neuroshard up --secure``, ``demo --secure``).
 
-Under ``DATA_DIR``: ``certs/`` (CA, node and client certificates: ``shared.certs``),
+Under ``DATA_DIR``: ``certs/`` (CA, node and client certificates: ``shared.security.certs``),
 ``auth/private.pem`` and ``auth/public.pem`` (the Ed25519 token key pair), ``auth/admin.token``
 and ``auth/writer.token`` (for people, 7 days), ``auth/workers/NAME.token`` (one ``worker``
 token per worker name, made when the worker starts), and ``client.env`` (``NEUROSHARD_*``
@@ -13,15 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.certs import CertPaths, write_dev_certs
-from shared.security import ChannelSecurity, client_security
-from shared.tokens import (
+from shared.security.certs import CertPaths, write_dev_certs
+from shared.security.tokens import (
     PRIVATE_KEY_NAME,
     PUBLIC_KEY_NAME,
     create_token,
     read_private_key,
     write_keypair,
 )
+from shared.security.transport import ChannelSecurity, client_security
 
 TOKEN_TTL_S = 7 * 86400
 

@@ -9,12 +9,12 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from shared.cli_security import (
+from shared.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, REPO_ROOT, CliError, read_job_spec
+from shared.cli.security import (
     add_client_flags,
     add_daemon_flags,
     add_security_commands,
@@ -26,21 +26,8 @@ from shared.config import (
     CoordinatorConfig,
     WorkerConfig,
     load_config,
-    load_yaml,
-    parse_job_spec,
 )
 from shared.logging import configure_logging
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class CliError(Exception):
-    """A one-line error for the user, with its exit code."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _run_daemon(main: Any) -> int:
@@ -116,23 +103,9 @@ def exposure_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def read_job_spec(path: str) -> dict[str, Any]:
-    """Read and validate a job YAML; relative data paths resolve against the file's folder.
-
-    Raises:
-        CliError: exit code 2, one line naming the field.
-    """
-    try:
-        data = load_yaml(path)
-        parse_job_spec(data)
-    except ConfigError as exc:
-        raise CliError(f"invalid job spec {path}: {exc}", EXIT_USAGE) from None
-    return data  # type: ignore[no-any-return]
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
     """``neuroshard submit``: exit 0 when the job succeeded (or was queued without --follow)."""
-    from shared.cli_output import follow_job
+    from shared.cli.output import follow_job
     from shared.client import SyncClient
 
     spec = read_job_spec(args.spec)
@@ -147,7 +120,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """``neuroshard status``: workers, jobs and slot figures."""
-    from shared.cli_output import print_status
+    from shared.cli.output import print_status
     from shared.client import SyncClient
 
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
@@ -161,7 +134,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """``neuroshard jobs``: every job with its state."""
-    from shared.cli_output import print_jobs
+    from shared.cli.output import print_jobs
     from shared.client import SyncClient
 
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
@@ -185,14 +158,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """``neuroshard up``: a local cluster in the foreground."""
-    from shared.cli_output import run_up
+    from shared.cli.local import run_up
 
     return run_up(args.workers, args.port, args.data_dir, secure=args.secure)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``neuroshard demo``: local cluster, one job, result, stop."""
-    from shared.cli_output import run_demo
+    from shared.cli.local import run_demo
 
     job = args.job or str(REPO_ROOT / "configs/jobs/digits-mlp.yaml")
     return run_demo(args.workers, job, as_json=args.json, secure=args.secure)
@@ -277,12 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     cn.set_defaults(func=cmd_cancel)
 
     try:
-        from shared.cli_memory import add_memory_commands
+        from shared.cli.memory import add_memory_commands
     except ImportError:  # the memory commands are optional until the store exists
         pass
     else:
         add_memory_commands(client_parser("memory", "memory store operations"))
-    from shared.cli_data import add_data_commands
+    from shared.cli.data import add_data_commands
 
     add_data_commands(client_parser("data", "data sets in the coordinator's data roots"))
     return p
@@ -307,7 +280,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         code = 130
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

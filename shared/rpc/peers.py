@@ -11,7 +11,7 @@ from shared import rpc
 from shared.proto import worker_pb2_grpc
 
 if TYPE_CHECKING:
-    from shared.security import ChannelSecurity
+    from shared.security.transport import ChannelSecurity
 
 
 class WorkerClients:

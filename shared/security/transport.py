@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc import aio
 
 from shared.config import AuthConfig, ConfigError, TlsConfig
-from shared.tokens import (
+from shared.security.tokens import (
     KeyFileError,
     TokenError,
     TokenSource,
@@ -286,12 +286,6 @@ class DaemonSecurity:
     def auth(self) -> str:
         """``token`` or ``none`` (logged at start)."""
         return "none" if self.public_key is None else "token"
-
-    def interceptors(self) -> list[aio.ServerInterceptor]:
-        """The token check, when auth is configured."""
-        from shared.auth import AuthInterceptor
-
-        return [] if self.public_key is None else [AuthInterceptor(self.public_key)]
 
     def add_port(self, server: aio.Server, listen: str) -> int:
         """Bind ``listen`` (TLS or plaintext); return the port bound."""

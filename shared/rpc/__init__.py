@@ -1,22 +1,20 @@
-"""gRPC helpers shared by both daemons and the client: options, channels, the metrics
-interceptor and the mapping of domain errors to status codes."""
+"""gRPC helpers shared by both daemons and the client: channels, options, error text and the
+daemons' stop signal. Subpackages: ``codec`` (arrays as bytes), ``interceptors`` (every
+server interceptor), ``limits`` (request limits), ``peers`` (a channel pool to workers)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import signal
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc import aio
 
-from shared.metrics import Metrics
-
 if TYPE_CHECKING:
-    from shared.security import ChannelSecurity
+    from shared.security.transport import ChannelSecurity
 
 # Retry only UNAVAILABLE, with jittered exponential backoff (gRPC's built-in retry policy,
 # https://github.com/grpc/proposal/blob/master/A6-client-retries.md).
@@ -63,41 +61,6 @@ def channel(
     if security is None:
         return aio.insecure_channel(address, options=options)
     return security.open(address, options)
-
-
-def _method_name(full: str) -> str:
-    return full.rsplit("/", 1)[-1]
-
-
-class MetricsInterceptor(aio.ServerInterceptor):
-    """Count serialized request/response bytes and status codes per RPC method."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._m = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith("/grpc.health"):
-            return handler
-        method = _method_name(handler_call_details.method)
-        recv = self._m.rpc_received_bytes.labels(method)
-        sent = self._m.rpc_sent_bytes.labels(method)
-        deser, ser = handler.request_deserializer, handler.response_serializer
-
-        def count_in(data: bytes) -> Any:
-            recv.inc(len(data))
-            return deser(data) if deser else data
-
-        def count_out(msg: Any) -> bytes:
-            data = ser(msg) if ser else msg
-            sent.inc(len(data))
-            return data  # type: ignore[no-any-return]
-
-        return handler._replace(request_deserializer=count_in, response_serializer=count_out)
 
 
 async def wait_for_stop_signal(

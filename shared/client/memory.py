@@ -19,12 +19,12 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
-from shared.limits import split_parts
 from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
-from shared.security import ChannelSecurity
-from shared.worker_clients import WorkerClients
+from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.rpc.limits import split_parts
+from shared.rpc.peers import WorkerClients
+from shared.security.transport import ChannelSecurity
 
 _RETRY = (
     grpc.StatusCode.FAILED_PRECONDITION,

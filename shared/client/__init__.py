@@ -24,23 +24,23 @@ import numpy as np
 from grpc import aio
 
 from shared import rpc
-from shared.codec import f32_from_bytes, ids_from_bytes
-from shared.dataset_client import (
+from shared.client.datasets import (
     UploadRefused,
     entries_from_pb,
     info_from_pb,
     put_file,
     upload_timeout_s,
 )
+from shared.client.memory import MemoryRouter, RoutingError
 from shared.memory.validation import (
     MemoryInputError,
     as_ids,
     validate_reinforce,
     validate_upsert,
 )
-from shared.memory_client import MemoryRouter, RoutingError
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from shared.security import ChannelSecurity, explain_unavailable
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes
+from shared.security.transport import ChannelSecurity, explain_unavailable
 
 DEFAULT_ADDRESS = "localhost:50051"
 

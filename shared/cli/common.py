@@ -1,0 +1,36 @@
+"""What every CLI command shares: exit codes, the user-facing error, reading a job spec.
+
+Exit codes: 0 success; 1 job failed or server error; 2 bad usage or invalid job spec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from shared.config import ConfigError, load_yaml, parse_job_spec
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+REPO_ROOT = Path(__file__).resolve().parents[2]  # shared/cli/common.py -> the checkout
+
+
+class CliError(Exception):
+    """A one-line error for the user, with its exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def read_job_spec(path: str) -> dict[str, Any]:
+    """Read and validate a job YAML; relative data paths resolve against the file's folder.
+
+    Raises:
+        CliError: exit code 2, one line naming the field.
+    """
+    try:
+        data = load_yaml(path)
+        parse_job_spec(data)
+    except ConfigError as exc:
+        raise CliError(f"invalid job spec {path}: {exc}", EXIT_USAGE) from None
+    return data  # type: ignore[no-any-return]

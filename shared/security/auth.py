@@ -1,0 +1,136 @@
+"""Roles, and what each may call: the policy ``rpc.interceptors.AuthInterceptor`` enforces.
+
+Roles and what they may call (the gRPC health service is open to all, without a token):
+
+- ``reader``: Coordinator GetJob, ListJobs, WatchJob, GetClusterStatus, GetSlotMap, Quality,
+  TopK, ListDatasets; Worker Get.
+- ``writer``: what ``reader`` may, and Coordinator SubmitJob, CancelJob, PutDataset; Worker
+  Upsert, Reinforce, Delete.
+- ``admin``: everything, e.g. Coordinator Decay of the whole store, DrainWorker of any worker.
+  The coordinator presents an ``admin`` token it signs itself (subject ``coordinator``).
+- ``worker`` (a worker daemon): Coordinator RegisterWorker, Heartbeat, ReportFailure,
+  DrainWorker and FetchShard, each only under a worker name its token covers (``BOUND_FIELDS``,
+  ``Principal.may_act_as``); every Worker RPC (workers call each other's internal RPCs).
+
+People (readers and writers) see their own jobs only: ``may_see_job``.
+
+The token is checked from the request's metadata before its message is deserialized: a
+missing or invalid token (UNAUTHENTICATED) or a role that may not call the method
+(PERMISSION_DENIED) gets a stand-in handler that parses nothing and aborts, so the servicer
+and the message parser never run for it. A worker naming another worker in a bound field is
+PERMISSION_DENIED, naming both, before the servicer runs.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar, Token
+from typing import Any
+
+from shared.security.tokens import Principal
+
+HEALTH_PREFIX = "/grpc.health."  # the health service: open to all, not logged or counted
+COORDINATOR = "/neuroshard.v1.Coordinator/"
+WORKER = "/neuroshard.v1.Worker/"
+
+_READER_COORDINATOR = frozenset(
+    {
+        "GetJob",
+        "ListJobs",
+        "WatchJob",
+        "GetClusterStatus",
+        "GetSlotMap",
+        "Quality",
+        "TopK",
+        "ListDatasets",
+    }
+)
+_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset"}
+_WORKER_COORDINATOR = frozenset(
+    {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker", "FetchShard"}
+)
+_READER_WORKER = frozenset({"Get"})
+_WRITER_WORKER = _READER_WORKER | {"Upsert", "Reinforce", "Delete"}
+
+# Per role: (Coordinator methods, Worker methods); None: every method of that service.
+_TABLE: dict[str, tuple[frozenset[str], frozenset[str] | None]] = {
+    "reader": (_READER_COORDINATOR, _READER_WORKER),
+    "writer": (_WRITER_COORDINATOR, _WRITER_WORKER),
+    "worker": (_WORKER_COORDINATOR, None),
+}
+
+# Coordinator methods whose request names a worker: a worker token may name only itself.
+BOUND_FIELDS = {
+    "RegisterWorker": "name",
+    "Heartbeat": "name",
+    "ReportFailure": "reporter",
+    "DrainWorker": "name",
+    "FetchShard": "worker",
+}
+
+_principal: ContextVar[Principal | None] = ContextVar("neuroshard_principal", default=None)
+
+
+def method_name(full: str) -> str:
+    """``/neuroshard.v1.Worker/Upsert`` -> ``Upsert``."""
+    return full.rsplit("/", 1)[-1]
+
+
+def current_principal() -> Principal | None:
+    """The caller of the RPC being served (None when auth is off or outside an RPC)."""
+    return _principal.get()
+
+
+def set_principal(principal: Principal | None) -> Token[Principal | None]:
+    """Make ``principal`` the caller for the current task (the auth interceptor does, in
+    each RPC's own task); ``reset_principal`` with the returned token undoes it."""
+    return _principal.set(principal)
+
+
+def reset_principal(token: Token[Principal | None]) -> None:
+    """Undo a ``set_principal``."""
+    _principal.reset(token)
+
+
+def may_call(role: str, full_method: str) -> bool:
+    """Whether ``role`` may call ``/package.Service/Method`` (job ownership and worker names
+    are checked elsewhere)."""
+    if role == "admin" or full_method.startswith(HEALTH_PREFIX):
+        return True
+    allowed = _TABLE.get(role)
+    if allowed is None:
+        return False
+    name = method_name(full_method)
+    if full_method.startswith(COORDINATOR):
+        return name in allowed[0]
+    if full_method.startswith(WORKER):
+        return allowed[1] is None or name in allowed[1]
+    return False
+
+
+def may_see_job(owner: str) -> bool:
+    """Whether the current caller may see (get, watch, list, cancel) a job of ``owner``:
+    admins and callers without auth see every job, others only their own (same subject)."""
+    p = current_principal()
+    return p is None or p.role == "admin" or p.subject == owner
+
+
+def bound_name_error(principal: Principal, method: str, request: Any) -> str | None:
+    """Why a worker token may not make this request (None: it may): the request's worker
+    name (``BOUND_FIELDS``) must be the token's subject or match its ``names`` pattern."""
+    field = BOUND_FIELDS.get(method)
+    if field is None or principal.role != "worker":
+        return None
+    name = getattr(request, field, "")
+    if principal.may_act_as(name):
+        return None
+    return f"{method}: the worker token of {principal.describe()} may not act as {field} {name!r}"
+
+
+def bearer_token(metadata: Any) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` metadata entry, if any."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
