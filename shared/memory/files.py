@@ -17,6 +17,8 @@ import math
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -33,7 +35,13 @@ _MAGIC = (b"PK", b"\x93NUMPY")  # a zip archive (.npz), the NumPy array format (
 _WRITER = {".npz": "np.savez", ".npy": "np.save"}
 
 
-def _open(path: Path, suffix: str) -> object:
+@contextmanager
+def _opened(path: Path, suffix: str) -> Iterator[object]:
+    """``np.load`` of ``path`` (an ndarray, or an open NpzFile) with the file open meanwhile.
+
+    The file is opened here, not by NumPy, so that it is closed whatever happens: NumPy leaks
+    the file it opened itself when a corrupt archive fails to parse.
+    """
     if not path.is_file():
         raise MemoryFileError(f"{path}: no such file")
     with path.open("rb") as f:
@@ -41,12 +49,20 @@ def _open(path: Path, suffix: str) -> object:
         if head.startswith(_MAGIC[1]):
             f.seek(0)
             _check_npy_size(path, "", f, path.stat().st_size)
-    if not head.startswith(_MAGIC):
-        raise MemoryFileError(f"{path}: not a {suffix} file (as {_WRITER[suffix]} writes)")
-    try:
-        return np.load(path, allow_pickle=False)
-    except _UNREADABLE as exc:
-        raise MemoryFileError(f"{path}: not a readable {suffix} file ({_detail(exc)})") from None
+        if not head.startswith(_MAGIC):
+            raise MemoryFileError(f"{path}: not a {suffix} file (as {_WRITER[suffix]} writes)")
+        f.seek(0)
+        try:
+            data = np.load(f, allow_pickle=False)
+        except _UNREADABLE as exc:
+            raise MemoryFileError(
+                f"{path}: not a readable {suffix} file ({_detail(exc)})"
+            ) from None
+        try:
+            yield data
+        finally:
+            if isinstance(data, np.lib.npyio.NpzFile):
+                data.close()
 
 
 # What reading a corrupt .npy/.npz raises (zipfile: NotImplementedError for an unknown
@@ -101,10 +117,9 @@ def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         MemoryFileError: missing or unreadable file, or an array is absent or not loadable.
     """
     p = Path(path)
-    data = _open(p, ".npz")
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise MemoryFileError(f"{p}: expected an .npz archive of arrays, got a single array")
-    with data:
+    with _opened(p, ".npz") as data:
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise MemoryFileError(f"{p}: expected an .npz archive of arrays, got a single array")
         archive = data.zip
         assert archive is not None  # an open NpzFile holds its archive
         out = {}
@@ -161,11 +176,9 @@ def load_trace(path: str | Path, iterations: int) -> np.ndarray:
             negative id, a shape other than 1-D or 2-D, no ids, or fewer rows than iterations.
     """
     p = Path(path)
-    trace = _open(p, ".npy")
-    if not isinstance(trace, np.ndarray):
-        if isinstance(trace, np.lib.npyio.NpzFile):
-            trace.close()
-        raise MemoryFileError(f"{p}: expected one .npy array of ids, got an .npz archive")
+    with _opened(p, ".npy") as trace:
+        if not isinstance(trace, np.ndarray):
+            raise MemoryFileError(f"{p}: expected one .npy array of ids, got an .npz archive")
     if trace.ndim not in (1, 2):
         raise MemoryFileError(
             f"{p}: trace must be 1-D [batch] or 2-D [iterations, batch], got shape {trace.shape}"

@@ -36,7 +36,7 @@ def up_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
         yield address, data_dir
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)  # waits, and closes the pipe
     deadline = time.monotonic() + 10
     while processes_mentioning(str(data_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -365,7 +365,7 @@ def test_up_secure_runs_a_memory_job(tmp_path: Path) -> None:
         decay = run("memory", "decay", "0.5")
     finally:
         proc.send_signal(2)
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)  # waits, and closes the pipes
 
     # Assert
     assert env["NEUROSHARD_COORDINATOR"] == address

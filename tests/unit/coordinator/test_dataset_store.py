@@ -194,9 +194,11 @@ def test_listing_skips_uploads_in_progress_and_symlinks_out_of_the_root(tmp_path
     (root / "dir-link").symlink_to(outside, target_is_directory=True)
     (root / "alias.npz").symlink_to(root / "d.npz")
     (other / "o.npz").write_bytes(b"12")
-    Upload(root, "partial", 100, MiB, False).write(b"x")
+    in_progress = Upload(root, "partial", 100, MiB, False)
+    in_progress.write(b"x")
 
     entries = list_datasets([root, other, tmp_path / "missing"])
+    in_progress.discard()
 
     assert [(e.path, e.bytes, e.root) for e in entries] == [
         ("alias.npz", 5, 0),
@@ -208,7 +210,10 @@ def test_listing_skips_uploads_in_progress_and_symlinks_out_of_the_root(tmp_path
 
 
 def test_uploads_left_by_a_crash_are_removed_at_start(tmp_path: Path) -> None:
-    Upload(tmp_path, "interrupted", 100, MiB, False).write(b"x")  # never committed
+    interrupted = Upload(tmp_path, "interrupted", 100, MiB, False)
+    interrupted.write(b"x")  # never committed: the process dies, and the OS closes its file
+    assert interrupted._file is not None
+    interrupted._file.close()
     put(tmp_path, "kept", train_set())
     (tmp_path / ".notes").write_text("not ours")
 

@@ -1,0 +1,59 @@
+"""The direction of imports (docs/architecture.md), checked in a fresh interpreter each.
+
+What a module pulls in is what the process pays for at start and what it can break on: a
+user's client must not need numba or the worker's store to upsert, and the coordinator must
+not load the worker's journal and kernels. (`make lint` checks the static contracts with
+import-linter; this checks what actually gets loaded, lazy imports included.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import json, sys
+import {module}
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def loaded_by(module: str) -> set[str]:
+    """Every module name in sys.modules after a fresh interpreter imports ``module``."""
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(module=module)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def under(modules: set[str], *roots: str) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in roots)
+
+
+@pytest.mark.parametrize("module", ["shared.client", "shared.client.memory", "shared.cli.main"])
+def test_client_side_loads_no_daemon_numba_or_torch(module: str) -> None:
+    loaded = loaded_by(module)
+
+    assert module in loaded  # the probe imported what it says
+    assert under(loaded, "worker", "coordinator", "numba", "torch") == []
+
+
+def test_coordinator_server_loads_no_worker_module() -> None:
+    loaded = loaded_by("coordinator.server")
+
+    assert "coordinator.server" in loaded
+    assert under(loaded, "worker", "numba") == []
+
+
+def test_worker_server_loads_no_coordinator_module() -> None:
+    loaded = loaded_by("worker.server")
+
+    assert "worker.server" in loaded
+    assert under(loaded, "coordinator") == []
