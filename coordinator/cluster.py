@@ -20,6 +20,7 @@ from coordinator.memory_ops import MemoryOps
 from coordinator.persistence import CRASHED_TWICE, StateStore
 from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
+from coordinator.slot_map import WireLimits
 from coordinator.train_job import TrainJob
 from coordinator.train_sets import TrainSets
 from shared import rpc
@@ -64,7 +65,7 @@ class Cluster:
             self.clients,
             metrics,
             cfg.rpc_timeout_s,
-            cfg.max_payload_bytes,
+            WireLimits(cfg.max_payload_bytes, cfg.max_batch_items),
         )
         self._probing: set[str] = set()
         self.state = StateStore(cfg.data_dir)

@@ -64,10 +64,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         # data (or lack of it) is accounted for.
         return coordinator_pb2.RegisterWorkerResponse(
             heartbeat_interval_s=self._cluster.cfg.heartbeat_interval_s,
-            slot_map=common_pb2.SlotMap(
-                slots=self._cluster.cfg.slots,
-                max_payload_bytes=self._cluster.cfg.max_payload_bytes,
-            ),
+            slot_map=self._cluster.rebalancer.wire_map(placement=False),
         )
 
     async def Heartbeat(
@@ -112,12 +109,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.GetSlotMapRequest, context: aio.ServicerContext
     ) -> common_pb2.SlotMap:
         """The current slot map with worker addresses (clients route with it)."""
-        c = self._cluster
-        pb = c.rebalancer.current.to_pb(
-            {w.name: w.address for w in c.membership.all()}, c.cfg.max_payload_bytes
-        )
-        pb.max_batch_items = c.cfg.max_batch_items
-        return pb
+        return self._cluster.rebalancer.wire_map()
 
     async def ReportFailure(
         self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext

@@ -69,12 +69,7 @@ class MemoryJob:
 
     async def _slot_map(self) -> common_pb2.SlotMap:
         """The coordinator's current map, as ``GetSlotMap`` would return it."""
-        c = self.cluster
-        pb = c.rebalancer.current.to_pb(
-            {w.name: w.address for w in c.membership.all()}, c.cfg.max_payload_bytes
-        )
-        pb.max_batch_items = c.cfg.max_batch_items
-        return pb
+        return self.cluster.rebalancer.wire_map()
 
     async def run(self) -> dict[str, Any]:
         """Load, iterate, and return the result document.

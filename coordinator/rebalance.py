@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 
 from coordinator.membership import Membership
-from coordinator.slot_map import SlotMap, plan, primary_changes
+from coordinator.slot_map import SlotMap, WireLimits, plan, primary_changes
 from coordinator.trust import SlotTrust, VerificationPending
 from shared.logging import get_logger
 from shared.metrics import Metrics
-from shared.proto import worker_pb2
+from shared.proto import common_pb2, worker_pb2
 from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.rebalance")
@@ -56,7 +56,7 @@ class Rebalancer:
         clients: WorkerClients,
         metrics: Metrics,
         rpc_timeout_s: float,
-        max_payload_bytes: int,
+        limits: WireLimits,
         on_change: Callable[[], None] | None = None,
     ) -> None:
         self.current = SlotMap.empty(slots)
@@ -66,7 +66,7 @@ class Rebalancer:
         self._clients = clients
         self._metrics = metrics
         self._timeout_s = rpc_timeout_s
-        self.max_payload_bytes = max_payload_bytes
+        self.limits = limits
         self._wake = asyncio.Event()
         self._on_change = on_change
         self.settled = asyncio.Event()  # set while the map matches the membership
@@ -218,7 +218,7 @@ class Rebalancer:
             for w in self._membership.alive() + self._membership.draining()
             if w.name not in self.trust.unverified
         }  # those get a map once decided
-        pb = new.to_pb(self._addresses(), self.max_payload_bytes)
+        pb = self.wire_map()
         for group in (first & set(alive), set(alive) - first):
             results = await asyncio.gather(
                 *(
@@ -250,7 +250,7 @@ class Rebalancer:
             ]
             if not late:
                 return
-            pb = self.current.to_pb(self._addresses(), self.max_payload_bytes)
+            pb = self.wire_map()
             for w in late:
                 try:
                     await self._clients.stub(w.name, w.address).ApplySlotMap(
@@ -259,6 +259,14 @@ class Rebalancer:
                     w.extra["epoch"] = self.current.epoch
                 except Exception as exc:
                     log.warning("slot_map_push_failed", worker=w.name, error=str(exc))
+
+    def wire_map(self, *, placement: bool = True) -> common_pb2.SlotMap:
+        """The current map as workers and clients receive it (``SlotMap.to_pb``).
+
+        Args:
+            placement: False for the slot count and limits only (a registration reply).
+        """
+        return self.current.to_pb(self._addresses(), self.limits, placement=placement)
 
     def _addresses(self) -> dict[str, str]:
         """Every known worker's address (a lost slot's holders may be dead)."""

@@ -12,10 +12,26 @@ until one comes back with its data dir, rather than restarted empty.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shared.memory.slots import assign_slots
 from shared.proto import common_pb2
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Cluster-wide request limits that travel with every wire slot map.
+
+    Attributes:
+        max_payload_bytes: most bytes of one memory's payload; workers size their stores
+            with it and refuse larger payloads (INVALID_ARGUMENT).
+        max_batch_items: most ids in one keyed memory request (upsert, get, delete,
+            reinforce); clients split larger batches, workers refuse them.
+    """
+
+    max_payload_bytes: int
+    max_batch_items: int
 
 
 @dataclass
@@ -39,19 +55,37 @@ class SlotMap:
         """True when both maps give every slot the same primary and replica."""
         return self.primary == other.primary and self.replica == other.replica
 
-    def to_pb(self, addresses: dict[str, str], max_payload_bytes: int = 0) -> common_pb2.SlotMap:
-        """Wire form: worker names indexed by the per-slot ``primary``/``replica`` arrays."""
+    def to_pb(
+        self, addresses: Mapping[str, str], limits: WireLimits, *, placement: bool = True
+    ) -> common_pb2.SlotMap:
+        """The wire form of this map: the one conversion every published map goes through.
+
+        Args:
+            addresses: worker name -> ``host:port``; a name without one gets "".
+            limits: the cluster's request limits, always carried (workers and clients obey
+                them).
+            placement: False for the cluster's shape only (slot count and limits; epoch 0, no
+                workers), as a registration reply carries it before the worker has a role.
+
+        Returns:
+            ``common_pb2.SlotMap`` with the worker names sorted, ``primary``/``replica`` as
+            [slots] int32 indices into them (-1: none).
+        """
+        pb = common_pb2.SlotMap(
+            slots=self.slots,
+            max_payload_bytes=limits.max_payload_bytes,
+            max_batch_items=limits.max_batch_items,
+        )
+        if not placement:
+            return pb
         names = sorted({n for n in self.primary + self.replica if n})
         index = {n: i for i, n in enumerate(names)}
-        return common_pb2.SlotMap(
-            epoch=self.epoch,
-            slots=self.slots,
-            workers=names,
-            addresses=[addresses.get(n, "") for n in names],
-            primary=[index.get(n, -1) for n in self.primary],
-            replica=[index.get(n, -1) for n in self.replica],
-            max_payload_bytes=max_payload_bytes,
-        )
+        pb.epoch = self.epoch
+        pb.workers.extend(names)
+        pb.addresses.extend(addresses.get(n, "") for n in names)
+        pb.primary.extend(index.get(n, -1) for n in self.primary)
+        pb.replica.extend(index.get(n, -1) for n in self.replica)
+        return pb
 
     def counts(self) -> dict[str, tuple[int, int]]:
         """(slots as primary, slots as replica) per worker name."""

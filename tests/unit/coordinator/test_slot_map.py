@@ -7,8 +7,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.slot_map import SlotMap, plan, primary_changes
+from coordinator.slot_map import SlotMap, WireLimits, plan, primary_changes
 from shared.memory.slots import assign_slots
+from shared.proto import common_pb2
 
 S = 64
 
@@ -192,8 +193,16 @@ def test_primary_changes_names_the_old_primaries_that_lose_a_slot() -> None:
 def test_wire_form_indexes_the_sorted_worker_names() -> None:
     m = SlotMap(5, ["b", "a", ""], ["a", "", ""])
 
-    pb = m.to_pb({"a": "h:1", "b": "h:2"}, max_payload_bytes=64)
+    pb = m.to_pb({"a": "h:1", "b": "h:2"}, WireLimits(max_payload_bytes=64, max_batch_items=7))
 
-    assert (pb.epoch, pb.slots, pb.max_payload_bytes) == (5, 3, 64)
+    assert (pb.epoch, pb.slots, pb.max_payload_bytes, pb.max_batch_items) == (5, 3, 64, 7)
     assert list(pb.workers) == ["a", "b"] and list(pb.addresses) == ["h:1", "h:2"]
     assert list(pb.primary) == [1, 0, -1] and list(pb.replica) == [0, -1, -1]
+
+
+def test_wire_form_without_placement_carries_only_the_slot_count_and_limits() -> None:
+    m = SlotMap(5, ["b", "a", ""], ["a", "", ""])
+
+    pb = m.to_pb({"a": "h:1"}, WireLimits(max_payload_bytes=64, max_batch_items=7), placement=False)
+
+    assert pb == common_pb2.SlotMap(slots=3, max_payload_bytes=64, max_batch_items=7)
