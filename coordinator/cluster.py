@@ -16,6 +16,7 @@ from coordinator.admission import admit
 from coordinator.dataset_store import remove_stale_uploads
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.membership import Membership, WorkerRecord, WorkerState
+from coordinator.memory_job import MemoryJob
 from coordinator.memory_ops import MemoryOps
 from coordinator.persistence import CRASHED_TWICE, StateStore
 from coordinator.rebalance import Rebalancer
@@ -250,9 +251,10 @@ class Cluster:
         return job
 
     async def _run_memory(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
-        from coordinator.memory_job import MemoryJob
-
-        return await MemoryJob(job, self, workers).run()
+        # The job uses every primary through the slot map, not just the workers it was given.
+        return await MemoryJob(
+            job, self.cfg, self.jobs, self.rebalancer, self.memory, self.clients.security
+        ).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         return await TrainJob(
@@ -269,16 +271,9 @@ class Cluster:
     # -- status ---------------------------------------------------------------------------
 
     def slot_summary(self) -> dict[str, Any]:
-        """Cluster-wide slot figures and per-worker (primary, replica) slot counts."""
-        current = self.rebalancer.current
-        alive = {w.name for w in self.membership.alive()}
-        return {
-            "slots": current.slots,
-            "epoch": current.epoch,
-            "replication_factor": min(2, len(alive)),
-            "under_replicated_slots": current.under_replicated(alive, 2),
-            "per_worker": current.counts(),
-        }
+        """Cluster-wide slot figures and per-worker (primary, replica) slot counts
+        (``Rebalancer.slot_summary``)."""
+        return self.rebalancer.slot_summary()
 
     def _update_gauges(self) -> None:
         for state, n in self.membership.counts().items():

@@ -2,10 +2,11 @@
 access stream, decay, quality and top-k over the whole store, timed per iteration.
 
 The coordinator acts as a client of its own store: keyed operations (upsert, reinforce) go
-through ``shared.memory_client.MemoryRouter`` fed with the coordinator's current slot map,
-bulk ones (decay, quality, top-k) through ``Cluster.memory``. Given its seed the job is
-deterministic: the memories, the Zipf stream and the order of operations are fixed
-(``coordinator/access_stream.py``), so the store ends equal to a reference replaying them.
+through ``shared.client.memory.MemoryRouter`` fed with the coordinator's current slot map,
+bulk ones (decay, quality, top-k) through ``coordinator.memory_ops.MemoryOps``. Given its
+seed the job is deterministic: the memories, the Zipf stream and the order of operations are
+fixed (``coordinator/access_stream.py``), so the store ends equal to a reference replaying
+them.
 """
 
 from __future__ import annotations
@@ -13,25 +14,23 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from coordinator.access_stream import ScrambledZipfStream, TraceStream, generate_memories
-from coordinator.jobs import JobFailed, JobRecord
-from coordinator.membership import WorkerRecord
-from coordinator.memory_ops import BulkOpError
+from coordinator.jobs import JobFailed, JobRecord, JobStore
+from coordinator.memory_ops import BulkOpError, MemoryOps
+from coordinator.rebalance import Rebalancer
 from shared.client.memory import MemoryRouter, RoutingError
-from shared.config import MemoryJobSpec, TraceAccess
+from shared.config import CoordinatorConfig, MemoryJobSpec, TraceAccess
 from shared.logging import get_logger
 from shared.memory.files import MemoryFileError, load_memories, load_trace
 from shared.memory.stats import Quality
 from shared.memory.validation import validate_rate
 from shared.proto import common_pb2
 from shared.security.confinement import PathRefused, with_resolved_paths
-
-if TYPE_CHECKING:
-    from coordinator.cluster import Cluster
+from shared.security.transport import ChannelSecurity
 
 log = get_logger("coordinator.memory_job")
 
@@ -56,20 +55,39 @@ class _Timings:
 class MemoryJob:
     """Runs one memory job; ``run`` returns the result document."""
 
-    def __init__(self, job: JobRecord, cluster: Cluster, workers: list[WorkerRecord]) -> None:
+    def __init__(
+        self,
+        job: JobRecord,
+        cfg: CoordinatorConfig,
+        jobs: JobStore,
+        rebalancer: Rebalancer,
+        memory: MemoryOps,
+        security: ChannelSecurity | None = None,
+    ) -> None:
+        """Prepare the job; nothing runs until ``run``.
+
+        Args:
+            job: a record whose spec is a ``MemoryJobSpec``.
+            cfg: the coordinator's config (data roots, ``topk_max``, timeouts in seconds,
+                ``max_message_bytes``).
+            jobs: where progress is published.
+            rebalancer: the owner of the slot map: the job routes keyed operations with its
+                ``wire_map`` and waits for it to settle.
+            memory: bulk operations (decay, quality, top-k) over the primaries.
+            security: TLS and token for the job's own channels to the workers; None for
+                plaintext.
+        """
         assert isinstance(job.spec, MemoryJobSpec)
-        self.job, self.spec, self.cluster = job, job.spec, cluster
+        self.job, self.spec, self.cfg = job, job.spec, cfg
+        self._jobs, self._rebalancer, self._memory = jobs, rebalancer, memory
         self._router = MemoryRouter(
-            self._slot_map,
-            cluster.cfg.rpc_timeout_s,
-            cluster.cfg.max_message_bytes,
-            security=cluster.clients.security,
+            self._slot_map, cfg.rpc_timeout_s, cfg.max_message_bytes, security=security
         )
         self._last_progress = 0.0
 
     async def _slot_map(self) -> common_pb2.SlotMap:
         """The coordinator's current map, as ``GetSlotMap`` would return it."""
-        return self.cluster.rebalancer.wire_map()
+        return self._rebalancer.wire_map()
 
     async def run(self) -> dict[str, Any]:
         """Load, iterate, and return the result document.
@@ -96,12 +114,12 @@ class MemoryJob:
         The spec's paths are confined to the data roots again here (admission did it at
         submission; a symlink may have changed since, or the job was resumed)."""
         try:
-            spec = with_resolved_paths(self.spec, self.cluster.cfg.dataset_roots())
+            spec = with_resolved_paths(self.spec, self.cfg.dataset_roots())
         except PathRefused as exc:
             raise JobFailed(str(exc)) from None
-        if spec.topk > self.cluster.cfg.topk_max:
+        if spec.topk > self.cfg.topk_max:
             raise JobFailed(
-                f"topk: {spec.topk} exceeds the coordinator's topk_max {self.cluster.cfg.topk_max}"
+                f"topk: {spec.topk} exceeds the coordinator's topk_max {self.cfg.topk_max}"
             )
         try:
             trace = (
@@ -127,19 +145,19 @@ class MemoryJob:
 
     async def _wait_settled(self) -> None:
         """Wait until the published map matches the membership and no slot lacks a copy."""
-        c, loop = self.cluster, asyncio.get_running_loop()
-        deadline = loop.time() + c.cfg.queue_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.queue_timeout_s
         while True:
-            summary = c.slot_summary()
+            summary = self._rebalancer.slot_summary()
             if (
-                c.rebalancer.settled.is_set()
+                self._rebalancer.settled.is_set()
                 and summary["epoch"] > 0
                 and summary["under_replicated_slots"] == 0
             ):
                 return
             if loop.time() > deadline:
                 raise JobFailed(
-                    f"the slot map did not settle within {c.cfg.queue_timeout_s:g} s "
+                    f"the slot map did not settle within {self.cfg.queue_timeout_s:g} s "
                     f"({summary['under_replicated_slots']} slots under-replicated)"
                 )
             await asyncio.sleep(0.05)
@@ -162,7 +180,7 @@ class MemoryJob:
         spec, t = self.spec, _Timings()
         boosts = np.full(stream.batch, spec.access.boost, np.float32)
         rate = float(validate_rate(spec.decay_rate))
-        memory = self.cluster.memory
+        memory = self._memory
         for i in range(spec.iterations):
             accessed = await asyncio.to_thread(stream.next_batch, i)
             t0 = time.perf_counter()
@@ -195,7 +213,7 @@ class MemoryJob:
         now = time.monotonic()
         if force or now - self._last_progress >= PROGRESS_INTERVAL_S:
             self._last_progress = now
-            await self.cluster.jobs.update(self.job, progress=progress)
+            await self._jobs.update(self.job, progress=progress)
 
     def _result(self, memories: int, load_s: float, t: _Timings) -> dict[str, Any]:
         ms = np.asarray(t.iteration_s) * 1e3

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 from coordinator.membership import Membership
 from coordinator.slot_map import SlotMap, WireLimits, plan, primary_changes
@@ -259,6 +260,24 @@ class Rebalancer:
                     w.extra["epoch"] = self.current.epoch
                 except Exception as exc:
                     log.warning("slot_map_push_failed", worker=w.name, error=str(exc))
+
+    def slot_summary(self) -> dict[str, Any]:
+        """Cluster-wide slot figures of the current map and per-worker slot counts.
+
+        Returns:
+            ``slots``, ``epoch``, ``replication_factor`` (2, or fewer live workers),
+            ``under_replicated_slots`` (fewer live copies than that) and ``per_worker``
+            (name -> (slots as primary, slots as replica)).
+        """
+        current = self.current
+        alive = {w.name for w in self._membership.alive()}
+        return {
+            "slots": current.slots,
+            "epoch": current.epoch,
+            "replication_factor": min(2, len(alive)),
+            "under_replicated_slots": current.under_replicated(alive, 2),
+            "per_worker": current.counts(),
+        }
 
     def wire_map(self, *, placement: bool = True) -> common_pb2.SlotMap:
         """The current map as workers and clients receive it (``SlotMap.to_pb``).
