@@ -82,8 +82,8 @@ class Cluster:
             self.metrics.slot_map_epoch.set(saved[0].epoch)
         for w in self.state.load_workers():
             rec, _, _ = self.membership.register(w.name, w.address, w.device, w.process_id)
-            rec.extra["epoch"] = self.rebalancer.current.epoch
-            rec.extra["restored"] = True  # until its process registers or heartbeats here
+            rec.slot_map_epoch = self.rebalancer.current.epoch
+            rec.restored = True  # until its process registers or heartbeats here
         jobs = self.state.load_jobs()
         self.jobs.restore(jobs)
         for job_id in self.state.crashed_twice:
@@ -111,8 +111,6 @@ class Cluster:
         log.info(
             "worker_registered", worker=name, address=address, device=device, restarted=restarted
         )
-        rec.extra["epoch"] = 0
-        rec.extra.pop("restored", None)
         self.state.save_worker(name, address, device, process_id)
         if restarted or new:  # whatever its data dir holds is checked before it gets a map
             self.rebalancer.worker_restarted(name)
@@ -122,10 +120,7 @@ class Cluster:
 
     def heartbeat(self, name: str, memories: int, epoch: int = 0) -> bool:
         """Record a heartbeat; False tells the worker to register again."""
-        rec = self.membership.heartbeat(name, memories, epoch)
-        if rec is not None:
-            rec.extra.pop("restored", None)  # the process that registered before is back
-        return rec is not None
+        return self.membership.heartbeat(name, memories, epoch) is not None
 
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -21,18 +21,37 @@ class WorkerState(StrEnum):
 
 @dataclass
 class WorkerRecord:
-    """What the coordinator knows of one worker."""
+    """What the coordinator knows of one worker.
+
+    Attributes:
+        name: the worker's unique name (its identity across restarts).
+        address: ``host:port`` its gRPC server listens on.
+        device: ``cpu`` or ``cuda[:N]``.
+        state: ALIVE, DEAD or DRAINING.
+        last_heartbeat: ``clock()`` seconds of the last registration or heartbeat.
+        registered_at: ``clock()`` seconds of the last registration.
+        memories: memories it reported holding in its last heartbeat.
+        incarnation: bumped on every registration of the name.
+        process_id: the worker process's random id; a new one means a restart.
+        slot_map_epoch: the slot-map epoch it last reported (heartbeat) or acknowledged
+            (``ApplySlotMap``); 0 when unknown (just registered). The rebalancer re-sends the
+            current map to live workers whose epoch differs.
+        restored: loaded from the coordinator's saved registry and not yet heard from by this
+            coordinator process; its copies count as unconfirmed until it registers or
+            heartbeats (``Rebalancer._verify``).
+    """
 
     name: str
     address: str
     device: str
     state: WorkerState = WorkerState.ALIVE
-    last_heartbeat: float = 0.0  # clock() seconds
+    last_heartbeat: float = 0.0
     registered_at: float = 0.0
     memories: int = 0
-    incarnation: int = 0  # bumped on every registration
-    process_id: str = ""  # the worker process's random id; a new one means a restart
-    extra: dict[str, object] = field(default_factory=dict)
+    incarnation: int = 0
+    process_id: str = ""
+    slot_map_epoch: int = 0
+    restored: bool = False
 
 
 class Membership:
@@ -46,7 +65,8 @@ class Membership:
     def register(
         self, name: str, address: str, device: str, process_id: str = ""
     ) -> tuple[WorkerRecord, bool, bool]:
-        """Add or refresh a worker.
+        """Add or refresh a worker; its slot-map epoch becomes unknown (0), it is no longer
+        ``restored``.
 
         Returns:
             (record, changed, restarted): changed when its liveness or address changed;
@@ -66,16 +86,24 @@ class Membership:
         rec.address, rec.device, rec.state = address, device, WorkerState.ALIVE
         rec.last_heartbeat, rec.registered_at = now, now
         rec.incarnation += 1
+        rec.slot_map_epoch, rec.restored = 0, False
         return rec, changed, restarted
 
     def heartbeat(self, name: str, memories: int, epoch: int = 0) -> WorkerRecord | None:
-        """Record a heartbeat; None when the worker is unknown or DEAD (it must re-register)."""
+        """Record a heartbeat; None when the worker is unknown or DEAD (it must re-register).
+
+        Args:
+            name: the worker's name.
+            memories: memories it holds.
+            epoch: the slot-map epoch it has applied.
+        """
         rec = self._workers.get(name)
         if rec is None or rec.state is WorkerState.DEAD:
             return None
         rec.last_heartbeat = self._clock()
         rec.memories = memories
-        rec.extra["epoch"] = epoch
+        rec.slot_map_epoch = epoch
+        rec.restored = False  # the process that registered before is back
         return rec
 
     def sweep(self) -> list[WorkerRecord]:

@@ -169,7 +169,7 @@ class Rebalancer:
         """Compare restarted workers' copies with the other holders' (``SlotTrust.verify``);
         return True if some worker was decided."""
         live = self._membership.alive() + self._membership.draining()
-        confirmed = {w.name for w in live if not w.extra.get("restored")}
+        confirmed = {w.name for w in live if not w.restored}
 
         async def seqs_of(name: str, slots: list[int]) -> list[int]:
             w = self._membership.get(name)
@@ -234,7 +234,7 @@ class Rebalancer:
                 if isinstance(r, BaseException):
                     log.warning("slot_map_push_failed", worker=n, epoch=new.epoch, error=str(r))
                 else:
-                    alive[n].extra["epoch"] = new.epoch
+                    alive[n].slot_map_epoch = new.epoch
         if self._on_change is not None:
             self._on_change()
 
@@ -246,8 +246,7 @@ class Rebalancer:
             late = [
                 w
                 for w in self._membership.alive()
-                if w.extra.get("epoch", 0) != self.current.epoch
-                and w.name not in self.trust.unverified
+                if w.slot_map_epoch != self.current.epoch and w.name not in self.trust.unverified
             ]
             if not late:
                 return
@@ -257,7 +256,7 @@ class Rebalancer:
                     await self._clients.stub(w.name, w.address).ApplySlotMap(
                         pb, timeout=self._timeout_s
                     )
-                    w.extra["epoch"] = self.current.epoch
+                    w.slot_map_epoch = self.current.epoch
                 except Exception as exc:
                     log.warning("slot_map_push_failed", worker=w.name, error=str(exc))
 
