@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,35 @@ from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.confinement import PathRefused, with_resolved_paths
-from shared.training.data import load_dataset, steps_per_epoch
+from shared.training.data import load_dataset, steps_per_epoch, total_steps
 
 log = get_logger("coordinator.train_job")
+
+
+@dataclass
+class _Run:
+    """A run's step counts and what its steps accumulate.
+
+    Attributes:
+        per_epoch: global steps in one epoch (``steps_per_epoch``).
+        total: global steps of the job (``total_steps``).
+        t_start: ``clock()`` seconds when this process started (or resumed) the job.
+        samples: training samples whose gradients were applied by this process.
+        test_loss: mean loss on the test split at the last evaluation (NaN before one).
+        test_acc: accuracy on the test split at the last evaluation (NaN before one).
+    """
+
+    per_epoch: int
+    total: int
+    t_start: float
+    samples: int = 0
+    test_loss: float = float("nan")
+    test_acc: float = float("nan")
+
+    @property
+    def epochs(self) -> int:
+        """Epochs the job spans, the last one possibly partial."""
+        return -(-self.total // self.per_epoch)
 
 
 class TrainJob:
@@ -89,61 +116,66 @@ class TrainJob:
             self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
         )
         await self.members.start(self._workers)
-        per_epoch = steps_per_epoch(len(dataset.y_train), spec.workers, spec.batch_size)
-        total = spec.steps if spec.steps is not None else (spec.epochs or 1) * per_epoch
-        t_start = self._clock()
-        samples, test_loss, test_acc = 0, float("nan"), float("nan")
+        n_train = len(dataset.y_train)
+        run = _Run(
+            per_epoch=steps_per_epoch(n_train, spec.workers, spec.batch_size),
+            total=total_steps(spec, n_train),
+            t_start=self._clock(),
+        )
         try:
-            for step in range(start_step, total):
-                epoch, step_in_epoch = divmod(step, per_epoch)
-                t0 = self._clock()
-                self.members.admit()
-                results = await self.members.step(
-                    ps.params(), ps.version, step, epoch, step_in_epoch
-                )
-                n, loss_sum, correct = await self._apply(ps, results, step)
-                samples += n
-                self._metrics.train_steps.inc()
-                self._metrics.step_seconds.labels("coordinator").observe(self._clock() - t0)
-                if step_in_epoch == per_epoch - 1 or step == total - 1:
-                    test_loss, test_acc = await asyncio.to_thread(ps.evaluate)
-                if (step + 1) % self.cfg.checkpoint_every_steps == 0 and step + 1 < total:
-                    await asyncio.to_thread(self._checkpoint, ps, step + 1)
-                elapsed = max(self._clock() - t_start, 1e-9)
-                await self._jobs.update(
-                    self.job,
-                    progress={
-                        "step": step + 1,
-                        "steps": total,
-                        "epoch": epoch + 1,
-                        "epochs": -(-total // per_epoch),
-                        "loss": loss_sum / max(n, 1),
-                        "train_accuracy": correct / max(n, 1),
-                        "test_accuracy": test_acc,
-                        "test_loss": test_loss,
-                        "samples_per_s": samples / elapsed,
-                        "workers": len(self.members.live),
-                    },
-                )
+            for step in range(start_step, run.total):
+                await self._train_step(ps, step, run)
         finally:
             await self.members.stop()
         model_path = Path(self.cfg.data_dir) / "models" / f"{self.job.job_id}.pt"
         await asyncio.to_thread(_save_model, ps, model_path)
         self.checkpoint_path.unlink(missing_ok=True)
-        elapsed = max(self._clock() - t_start, 1e-9)
+        elapsed = max(self._clock() - run.t_start, 1e-9)
         return {
-            "test_accuracy": test_acc,
-            "test_loss": test_loss,
-            "steps": total,
-            "epochs": -(-total // per_epoch),
-            "samples": samples,
-            "samples_per_s": samples / elapsed,
+            "test_accuracy": run.test_acc,
+            "test_loss": run.test_loss,
+            "steps": run.total,
+            "epochs": run.epochs,
+            "samples": run.samples,
+            "samples_per_s": run.samples / elapsed,
             "seconds": elapsed,
             "model_path": str(model_path.resolve()),
             "resumed_from_step": start_step,
             "worker_failures": self.members.failures,
             "workers": self.members.summary(),
         }
+
+    async def _train_step(self, ps: ParameterServer, step: int, run: _Run) -> None:
+        """One global step: gradients from the workers, an optimizer step, evaluation at the
+        end of an epoch, a checkpoint every ``checkpoint_every_steps``, a progress event."""
+        epoch, step_in_epoch = divmod(step, run.per_epoch)
+        t0 = self._clock()
+        self.members.admit()
+        results = await self.members.step(ps.params(), ps.version, step, epoch, step_in_epoch)
+        n, loss_sum, correct = await self._apply(ps, results, step)
+        run.samples += n
+        self._metrics.train_steps.inc()
+        self._metrics.step_seconds.labels("coordinator").observe(self._clock() - t0)
+        if step_in_epoch == run.per_epoch - 1 or step == run.total - 1:
+            run.test_loss, run.test_acc = await asyncio.to_thread(ps.evaluate)
+        if (step + 1) % self.cfg.checkpoint_every_steps == 0 and step + 1 < run.total:
+            await asyncio.to_thread(self._checkpoint, ps, step + 1)
+        elapsed = max(self._clock() - run.t_start, 1e-9)
+        await self._jobs.update(
+            self.job,
+            progress={
+                "step": step + 1,
+                "steps": run.total,
+                "epoch": epoch + 1,
+                "epochs": run.epochs,
+                "loss": loss_sum / max(n, 1),
+                "train_accuracy": correct / max(n, 1),
+                "test_accuracy": run.test_acc,
+                "test_loss": run.test_loss,
+                "samples_per_s": run.samples / elapsed,
+                "workers": len(self.members.live),
+            },
+        )
 
     async def _apply(
         self, ps: ParameterServer, results: dict[int, ShardResult], step: int
