@@ -29,11 +29,13 @@ class Scheduler:
         membership: Membership,
         runners: dict[str, Runner],
         queue_timeout_s: float,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._jobs = jobs
         self._membership = membership
         self._runners = runners
         self._queue_timeout_s = queue_timeout_s
+        self._clock = clock  # wall-clock seconds, as JobRecord.created_at
         self._wake = asyncio.Event()
         self._running: set[asyncio.Task[None]] = set()
 
@@ -46,7 +48,7 @@ class Scheduler:
         try:
             while True:
                 self._wake.clear()
-                self._schedule_once()
+                self.schedule_once()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.25)
                 except TimeoutError:
@@ -57,8 +59,11 @@ class Scheduler:
             if self._running:
                 await asyncio.gather(*self._running, return_exceptions=True)
 
-    def _schedule_once(self) -> None:
-        now = time.time()
+    def schedule_once(self) -> None:
+        """One pass over the queue in submission order: start each job whose workers are
+        alive, fail each that has waited longer than ``queue_timeout_s``; a job that must wait
+        does not hold back later ones."""
+        now = self._clock()
         for job in self._jobs.queued():
             wanted = job.spec.workers
             alive = self._membership.alive()
