@@ -10,12 +10,11 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from coordinator.admission import admit
 from coordinator.dataset_store import remove_stale_uploads
+from coordinator.failure_detector import FailureDetector
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
-from coordinator.membership import Membership, WorkerRecord, WorkerState
+from coordinator.membership import Membership, WorkerRecord
 from coordinator.memory_job import MemoryJob
 from coordinator.memory_ops import MemoryOps
 from coordinator.persistence import CRASHED_TWICE, StateStore
@@ -24,7 +23,6 @@ from coordinator.scheduler import Scheduler
 from coordinator.slot_map import WireLimits
 from coordinator.train_job import TrainJob
 from coordinator.train_sets import TrainSets
-from shared import rpc
 from shared.config import CoordinatorConfig, JobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
@@ -32,11 +30,6 @@ from shared.rpc.peers import WorkerClients
 from shared.security.transport import ChannelSecurity
 
 log = get_logger("coordinator.cluster")
-
-
-class NotSlotPrimary(Exception):
-    """A failure report from a worker that is not the reported slots' primary
-    (FAILED_PRECONDITION)."""
 
 
 class Cluster:
@@ -68,7 +61,15 @@ class Cluster:
             cfg.rpc_timeout_s,
             WireLimits(cfg.max_payload_bytes, cfg.max_batch_items),
         )
-        self._probing: set[str] = set()
+        self.failures = FailureDetector(
+            self.membership,
+            self.rebalancer,
+            self.clients,
+            cfg.heartbeat_interval_s,
+            cfg.heartbeat_timeout_s,
+            cfg.probe_timeout_s,
+            on_dead=self._on_membership_change,
+        )
         self.state = StateStore(cfg.data_dir)
         self._restore()
         self.memory = MemoryOps(self.rebalancer, self.membership, self.clients, cfg.rpc_timeout_s)
@@ -125,53 +126,14 @@ class Cluster:
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
     ) -> None:
-        """A primary stopped updating ``worker``'s copies of ``slots`` (None: all): stop
-        trusting them (they get fresh copies) and re-plan. Called before the primary
-        acknowledges writes; the worker's other copies stay in use (its heartbeats tell
-        whether it is alive).
+        """Stop trusting the copies a primary could not update, re-plan, and probe the worker
+        (``FailureDetector.report_failure``).
 
         Raises:
-            NotSlotPrimary: ``reporter`` is not the primary of some of ``slots`` in the
-                current map (FAILED_PRECONDITION): the write it applied is orphaned, so its
-                own copies of those slots stop being trusted and the write must not be
-                acknowledged.
+            NotSlotPrimary: ``reporter`` is not the primary of some of ``slots``
+                (FAILED_PRECONDITION).
         """
-        current = self.rebalancer.current
-        chosen = list(range(current.slots)) if not slots else sorted(set(slots))
-        log.warning(
-            "copy_failed", reporter=reporter, worker=worker, slots=len(chosen), reason=reason
-        )
-        orphaned = [s for s in chosen if current.primary[s] != reporter]
-        if slots and orphaned:
-            self.rebalancer.distrust(reporter, orphaned)
-            raise NotSlotPrimary(
-                f"{reporter} is not the primary of slot {orphaned[0]} at epoch "
-                f"{current.epoch}; its write there is not acknowledged"
-            )
-        self.rebalancer.distrust(worker, chosen)
-        if worker not in self._probing:
-            self._probing.add(worker)
-            task = asyncio.get_running_loop().create_task(self._probe(worker))
-            task.add_done_callback(lambda _t: self._probing.discard(worker))
-
-    async def _probe(self, name: str) -> None:
-        """Ask a worker reported unreachable for its health at once: if it does not answer
-        within ``probe_timeout_s`` it is declared DEAD now rather than after the heartbeat
-        timeout, so its slots fail over in milliseconds instead of seconds."""
-        rec = self.membership.get(name)
-        if rec is None or rec.state is not WorkerState.ALIVE:
-            return
-        stub = health_pb2_grpc.HealthStub(self.clients.channel(name, rec.address))
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.cfg.probe_timeout_s)
-            return
-        except Exception as exc:
-            reason = rpc.error_message(exc)
-        if self.membership.mark_dead(name):
-            log.warning(
-                "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"
-            )
-            self._on_membership_change()
+        self.failures.report_failure(reporter, worker, reason, slots)
 
     def drain(self, name: str) -> tuple[bool, int]:
         """Start (or check) the drain of a worker; return (drained, slots still held).
@@ -193,21 +155,6 @@ class Cluster:
         self._update_gauges()
         self.rebalancer.trigger()
         self.scheduler.wake()
-
-    async def _detect_failures(self) -> None:
-        interval = min(self.cfg.heartbeat_interval_s, self.cfg.heartbeat_timeout_s / 4)
-        while True:
-            await asyncio.sleep(interval)
-            dead = self.membership.sweep()
-            for rec in dead:
-                log.warning(
-                    "worker_dead",
-                    worker=rec.name,
-                    address=rec.address,
-                    timeout_s=self.cfg.heartbeat_timeout_s,
-                )
-            if dead:
-                self._on_membership_change()
 
     # -- jobs -----------------------------------------------------------------------------
 
@@ -279,7 +226,7 @@ class Cluster:
     async def run_background(self) -> None:
         """Failure detection, scheduling and gauges; runs until cancelled."""
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._detect_failures(), name="failure-detector")
+            tg.create_task(self.failures.run(), name="failure-detector")
             tg.create_task(self.scheduler.run(), name="scheduler")
             tg.create_task(self.rebalancer.run(), name="rebalancer")
             tg.create_task(self._refresh_gauges(), name="gauges")

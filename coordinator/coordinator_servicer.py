@@ -9,8 +9,9 @@ import grpc
 from grpc import aio
 
 from coordinator.admission import LimitExceeded
-from coordinator.cluster import Cluster, NotSlotPrimary
+from coordinator.cluster import Cluster
 from coordinator.data_servicer import DataRpcs
+from coordinator.failure_detector import NotSlotPrimary
 from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError

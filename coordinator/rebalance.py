@@ -16,7 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.membership import Membership
-from coordinator.slot_map import SlotMap, WireLimits, plan, primary_changes
+from coordinator.slot_map import (
+    SlotMap,
+    WireLimits,
+    fence_moving_primaries,
+    plan,
+    primary_changes,
+)
 from coordinator.trust import SlotTrust, VerificationPending
 from shared.logging import get_logger
 from shared.metrics import Metrics
@@ -24,27 +30,6 @@ from shared.proto import common_pb2, worker_pb2
 from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.rebalance")
-
-
-def fence_moving_primaries(current: SlotMap, target: SlotMap) -> SlotMap | None:
-    """The current map with no primary for slots whose primary changes in ``target``.
-
-    Published (and acknowledged by every worker) before the target, so the old primary has
-    finished its last write of such a slot before the new one accepts its first: two workers
-    never act as primary of one slot at once. Holders keep their data meanwhile; clients
-    retry the fenced slots for the instant it lasts. None when no primary moves.
-    """
-    moving = [
-        s
-        for s in range(current.slots)
-        if current.primary[s] and target.primary[s] != current.primary[s]
-    ]
-    if not moving:
-        return None
-    fence = SlotMap(current.epoch, list(current.primary), list(current.replica))
-    for s in moving:
-        fence.primary[s] = ""
-    return fence
 
 
 class Rebalancer:

@@ -189,3 +189,24 @@ def plan(
 def primary_changes(old: SlotMap, new: SlotMap) -> set[str]:
     """Workers that were primary of a slot whose primary changes (they are told first)."""
     return {o for o, n in zip(old.primary, new.primary, strict=True) if o and o != n}
+
+
+def fence_moving_primaries(current: SlotMap, target: SlotMap) -> SlotMap | None:
+    """The current map with no primary for slots whose primary changes in ``target``.
+
+    Published (and acknowledged by every worker) before the target, so the old primary has
+    finished its last write of such a slot before the new one accepts its first: two workers
+    never act as primary of one slot at once. Holders keep their data meanwhile; clients
+    retry the fenced slots for the instant it lasts. None when no primary moves.
+    """
+    moving = [
+        s
+        for s in range(current.slots)
+        if current.primary[s] and target.primary[s] != current.primary[s]
+    ]
+    if not moving:
+        return None
+    fence = SlotMap(current.epoch, list(current.primary), list(current.replica))
+    for s in moving:
+        fence.primary[s] = ""
+    return fence

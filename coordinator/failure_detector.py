@@ -1,0 +1,132 @@
+"""Failure detection: heartbeat timeouts, failure reports from primaries, and probes.
+
+A worker is declared DEAD when its heartbeats stop for ``heartbeat_timeout_s`` (a sweep runs
+a few times per timeout), or at once when a primary reports it could not update the worker's
+copies and the worker then fails a health probe within ``probe_timeout_s``. Either way the
+coordinator re-plans (``on_dead``), so the dead worker's slots fail over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.membership import Membership, WorkerState
+from coordinator.rebalance import Rebalancer
+from shared import rpc
+from shared.logging import get_logger
+from shared.rpc.peers import WorkerClients
+
+log = get_logger("coordinator.failure_detector")
+
+
+class NotSlotPrimary(Exception):
+    """A failure report from a worker that is not the slots' primary (FAILED_PRECONDITION)."""
+
+
+class FailureDetector:
+    """Declares workers DEAD from silence, or from a failed probe after a failure report."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        rebalancer: Rebalancer,
+        clients: WorkerClients,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+        probe_timeout_s: float,
+        on_dead: Callable[[], None],
+    ) -> None:
+        """Watch ``membership``; nothing runs until ``run`` or a failure report.
+
+        Args:
+            membership: the registry whose workers are declared DEAD.
+            rebalancer: owner of the slot map; reported copies stop being trusted there.
+            clients: channels to the workers (for health probes).
+            heartbeat_interval_s: seconds between a worker's heartbeats.
+            heartbeat_timeout_s: seconds of silence after which a worker is DEAD.
+            probe_timeout_s: seconds a reported worker has to answer a health probe.
+            on_dead: called after workers were declared DEAD (re-plan, reschedule).
+        """
+        self._membership = membership
+        self._rebalancer = rebalancer
+        self._clients = clients
+        self._interval_s = min(heartbeat_interval_s, heartbeat_timeout_s / 4)
+        self._timeout_s = heartbeat_timeout_s
+        self._probe_timeout_s = probe_timeout_s
+        self._on_dead = on_dead
+        self._probing: set[str] = set()
+
+    def report_failure(
+        self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
+    ) -> None:
+        """Stop trusting the copies a primary could not update, re-plan, and probe the worker.
+
+        A primary stopped updating ``worker``'s copies of ``slots``: they get fresh copies.
+        Called before the primary acknowledges writes; the worker's other copies stay in use
+        (its heartbeats tell whether it is alive), and it is probed at once.
+
+        Args:
+            reporter: the primary reporting.
+            worker: the replica it could not update.
+            reason: why, for the log.
+            slots: the slots concerned; None or empty for all.
+
+        Raises:
+            NotSlotPrimary: ``reporter`` is not the primary of some of ``slots`` in the
+                current map (FAILED_PRECONDITION): the write it applied is orphaned, so its
+                own copies of those slots stop being trusted and the write must not be
+                acknowledged.
+        """
+        current = self._rebalancer.current
+        chosen = list(range(current.slots)) if not slots else sorted(set(slots))
+        log.warning(
+            "copy_failed", reporter=reporter, worker=worker, slots=len(chosen), reason=reason
+        )
+        orphaned = [s for s in chosen if current.primary[s] != reporter]
+        if slots and orphaned:
+            self._rebalancer.distrust(reporter, orphaned)
+            raise NotSlotPrimary(
+                f"{reporter} is not the primary of slot {orphaned[0]} at epoch "
+                f"{current.epoch}; its write there is not acknowledged"
+            )
+        self._rebalancer.distrust(worker, chosen)
+        if worker not in self._probing:
+            self._probing.add(worker)
+            task = asyncio.get_running_loop().create_task(self._probe(worker))
+            task.add_done_callback(lambda _t: self._probing.discard(worker))
+
+    async def _probe(self, name: str) -> None:
+        """Ask a worker reported unreachable for its health at once.
+
+        If it does not answer within ``probe_timeout_s`` it is declared DEAD now rather than
+        after the heartbeat timeout, so its slots fail over in milliseconds instead of seconds.
+        """
+        rec = self._membership.get(name)
+        if rec is None or rec.state is not WorkerState.ALIVE:
+            return
+        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
+            return
+        except Exception as exc:
+            reason = rpc.error_message(exc)
+        if self._membership.mark_dead(name):
+            log.warning(
+                "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"
+            )
+            self._on_dead()
+
+    async def run(self) -> None:
+        """Sweep for silent workers a few times per heartbeat timeout; runs until cancelled."""
+        while True:
+            await asyncio.sleep(self._interval_s)
+            dead = self._membership.sweep()
+            for rec in dead:
+                log.warning(
+                    "worker_dead", worker=rec.name, address=rec.address, timeout_s=self._timeout_s
+                )
+            if dead:
+                self._on_dead()
