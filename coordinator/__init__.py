@@ -1,0 +1,1 @@
+"""The coordinator daemon: control plane of a neuroshard cluster (membership, slot map, jobs)."""

@@ -1,5 +1,6 @@
-"""What the ``memory`` job stores and which ids it reinforces: generated memories, YCSB's
-scrambled Zipfian access stream, and trace replay.
+"""What the ``memory`` job stores and which ids it reinforces.
+
+Generated memories, YCSB's scrambled Zipfian access stream, and trace replay.
 
 Everything is a pure function of the job's seed, so a run can be replayed exactly (the
 integration test replays a job against ``tests.memory_reference.ReferenceStore``). Each
@@ -53,6 +54,16 @@ class ZipfianGenerator:
     """
 
     def __init__(self, items: int, theta: float, rng: np.random.Generator) -> None:
+        """Precompute zeta(items) and the constants of the draw.
+
+        Args:
+            items: n, the number of ranks, >= 1.
+            theta: the Zipf exponent, 0 < theta < 1.
+            rng: the generator every draw uses.
+
+        Raises:
+            ValueError: items < 1 or theta outside (0, 1).
+        """
         if items < 1 or not 0 < theta < 1:
             raise ValueError(f"need items >= 1 and 0 < theta < 1, got {items}, {theta}")
         self.items, self.theta, self._rng = items, theta, rng
@@ -74,7 +85,7 @@ class ZipfianGenerator:
             r = np.floor(self.items * (self._eta * u - self._eta + 1.0) ** self._alpha)
         ranks = np.where(uz < 1.0, 0, np.where(uz < self._rank1, 1, r))
         # u close to 1 can round to rank n; YCSB would return it, we stay in range.
-        return np.clip(np.nan_to_num(ranks), 0, self.items - 1).astype(np.int64)
+        return np.asarray(np.clip(np.nan_to_num(ranks), 0, self.items - 1), dtype=np.int64)
 
 
 class ScrambledZipfStream:
@@ -86,7 +97,14 @@ class ScrambledZipfStream:
     """
 
     def __init__(self, ids: np.ndarray, theta: float, batch: int, seed: int) -> None:
-        """Args: ids [N] uint64 distinct (the key space), theta in (0, 1), batch B >= 1."""
+        """Scatter the ranks over ``ids`` with a permutation seeded by ``seed``.
+
+        Args:
+            ids: [N] uint64, distinct: the key space.
+            theta: the Zipf exponent, in (0, 1).
+            batch: B >= 1, ids drawn per iteration.
+            seed: the job's seed (its scramble and access streams are derived from it).
+        """
         perm = np.random.default_rng([seed, SCRAMBLE_STREAM]).permutation(len(ids))
         self.by_rank = np.ascontiguousarray(ids[perm])  # [N] uint64: id of rank r
         self.batch = batch
@@ -94,16 +112,17 @@ class ScrambledZipfStream:
 
     def next_batch(self, iteration: int) -> np.ndarray:
         """The ids accessed in ``iteration`` (drawn in order): [B] uint64, repeats allowed."""
-        return self.by_rank[self._zipf.ranks(self.batch)]
+        return np.take(self.by_rank, self._zipf.ranks(self.batch))
 
 
 class TraceStream:
     """Replays a trace: row ``iteration`` of an [I, B] trace, or the single row of [1, B]."""
 
     def __init__(self, trace_IB: np.ndarray) -> None:
+        """Replay ``trace_IB``: [I, B] or [1, B] uint64 ids (``load_trace`` checked it)."""
         self.trace_IB = trace_IB
         self.batch = int(trace_IB.shape[1])
 
     def next_batch(self, iteration: int) -> np.ndarray:
         """The ids accessed in ``iteration``: [B] uint64."""
-        return self.trace_IB[iteration if len(self.trace_IB) > 1 else 0]
+        return np.asarray(self.trace_IB[iteration if len(self.trace_IB) > 1 else 0])

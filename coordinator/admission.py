@@ -1,5 +1,6 @@
-"""Admission of a job spec: everything checked before a job is queued (DESIGN.md, "Trust
-boundaries").
+"""Admission of a job spec: everything checked before a job is queued.
+
+See DESIGN.md, "Trust boundaries".
 
 In order: the spec's size (``max_spec_bytes``), its schema, its imports (``allowed_imports``),
 its file paths (confined to ``data_roots``), then estimates of what running it would cost,
@@ -38,8 +39,10 @@ DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
 
 
 class LimitExceeded(Exception):
-    """A spec asks for more than an admission cap allows (RESOURCE_EXHAUSTED); the message
-    names the spec key, the value and the cap."""
+    """A spec asks for more than an admission cap allows (RESOURCE_EXHAUSTED).
+
+    The message names the spec key, the value and the cap.
+    """
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,10 @@ def _file_size(key: str, path: Path) -> int:
 
 
 def _data_bytes(key: str, path: Path) -> int:
-    """Bytes a file holds once loaded: the file's size, or for an ``.npz`` (a zip archive,
-    possibly compressed) the sum of its arrays' sizes from their headers, whichever is larger.
+    """Bytes a file holds once loaded.
+
+    The file's size, or for an ``.npz`` (a zip archive, possibly compressed) the sum of its
+    arrays' sizes from their headers, whichever is larger.
 
     Raises:
         ConfigError: missing file, or an archive whose headers cannot be read.

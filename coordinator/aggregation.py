@@ -1,5 +1,7 @@
-"""Synchronous data-parallel training on the coordinator: gradient averaging and the
-parameter server that holds a job's authoritative model and optimizer.
+"""Synchronous data-parallel training on the coordinator.
+
+Gradient averaging and the parameter server that holds a job's authoritative model and
+optimizer.
 
 Shapes: W workers; each gradient dict maps a parameter name to an array of that parameter's
 shape.
@@ -66,20 +68,23 @@ def weighted_average(
 
 
 class ParameterServer:
-    """The authoritative model and optimizer of one sync training job.
-
-    Args:
-        spec: the job; the model is seeded with ``spec.seed``, the optimizer is
-            ``spec.optimizer`` (sgd with momentum, or adam; lr; weight_decay).
-        dataset: the job's data; the test split is used by ``evaluate``.
-
-    Raises:
-        ModelError: the model cannot be built (INVALID_ARGUMENT).
-    """
+    """The authoritative model and optimizer of one sync training job."""
 
     def __init__(
         self, spec: TrainJobSpec, dataset: Dataset, allowed_imports: Sequence[str] = ()
     ) -> None:
+        """Build the model and its optimizer (in a thread: it may import and allocate).
+
+        Args:
+            spec: the job; the model is seeded with ``spec.seed``, the optimizer is
+                ``spec.optimizer`` (sgd with momentum, or adam; lr; weight_decay).
+            dataset: the job's data; the test split is used by ``evaluate``.
+            allowed_imports: the operator's ``allowed_imports`` for a model given as
+                ``package.module:callable``.
+
+        Raises:
+            ModelError: the model cannot be built (INVALID_ARGUMENT).
+        """
         self.spec = spec
         self.dataset = dataset
         self.model: nn.Module = build_model(

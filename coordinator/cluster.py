@@ -38,6 +38,13 @@ class Cluster:
     def __init__(
         self, cfg: CoordinatorConfig, metrics: Metrics, security: ChannelSecurity | None = None
     ) -> None:
+        """Build the domain objects and restore what a previous process saved.
+
+        Args:
+            cfg: the coordinator's config.
+            metrics: where gauges and counters are set.
+            security: TLS and token for channels to the workers; None for plaintext.
+        """
         self.cfg = cfg
         self.metrics = metrics
         self.membership = Membership(cfg.heartbeat_timeout_s)
@@ -105,8 +112,17 @@ class Cluster:
     def register_worker(
         self, name: str, address: str, device: str, process_id: str = ""
     ) -> WorkerRecord:
-        """Add or refresh a worker; a new process under a known name is checked before it
-        gets a map."""
+        """Add or refresh a worker.
+
+        A new process under a known name (or a new name) gets no slot map until whatever its
+        data dir holds is checked against the other holders.
+
+        Args:
+            name: the worker's unique name.
+            address: ``host:port`` of its gRPC server.
+            device: ``cpu`` or ``cuda[:N]``.
+            process_id: the worker process's random id; a new one means a restart.
+        """
         new = self.membership.get(name) is None
         rec, changed, restarted = self.membership.register(name, address, device, process_id)
         log.info(
@@ -126,8 +142,9 @@ class Cluster:
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
     ) -> None:
-        """Stop trusting the copies a primary could not update, re-plan, and probe the worker
-        (``FailureDetector.report_failure``).
+        """Stop trusting the copies a primary could not update, re-plan, and probe the worker.
+
+        See ``FailureDetector.report_failure``.
 
         Raises:
             NotSlotPrimary: ``reporter`` is not the primary of some of ``slots``
@@ -213,8 +230,7 @@ class Cluster:
     # -- status ---------------------------------------------------------------------------
 
     def slot_summary(self) -> dict[str, Any]:
-        """Cluster-wide slot figures and per-worker (primary, replica) slot counts
-        (``Rebalancer.slot_summary``)."""
+        """Cluster-wide slot figures and per-worker slot counts (``Rebalancer.slot_summary``)."""
         return self.rebalancer.slot_summary()
 
     def _update_gauges(self) -> None:
@@ -238,8 +254,14 @@ class Cluster:
             await asyncio.sleep(1.0)
 
     def prune_jobs(self, now: float | None = None) -> list[str]:
-        """Apply ``job_retention``: forget old finished jobs in memory, in SQLite and their
-        checkpoint files; return the ids pruned."""
+        """Apply ``job_retention``; return the ids pruned.
+
+        Old finished jobs are forgotten in memory and in SQLite, and their checkpoint files
+        deleted.
+
+        Args:
+            now: wall-clock seconds to measure ages against; None for ``time.time()``.
+        """
         keep = self.cfg.job_retention
         dropped = self.jobs.prune(keep.max_jobs, keep.max_age_s, now)
         if dropped:

@@ -50,12 +50,17 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     """Thin RPC layer over ``Cluster``; the data set RPCs come from ``DataRpcs``."""
 
     def __init__(self, cluster: Cluster) -> None:
+        """Serve ``cluster``'s state and decisions."""
         self._cluster = cluster
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.RegisterWorkerResponse:
-        """Register (or re-register) a worker. INVALID_ARGUMENT: empty name or address."""
+        """Register (or re-register) a worker; the reply carries the slot count and limits.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for an empty name or address.
+        """
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
         self._cluster.register_worker(
@@ -115,9 +120,14 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportFailure(
         self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.ReportFailureResponse:
-        """A primary reports a replica it could not update; its copies of the reported slots
-        stop being trusted. FAILED_PRECONDITION: the reporter is not their primary.
-        INVALID_ARGUMENT: a slot out of range."""
+        """A primary reports a replica it could not update.
+
+        The replica's copies of the reported slots stop being trusted.
+
+        Raises:
+            grpc.aio.AbortError: FAILED_PRECONDITION when the reporter is not the primary of
+                every reported slot; INVALID_ARGUMENT for a slot out of range.
+        """
         try:
             slots = as_slots(list(request.slots), self._cluster.cfg.slots).tolist()
             self._cluster.report_failure(request.reporter, request.worker, request.reason, slots)
@@ -130,7 +140,11 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def DrainWorker(
         self, request: coordinator_pb2.DrainWorkerRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.DrainWorkerResponse:
-        """Hand a worker's slots to the others; ``drained`` once it holds none. NOT_FOUND."""
+        """Hand a worker's slots to the others; ``drained`` once it holds none.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown worker.
+        """
         try:
             drained, held = self._cluster.drain(request.name)
         except KeyError as exc:
@@ -142,7 +156,9 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     ) -> common_pb2.DecayResponse:
         """Decay every memory: ``s = clip(s - rate, 0, 1)``.
 
-        INVALID_ARGUMENT: rate outside [0, 1] or not finite. UNAVAILABLE: a primary failed.
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for a rate outside [0, 1] or not finite;
+                UNAVAILABLE when a primary failed.
         """
         try:
             rate = float(validate_rate(request.rate))
@@ -156,7 +172,11 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def Quality(
         self, request: coordinator_pb2.QualityRequest, context: aio.ServicerContext
     ) -> common_pb2.QualityStats:
-        """Count, sum, mean, min, max and 10-bin histogram of all strengths. UNAVAILABLE."""
+        """Count, sum, mean, min, max and 10-bin histogram of all strengths.
+
+        Raises:
+            grpc.aio.AbortError: UNAVAILABLE when a primary failed.
+        """
         try:
             q = await self._cluster.memory.quality()
         except BulkOpError as exc:
@@ -168,7 +188,9 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     ) -> common_pb2.TopKResponse:
         """The exact global top-k by strength (ties: smaller id).
 
-        INVALID_ARGUMENT: k <= 0 or above ``topk_max``. UNAVAILABLE: a primary failed.
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for k <= 0 or above ``topk_max``;
+                UNAVAILABLE when a primary failed.
         """
         try:
             k = validate_k(request.k, self._cluster.cfg.topk_max)
@@ -184,10 +206,13 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.Job:
         """Admit and queue a job, owned by the caller's token subject.
 
-        INVALID_ARGUMENT: an invalid spec, or a path outside the data roots (names the key).
-        PERMISSION_DENIED: an import not in the coordinator's ``allowed_imports``.
-        RESOURCE_EXHAUSTED: over an admission cap (names the cap and the value), or too many
-        unfinished jobs. Nothing is queued, imported or opened for a refused spec.
+        Nothing is queued, imported or opened for a refused spec.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for an invalid spec, or a path outside the
+                data roots (names the key); PERMISSION_DENIED for an import not in the
+                coordinator's ``allowed_imports``; RESOURCE_EXHAUSTED over an admission cap
+                (names the cap and the value), or with too many unfinished jobs.
         """
         principal = current_principal()
         owner = principal.subject if principal else ""
@@ -204,14 +229,21 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def GetJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.Job:
-        """One job. NOT_FOUND: unknown id, or another subject's job (the same answer)."""
+        """One job.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job (the
+                same answer).
+        """
         return job_to_pb(await self._job(request.job_id, context))
 
     async def ListJobs(
         self, request: coordinator_pb2.ListJobsRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.ListJobsResponse:
-        """The jobs the caller may see (its own; admin and no auth: all), in submission
-        order."""
+        """The jobs the caller may see, in submission order.
+
+        Its own jobs; every job for admin, and without auth.
+        """
         return coordinator_pb2.ListJobsResponse(
             jobs=[job_to_pb(j) for j in self._cluster.jobs.list() if may_see_job(j.owner)]
         )
@@ -219,8 +251,12 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def CancelJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
     ) -> coordinator_pb2.Job:
-        """Cancel a queued or running job (a finished one is returned as is). NOT_FOUND:
-        unknown id, or another subject's job (admin may cancel any)."""
+        """Cancel a queued or running job; a finished one is returned as is.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job
+                (admin may cancel any).
+        """
         await self._job(request.job_id, context)
         job = await self._cluster.scheduler.cancel(request.job_id)
         return job_to_pb(job)
@@ -228,8 +264,11 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def WatchJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.JobEvent]:
-        """Stream the job's state and progress until it reaches a terminal state. NOT_FOUND:
-        unknown id, or another subject's job."""
+        """Stream the job's state and progress until it reaches a terminal state.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job.
+        """
         job = await self._job(request.job_id, context)
         seen = -1
         while True:
@@ -246,8 +285,12 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 return
 
     async def _job(self, job_id: str, context: aio.ServicerContext) -> JobRecord:
-        """The job ``job_id`` if the caller may see it. NOT_FOUND otherwise: another
-        subject's job gets the very answer of an unknown id (no existence oracle)."""
+        """The job ``job_id`` if the caller may see it.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND otherwise: another subject's job gets the very
+                answer of an unknown id (no existence oracle).
+        """
         try:
             job = self._cluster.jobs.get(job_id)
             if not may_see_job(job.owner):

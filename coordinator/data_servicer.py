@@ -1,5 +1,7 @@
-"""The ``neuroshard.v1.Coordinator`` service, data set RPCs: PutDataset and ListDatasets (for
-people, ``neuroshard data put|ls``) and FetchShard (for the workers of a train job).
+"""The ``neuroshard.v1.Coordinator`` service's data set RPCs.
+
+PutDataset and ListDatasets (for people, ``neuroshard data put|ls``) and FetchShard (for the
+workers of a train job).
 
 Validation and mapping only; the work is in ``coordinator.dataset_store`` (uploads and
 listing, blocking file I/O run in a thread) and ``coordinator.train_sets`` (the rows of
@@ -76,13 +78,16 @@ class DataRpcs:
         request_iterator: AsyncIterator[coordinator_pb2.DatasetChunk],
         context: aio.ServicerContext,
     ) -> AsyncIterator[coordinator_pb2.DatasetReply]:
-        """Store a streamed .npz as NAME.npz in the first data root: reply ``accepted`` to
-        the header, then ``stored`` once the bytes are in place.
+        """Store a streamed .npz as NAME.npz in the first data root.
 
-        INVALID_ARGUMENT: no header first, a bad ``name``, a byte count other than declared,
-        or not a valid data set. RESOURCE_EXHAUSTED: over ``max_dataset_bytes`` (names the
-        cap and the size). ALREADY_EXISTS: the name is taken and ``replace`` is false.
+        Replies ``accepted`` to the header, then ``stored`` once the bytes are in place.
         Nothing is left in the data root when the upload is refused or cancelled.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for no header first, a bad ``name``, a
+                byte count other than declared, or not a valid data set; RESOURCE_EXHAUSTED
+                over ``max_dataset_bytes`` (names the cap and the size); ALREADY_EXISTS when
+                the name is taken and ``replace`` is false.
         """
         cfg = self._cluster.cfg
         upload: Upload | None = None
@@ -142,13 +147,15 @@ class DataRpcs:
     async def FetchShard(
         self, request: coordinator_pb2.FetchShardRequest, context: aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.ShardChunk]:
-        """Stream one shard's training rows of a running train job to one of its workers:
-        a ShardHeader, then TensorChunks of ``x`` [rows, ...] float32 and ``y`` [rows] int64.
+        """Stream one shard's training rows of a running train job to one of its workers.
 
-        INVALID_ARGUMENT: no worker name, or a shard that is not the job's.
-        PERMISSION_DENIED: the worker is not part of the job (under auth, the interceptor
-        has already refused a worker token naming another worker in ``worker``).
-        NOT_FOUND: no running train job with that id.
+        A ShardHeader, then TensorChunks of ``x`` [rows, ...] float32 and ``y`` [rows] int64.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for no worker name, or a shard that is not
+                the job's; PERMISSION_DENIED when the worker is not part of the job (under
+                auth, the interceptor has already refused a worker token naming another
+                worker in ``worker``); NOT_FOUND for no running train job with that id.
         """
         if not request.worker:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: a name is required")

@@ -26,13 +26,17 @@ from shared.training.data import DataError, load_training_npz
 
 
 class DatasetInvalid(ValueError):
-    """The file is not a readable data set of a known kind (INVALID_ARGUMENT); the message
-    names the data set and the array."""
+    """The file is not a readable data set of a known kind (INVALID_ARGUMENT).
+
+    The message names the data set and the array.
+    """
 
 
 class DatasetTooLarge(Exception):
-    """A data set over ``max_dataset_bytes`` (RESOURCE_EXHAUSTED); the message names the cap
-    and the size."""
+    """A data set over ``max_dataset_bytes`` (RESOURCE_EXHAUSTED).
+
+    The message names the cap and the size.
+    """
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Data sets in the coordinator's data roots: names, uploads (``neuroshard data put``) and
-the listing (``neuroshard data ls``).
+"""Data sets in the coordinator's data roots.
+
+Names, uploads (``neuroshard data put``) and the listing (``neuroshard data ls``).
 
 An upload streams into a temporary file next to its target in the first data root, counted
 against ``max_dataset_bytes`` as the bytes arrive; once complete it is validated
@@ -28,8 +29,10 @@ _PART_SUFFIX = ".part"  # a temporary upload: never listed, never a data set's n
 
 
 class DatasetNameError(ValueError):
-    """A data set name that is not ``[A-Za-z0-9][A-Za-z0-9._-]*`` of at most 128 characters,
-    or contains ``..`` (INVALID_ARGUMENT); the message names ``name``."""
+    """A data set name that is not allowed (INVALID_ARGUMENT); the message names ``name``.
+
+    Allowed: ``[A-Za-z0-9][A-Za-z0-9._-]*``, at most 128 characters, without ``..``.
+    """
 
 
 class DatasetExists(FileExistsError):
@@ -37,8 +40,7 @@ class DatasetExists(FileExistsError):
 
 
 class UploadError(ValueError):
-    """A malformed upload stream: more or fewer bytes than its header declared
-    (INVALID_ARGUMENT)."""
+    """An upload stream with more or fewer bytes than its header declared (INVALID_ARGUMENT)."""
 
 
 def dataset_name(name: str) -> str:
@@ -79,24 +81,25 @@ def _too_large(label: str, size: str, max_bytes: int) -> DatasetTooLarge:
 
 
 class Upload:
-    """One data set being received into ``root``.
-
-    Args:
-        root: the first data root (created if missing).
-        name: the requested name (validated by :func:`dataset_name`).
-        total_bytes: the file size the client declared.
-        max_bytes: ``max_dataset_bytes``.
-        replace: overwrite an existing data set of that name.
-
-    Raises:
-        DatasetNameError: a bad name (INVALID_ARGUMENT); nothing is created.
-        DatasetTooLarge: ``total_bytes`` over ``max_bytes`` (RESOURCE_EXHAUSTED).
-        DatasetExists: the name is taken and ``replace`` is false (ALREADY_EXISTS).
-    """
+    """One data set being received into ``root``."""
 
     def __init__(
         self, root: Path, name: str, total_bytes: int, max_bytes: int, replace: bool
     ) -> None:
+        """Check the name and the declared size, and open a temporary file next to the target.
+
+        Args:
+            root: the first data root (created if missing).
+            name: the requested name (validated by :func:`dataset_name`).
+            total_bytes: the file size the client declared, bytes.
+            max_bytes: ``max_dataset_bytes``.
+            replace: overwrite an existing data set of that name.
+
+        Raises:
+            DatasetNameError: a bad name (INVALID_ARGUMENT); nothing is created.
+            DatasetTooLarge: ``total_bytes`` over ``max_bytes`` (RESOURCE_EXHAUSTED).
+            DatasetExists: the name is taken and ``replace`` is false (ALREADY_EXISTS).
+        """
         self.name = dataset_name(name)
         self.label = f"{self.name}.npz"
         if total_bytes > max_bytes:
@@ -186,8 +189,16 @@ class Upload:
 
 
 def remove_stale_uploads(root: Path) -> list[str]:
-    """Remove the temporary files of uploads a previous process did not finish (call at
-    start, before any upload); return their names."""
+    """Remove the temporary files of uploads a previous process did not finish.
+
+    Call at start, before any upload.
+
+    Args:
+        root: the data root uploads go to.
+
+    Returns:
+        The paths removed.
+    """
     if not root.is_dir():
         return []
     stale = [p for p in root.glob(f".*{_PART_SUFFIX}") if p.is_file()]

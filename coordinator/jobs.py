@@ -22,6 +22,8 @@ from shared.config import JobSpec
 
 
 class JobState(StrEnum):
+    """Where a job is in its life: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED."""
+
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
@@ -30,6 +32,7 @@ class JobState(StrEnum):
 
     @property
     def terminal(self) -> bool:
+        """True for SUCCEEDED, FAILED and CANCELLED: the state is final."""
         return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
@@ -42,12 +45,31 @@ class JobFailed(RuntimeError):
 
 
 class JobQuotaExceeded(RuntimeError):
-    """The submitter already has ``max_jobs_per_client`` queued or running jobs
-    (RESOURCE_EXHAUSTED)."""
+    """The submitter has ``max_jobs_per_client`` unfinished jobs (RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
 class JobRecord:
+    """One job: its spec, state, result and progress, and what watchers wait on.
+
+    Attributes:
+        job_id: ``<kind>-<8 hex digits>``.
+        spec: the admitted spec.
+        state: where the job is in its life.
+        result: the runner's result document once SUCCEEDED.
+        error: why it FAILED or was CANCELLED ("" otherwise).
+        created_at: wall-clock seconds of the submission.
+        started_at: wall-clock seconds it started RUNNING (0 before).
+        finished_at: wall-clock seconds it reached a terminal state (0 before).
+        workers: names of the workers it was started on.
+        progress: the latest progress event (step, loss, ... or iteration stats).
+        version: bumped on every change; watchers wait for it to grow.
+        changed: notified on every change.
+        task: the asyncio task running it, while it runs in this process.
+        seq: submission order, unique per coordinator (survives restarts).
+        owner: the submitting token's subject ("" without auth).
+    """
+
     job_id: str
     spec: JobSpec
     state: JobState = JobState.QUEUED
@@ -66,10 +88,12 @@ class JobRecord:
 
     @property
     def kind(self) -> str:
+        """``train`` or ``memory``."""
         return self.spec.kind
 
     @property
     def spec_json(self) -> str:
+        """The spec as JSON, with its keys as users write them."""
         return self.spec.model_dump_json(by_alias=True)
 
 
@@ -77,6 +101,7 @@ class JobStore:
     """All jobs of this coordinator, in submission order."""
 
     def __init__(self) -> None:
+        """An empty store; set ``on_change`` to persist every change."""
         self._jobs: dict[str, JobRecord] = {}
         self._counter = itertools.count(1)
         self.on_change: Callable[[JobRecord], None] | None = None  # persistence hook
@@ -110,9 +135,16 @@ class JobStore:
     def prune(
         self, max_jobs: int, max_age_s: float, now: float | None = None
     ) -> builtins.list[str]:
-        """Drop finished jobs older than ``max_age_s`` (seconds since they finished) and the
-        oldest finished ones beyond ``max_jobs``; return the ids dropped. Queued and running
-        jobs are never dropped."""
+        """Drop old finished jobs; return the ids dropped.
+
+        Dropped: finished jobs older than ``max_age_s`` and the oldest finished ones beyond
+        ``max_jobs``. Queued and running jobs are never dropped.
+
+        Args:
+            max_jobs: finished jobs to keep at most.
+            max_age_s: seconds since a job finished after which it is dropped.
+            now: wall-clock seconds; None for ``time.time()``.
+        """
         now = time.time() if now is None else now
         finished = sorted(
             (j for j in self._jobs.values() if j.state.terminal), key=lambda j: j.finished_at

@@ -14,6 +14,8 @@ from enum import StrEnum
 
 
 class WorkerState(StrEnum):
+    """A worker's liveness as the coordinator sees it."""
+
     ALIVE = "ALIVE"
     DEAD = "DEAD"
     DRAINING = "DRAINING"
@@ -57,7 +59,16 @@ class WorkerRecord:
 class Membership:
     """The registry of workers, keyed by name."""
 
-    def __init__(self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """An empty registry.
+
+        Args:
+            heartbeat_timeout_s: seconds without a heartbeat after which ``sweep`` declares a
+                worker DEAD.
+            clock: monotonic seconds (injected by tests).
+        """
         self._timeout_s = heartbeat_timeout_s
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
@@ -65,8 +76,15 @@ class Membership:
     def register(
         self, name: str, address: str, device: str, process_id: str = ""
     ) -> tuple[WorkerRecord, bool, bool]:
-        """Add or refresh a worker; its slot-map epoch becomes unknown (0), it is no longer
-        ``restored``.
+        """Add or refresh a worker.
+
+        Its slot-map epoch becomes unknown (0), and it is no longer ``restored``.
+
+        Args:
+            name: the worker's unique name.
+            address: ``host:port`` of its gRPC server.
+            device: ``cpu`` or ``cuda[:N]``.
+            process_id: the worker process's random id.
 
         Returns:
             (record, changed, restarted): changed when its liveness or address changed;
@@ -125,8 +143,10 @@ class Membership:
         return True
 
     def set_draining(self, name: str) -> bool:
-        """Mark an ALIVE worker DRAINING (it serves until its slots are handed over); True
-        if its state changed."""
+        """Mark an ALIVE worker DRAINING; True if its state changed.
+
+        A draining worker serves until its slots are handed over.
+        """
         rec = self._workers.get(name)
         if rec is None or rec.state is not WorkerState.ALIVE:
             return False

@@ -1,5 +1,7 @@
-"""The ``memory`` job (DESIGN.md, "Jobs"): load memories, then iterations of reinforce from an
-access stream, decay, quality and top-k over the whole store, timed per iteration.
+"""The ``memory`` job (DESIGN.md, "Jobs").
+
+Load memories, then iterations of reinforce from an access stream, decay, quality and top-k
+over the whole store, timed per iteration.
 
 The coordinator acts as a client of its own store: keyed operations (upsert, reinforce) go
 through ``shared.client.memory.MemoryRouter`` fed with the coordinator's current slot map,
@@ -112,7 +114,8 @@ class MemoryJob:
         """Read or generate the memories and build the access stream (in a thread).
 
         The spec's paths are confined to the data roots again here (admission did it at
-        submission; a symlink may have changed since, or the job was resumed)."""
+        submission; a symlink may have changed since, or the job was resumed).
+        """
         try:
             spec = with_resolved_paths(self.spec, self.cfg.dataset_roots())
         except PathRefused as exc:
@@ -175,8 +178,10 @@ class MemoryJob:
         return load_s
 
     async def _iterate(self, stream: ScrambledZipfStream | TraceStream) -> _Timings:
-        """Run the iterations: reinforce, decay, quality, top-k, each timed with
-        ``time.perf_counter`` (seconds); drawing the access batch is not counted."""
+        """Run the iterations: reinforce, decay, quality, top-k, each one timed.
+
+        Times are ``time.perf_counter`` seconds; drawing the access batch is not counted.
+        """
         spec, t = self.spec, _Timings()
         boosts = np.full(stream.batch, spec.access.boost, np.float32)
         rate = float(validate_rate(spec.decay_rate))

@@ -37,6 +37,14 @@ class MemoryOps:
         clients: WorkerClients,
         rpc_timeout_s: float,
     ) -> None:
+        """Fan out over ``rebalancer``'s current map.
+
+        Args:
+            rebalancer: owner of the slot map and its ``map_lock``.
+            membership: where the primaries' addresses are.
+            clients: channels to the workers.
+            rpc_timeout_s: deadline of each worker call, seconds.
+        """
         self._rebalancer = rebalancer
         self._membership = membership
         self._clients = clients
@@ -93,8 +101,14 @@ class MemoryOps:
         return merge_quality([quality_from_pb(r) for r in replies])
 
     async def topk(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The exact global top-k: ids [k'] uint64 and strengths [k'] float32, strongest
-        first, ties broken by smaller id."""
+        """The exact global top-k, strongest first, ties broken by smaller id.
+
+        Args:
+            k: how many, >= 1 (at most ``topk_max``, checked by the caller).
+
+        Returns:
+            ids [k'] uint64 and strengths [k'] float32, k' = min(k, memories).
+        """
         replies = await self._fan_out(
             lambda s, e: s.TopK(
                 worker_pb2.WorkerTopKRequest(epoch=e, k=k), timeout=self._timeout_s

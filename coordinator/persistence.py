@@ -1,5 +1,6 @@
-"""The coordinator's durable state: slot map, worker registry and jobs, in SQLite
-(``<data_dir>/coordinator.db``, WAL journal).
+"""The coordinator's durable state: slot map, worker registry and jobs, in SQLite.
+
+The database is ``<data_dir>/coordinator.db`` (WAL journal).
 
 Written on every change that matters after a crash (a published slot map, a registration, a
 job state change); read once at start. Training progress itself lives in checkpoint files
@@ -42,6 +43,8 @@ CRASHED_TWICE = (
 
 @dataclass
 class SavedWorker:
+    """A worker's registration as saved (what ``Membership.register`` is called with)."""
+
     name: str
     address: str
     device: str
@@ -52,6 +55,7 @@ class StateStore:
     """SQLite-backed persistence; every write commits (a few hundred microseconds)."""
 
     def __init__(self, data_dir: str | Path) -> None:
+        """Open (or create) ``<data_dir>/coordinator.db``; note whether the last run crashed."""
         path = Path(data_dir) / "coordinator.db"
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -1,5 +1,7 @@
-"""Apply slot-map changes to the workers: publish the interim map, copy slot data to new
-holders (copy, then switch), publish the target map.
+"""Apply slot-map changes to the workers.
+
+Publish the interim map, copy slot data to new holders (copy, then switch), publish the
+target map.
 
 Runs one rebalance at a time; a membership change during one triggers another. Map
 publication and bulk memory operations exclude each other through ``map_lock``, so a bulk
@@ -45,6 +47,17 @@ class Rebalancer:
         limits: WireLimits,
         on_change: Callable[[], None] | None = None,
     ) -> None:
+        """Start from an empty map at epoch 0 (``Cluster`` restores a saved one).
+
+        Args:
+            slots: number of hash slots, a power of two.
+            membership: the live, draining and dead workers.
+            clients: channels to the workers.
+            metrics: ``slot_map_epoch`` is set on every publication.
+            rpc_timeout_s: deadline of each worker call, seconds (copies get at least 60).
+            limits: the request limits every published map carries.
+            on_change: called after every publication.
+        """
         self.current = SlotMap.empty(slots)
         self.map_lock = asyncio.Lock()
         self.trust = SlotTrust(slots)
@@ -65,16 +78,21 @@ class Rebalancer:
         self._wake.set()
 
     def worker_restarted(self, name: str) -> None:
-        """A worker came back as a new process, or joined for the first time (either way with
-        whatever its data dir holds): it gets no map until its copies are compared with the
-        other holders' (saved before returning)."""
+        """Hold back a new or restarted worker's map until its copies are checked.
+
+        A worker came back as a new process, or joined for the first time, either way with
+        whatever its data dir holds: it gets no map until its copies are compared with the
+        other holders' (saved before returning).
+        """
         self.trust.restarted(name)
         self._save()
         self.trigger()
 
     def distrust(self, name: str, slots: list[int] | None = None) -> None:
-        """Stop treating ``name``'s copies of ``slots`` (None: all) as data (saved before
-        returning), and re-plan."""
+        """Stop treating ``name``'s copies of ``slots`` (None: all) as data, and re-plan.
+
+        The change is saved before returning.
+        """
         self.trust.distrust(name, slots)
         self._save()
         self.trigger()
@@ -151,8 +169,10 @@ class Rebalancer:
             )
 
     async def _verify(self) -> bool:
-        """Compare restarted workers' copies with the other holders' (``SlotTrust.verify``);
-        return True if some worker was decided."""
+        """Compare restarted workers' copies with the other holders'; True if one was decided.
+
+        See ``SlotTrust.verify``.
+        """
         live = self._membership.alive() + self._membership.draining()
         confirmed = {w.name for w in live if not w.restored}
 
@@ -191,8 +211,11 @@ class Rebalancer:
         return sum(counts)
 
     async def _publish(self, new: SlotMap) -> None:
-        """Bump the epoch and push the map: first to workers losing a primary role (they stop
-        accepting writes for it), then to everyone else. Caller holds ``map_lock``."""
+        """Bump the epoch and push the map to the live workers; caller holds ``map_lock``.
+
+        First to workers losing a primary role (they stop accepting writes for it), then to
+        everyone else.
+        """
         old = self.current
         new = SlotMap(old.epoch + 1, list(new.primary), list(new.replica))
         self.current = new

@@ -1,5 +1,8 @@
-"""The job queue: start a job once the workers it asks for are alive, fail it after
-``queue_timeout_s`` otherwise, and run it to a terminal state."""
+"""The job queue and the scheduler that runs it.
+
+A job starts once the workers it asks for are alive, fails after ``queue_timeout_s``
+otherwise, and runs to a terminal state.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +34,15 @@ class Scheduler:
         queue_timeout_s: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """Schedule ``jobs`` onto ``membership``'s ALIVE workers.
+
+        Args:
+            jobs: the queue (``JobStore.queued``) and where state changes go.
+            membership: which workers are alive.
+            runners: job kind -> coroutine running a job on its workers to a result document.
+            queue_timeout_s: seconds a job may wait QUEUED before it fails.
+            clock: wall-clock seconds, as ``JobRecord.created_at`` (injected by tests).
+        """
         self._jobs = jobs
         self._membership = membership
         self._runners = runners
@@ -60,9 +72,11 @@ class Scheduler:
                 await asyncio.gather(*self._running, return_exceptions=True)
 
     def schedule_once(self) -> None:
-        """One pass over the queue in submission order: start each job whose workers are
-        alive, fail each that has waited longer than ``queue_timeout_s``; a job that must wait
-        does not hold back later ones."""
+        """One pass over the queue, in submission order.
+
+        Starts each job whose workers are alive and fails each that has waited longer than
+        ``queue_timeout_s``; a job that must wait does not hold back later ones.
+        """
         now = self._clock()
         for job in self._jobs.queued():
             wanted = job.spec.workers

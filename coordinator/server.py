@@ -29,6 +29,12 @@ class CoordinatorServer:
     """One coordinator: ``await start()`` returns the bound address; ``await stop()``."""
 
     def __init__(self, cfg: CoordinatorConfig) -> None:
+        """Build the gRPC server, its servicers and the cluster state; nothing listens yet.
+
+        Raises:
+            ExposureRefused: a non-loopback ``listen`` without mutual TLS and tokens, and
+                not ``insecure`` (the process exits 2).
+        """
         self.cfg = cfg
         check_listen(
             "coordinator", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure
@@ -44,7 +50,8 @@ class CoordinatorServer:
             interceptors=server_interceptors(self.metrics, self.security.public_key),
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
+        # grpcio-tools writes the *_pb2_grpc modules without type annotations.
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(  # type: ignore[no-untyped-call]
             CoordinatorServicer(self.cluster), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -1,12 +1,12 @@
-"""The slot map (which worker is primary and which is replica of each hash slot) and the
-plan that moves the cluster from one map to the next.
+"""The slot map and the plan that moves the cluster from one map to the next.
 
-A change goes in two published steps so that a slot is never served by a worker without its
-data: first an *interim* map that keeps only live workers that hold the data (a dead
-primary's replica is promoted at once), then, after the copies, the *target* map given by
-rendezvous hashing over the live workers (``shared.memory.slots.assign_slots``). A slot whose only
-trusted copies are on dead workers can stay with them (``keep_lost``): it is unavailable
-until one comes back with its data dir, rather than restarted empty.
+The map says which worker is primary and which is replica of each hash slot. A change goes
+in two published steps so that a slot is never served by a worker without its data: first
+an *interim* map that keeps only live workers that hold the data (a dead primary's replica
+is promoted at once), then, after the copies, the *target* map given by rendezvous hashing
+over the live workers (``shared.memory.slots.assign_slots``). A slot whose only trusted
+copies are on dead workers can stay with them (``keep_lost``): it is unavailable until one
+comes back with its data dir, rather than restarted empty.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class SlotMap:
 
     @property
     def slots(self) -> int:
+        """Number of hash slots."""
         return len(self.primary)
 
     def same_placement(self, other: SlotMap) -> bool:
@@ -109,13 +110,23 @@ class SlotMap:
 
 @dataclass
 class Plan:
+    """The move from one published map to the next (``plan``); epochs left to the caller.
+
+    Attributes:
+        interim: live data holders only, a dead primary's replica promoted.
+        target: rendezvous placement over the live workers.
+        copies: (source, destination) worker names -> slots to copy before the target.
+        lost: slots left with their dead holders (``keep_lost``).
+    """
+
     interim: SlotMap
     target: SlotMap
-    copies: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # (src, dst) -> slots
-    lost: list[int] = field(default_factory=list)  # slots left with their dead holders
+    copies: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    lost: list[int] = field(default_factory=list)
 
     @property
     def slots_to_copy(self) -> int:
+        """Slot copies the plan makes, counting each destination."""
         return sum(len(v) for v in self.copies.values())
 
 

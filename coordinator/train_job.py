@@ -74,6 +74,20 @@ class TrainJob:
         clock: Callable[[], float] = time.perf_counter,
         train_sets: TrainSets | None = None,
     ) -> None:
+        """Prepare the job; nothing runs until ``run``.
+
+        Args:
+            job: a record whose spec is a ``TrainJobSpec``.
+            workers: the workers the scheduler picked.
+            cfg: the coordinator's config (data roots, timeouts in seconds, chunk size,
+                checkpoint interval, data dir).
+            clients: channels to the workers.
+            jobs: where progress is published.
+            metrics: step counters and timings.
+            alive: the ALIVE workers now (replacements for failed members); None: none.
+            clock: seconds for step timings and throughput (injected by tests).
+            train_sets: where the job's workers fetch their shards' rows; None: a private one.
+        """
         assert isinstance(job.spec, TrainJobSpec)
         self.job, self.spec, self.cfg = job, job.spec, cfg
         self._jobs, self._metrics, self._clock = jobs, metrics, clock
@@ -146,8 +160,11 @@ class TrainJob:
         }
 
     async def _train_step(self, ps: ParameterServer, step: int, run: _Run) -> None:
-        """One global step: gradients from the workers, an optimizer step, evaluation at the
-        end of an epoch, a checkpoint every ``checkpoint_every_steps``, a progress event."""
+        """One global step of the job, with its progress event.
+
+        Gradients from the workers, an optimizer step, evaluation at the end of an epoch, a
+        checkpoint every ``checkpoint_every_steps``.
+        """
         epoch, step_in_epoch = divmod(step, run.per_epoch)
         t0 = self._clock()
         self.members.admit()

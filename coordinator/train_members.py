@@ -41,6 +41,15 @@ class Member:
 
 @dataclass
 class ShardResult:
+    """One shard's answer to a step: what its mini-batch contributed.
+
+    Attributes:
+        samples: rows in the mini-batch (0 when the shard ran out this epoch).
+        loss_sum: the loss summed over those rows.
+        correct: rows predicted right.
+        grads: parameter name -> gradient of the mean loss, float32 of the parameter's shape.
+    """
+
     samples: int
     loss_sum: float
     correct: int
@@ -61,6 +70,18 @@ class Members:
         step_timeout_s: float,
         chunk_bytes: int,
     ) -> None:
+        """No members until ``start``.
+
+        Args:
+            job_id: the job.
+            spec_json: its spec, sent to each worker in StartTraining.
+            shards: the job's shard count (``spec.workers``).
+            clients: channels to the workers.
+            alive: the ALIVE workers now, to replace failed members.
+            rpc_timeout_s: deadline of control calls, seconds.
+            step_timeout_s: deadline of one ComputeGradients call, seconds.
+            chunk_bytes: tensors larger than this are streamed in chunks, bytes.
+        """
         self.job_id, self.spec_json, self.shards = job_id, spec_json, shards
         self._clients, self._alive = clients, alive
         self._rpc_timeout_s, self._step_timeout_s = rpc_timeout_s, step_timeout_s
@@ -95,9 +116,11 @@ class Members:
             )
 
     async def _join(self, w: WorkerRecord, shard: int | None = None) -> BaseException | None:
-        """StartTraining on one worker with the shard it will likely compute first (it
-        fetches that shard's rows of a file data set then); None: its place by name among
-        the live members."""
+        """StartTraining on one worker, naming the shard it will likely compute first.
+
+        The worker fetches that shard's rows of a file data set then. ``shard`` None: its
+        place by name among the live members.
+        """
         if shard is None:
             shard = sorted([*self.live, w.name]).index(w.name) % self.shards
         stub = self._clients.stub(w.name, w.address)

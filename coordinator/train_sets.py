@@ -1,5 +1,6 @@
-"""The training sets of running train jobs, served to their workers shard by shard
-(the FetchShard RPC), so that no worker needs the coordinator's files.
+"""The training sets of running train jobs, served to their workers shard by shard.
+
+Served by the FetchShard RPC, so that no worker needs the coordinator's files.
 
 A ``TrainJob`` loads its data set once (the parameter server evaluates on its test rows) and
 registers it here for as long as it runs; a worker of the job asks for the training rows of
@@ -58,6 +59,7 @@ class TrainSets:
     """Data sets of running train jobs by job id."""
 
     def __init__(self) -> None:
+        """No job served yet."""
         self._jobs: dict[str, _Served] = {}
 
     def open(
@@ -78,6 +80,7 @@ class TrainSets:
         self._jobs.pop(job_id, None)
 
     def __contains__(self, job_id: str) -> bool:
+        """True while ``job_id`` is a running train job with its data set here."""
         return job_id in self._jobs
 
     def shard(self, job_id: str, worker: str, shard_index: int, shard_count: int) -> ShardRows:

@@ -27,14 +27,18 @@ SeqSource = Callable[[str, list[int]], Awaitable[list[int]]]
 
 
 class VerificationPending(Exception):
-    """A restarted worker's copies cannot be decided yet: another holder of one of its slots
-    did not answer (it may be restarting too, or about to be declared dead)."""
+    """A restarted worker's copies cannot be decided yet.
+
+    Another holder of one of its slots did not answer (it may be restarting too, or about to be
+    declared dead).
+    """
 
 
 class SlotTrust:
     """Untrusted (worker, slot) pairs and unverified (restarted) workers."""
 
     def __init__(self, slots: int) -> None:
+        """Every copy trusted, every worker verified, for a map of ``slots`` slots."""
         self.slots = slots
         self.untrusted: dict[str, set[int]] = {}
         self.unverified: set[str] = set()
@@ -47,6 +51,7 @@ class SlotTrust:
         self.version += 1
 
     def restarted(self, name: str) -> None:
+        """Mark ``name`` unverified: its copies are compared before it gets a map."""
         self.unverified.add(name)
         self.version += 1
 
@@ -55,8 +60,10 @@ class SlotTrust:
         return {n: set(s) for n, s in self.untrusted.items() if s}
 
     def resolve(self, planned: dict[str, set[int]]) -> bool:
-        """Forget pairs a completed rebalance dealt with (they left the map or were copied
-        afresh); return True if anything changed."""
+        """Forget pairs a completed rebalance dealt with; True if anything changed.
+
+        They left the map or were copied afresh.
+        """
         changed = False
         for name, slots in planned.items():
             left = self.untrusted.get(name, set()) - slots
@@ -119,8 +126,11 @@ class SlotTrust:
         return True
 
     def _decide(self, s: int, holders: list[str], seq: dict[tuple[str, int], int]) -> None:
-        """Untrust restarted copies of slot ``s`` that differ from the reference: the running
-        holder's seq, or the highest among restarted ones when none runs."""
+        """Untrust restarted copies of slot ``s`` that differ from the reference seq.
+
+        The reference is the running holder's seq, or the highest among restarted ones when
+        none runs.
+        """
         candidates = [h for h in holders if s not in self.untrusted.get(h, ())]
         running = [h for h in candidates if h not in self.unverified]
         if not candidates:
@@ -131,6 +141,7 @@ class SlotTrust:
                 self.untrusted.setdefault(h, set()).add(s)
 
     def to_doc(self) -> dict[str, object]:
+        """The state as JSON-able data (saved with the slot map; ``load_doc`` reads it)."""
         return {
             "untrusted": {n: sorted(s) for n, s in self.untrusted.items() if s},
             "unverified": sorted(self.unverified),
