@@ -274,6 +274,24 @@ def test_fsync_interval_syncs_in_the_background(tmp_path, monkeypatch) -> None:
     r.journal.close()
 
 
+def test_abandon_leaves_the_written_records_without_any_fsync(tmp_path, monkeypatch) -> None:
+    # Arrange: records appended, none synced yet (policy always syncs only when asked).
+    r = Recorder(tmp_path, policy="always")
+    ids = np.arange(10, dtype=np.uint64)
+    r.upsert(ids, np.full(10, 0.5, np.float32), rid=b"a")
+    r.reinforce(ids, np.full(10, 0.25, np.float32), rid=b"b")
+    calls = count_fsyncs(monkeypatch)
+
+    # Act: crash (close would fsync here).
+    r.journal.abandon()
+
+    # Assert: no fsync on the way out, and what kill -9 leaves (the written bytes) replays.
+    assert calls == []
+    rec = reload(tmp_path)
+    assert rec is not None and rec.records == 2
+    assert_same_store(rec.store, r.store)
+
+
 def test_segment_of_another_slot_count_is_refused(tmp_path) -> None:
     r = Recorder(tmp_path, snapshot_log_bytes=1)
     r.upsert(np.arange(10, dtype=np.uint64), np.full(10, 0.5, np.float32))
