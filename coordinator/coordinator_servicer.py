@@ -139,10 +139,10 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.DrainWorkerResponse:
         """Hand a worker's slots to the others; ``drained`` once it holds none. NOT_FOUND."""
         try:
-            drained, held = self._cluster.drain(request.name)
+            drained = self._cluster.drain(request.name)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        return coordinator_pb2.DrainWorkerResponse(drained=drained, slots_held=held)
+        return coordinator_pb2.DrainWorkerResponse(drained=drained)
 
     async def Decay(
         self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext

@@ -1,8 +1,9 @@
 """Tensor and array codec: raw little-endian bytes on the wire, chunked streams for big tensors.
 
-Arrays never travel as ``repeated float``: a ``Tensor`` carries dtype, shape and raw
-little-endian C-order bytes, and tensors larger than ``chunk_bytes`` are split into
-``TensorChunk`` messages that the receiver reassembles.
+Arrays never travel as ``repeated float``: a tensor is sent as ``TensorChunk`` messages, each
+carrying the dtype, the shape and up to ``chunk_bytes`` of the raw little-endian C-order
+bytes, which the receiver reassembles; id and strength arrays of the memory store are plain
+little-endian ``bytes`` fields.
 """
 
 from __future__ import annotations
@@ -35,31 +36,6 @@ class CodecError(ValueError):
 
 def _le(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.byteorder not in ("|", "<") else dtype
-
-
-def encode_tensor(array: np.ndarray) -> common_pb2.Tensor:
-    """Encode an array as a ``Tensor`` of raw little-endian bytes.
-
-    Args:
-        array: any shape; dtype one of float16/32/64, int8/32/64, uint8/32/64, bool.
-    """
-    a = np.ascontiguousarray(array)
-    name = a.dtype.name
-    if name not in _WIRE_DTYPES:
-        raise CodecError(f"dtype {name} cannot be sent")
-    data = a.astype(_le(a.dtype), copy=False).tobytes()
-    return common_pb2.Tensor(dtype=name, shape=list(a.shape), data=data, encoding="raw")
-
-
-def decode_tensor(msg: common_pb2.Tensor) -> np.ndarray:
-    """Decode a ``Tensor`` into a new writable array.
-
-    Raises:
-        CodecError: unknown dtype or encoding, or a byte length that does not match the shape.
-    """
-    if msg.encoding not in ("", "raw"):
-        raise CodecError(f"tensor encoding {msg.encoding!r} is not supported")
-    return _from_bytes(msg.data, msg.dtype, tuple(msg.shape))
 
 
 def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
