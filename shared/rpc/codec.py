@@ -59,11 +59,19 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 def tensor_to_chunks(
     name: str, array: np.ndarray, chunk_bytes: int
 ) -> Iterator[common_pb2.TensorChunk]:
-    """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each."""
-    a = np.ascontiguousarray(array)
+    """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each.
+
+    Args:
+        name: the tensor's name in the stream.
+        array: any shape (0-d and empty ones too), sent as raw little-endian C-order bytes.
+        chunk_bytes: most data bytes per chunk, >= 1; an empty array is one empty chunk.
+    """
+    a = np.asarray(array)  # not ascontiguousarray: it turns a 0-d array into shape (1,)
     # A byte view of the (little-endian) array: each chunk copies only its own bytes, so a
-    # large tensor (a data shard) is never copied whole.
-    data = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).data.cast("B")
+    # large tensor (a data shard) is never copied whole. Flat first: memoryview refuses to
+    # cast a view with a zero in its shape, e.g. (0, 64), an empty shard's x.
+    flat = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).reshape(-1)
+    data = flat.data.cast("B")
     total = data.nbytes
     offset = 0
     while True:
