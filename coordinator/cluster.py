@@ -152,8 +152,8 @@ class Cluster:
         """
         self.failures.report_failure(reporter, worker, reason, slots)
 
-    def drain(self, name: str) -> tuple[bool, int]:
-        """Start (or check) the drain of a worker; return (drained, slots still held).
+    def drain(self, name: str) -> bool:
+        """Start (or check) the drain of a worker; return whether it holds no slot any more.
 
         Raises:
             KeyError: unknown worker (NOT_FOUND).
@@ -161,12 +161,12 @@ class Cluster:
         if self.membership.get(name) is None:
             raise KeyError(f"no worker named {name!r}")
         if not [w for w in self.membership.alive() if w.name != name]:
-            return True, 0  # nobody to hand over to: keep the data where it is
+            return True  # nobody to hand over to: keep the data where it is
         if self.membership.set_draining(name):
             log.info("worker_draining", worker=name)
             self._on_membership_change()
         held = sum(self.rebalancer.current.counts().get(name, (0, 0)))
-        return held == 0 and self.rebalancer.settled.is_set(), held
+        return held == 0 and self.rebalancer.settled.is_set()
 
     def _on_membership_change(self) -> None:
         self._update_gauges()

@@ -146,10 +146,10 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             grpc.aio.AbortError: NOT_FOUND for an unknown worker.
         """
         try:
-            drained, held = self._cluster.drain(request.name)
+            drained = self._cluster.drain(request.name)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        return coordinator_pb2.DrainWorkerResponse(drained=drained, slots_held=held)
+        return coordinator_pb2.DrainWorkerResponse(drained=drained)
 
     async def Decay(
         self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext

@@ -568,7 +568,8 @@ def _format_error(exc: ValidationError, prefix: str = "") -> str:
             parts.append(str(p))
     loc = ".".join(parts)
     msg = err["msg"].removeprefix("Value error, ")
-    where = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "spec")
+    # A model-level check has no field: "FILE: message" (its message names the fields).
+    where = f"{prefix}{loc}" if loc else (prefix.removesuffix(": ").rstrip(".") or "spec")
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     return f"{where}: {msg}{more}"
 
@@ -631,10 +632,19 @@ def load_yaml(path: str | Path) -> Any:
 def load_config(model: type[T], path: str | Path | None, **overrides: Any) -> T:
     """Load a daemon config from YAML (or defaults), apply non-None overrides, validate.
 
+    Args:
+        model: the config class, e.g. ``CoordinatorConfig``.
+        path: a YAML file of settings; None: defaults only.
+        overrides: settings that win over the file (the CLI's flags); None values are ignored.
+
     Raises:
-        ConfigError: the message names the file and field.
+        ConfigError: the message names the file and field; also a file that is missing, not
+            YAML, or not a mapping of settings.
     """
-    data = dict(load_yaml(path)) if path else {}
+    loaded = load_yaml(path) if path else {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+    data = dict(loaded)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return model.model_validate(data)

@@ -3,30 +3,106 @@
 The invariant (DESIGN.md, "Memory store"): for any sequence of operations and any number of
 workers, the cluster's ``{id: strength}`` equals this reference bit for bit (float32).
 
-The reference is deliberately plain: one array of ids sorted by id, the strengths and the
-payloads (an object array) aligned with it, no slots, no keys, no device. It validates with
-the store's functions and changes strengths only through ``worker/kernels.py``, so a
-mismatch points at routing, slotting, replication or migration, not at arithmetic. Slot
-numbers are only used to select the rows of ``decay``/``quality``/``topk`` slot sets.
+The reference is written independently of the code it checks: it imports nothing from
+``worker`` (no kernels, no store) nor ``shared.memory.validation``/``stats``, so a change of
+arithmetic in the kernels makes the invariant tests fail instead of changing both sides. The
+semantics, in float32 unless stated (DESIGN.md's kernels):
+
+- decay(rate): ``s = clip(s - float32(rate), 0, 1)``;
+- reinforce(ids, boosts): the boosts of one id are added in batch order in float64, the sum
+  rounded once to float32, then ``s = clip(s + sum, 0, 1)``; absent ids are skipped;
+- quality(): count, float64 sum and mean, min, max, and ``np.histogram(s, 10, (0, 1))``
+  (bin k is ``float32(k/10) <= s < float32((k+1)/10)``, the last bin closed);
+- topk(k): sorted by strength descending, ties by smaller id, the first k.
+
+Storage is plain: one array of ids sorted by id, the strengths and the payloads (an object
+array) aligned with it, no slots, no keys, no device. Slot numbers only select the rows of
+``decay``/``quality``/``topk`` slot sets, through ``shared.memory.slots.slot_of``, whose
+values are pinned by golden vectors in ``tests/unit/shared/test_slots.py``.
+
+Inputs are checked with the same acceptance rules as the cluster (a plain local check
+raising ``ReferenceInputError``), so a test may feed both the same batch; the messages are
+not the cluster's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from shared.memory.slots import slot_of
-from shared.memory.stats import Quality
-from shared.memory.validation import (
-    as_ids,
-    as_slots,
-    validate_k,
-    validate_rate,
-    validate_reinforce,
-    validate_upsert,
-)
-from worker import kernels
+
+HIST_BINS = 10
+_ZERO, _ONE = np.float32(0), np.float32(1)
+
+
+class ReferenceInputError(ValueError):
+    """The reference refuses a batch the cluster would refuse too; nothing was applied."""
+
+
+@dataclass(frozen=True)
+class Quality:
+    """The reference's summary of a set of strengths (same field names as the store's).
+
+    ``sum`` and ``mean`` are float64; ``min``/``max`` float32 values as Python floats; an
+    empty set has count 0 and every other field 0.
+    """
+
+    count: int
+    sum: float
+    mean: float
+    min: float
+    max: float
+    histogram: tuple[int, ...]
+
+
+# --- input checks: the cluster's acceptance rules, written plainly -------------------------
+
+
+def _ids(ids: object) -> np.ndarray:
+    """[K] uint64 from a 1-D array of non-negative integers."""
+    a = np.asarray(ids)
+    if a.ndim != 1:
+        raise ReferenceInputError(f"ids: shape {a.shape} is not 1-D")
+    if a.size == 0:
+        return a.astype(np.uint64)
+    if a.dtype.kind not in "iu":
+        raise ReferenceInputError(f"ids: dtype {a.dtype} is not an integer type")
+    if a.dtype.kind == "i" and bool((a < 0).any()):
+        raise ReferenceInputError("ids: a negative id")
+    return a.astype(np.uint64)
+
+
+def _values(values: object, name: str, n: int, upper: float | None) -> np.ndarray:
+    """[n] float32 from numbers that are finite, >= 0, <= upper (when given) and fit float32.
+
+    The bounds are checked on the values as given (float64), then they are rounded to
+    float32 once; -0.0 becomes +0.0.
+    """
+    a = np.asarray(values)
+    if a.ndim != 1 or len(a) != n:
+        raise ReferenceInputError(f"{name}: shape {a.shape}, expected ({n},)")
+    if a.size and a.dtype.kind not in "fiu":
+        raise ReferenceInputError(f"{name}: dtype {a.dtype} is not a number type")
+    a64 = a.astype(np.float64)
+    with np.errstate(over="ignore"):
+        a32 = a64.astype(np.float32)
+    ok = np.isfinite(a64) & np.isfinite(a32) & (a64 >= 0)
+    if upper is not None:
+        ok &= a64 <= upper
+    if not bool(ok.all()):
+        raise ReferenceInputError(f"{name}[{int(np.argmin(ok))}]: out of range")
+    return np.where(a32 == 0, _ZERO, a32).astype(np.float32)
+
+
+def _rate(rate: object) -> np.float32:
+    if isinstance(rate, bool) or not isinstance(rate, int | float | np.integer | np.floating):
+        raise ReferenceInputError(f"rate: {rate!r} is not a number")
+    if not (np.isfinite(rate) and 0 <= rate <= 1):
+        raise ReferenceInputError(f"rate: {rate!r} is not in [0, 1]")
+    return np.float32(rate)
 
 
 class ReferenceStore:
@@ -48,13 +124,33 @@ class ReferenceStore:
         return rows, found
 
     def _mask(self, slots: Sequence[int] | np.ndarray | None) -> np.ndarray:
+        """[N] bool: the rows whose id is in one of ``slots`` (None: every row)."""
         if slots is None:
             return np.ones(len(self.ids), bool)
-        return np.isin(slot_of(self.ids, self.slots), as_slots(slots, self.slots))
+        chosen = np.asarray(slots)
+        if chosen.ndim != 1 or (chosen.size and chosen.dtype.kind not in "iu"):
+            raise ReferenceInputError("slots: expected a 1-D array of integers")
+        if chosen.size and bool(((chosen < 0) | (chosen >= self.slots)).any()):
+            raise ReferenceInputError(f"slots: a slot outside [0, {self.slots})")
+        return np.isin(slot_of(self.ids, self.slots), chosen.astype(np.int64))
 
     def upsert(self, ids, strengths, payloads=None) -> int:
-        """Insert or overwrite; the last occurrence of an id in the batch wins."""
-        ids, strengths, payloads = validate_upsert(ids, strengths, payloads, self.max_payload_bytes)
+        """Insert or overwrite; the last occurrence of an id in the batch wins.
+
+        ``payloads`` None leaves payloads alone; else one entry per id: bytes (b"" removes
+        the payload) or None (leaves that one alone). Returns the number of distinct ids.
+        """
+        ids = _ids(ids)
+        strengths = _values(strengths, "strengths", len(ids), upper=1.0)
+        if payloads is not None:
+            payloads = list(payloads)
+            if len(payloads) != len(ids):
+                raise ReferenceInputError("payloads: not one per id")
+            for p in payloads:
+                if p is not None and not isinstance(p, bytes | bytearray | memoryview):
+                    raise ReferenceInputError(f"payloads: {type(p).__name__} is not bytes")
+                if p is not None and len(p) > self.max_payload_bytes:
+                    raise ReferenceInputError("payloads: one exceeds max_payload_bytes")
         # The last occurrence of each distinct id: first occurrence in the reversed batch.
         last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
         new_ids = np.setdiff1d(ids[last], self.ids)
@@ -73,11 +169,11 @@ class ReferenceStore:
             for row, i in zip(rows.tolist(), last.tolist(), strict=True):
                 if payloads[i] is not None:
                     self.payload[row] = bytes(payloads[i]) if len(payloads[i]) else None
-        return len(np.unique(ids))
+        return len(last)
 
     def get(self, ids) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
         """Return ``(found, strengths (0 where missing), payloads)``."""
-        ids = as_ids(ids)
+        ids = _ids(ids)
         rows, found = self._rows(ids)
         strengths = np.zeros(len(ids), np.float32)
         strengths[found] = self.strength[rows[found]]
@@ -86,39 +182,63 @@ class ReferenceStore:
 
     def delete(self, ids) -> int:
         """Delete by id; return the number of distinct ids found."""
-        ids = as_ids(ids)
+        ids = _ids(ids)
         gone = np.isin(self.ids, ids)
         self.ids, self.strength = self.ids[~gone], self.strength[~gone]
         self.payload = self.payload[~gone]
         return int(gone.sum())
 
     def reinforce(self, ids, boosts) -> int:
-        """Reinforce present ids via ``kernels.reinforce``; return the batch items found."""
-        ids, boosts = validate_reinforce(ids, boosts)
+        """Add each present id's boosts (summed in float64 in batch order, rounded once to
+        float32) to its strength and clip to [0, 1]; return the batch items found."""
+        ids = _ids(ids)
+        boosts = _values(boosts, "boosts", len(ids), upper=None)
         rows, found = self._rows(ids)
-        kernels.reinforce(self.strength, rows[found], boosts[found])
+        distinct, inverse = np.unique(rows[found], return_inverse=True)
+        sums = np.zeros(len(distinct), np.float64)
+        np.add.at(sums, inverse.ravel(), boosts[found].astype(np.float64))  # in batch order
+        added = self.strength[distinct] + sums.astype(np.float32)
+        self.strength[distinct] = np.clip(added, _ZERO, _ONE)
         return int(found.sum())
 
     def decay(self, rate, slots=None) -> int:
-        """Decay the memories of a slot set (None: all) via ``kernels.decay``."""
-        rate = validate_rate(rate)
+        """``s = clip(s - float32(rate), 0, 1)`` for the memories of a slot set (None: all);
+        return how many were decayed."""
+        rate32 = _rate(rate)
         mask = self._mask(slots)
-        chosen = self.strength[mask]
-        kernels.decay(chosen, rate)
-        self.strength[mask] = chosen
+        self.strength[mask] = np.clip(self.strength[mask] - rate32, _ZERO, _ONE)
         return int(mask.sum())
 
     def quality(self, slots=None) -> Quality:
-        """Summary of a slot set's strengths via ``kernels.quality``."""
-        return kernels.quality(self.strength[self._mask(slots)])
+        """Count, float64 sum and mean, min, max and the 10-bin histogram of a slot set."""
+        s = self.strength[self._mask(slots)]
+        if len(s) == 0:
+            return Quality(0, 0.0, 0.0, 0.0, 0.0, (0,) * HIST_BINS)
+        total = float(np.sum(s, dtype=np.float64))
+        hist, _ = np.histogram(s, bins=HIST_BINS, range=(0.0, 1.0))
+        return Quality(
+            count=len(s),
+            sum=total,
+            mean=total / len(s),
+            min=float(s.min()),
+            max=float(s.max()),
+            histogram=tuple(int(c) for c in hist),
+        )
 
     def topk(self, k, slots=None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k of a slot set via ``kernels.topk``."""
-        k = validate_k(k, self.k_max)
+        """The k strongest of a slot set, strongest first, ties by smaller id:
+        ``(ids [k'] uint64, strengths [k'] float32)``, k' = min(k, memories)."""
+        if isinstance(k, bool) or not isinstance(k, int | np.integer):
+            raise ReferenceInputError(f"k: {k!r} is not an integer")
+        if not 1 <= k <= self.k_max:
+            raise ReferenceInputError(f"k: {k} is not in [1, {self.k_max}]")
         mask = self._mask(slots)
-        return kernels.topk(self.strength[mask], self.ids[mask], k)
+        ids, s = self.ids[mask], self.strength[mask]
+        order = np.lexsort((ids, -s))[: int(k)]
+        return ids[order], s[order]
 
     def count(self, slots=None) -> int:
+        """Return the number of memories in a slot set (None: all)."""
         return int(self._mask(slots).sum())
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:

@@ -345,17 +345,26 @@ class Journal:
 
     def close(self) -> None:
         """Finish a running snapshot, fsync (unless ``never``), release the directory."""
-        self._shutdown(sync=self.policy != "never")
+        self._shutdown(sync=self.policy != "never", crash=False)
 
     def abandon(self) -> None:
-        """Release the directory without any further fsync, as a killed process would
-        (tests use it to restart a worker in the same process)."""
-        self._shutdown(sync=False)
+        """Drop the journal as ``kill -9`` would: close the files without fsync or flush.
 
-    def _shutdown(self, sync: bool) -> None:
+        What a killed process leaves: the bytes already written (appends are unbuffered
+        ``os.write`` calls, so they are in the OS's page cache) and nothing more; queued fsyncs
+        are cancelled, the interval thread stops, and nothing is synced on the way out. A
+        snapshot being written is waited for, since a thread cannot be killed (a real crash
+        would leave ``snapshot.tmp`` behind, which recovery ignores). Tests use it to crash
+        and restart a worker in one process.
+        """
+        self._shutdown(sync=False, crash=True)
+
+    def _shutdown(self, sync: bool, crash: bool) -> None:
         self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()  # its wait returns at once: no fsync of a closed fd after this
         self._snap_pool.shutdown(wait=True)
-        self._sync_pool.shutdown(wait=True)
+        self._sync_pool.shutdown(wait=True, cancel_futures=crash)
         with self._fd_lock:
             if self._fd >= 0:
                 if sync:

@@ -70,7 +70,7 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
                 f"shard_index {request.shard_index} is not below shard_count {request.shard_count}",
             )
         try:
-            n = await self._sessions.start(
+            await self._sessions.start(
                 request.job_id, request.spec_json, request.shard_index, request.shard_count
             )
         except (ConfigError, DataError) as exc:
@@ -79,7 +79,7 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))
-        return worker_pb2.StartTrainingResponse(train_samples=n)
+        return worker_pb2.StartTrainingResponse()
 
     async def ComputeGradients(
         self,
@@ -136,7 +136,6 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
                 samples=res.samples,
                 loss_sum=res.loss_sum,
                 correct=res.correct,
-                compute_s=res.compute_s,
             )
         )
         for chunk in tensors_to_chunks(res.grads.items(), self._chunk_bytes):

@@ -10,7 +10,6 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from grpc import aio
 
 if TYPE_CHECKING:
@@ -95,11 +94,3 @@ def error_message(exc: BaseException, limit: int = 300) -> str:
     else:
         text = f"{type(exc).__name__}: {exc}"
     return text[:limit]
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """True for the gRPC errors a caller may retry: UNAVAILABLE and DEADLINE_EXCEEDED."""
-    return isinstance(exc, aio.AioRpcError) and exc.code() in (
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-    )

@@ -1,8 +1,9 @@
 """Tensor and array codec: raw little-endian bytes on the wire, chunked streams for big tensors.
 
-Arrays never travel as ``repeated float``: a ``Tensor`` carries dtype, shape and raw
-little-endian C-order bytes, and tensors larger than ``chunk_bytes`` are split into
-``TensorChunk`` messages that the receiver reassembles.
+Arrays never travel as ``repeated float``: a tensor is sent as ``TensorChunk`` messages, each
+carrying the dtype, the shape and up to ``chunk_bytes`` of the raw little-endian C-order
+bytes, which the receiver reassembles; id and strength arrays of the memory store are plain
+little-endian ``bytes`` fields.
 """
 
 from __future__ import annotations
@@ -37,31 +38,6 @@ def _le(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("<") if dtype.byteorder not in ("|", "<") else dtype
 
 
-def encode_tensor(array: np.ndarray) -> common_pb2.Tensor:
-    """Encode an array as a ``Tensor`` of raw little-endian bytes.
-
-    Args:
-        array: any shape; dtype one of float16/32/64, int8/32/64, uint8/32/64, bool.
-    """
-    a = np.ascontiguousarray(array)
-    name = a.dtype.name
-    if name not in _WIRE_DTYPES:
-        raise CodecError(f"dtype {name} cannot be sent")
-    data = a.astype(_le(a.dtype), copy=False).tobytes()
-    return common_pb2.Tensor(dtype=name, shape=list(a.shape), data=data, encoding="raw")
-
-
-def decode_tensor(msg: common_pb2.Tensor) -> np.ndarray:
-    """Decode a ``Tensor`` into a new writable array.
-
-    Raises:
-        CodecError: unknown dtype or encoding, or a byte length that does not match the shape.
-    """
-    if msg.encoding not in ("", "raw"):
-        raise CodecError(f"tensor encoding {msg.encoding!r} is not supported")
-    return _from_bytes(msg.data, msg.dtype, tuple(msg.shape))
-
-
 def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     if dtype not in _WIRE_DTYPES:
         raise CodecError(f"tensor dtype {dtype!r} is not supported")
@@ -83,11 +59,19 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 def tensor_to_chunks(
     name: str, array: np.ndarray, chunk_bytes: int
 ) -> Iterator[common_pb2.TensorChunk]:
-    """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each."""
-    a = np.ascontiguousarray(array)
+    """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each.
+
+    Args:
+        name: the tensor's name in the stream.
+        array: any shape (0-d and empty ones too), sent as raw little-endian C-order bytes.
+        chunk_bytes: most data bytes per chunk, >= 1; an empty array is one empty chunk.
+    """
+    a = np.asarray(array)  # not ascontiguousarray: it turns a 0-d array into shape (1,)
     # A byte view of the (little-endian) array: each chunk copies only its own bytes, so a
-    # large tensor (a data shard) is never copied whole.
-    data = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).data.cast("B")
+    # large tensor (a data shard) is never copied whole. Flat first: memoryview refuses to
+    # cast a view with a zero in its shape, e.g. (0, 64), an empty shard's x.
+    flat = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).reshape(-1)
+    data = flat.data.cast("B")
     total = data.nbytes
     offset = 0
     while True:

@@ -24,13 +24,21 @@ DURABLE = {"fsync": "always"}
 
 
 async def crash_worker(cluster: InProcessCluster, name: str) -> None:
-    """Stop a worker as kill -9 would (no drain, no goodbye) and release its data dir, the
-    way the end of its process would."""
+    """Stop a worker as kill -9 would (no drain, no goodbye, no fsync) and release its data
+    dir, the way the end of its process would.
+
+    Its data dir keeps exactly the bytes written before the crash: queued store jobs are
+    dropped (the running one finishes, a thread cannot be killed) and the journal is
+    abandoned, not closed (``close`` fsyncs, which a killed process never gets to do).
+    """
     w = next(w for w in cluster.workers if w.name == name)
     cluster.workers.remove(w)
     await kill_abruptly(w)
-    if w.servicer.node_or_none is not None:
-        w.servicer.node_or_none.close()
+    node = w.servicer.node_or_none
+    if node is not None:
+        node._executor.shutdown(wait=True, cancel_futures=True)
+        if node.journal is not None:
+            node.journal.abandon()
     w._release_data_dir()
     await w.coordinator_channel.close()
     await w.peers.close()

@@ -315,7 +315,7 @@ def seeds(method: Method, c: Cluster) -> list[Any]:
             coordinator_pb2.RegisterWorkerRequest(name="w9", address="", device="cpu")
         ],
         "Heartbeat": [coordinator_pb2.HeartbeatRequest(name="w9", memories=3, slot_map_epoch=e)],
-        "GetSlotMap": [coordinator_pb2.GetSlotMapRequest(known_epoch=e)],
+        "GetSlotMap": [coordinator_pb2.GetSlotMapRequest()],
         "ReportFailure": [
             coordinator_pb2.ReportFailureRequest(reporter="w9", worker="w8", reason="r", slots=[1])
         ],

@@ -1,5 +1,5 @@
 """Fuzz of the decoders in ``shared`` that turn a peer's bytes into values: the tensor codec
-(tensors, chunk streams, header-then-chunks streams, id/value arrays), the job-spec parser,
+(chunk streams, header-then-chunks streams, id/value arrays), the job-spec parser,
 the slot-map check, and the memory input files (.npz/.npy a client may upload).
 
 Each decoder must either return a valid value or raise its documented clean error
@@ -30,9 +30,8 @@ from shared.memory.files import MemoryFileError, load_memories, load_reinforceme
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc.codec import (
+    ChunkAssembler,
     CodecError,
-    decode_tensor,
-    encode_tensor,
     f32_from_bytes,
     ids_from_bytes,
     read_header_and_tensors,
@@ -60,29 +59,7 @@ def parse_or_none(cls: Any, raw: bytes) -> Any:
         return None
 
 
-# --- tensors ------------------------------------------------------------------------------
-
-TENSOR_SEEDS = [
-    encode_tensor(np.arange(6, dtype=np.float32).reshape(2, 3)),
-    encode_tensor(np.array([1, 2**63], np.uint64)),
-    encode_tensor(np.zeros((0, 4), np.int8)),
-    encode_tensor(np.array(True)),
-]
-
-
-@fuzz(100)
-@given(raw=message_bytes(*TENSOR_SEEDS))
-def test_decode_tensor_returns_the_declared_array_or_codec_error(raw: bytes) -> None:
-    msg = parse_or_none(common_pb2.Tensor, raw)
-    if msg is None:
-        return
-    try:
-        array = decode_tensor(msg)
-    except CodecError:
-        return
-    assert array.dtype.name == msg.dtype
-    assert array.shape == tuple(msg.shape)
-    assert array.nbytes == len(msg.data)
+# --- tensor chunk streams -----------------------------------------------------------------
 
 
 def _params() -> list[tuple[str, np.ndarray]]:
@@ -176,8 +153,12 @@ def test_id_and_value_bytes_decode_whole_values_or_raise_codec_error(data: bytes
 def test_tensor_shape_that_cannot_hold_the_bytes_is_a_codec_error(
     dtype: str, shape: list[int], data: bytes
 ) -> None:
+    assembler = ChunkAssembler()
+    assembler.add(
+        common_pb2.TensorChunk(name="t", dtype=dtype, shape=shape, data=data, total_bytes=len(data))
+    )
     with pytest.raises(CodecError, match="shape"):
-        decode_tensor(common_pb2.Tensor(dtype=dtype, shape=shape, data=data))
+        assembler.result()
 
 
 # --- job specs ----------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import warnings
 
 import numpy as np
@@ -29,6 +31,84 @@ def mix64_python(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
     return z ^ (z >> 31)
+
+
+# Golden vectors: computed once (2026-11, splitmix64 finalizer, slot = low bits) and written as
+# literals. Every stored slot, snapshot order and placement depends on these values: if one
+# changes, an upgraded worker would look for every memory in another slot than its data dir
+# and its peers hold. Change them only with a migration.
+# (id, mix64(id), slot_of(id, 1024), slot_of(id, 64))
+GOLDEN_IDS = [
+    (0x0, 0x0000000000000000, 0, 0),
+    (0x1, 0x5692161D100B05E5, 485, 37),
+    (0x2, 0xDBD238973A2B148A, 138, 10),
+    (0x3, 0x1E535EEDE31428F0, 240, 48),
+    (0x2A, 0xA759EA27D4727622, 546, 34),
+    (0xF4243, 0xC1FD756F0B09CDF3, 499, 51),
+    (0x100000000, 0xD820B7E910B0F93F, 319, 63),
+    (0x7FFFFFFFFFFFFFFF, 0x5A682AFE7965DEBD, 701, 61),
+    (0x8000000000000000, 0x25C26EA579CEA98A, 394, 10),
+    (0xFFFFFFFFFFFFFFFF, 0xB4D055FCF2CBBD7B, 379, 59),
+    (0x9E3779B97F4A7C15, 0xE220A8397B1DCDAF, 431, 47),
+    (0xDEADBEEFCAFEBABE, 0x7AD6664F09FFE52C, 300, 44),
+    (0xAB54A98CEB1F0AD2, 0xCB2060A1236747B7, 951, 55),
+]
+# Worker name -> hash64(name): blake2b with an 8-byte digest, read little-endian.
+GOLDEN_NAMES = {
+    "worker-0": 0x1294AEAB29544F19,
+    "worker-1": 0xBB542C8848D11458,
+    "worker-2": 0xA1F74F4DA0A444BB,
+    "": 0xB4B2797457A0A6E4,
+    "coordinator": 0x1CCF110085B869C9,
+    "wörker-ß": 0xCE015A94D2449A63,
+}
+# assign_slots(["worker-0", "worker-1", "worker-2"], 16): indexes of primary and replica.
+GOLDEN_PRIMARY_3W_16S = [1, 2, 2, 0, 1, 2, 1, 2, 1, 2, 2, 1, 1, 1, 0, 2]
+GOLDEN_REPLICA_3W_16S = [0, 1, 1, 2, 2, 1, 0, 1, 0, 1, 0, 0, 0, 2, 1, 1]
+
+
+@pytest.mark.parametrize(("id_", "mixed", "slot_1024", "slot_64"), GOLDEN_IDS)
+def test_slot_of_golden_vectors(id_, mixed, slot_1024, slot_64):
+    ids = np.array([id_], dtype=np.uint64)
+
+    got = (int(mix64(ids)[0]), int(slot_of(ids, 1024)[0]), int(slot_of(ids, 64)[0]))
+
+    assert got == (mixed, slot_1024, slot_64)
+    # The literals agree with the textbook finalizer, independently of shared/memory/slots.py.
+    assert (mix64_python(id_), mixed & 1023, mixed & 63) == (mixed, slot_1024, slot_64)
+
+
+def test_slot_of_golden_vectors_as_one_batch():
+    # Arrange: the whole table in one array (the vectorized path the store uses).
+    ids = np.array([row[0] for row in GOLDEN_IDS], dtype=np.uint64)
+
+    # Act / Assert
+    assert slot_of(ids, 1024).tolist() == [row[2] for row in GOLDEN_IDS]
+    assert slot_of(ids, 64).tolist() == [row[3] for row in GOLDEN_IDS]
+    assert slot_of(ids, 1024).dtype == np.int64
+
+
+@pytest.mark.parametrize(("name", "hashed"), GOLDEN_NAMES.items())
+def test_hash64_golden_vectors(name, hashed):
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+
+    assert hash64(name) == hashed
+    assert struct.unpack("<Q", digest)[0] == hashed  # the literal is blake2b, little-endian
+
+
+def test_assign_slots_golden_placement():
+    names = ["worker-0", "worker-1", "worker-2"]
+
+    primary, replica = assign_slots(names, 16)
+
+    assert primary.tolist() == GOLDEN_PRIMARY_3W_16S
+    assert replica.tolist() == GOLDEN_REPLICA_3W_16S
+    # The same placement from the definition, in pure Python: weight(w, s) =
+    # mix64(hash64(w) ^ mix64(s)); the primary weighs most, the replica second.
+    for s in range(16):
+        weights = [mix64_python(GOLDEN_NAMES[n] ^ mix64_python(s)) for n in names]
+        ranked = sorted(range(len(names)), key=weights.__getitem__, reverse=True)
+        assert ranked[:2] == [GOLDEN_PRIMARY_3W_16S[s], GOLDEN_REPLICA_3W_16S[s]], s
 
 
 def test_mix64_known_values():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -257,21 +259,58 @@ def test_fsync_never_does_not_sync(tmp_path, monkeypatch) -> None:
 
 
 def test_fsync_interval_syncs_in_the_background(tmp_path, monkeypatch) -> None:
-    r = Recorder(tmp_path, policy="interval", interval_s=0.02)
+    # Arrange: fsyncs record their thread and block until the test opens the gate, so what
+    # sync() does and what the interval thread does are told apart without timing luck.
+    gate, calls = threading.Event(), []
+    real = os.fsync
+
+    def gated_fsync(fd: int) -> None:
+        calls.append(threading.current_thread().name)
+        assert gate.wait(10), "the gate was never opened"
+        real(fd)
+
+    r = Recorder(tmp_path, policy="interval", interval_s=0.02)  # its segment header: fsynced
+    monkeypatch.setattr(journal_mod.os, "fsync", gated_fsync)
+    try:
+        pos = r.upsert(np.arange(10, dtype=np.uint64), np.full(10, 0.5, np.float32))
+
+        # Act 1: sync() must return without an fsync of its own (one would block on the gate).
+        asyncio.run(asyncio.wait_for(r.journal.sync(pos), timeout=5))
+
+        # Assert 1: nothing is durable yet; only the interval thread has asked for an fsync.
+        assert r.journal.synced < pos
+        assert set(calls) <= {"journal-interval"}
+
+        # Act 2: let the fsyncs through.
+        gate.set()
+
+        # Assert 2: the interval thread makes the record durable within a deadline.
+        deadline = time.monotonic() + 10
+        while r.journal.synced < pos and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.journal.synced >= pos, f"synced {r.journal.synced} < {pos} after 10 s"
+        assert calls and set(calls) == {"journal-interval"}
+    finally:
+        gate.set()
+        r.journal.close()
+
+
+def test_abandon_leaves_the_written_records_without_any_fsync(tmp_path, monkeypatch) -> None:
+    # Arrange: records appended, none synced yet (policy always syncs only when asked).
+    r = Recorder(tmp_path, policy="always")
+    ids = np.arange(10, dtype=np.uint64)
+    r.upsert(ids, np.full(10, 0.5, np.float32), rid=b"a")
+    r.reinforce(ids, np.full(10, 0.25, np.float32), rid=b"b")
     calls = count_fsyncs(monkeypatch)
-    pos = r.upsert(np.arange(10, dtype=np.uint64), np.full(10, 0.5, np.float32))
-    asyncio.run(r.journal.sync(pos))  # returns at once
-    assert r.journal.synced < pos or calls
 
-    async def wait() -> None:
-        for _ in range(500):
-            if r.journal.synced >= pos:
-                return
-            await asyncio.sleep(0.01)
+    # Act: crash (close would fsync here).
+    r.journal.abandon()
 
-    asyncio.run(wait())
-    assert r.journal.synced >= pos and calls
-    r.journal.close()
+    # Assert: no fsync on the way out, and what kill -9 leaves (the written bytes) replays.
+    assert calls == []
+    rec = reload(tmp_path)
+    assert rec is not None and rec.records == 2
+    assert_same_store(rec.store, r.store)
 
 
 def test_segment_of_another_slot_count_is_refused(tmp_path) -> None:
