@@ -40,7 +40,7 @@ SNAP_HEADER = struct.Struct("<8sIQQQQI")  # magic, slots, generation, N, P, payl
 KIND_OP, KIND_IMPORT, KIND_DROP = b"R", b"I", b"D"
 MAX_RECORD_BYTES = 1 << 31
 
-# A client request id and the slots that applied it (``memory_node.RecentRequests``).
+# A client request id and the slots that applied it (``dedup.RecentRequests``).
 Request = tuple[bytes, list[int]]
 
 

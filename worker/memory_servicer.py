@@ -13,19 +13,14 @@ from grpc import aio
 from shared.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
-from shared.memory.validation import MemoryInputError, as_slots, validate_k, validate_rate
+from shared.memory.validation import MemoryInputError, validate_rate
 from shared.proto import common_pb2, worker_pb2
-from shared.rpc import error_message
-from worker.memory_node import (
-    MemoryNode,
-    NotPrimary,
-    OutOfSync,
-    ReplicationError,
-    StaleEpoch,
-    StaleForward,
-)
+from worker.memory_node import MemoryNode
 from worker.registration import RegistrationRefused
+from worker.replication import OutOfSync, ReplicationError, StaleForward
+from worker.roles import NotPrimary, StaleEpoch
 from worker.store import SlotSnapshot
+from worker.wire import receive_slots, slot_messages
 
 T = TypeVar("T")
 
@@ -95,19 +90,7 @@ class MemoryRpcs:
             strengths = f32_from_bytes(request.strengths, "strengths")
             payloads = list(request.payloads) if len(request.payloads) else None
             _same_length(ids, strengths=strengths, payloads=payloads)
-            n = await self.node.mutate(
-                request.epoch,
-                "upsert",
-                request,
-                ids,
-                lambda keep: self.node.store.upsert(
-                    ids[keep],
-                    strengths[keep],
-                    None
-                    if payloads is None
-                    else [p for p, k in zip(payloads, keep, strict=True) if k],
-                ),
-            )
+            n = await self.node.upsert(request, ids, strengths, payloads)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -122,13 +105,7 @@ class MemoryRpcs:
             ids = ids_from_bytes(request.ids, "ids")
             boosts = f32_from_bytes(request.boosts, "boosts")
             _same_length(ids, boosts=boosts)
-            n = await self.node.mutate(
-                request.epoch,
-                "reinforce",
-                request,
-                ids,
-                lambda keep: self.node.store.reinforce(ids[keep], boosts[keep]),
-            )
+            n = await self.node.reinforce(request, ids, boosts)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -140,13 +117,7 @@ class MemoryRpcs:
 
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
-            n = await self.node.mutate(
-                request.epoch,
-                "delete",
-                request,
-                ids,
-                lambda keep: self.node.store.delete(ids[keep]),
-            )
+            n = await self.node.delete(request, ids)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -158,9 +129,7 @@ class MemoryRpcs:
 
         async def work() -> worker_pb2.GetResponse:
             ids = ids_from_bytes(request.ids, "ids")
-            self.node.check_epoch(request.epoch)
-            self.node._check_primary(ids)
-            found, strengths, payloads = await self.node.run(self.node.store.get, ids)
+            found, strengths, payloads = await self.node.get(request.epoch, ids)
             return worker_pb2.GetResponse(
                 found=np.asarray(found, np.uint8).tobytes(),
                 strengths=f32_to_bytes(strengths),
@@ -186,9 +155,7 @@ class MemoryRpcs:
         """Strength statistics of this worker's primary slots."""
 
         async def work() -> common_pb2.QualityStats:
-            self.node.check_epoch(request.epoch)
-            mine = np.flatnonzero(self.node.roles.primary)
-            return quality_to_pb(await self.node.run(self.node.store.quality, mine))
+            return quality_to_pb(await self.node.quality(request.epoch))
 
         return await _guard(context, work)
 
@@ -198,10 +165,7 @@ class MemoryRpcs:
         """The k strongest memories of this worker's primary slots (ties: smaller id)."""
 
         async def work() -> common_pb2.TopKResponse:
-            self.node.check_epoch(request.epoch)
-            k = validate_k(request.k, self.node.store.k_max)
-            mine = np.flatnonzero(self.node.roles.primary)
-            ids, strengths = await self.node.run(self.node.store.topk, k, mine)
+            ids, strengths = await self.node.topk(request.epoch, request.k)
             return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
         return await _guard(context, work)
@@ -237,21 +201,9 @@ class MemoryRpcs:
         forward later writes of those slots there as well. UNAVAILABLE: target unreachable."""
 
         async def work() -> worker_pb2.CopySlotsResponse:
-            memories = nbytes = 0
-            slots = list(request.slots)
-            for i in range(0, len(slots), 64):
-                async with self.node.copy_lock:
-                    snaps = await self.node.export_for_copy(
-                        slots[i : i + 64], request.target, request.target_address
-                    )
-                    try:
-                        m, b = await self.send_slots(request.target, request.target_address, snaps)
-                    except aio.AioRpcError as exc:
-                        raise ReplicationError(
-                            f"copying slots to {request.target} at {request.target_address} "
-                            f"failed: {error_message(exc)}"
-                        ) from None
-                memories, nbytes = memories + m, nbytes + b
+            memories, nbytes = await self.node.copy_to(
+                request.target, request.target_address, list(request.slots), self.send_slots
+            )
             return worker_pb2.CopySlotsResponse(memories=memories, bytes=nbytes)
 
         return await _guard(context, work)
@@ -259,7 +211,8 @@ class MemoryRpcs:
     async def send_slots(
         self, target: str, address: str, snaps: list[SlotSnapshot]
     ) -> tuple[int, int]:
-        """Stream slot snapshots to a peer; return (memories, bytes). Provided by WorkerServicer."""
+        """Stream slot snapshots to a peer; return (memories, bytes). Raises:
+        ReplicationError. Provided by WorkerServicer."""
         raise NotImplementedError  # provided by WorkerServicer (needs the peer channels)
 
     async def ReceiveSlots(
@@ -268,23 +221,7 @@ class MemoryRpcs:
         """Install streamed slot copies (each replaces what this worker held for its slot)."""
 
         async def work() -> worker_pb2.ReceiveSlotsResponse:
-            snaps: dict[int, SlotSnapshot] = {}
-            async for msg in request_iterator:
-                snap = snaps.get(msg.slot)
-                ids, strengths = ids_from_bytes(msg.ids), f32_from_bytes(msg.strengths)
-                if len(msg.payload_ids) != len(msg.payloads):
-                    raise MemoryInputError(
-                        f"slot {msg.slot}: {len(msg.payloads)} payloads for "
-                        f"{len(msg.payload_ids)} payload_ids"
-                    )
-                payloads = dict(zip(msg.payload_ids, msg.payloads, strict=True))
-                if snap is None or msg.first:
-                    snaps[msg.slot] = SlotSnapshot(msg.slot, msg.seq, ids, strengths, payloads)
-                else:
-                    snap.ids = np.concatenate([snap.ids, ids])
-                    snap.strengths = np.concatenate([snap.strengths, strengths])
-                    snap.payloads.update(payloads)
-            n = await self.node.import_snapshots(list(snaps.values()))
+            n = await self.node.import_snapshots(await receive_slots(request_iterator))
             return worker_pb2.ReceiveSlotsResponse(memories=n)
 
         return await _guard(context, work)
@@ -296,11 +233,9 @@ class MemoryRpcs:
         if self.node_or_none is None:
             return
         try:
-            chosen = as_slots(list(request.slots), self.node.store.slots)
+            snaps = await self.node.export_slots(list(request.slots))
         except MemoryInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        slots = chosen.tolist() or self.node.store.held_slots().tolist()
-        snaps = await self.node.run(lambda: [self.node.store.export_slot(s) for s in slots])
         for snap in snaps:
             for msg in slot_messages(snap, self.chunk_bytes):
                 yield msg
@@ -315,29 +250,6 @@ class MemoryRpcs:
             node = self.node_or_none
             if node is None:
                 return worker_pb2.SlotSeqsResponse(seqs=[0] * len(request.slots))
-            slots = as_slots(list(request.slots), node.store.slots)
-            return worker_pb2.SlotSeqsResponse(seqs=node.store.seq[slots].tolist())
+            return worker_pb2.SlotSeqsResponse(seqs=node.slot_seqs(list(request.slots)))
 
         return await _guard(context, work)
-
-
-def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotData]:
-    """One slot as ``SlotData`` messages of about ``chunk_bytes`` each (12 bytes a memory)."""
-    per = max(1, chunk_bytes // 12)
-    out = []
-    n = len(snap.ids)
-    for start in range(0, max(n, 1), per):
-        ids = snap.ids[start : start + per]
-        pids = [i for i in ids.tolist() if i in snap.payloads] if snap.payloads else []
-        out.append(
-            worker_pb2.SlotData(
-                slot=snap.slot,
-                seq=snap.seq,
-                ids=ids_to_bytes(ids),
-                strengths=f32_to_bytes(snap.strengths[start : start + per]),
-                payload_ids=pids,
-                payloads=[snap.payloads[i] for i in pids],
-                first=start == 0,
-            )
-        )
-    return out

@@ -8,7 +8,6 @@ import os
 import socket
 from pathlib import Path
 
-import numpy as np
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -208,13 +207,13 @@ class WorkerServer:
                 self._open_journal(slots),
             )
             self.servicer.node_or_none = node
-        elif slot_map.slots and slot_map.slots != node.store.slots:
+        elif slot_map.slots and slot_map.slots != node.num_slots:
             raise RegistrationRefused(
-                f"data_dir {self.data_dir} holds {node.store.slots} slots but the coordinator "
+                f"data_dir {self.data_dir} holds {node.num_slots} slots but the coordinator "
                 f"at {self.cfg.coordinator} has {slot_map.slots}; use another data_dir"
             )
         elif slot_map.max_payload_bytes:
-            node.store.max_payload_bytes = slot_map.max_payload_bytes
+            node.set_max_payload_bytes(slot_map.max_payload_bytes)
         return node
 
     def _registration_ended(self, task: asyncio.Task[None]) -> None:
@@ -239,14 +238,12 @@ class WorkerServer:
 
     def _epoch(self) -> int:
         node = self.servicer.node_or_none
-        return 0 if node is None else node.roles.epoch
+        return 0 if node is None else node.epoch
 
     def _memories(self) -> int:
         """Memories held as primary (reported in heartbeats)."""
         node = self.servicer.node_or_none
-        if node is None:
-            return 0
-        return int(node.store.count(np.flatnonzero(node.roles.primary)))
+        return 0 if node is None else node.primary_memories()
 
     async def drain(self) -> bool:
         """Hand this worker's slots to the others before leaving (SIGTERM, Kubernetes preStop):

@@ -11,13 +11,16 @@ from shared.codec import CodecError, read_header_and_tensors, tensors_to_chunks
 from shared.config import ConfigError
 from shared.confinement import ImportNotAllowed
 from shared.proto import worker_pb2, worker_pb2_grpc
+from shared.rpc import error_message
 from shared.training.data import DataError
 from shared.worker_clients import WorkerClients
 from worker.memory_node import MemoryNode
-from worker.memory_servicer import MemoryRpcs, slot_messages
+from worker.memory_servicer import MemoryRpcs
+from worker.replication import ReplicationError
 from worker.shards import ShardFetchError, ShardMissing
 from worker.store import SlotSnapshot
 from worker.training import TrainingSessions, UnknownTrainingJob
+from worker.wire import slot_messages
 
 
 class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
@@ -43,7 +46,10 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
     async def send_slots(
         self, target: str, address: str, snaps: list[SlotSnapshot]
     ) -> tuple[int, int]:
-        """Stream slot snapshots to a peer's ReceiveSlots; return (memories, bytes)."""
+        """Stream slot snapshots to a peer's ReceiveSlots; return (memories, bytes).
+
+        Raises: ReplicationError: the peer refused or could not be reached (UNAVAILABLE).
+        """
         msgs = [m for snap in snaps for m in slot_messages(snap, self._chunk_bytes)]
 
         async def stream() -> AsyncIterator[worker_pb2.SlotData]:
@@ -51,7 +57,12 @@ class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
                 yield m
 
         stub = self._peers.stub(target, address)
-        await stub.ReceiveSlots(stream(), timeout=self._rpc_timeout_s)
+        try:
+            await stub.ReceiveSlots(stream(), timeout=self._rpc_timeout_s)
+        except aio.AioRpcError as exc:
+            raise ReplicationError(
+                f"copying slots to {target} at {address} failed: {error_message(exc)}"
+            ) from None
         return sum(len(s.ids) for s in snaps), sum(m.ByteSize() for m in msgs)
 
     async def StartTraining(

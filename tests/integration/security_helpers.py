@@ -123,6 +123,6 @@ def worker_state(worker: Any) -> tuple[int, list[int], list[float]]:
     node = worker.servicer.node_or_none
     if node is None:
         return 0, [], []
-    ids, strengths = node.store.items()
+    ids, strengths = node.items()
     order = ids.argsort()
-    return node.roles.epoch, ids[order].tolist(), strengths[order].tolist()
+    return node.epoch, ids[order].tolist(), strengths[order].tolist()

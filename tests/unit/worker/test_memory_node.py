@@ -7,7 +7,8 @@ import pytest
 
 from shared.memory.slots import slot_of
 from shared.proto import common_pb2, worker_pb2
-from worker.memory_node import MemoryNode, StaleForward
+from worker.memory_node import MemoryNode
+from worker.replication import StaleForward
 from worker.store import SlotStore
 
 SLOTS = 8
@@ -61,11 +62,11 @@ async def test_stale_forward_applies_to_the_slots_still_held() -> None:
     await node.apply_replicated(_upsert(1, kept + gone, [1, 2], [1, 1]))
 
     # Assert: slot 1 took its part and its seq; slot 2 took nothing.
-    assert sorted(node.store.ids.tolist()) == sorted(kept)
-    assert node.store.seq[[1, 2]].tolist() == [1, 0]
+    assert sorted(node.items()[0].tolist()) == sorted(kept)
+    assert node.slot_seqs([1, 2]) == [1, 0]
     # ...so the primary's next forward of slot 1 is in sequence.
     await node.apply_replicated(_upsert(2, kept[:1], [1], [2]))
-    assert node.store.seq[1] == 2
+    assert node.slot_seqs([1]) == [2]
     node.close()
 
 
@@ -77,6 +78,6 @@ async def test_stale_forward_of_no_held_slot_is_refused_and_changes_nothing() ->
     with pytest.raises(StaleForward, match="no longer holds slot 2"):
         await node.apply_replicated(_upsert(1, _ids_in(2, 2), [2], [1]))
 
-    assert len(node.store) == 0
-    assert node.store.seq.tolist() == [0] * SLOTS
+    assert len(node) == 0
+    assert node.slot_seqs(list(range(SLOTS))) == [0] * SLOTS
     node.close()
