@@ -1,5 +1,8 @@
-"""Memory-store RPCs of the ``neuroshard.v1.Worker`` service: decode, delegate to
-``MemoryNode``, map its errors to status codes."""
+"""Memory-store RPCs of the ``neuroshard.v1.Worker`` service: decode, call ``MemoryNode``,
+map its errors to status codes (one table, ``_STATUS``).
+
+Shape letters: N items of a request.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +18,14 @@ from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import MemoryInputError, validate_rate
 from shared.proto import common_pb2, worker_pb2
-from worker.memory_node import MemoryNode
+from worker.memory_node import SlotSender
+from worker.node_holder import NodeHolder, NotReady
 from worker.registration import RegistrationRefused
 from worker.replication import OutOfSync, ReplicationError, StaleForward
 from worker.roles import NotPrimary, StaleEpoch
-from worker.store import SlotSnapshot
 from worker.wire import receive_slots, slot_messages
+
+__all__ = ["MemoryServicer"]
 
 T = TypeVar("T")
 
@@ -34,20 +39,16 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ReplicationError, grpc.StatusCode.UNAVAILABLE),
     (SlotMapError, grpc.StatusCode.INVALID_ARGUMENT),
     (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
-def _status_of(exc: BaseException) -> grpc.StatusCode | None:
-    if isinstance(exc, NotReady):
-        return grpc.StatusCode.UNAVAILABLE
-    return next((c for e, c in _STATUS if isinstance(exc, e)), None)
-
-
 async def _guard(context: aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work``; abort the call with the status of a domain error it raises."""
     try:
         return await work()
     except Exception as exc:
-        code = _status_of(exc)
+        code = next((c for e, c in _STATUS if isinstance(exc, e)), None)
         if code is None:
             raise
         await context.abort(code, str(exc))
@@ -61,36 +62,39 @@ def _same_length(ids: np.ndarray, **others: np.ndarray | list[bytes] | None) -> 
             raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(values)})")
 
 
-class NotReady(Exception):
-    """The worker has not registered yet, so it has no slot map (UNAVAILABLE)."""
+class MemoryServicer:
+    """The memory RPCs, served through ``WorkerServicer``.
 
+    Args:
+        nodes: this worker's memory node (made when the first slot map arrives).
+        send_slots: streams slot copies to a peer (``CopySlots``).
+        chunk_bytes: target size of one ``SlotData`` message of ``DumpSlots``, bytes.
+    """
 
-class MemoryRpcs:
-    """Mixed into ``WorkerServicer``; ``self.node`` is this worker's ``MemoryNode``."""
-
-    node_or_none: MemoryNode | None
-    chunk_bytes: int
-    ensure_node: Callable[[common_pb2.SlotMap], MemoryNode]
-
-    @property
-    def node(self) -> MemoryNode:
-        if self.node_or_none is None:
-            raise NotReady("this worker has not registered with the coordinator yet")
-        return self.node_or_none
+    def __init__(self, nodes: NodeHolder, send_slots: SlotSender, chunk_bytes: int) -> None:
+        self._nodes = nodes
+        self._send_slots = send_slots
+        self._chunk_bytes = chunk_bytes
 
     async def Upsert(
         self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext
     ) -> worker_pb2.WriteResponse:
         """Insert or overwrite memories of this worker's primary slots, replicated before the
-        reply. INVALID_ARGUMENT: bad values (nothing applied); FAILED_PRECONDITION: stale epoch
-        or a slot not primary here; UNAVAILABLE: the replica could not be reached."""
+        reply.
+
+        Raises:
+            INVALID_ARGUMENT: malformed bytes, lengths that differ or bad values (nothing
+                applied). FAILED_PRECONDITION: stale epoch, or a slot not primary here.
+            UNAVAILABLE: not registered yet, or a copy failed and the coordinator could not
+                be told.
+        """
 
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
             strengths = f32_from_bytes(request.strengths, "strengths")
             payloads = list(request.payloads) if len(request.payloads) else None
             _same_length(ids, strengths=strengths, payloads=payloads)
-            n = await self.node.upsert(request, ids, strengths, payloads)
+            n = await self._nodes.get().upsert(request, ids, strengths, payloads)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -99,13 +103,16 @@ class MemoryRpcs:
         self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext
     ) -> worker_pb2.WriteResponse:
         """Add boosts (duplicates sum) and clip to [0, 1]; ``applied`` counts ids found.
-        Status codes as ``Upsert``."""
+
+        Raises:
+            Status codes as ``Upsert``.
+        """
 
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
             boosts = f32_from_bytes(request.boosts, "boosts")
             _same_length(ids, boosts=boosts)
-            n = await self.node.reinforce(request, ids, boosts)
+            n = await self._nodes.get().reinforce(request, ids, boosts)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -113,11 +120,15 @@ class MemoryRpcs:
     async def Delete(
         self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext
     ) -> worker_pb2.WriteResponse:
-        """Delete memories; ``applied`` counts ids found. Status codes as ``Upsert``."""
+        """Delete memories; ``applied`` counts ids found.
+
+        Raises:
+            Status codes as ``Upsert``.
+        """
 
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
-            n = await self.node.delete(request, ids)
+            n = await self._nodes.get().delete(request, ids)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -125,11 +136,16 @@ class MemoryRpcs:
     async def Get(
         self, request: worker_pb2.GetRequest, context: aio.ServicerContext
     ) -> worker_pb2.GetResponse:
-        """Read memories from their primary. FAILED_PRECONDITION: stale epoch / not primary."""
+        """Read memories from their primary: found [N] uint8, strengths [N] float32.
+
+        Raises:
+            INVALID_ARGUMENT: malformed ids. FAILED_PRECONDITION: stale epoch, or a slot not
+                primary here. UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> worker_pb2.GetResponse:
             ids = ids_from_bytes(request.ids, "ids")
-            found, strengths, payloads = await self.node.get(request.epoch, ids)
+            found, strengths, payloads = await self._nodes.get().get(request.epoch, ids)
             return worker_pb2.GetResponse(
                 found=np.asarray(found, np.uint8).tobytes(),
                 strengths=f32_to_bytes(strengths),
@@ -141,31 +157,45 @@ class MemoryRpcs:
     async def Decay(
         self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext
     ) -> common_pb2.DecayResponse:
-        """Decay this worker's primary slots (called by the coordinator's fan-out)."""
+        """Decay this worker's primary slots (called by the coordinator's fan-out).
+
+        Raises:
+            INVALID_ARGUMENT: a rate outside [0, 1]. Otherwise status codes as ``Upsert``.
+        """
 
         async def work() -> common_pb2.DecayResponse:
             rate = float(validate_rate(request.rate))
-            return common_pb2.DecayResponse(memories=await self.node.decay(request.epoch, rate))
+            n = await self._nodes.get().decay(request.epoch, rate)
+            return common_pb2.DecayResponse(memories=n)
 
         return await _guard(context, work)
 
     async def Quality(
         self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext
     ) -> common_pb2.QualityStats:
-        """Strength statistics of this worker's primary slots."""
+        """Strength statistics of this worker's primary slots.
+
+        Raises:
+            FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> common_pb2.QualityStats:
-            return quality_to_pb(await self.node.quality(request.epoch))
+            return quality_to_pb(await self._nodes.get().quality(request.epoch))
 
         return await _guard(context, work)
 
     async def TopK(
         self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext
     ) -> common_pb2.TopKResponse:
-        """The k strongest memories of this worker's primary slots (ties: smaller id)."""
+        """The k strongest memories of this worker's primary slots (ties: smaller id).
+
+        Raises:
+            INVALID_ARGUMENT: k out of range. FAILED_PRECONDITION: stale epoch.
+            UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> common_pb2.TopKResponse:
-            ids, strengths = await self.node.topk(request.epoch, request.k)
+            ids, strengths = await self._nodes.get().topk(request.epoch, request.k)
             return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
         return await _guard(context, work)
@@ -173,10 +203,16 @@ class MemoryRpcs:
     async def Replicate(
         self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext
     ) -> worker_pb2.ReplicateResponse:
-        """Apply a primary's forwarded mutation in sequence order. ABORTED: out of sync."""
+        """Apply a primary's forwarded mutation in sequence order.
+
+        Raises:
+            ABORTED: out of sync (a gap, or a slot primary here). FAILED_PRECONDITION: from an
+                older epoch, for no slot held here. INVALID_ARGUMENT: malformed forward.
+                UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> worker_pb2.ReplicateResponse:
-            await self.node.apply_replicated(request)
+            await self._nodes.get().apply_replicated(request)
             return worker_pb2.ReplicateResponse()
 
         return await _guard(context, work)
@@ -184,12 +220,17 @@ class MemoryRpcs:
     async def ApplySlotMap(
         self, request: common_pb2.SlotMap, context: aio.ServicerContext
     ) -> worker_pb2.ApplySlotMapResponse:
-        """Adopt a slot map from the coordinator (older epochs are ignored)."""
+        """Adopt a slot map from the coordinator (older epochs are ignored).
+
+        Raises:
+            INVALID_ARGUMENT: a malformed map. FAILED_PRECONDITION: another slot count than
+                this worker's data.
+        """
 
         async def work() -> worker_pb2.ApplySlotMapResponse:
             validate_slot_map(request)
-            node = self.ensure_node(request)
-            return worker_pb2.ApplySlotMapResponse(epoch=await node.apply_slot_map(request))
+            epoch = await self._nodes.ensure(request).apply_slot_map(request)
+            return worker_pb2.ApplySlotMapResponse(epoch=epoch)
 
         return await _guard(context, work)
 
@@ -198,56 +239,69 @@ class MemoryRpcs:
     ) -> worker_pb2.CopySlotsResponse:
         """Copy slots to another worker (copy, then the coordinator switches the map): under
         this worker's write order, snapshot each batch of slots, stream it to the target and
-        forward later writes of those slots there as well. UNAVAILABLE: target unreachable."""
+        forward later writes of those slots there as well.
+
+        Raises:
+            UNAVAILABLE: the target could not be reached, or not registered yet.
+        """
 
         async def work() -> worker_pb2.CopySlotsResponse:
-            memories, nbytes = await self.node.copy_to(
-                request.target, request.target_address, list(request.slots), self.send_slots
+            memories, nbytes = await self._nodes.get().copy_to(
+                request.target, request.target_address, list(request.slots), self._send_slots
             )
             return worker_pb2.CopySlotsResponse(memories=memories, bytes=nbytes)
 
         return await _guard(context, work)
 
-    async def send_slots(
-        self, target: str, address: str, snaps: list[SlotSnapshot]
-    ) -> tuple[int, int]:
-        """Stream slot snapshots to a peer; return (memories, bytes). Raises:
-        ReplicationError. Provided by WorkerServicer."""
-        raise NotImplementedError  # provided by WorkerServicer (needs the peer channels)
-
     async def ReceiveSlots(
         self, request_iterator: AsyncIterator[worker_pb2.SlotData], context: aio.ServicerContext
     ) -> worker_pb2.ReceiveSlotsResponse:
-        """Install streamed slot copies (each replaces what this worker held for its slot)."""
+        """Install streamed slot copies (each replaces what this worker held for its slot).
+
+        Raises:
+            INVALID_ARGUMENT: malformed chunks. UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> worker_pb2.ReceiveSlotsResponse:
-            n = await self.node.import_snapshots(await receive_slots(request_iterator))
-            return worker_pb2.ReceiveSlotsResponse(memories=n)
+            snaps = await receive_slots(request_iterator)
+            return worker_pb2.ReceiveSlotsResponse(
+                memories=await self._nodes.get().import_snapshots(snaps)
+            )
 
         return await _guard(context, work)
 
     async def DumpSlots(
         self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.SlotData]:
-        """Stream every held slot's data (tests and diagnostics compare copies with it)."""
-        if self.node_or_none is None:
+        """Stream every held slot's data, or the requested slots' (tests and diagnostics
+        compare copies with it); nothing before the worker has a store.
+
+        Raises:
+            INVALID_ARGUMENT: a slot out of range.
+        """
+        node = self._nodes.current
+        if node is None:
             return
         try:
-            snaps = await self.node.export_slots(list(request.slots))
+            snaps = await node.export_slots(list(request.slots))
         except MemoryInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         for snap in snaps:
-            for msg in slot_messages(snap, self.chunk_bytes):
+            for msg in slot_messages(snap, self._chunk_bytes):
                 yield msg
 
     async def SlotSeqs(
         self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
     ) -> worker_pb2.SlotSeqsResponse:
         """Sequence numbers of slots as held here (0 where this worker has no data: also
-        before it has a store). INVALID_ARGUMENT: a slot out of range."""
+        before it has a store).
+
+        Raises:
+            INVALID_ARGUMENT: a slot out of range.
+        """
 
         async def work() -> worker_pb2.SlotSeqsResponse:
-            node = self.node_or_none
+            node = self._nodes.current
             if node is None:
                 return worker_pb2.SlotSeqsResponse(seqs=[0] * len(request.slots))
             return worker_pb2.SlotSeqsResponse(seqs=node.slot_seqs(list(request.slots)))

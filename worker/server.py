@@ -18,17 +18,21 @@ from shared.interceptors import RequestLogInterceptor
 from shared.limits import BatchLimitInterceptor, server_options
 from shared.logging import get_logger
 from shared.metrics import Metrics
-from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shared.request_decoding import DecodeGuardInterceptor
 from shared.security import DaemonSecurity
 from shared.worker_clients import WorkerClients
 from worker import kernels
 from worker.journal import Journal, JournalError, lock_data_dir, recover
 from worker.memory_node import MemoryNode
+from worker.memory_servicer import MemoryServicer
+from worker.node_holder import NodeHolder
+from worker.peers import PeerLinks
 from worker.registration import Registration, RegistrationRefused
 from worker.shards import ShardFetcher
 from worker.store import SlotStore
 from worker.training import TrainingSessions
+from worker.training_servicer import TrainingServicer
 from worker.worker_servicer import WorkerServicer
 
 log = get_logger("worker.server")
@@ -58,23 +62,23 @@ class WorkerServer:
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         self.peers = WorkerClients(cfg.max_message_bytes, self.security.channel)
+        self.links = PeerLinks(self.peers, cfg.chunk_bytes, cfg.rpc_timeout_s)
+        self.data_dir = Path(cfg.data_dir)
+        self.nodes = NodeHolder(self._new_node, self.data_dir, cfg.coordinator)
         self.servicer = WorkerServicer(
-            self.sessions, cfg.chunk_bytes, self.peers, cfg.rpc_timeout_s
+            MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
+            TrainingServicer(self.sessions, cfg.chunk_bytes),
         )
-        self.servicer.ensure_node = self.ensure_node
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        # The generated gRPC code is untyped (no-untyped-call here and for the stub below).
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.coordinator_channel = rpc.channel(
             cfg.coordinator, cfg.max_message_bytes, self.security.channel
         )
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)  # type: ignore[no-untyped-call]
         # File data sets' rows come from the coordinator over this channel (no shared disk).
-        self.sessions.fetcher = ShardFetcher(
-            coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel),
-            self.name,
-            cfg.rpc_timeout_s,
-        )
+        self.sessions.fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
         self.address = ""
-        self.data_dir = Path(cfg.data_dir)
         self._data_lock = -1  # fd holding the data dir's lock until a journal owns it
         self.registration: Registration | None = None
         self._tasks: asyncio.Task[None] | None = None
@@ -108,7 +112,7 @@ class WorkerServer:
         if self.cfg.metrics_port is not None:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         self.registration = Registration(
-            coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel),
+            self.coordinator,
             self.name,
             self.address,
             self.device,
@@ -139,13 +143,15 @@ class WorkerServer:
         if rec is None:
             return
         journal = self._open_journal(rec.store.slots, rec.next_gen, rec.log_bytes)
-        self.servicer.node_or_none = MemoryNode(
-            self.name,
-            rec.store,
-            self.servicer.forward,
-            self._report_failure,
-            journal,
-            rec.requests,
+        self.nodes.install(
+            MemoryNode(
+                self.name,
+                rec.store,
+                self.links.forward,
+                self._report_failure,
+                journal,
+                rec.requests,
+            )
         )
         log.info(
             "worker_reloaded",
@@ -186,35 +192,18 @@ class WorkerServer:
             self._data_lock = -1
 
     def _on_register(self, reply: coordinator_pb2.RegisterWorkerResponse) -> None:
-        self.ensure_node(reply.slot_map)
+        self.nodes.ensure(reply.slot_map)
 
-    def ensure_node(self, slot_map: common_pb2.SlotMap) -> MemoryNode:
+    def _new_node(self, slots: int, max_payload_bytes: int) -> MemoryNode:
         """Create the memory store once the cluster's slot count is known (from the
-        registration reply or the first pushed slot map, whichever comes first).
-
-        Raises:
-            RegistrationRefused: the data dir holds another slot count than the cluster's.
-        """
-        node = self.servicer.node_or_none
-        if node is None:
-            slots = slot_map.slots or 1024
-            store = self._new_store(slots, slot_map.max_payload_bytes)
-            node = MemoryNode(
-                self.name,
-                store,
-                self.servicer.forward,
-                self._report_failure,
-                self._open_journal(slots),
-            )
-            self.servicer.node_or_none = node
-        elif slot_map.slots and slot_map.slots != node.num_slots:
-            raise RegistrationRefused(
-                f"data_dir {self.data_dir} holds {node.num_slots} slots but the coordinator "
-                f"at {self.cfg.coordinator} has {slot_map.slots}; use another data_dir"
-            )
-        elif slot_map.max_payload_bytes:
-            node.set_max_payload_bytes(slot_map.max_payload_bytes)
-        return node
+        registration reply or the first pushed slot map, whichever comes first)."""
+        return MemoryNode(
+            self.name,
+            self._new_store(slots, max_payload_bytes),
+            self.links.forward,
+            self._report_failure,
+            self._open_journal(slots),
+        )
 
     def _registration_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and isinstance(task.exception(), RegistrationRefused):
@@ -228,8 +217,7 @@ class WorkerServer:
         log.warning(
             "replica_failed", worker=self.name, replica=worker, slots=len(slots), reason=reason
         )
-        stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
-        await stub.ReportFailure(
+        await self.coordinator.ReportFailure(
             coordinator_pb2.ReportFailureRequest(
                 reporter=self.name, worker=worker, reason=reason, slots=slots
             ),
@@ -237,12 +225,12 @@ class WorkerServer:
         )
 
     def _epoch(self) -> int:
-        node = self.servicer.node_or_none
+        node = self.nodes.current
         return 0 if node is None else node.epoch
 
     def _memories(self) -> int:
         """Memories held as primary (reported in heartbeats)."""
-        node = self.servicer.node_or_none
+        node = self.nodes.current
         return 0 if node is None else node.primary_memories()
 
     async def drain(self) -> bool:
@@ -252,13 +240,12 @@ class WorkerServer:
         Returns:
             True when drained; False after ``drain_timeout_s`` or if the coordinator is down.
         """
-        stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.drain_timeout_s
         log.info("worker_draining", worker=self.name)
         while loop.time() < deadline:
             try:
-                reply = await stub.DrainWorker(
+                reply = await self.coordinator.DrainWorker(
                     coordinator_pb2.DrainWorkerRequest(name=self.name), timeout=5.0
                 )
             except aio.AioRpcError as exc:
@@ -285,8 +272,8 @@ class WorkerServer:
         await self.coordinator_channel.close()
         await self.peers.close()
         self.sessions.close()
-        if self.servicer.node_or_none is not None:
-            self.servicer.node_or_none.close()
+        if self.nodes.current is not None:
+            self.nodes.current.close()
         self._release_data_dir()
         log.info("worker_stopped", worker=self.name)
 
@@ -309,6 +296,6 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
         await server.stop()
         raise SystemExit(f"worker: {server.error}")
     log.info("worker_stopping", worker=server.name)
-    if server.servicer.node_or_none is not None:
+    if server.nodes.current is not None:
         await server.drain()
     await server.stop()

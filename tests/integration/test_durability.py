@@ -29,8 +29,8 @@ async def crash_worker(cluster: InProcessCluster, name: str) -> None:
     w = next(w for w in cluster.workers if w.name == name)
     cluster.workers.remove(w)
     await kill_abruptly(w)
-    if w.servicer.node_or_none is not None:
-        w.servicer.node_or_none.close()
+    if w.nodes.current is not None:
+        w.nodes.current.close()
     w._release_data_dir()
     await w.coordinator_channel.close()
     await w.peers.close()
@@ -108,7 +108,7 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make
     assert writer.failures == []
     copied = coord.rebalancer.copies_total - copies_before
     assert 0 < copied < held, f"{copied} slots copied back to a worker holding {held}"
-    assert len(restarted.servicer.node) > 0
+    assert len(restarted.nodes.get()) > 0
     await assert_cluster_equals(cluster, ref)
     await client.close()
 

@@ -93,7 +93,7 @@ async def reinforce_at_own_epoch(
     """Reinforce on worker ``name`` directly, at the epoch it is at (routing would refresh
     to the coordinator's newer map, which the held worker refuses)."""
     worker = next(w for w in cluster.workers if w.name == name)
-    epoch = worker.servicer.node.epoch
+    epoch = worker.nodes.get().epoch
     async with channel(worker.address) as ch:
         request = worker_pb2.ReinforceRequest(
             epoch=epoch, ids=ids_to_bytes(ids), boosts=f32_to_bytes(boosts)
