@@ -1,5 +1,7 @@
-"""This worker's part of the memory store: the one door to its slot data, replication and
-journal. The memory servicer decodes requests and calls the public methods here.
+"""This worker's part of the memory store: the one door to its slot data, replication, journal.
+
+The memory servicer decodes requests and calls the public methods here; nothing else
+touches the store, the replicator or the journal.
 
 The primary of a slot is its single orderer: it applies each mutation, gives it the slot's
 next sequence number and forwards it to the slot's replica (and to any worker a slot is being
@@ -7,9 +9,10 @@ copied to), and acknowledges only after every copy applied it and its journal re
 durable. A replica applies a primary's stream in sequence order and never mutates on its own.
 
 Parts: ``DurableStore`` (the store, its thread, the journal and the recent request ids),
-``Replicator`` and ``check_forward`` (``worker/replication.py``), ``Roles`` (the slot map as
-seen here). ``self._order`` serializes this worker's primary operations, slot-map changes and
-copy snapshots, from apply to the replicas' acks, so each slot's stream stays in order.
+``PrimaryWrites`` (``worker/primary.py``), ``Replicator`` and ``check_forward``
+(``worker/replication.py``), ``Placement`` (the slot map as seen here, ``worker/roles.py``).
+``self._order`` serializes this worker's primary operations, slot-map changes and copy
+snapshots, from apply to the replicas' acks, so each slot's stream stays in order.
 
 Shape letters: N items of a request, T slots an op touches, S slots of the cluster.
 """
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import numpy as np
 
@@ -28,10 +30,10 @@ from shared.proto import common_pb2, worker_pb2
 from worker.durable_store import DurableStore
 from worker.journal import Journal
 from worker.journal_format import Request
+from worker.primary import PrimaryWrites
 from worker.replication import Forwarder, Replicator, Reporter, check_forward
 from worker.roles import Placement
 from worker.store import SlotSnapshot, SlotStore
-from worker.wire import sub_request
 
 __all__ = ["COPY_BATCH_SLOTS", "MemoryNode", "SlotSender"]
 
@@ -42,16 +44,7 @@ SlotSender = Callable[[str, str, list[SlotSnapshot]], Awaitable[tuple[int, int]]
 
 
 class MemoryNode:
-    """This worker's memory slots: reads, primary writes, replica applies, copies, maps.
-
-    Args:
-        name: this worker's name, as in the slot map.
-        store: the slot data (empty, or reloaded from ``journal``).
-        forward: sends a primary's op to a peer (see ``Forwarder``).
-        report: tells the coordinator a peer's copies stopped being updated (``Reporter``).
-        journal: logs every change; None keeps nothing on disk.
-        requests: the request ids the journal replayed (with a store reloaded from it).
-    """
+    """This worker's memory slots: reads, primary writes, replica applies, copies, maps."""
 
     def __init__(
         self,
@@ -62,12 +55,24 @@ class MemoryNode:
         journal: Journal | None = None,
         requests: list[Request] | None = None,
     ) -> None:
+        """Build the node of worker ``name`` over its store; it holds no slot until a map comes.
+
+        Args:
+            name: this worker's name, as in the slot map.
+            store: the slot data (empty, or reloaded from ``journal``).
+            forward: sends a primary's op to a peer (see ``Forwarder``).
+            report: tells the coordinator a peer's copies stopped being updated (``Reporter``).
+            journal: logs every change; None keeps nothing on disk.
+            requests: the request ids the journal replayed (with a store reloaded from it).
+        """
         self.name = name
         self._store = store
         self._data = DurableStore(store, journal, requests)
         self._replicator = Replicator(name, forward, report)
         self._place = Placement(name, self._held())
+        # Primary writes, slot-map changes and copy snapshots take turns (module docstring).
         self._order = asyncio.Lock()
+        self._writes = PrimaryWrites(name, self._data, self._replicator, self._place, self._order)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -90,8 +95,11 @@ class MemoryNode:
         return int(self._store.count(self._primary_slots()))
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Return every memory held here as ``(ids [N] uint64, strengths [N] float32)``,
-        sorted by id (diagnostics and tests)."""
+        """Return every memory held here, sorted by id (diagnostics and tests).
+
+        Returns:
+            (ids [N] uint64, strengths [N] float32), host arrays.
+        """
         return self._store.items()
 
     def set_max_payload_bytes(self, max_payload_bytes: int) -> None:
@@ -197,7 +205,9 @@ class MemoryNode:
 
         Args:
             request: the client's request (forwarded to the replica as it is, or its part).
-            ids: [N] uint64, decoded from it; strengths: [N] float32; payloads: [N] or None.
+            ids: [N] uint64, decoded from the request.
+            strengths: [N] float32, in [0, 1].
+            payloads: [N] bytes, or None for no payloads.
 
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
@@ -211,94 +221,61 @@ class MemoryNode:
             )
             return self._store.upsert(ids[keep], strengths[keep], kept)
 
-        return await asyncio.shield(self._mutate(request.epoch, "upsert", request, ids, apply))
+        return await self._writes.keyed(request.epoch, "upsert", request, ids, apply)
 
     async def reinforce(
         self, request: worker_pb2.ReinforceRequest, ids: np.ndarray, boosts: np.ndarray
     ) -> int:
-        """Add boosts (duplicates sum) and clip to [0, 1] as primary, then replicate; return
-        the ids found. Args and Raises as ``upsert`` (boosts: [N] float32)."""
+        """Add boosts (duplicates sum) and clip to [0, 1] as primary, then replicate.
+
+        Args:
+            request: the client's request, as for ``upsert``.
+            ids: [N] uint64, decoded from the request.
+            boosts: [N] float32, finite and >= 0.
+
+        Returns:
+            The number of ids found.
+
+        Raises:
+            StaleEpoch, NotPrimary, MemoryInputError, ReplicationError: as ``upsert``.
+        """
 
         def apply(keep: np.ndarray) -> int:
             return self._store.reinforce(ids[keep], boosts[keep])
 
-        return await asyncio.shield(self._mutate(request.epoch, "reinforce", request, ids, apply))
+        return await self._writes.keyed(request.epoch, "reinforce", request, ids, apply)
 
     async def delete(self, request: worker_pb2.DeleteRequest, ids: np.ndarray) -> int:
-        """Delete memories as primary, then replicate; return the ids found. Raises as
-        ``upsert``."""
+        """Delete memories as primary, then replicate; return the ids found.
+
+        Args:
+            request: the client's request, as for ``upsert``.
+            ids: [N] uint64, decoded from the request.
+
+        Raises:
+            StaleEpoch, NotPrimary, ReplicationError: as ``upsert``.
+        """
 
         def apply(keep: np.ndarray) -> int:
             return self._store.delete(ids[keep])
 
-        return await asyncio.shield(self._mutate(request.epoch, "delete", request, ids, apply))
+        return await self._writes.keyed(request.epoch, "delete", request, ids, apply)
 
     async def decay(self, epoch: int, rate: float) -> int:
-        """Decay every memory of this worker's primary slots by ``rate`` and replicate;
-        return the memories decayed. Raises: StaleEpoch; ReplicationError (as ``upsert``)."""
-        return await asyncio.shield(self._decay(epoch, rate))
+        """Decay every memory of this worker's primary slots and replicate.
 
-    async def _mutate(
-        self, epoch: int, op: str, request: Any, ids: np.ndarray, apply: Callable[..., int]
-    ) -> int:
-        """Apply a keyed op as primary (``apply(keep [N] bool)`` on the store thread), skipping
-        items whose slot already applied ``request.request_id`` (a client retry), then
-        replicate. Callers shield it: once applied here, the op must reach the replica and be
-        recorded even if the client's call is cancelled, or the two copies would diverge."""
-        async with self._order:
-            self.check_epoch(epoch)
-            slots = self._place.check_primary(ids)
-            rid = bytes(request.request_id)
-            keep = self._data.recent.fresh(rid, slots)
-            if not keep.all():
-                request = sub_request(op, request, keep)
-                slots, ids = slots[keep], ids[keep]
-            touched = np.unique(slots)  # once per write: record, seqs and forwards share it
+        Args:
+            epoch: the epoch the request was routed with.
+            rate: subtracted from each strength, in [0, 1] (validated by the caller).
 
-            def apply_and_commit() -> tuple[int, np.ndarray, int]:
-                n = apply(keep)
-                self._data.recent.record(rid, touched)
-                return n, *self._data.commit(op, request, touched, epoch, self.name)
+        Returns:
+            The number of memories decayed.
 
-            applied, seqs, pos = await self._data.run(apply_and_commit)
-            await self._replicate(op, request, slots, ids, touched, seqs, pos)
-            return applied
-
-    async def _decay(self, epoch: int, rate: float) -> int:
-        async with self._order:
-            self.check_epoch(epoch)
-            mine = self._primary_slots()
-            req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate)
-
-            def apply_and_commit() -> tuple[int, np.ndarray, int]:
-                n = self._store.decay(rate, mine)
-                return n, *self._data.commit("decay", req, mine, epoch, self.name)
-
-            n, seqs, pos = await self._data.run(apply_and_commit)
-            await self._replicate("decay", req, mine, None, mine, seqs, pos)
-            return n
-
-    async def _replicate(
-        self,
-        op: str,
-        request: Any,
-        slots: np.ndarray,
-        ids: np.ndarray | None,
-        touched: np.ndarray,
-        seqs: np.ndarray,
-        pos: int,
-    ) -> None:
-        """Forward an applied op to every other copy (``Replicator.forward``) while its
-        journal record (``pos``) becomes durable; return when both are done."""
-        if len(touched) == 0:
-            return
-        durable = asyncio.ensure_future(self._data.sync(pos))
-        try:
-            await self._replicator.forward(
-                self._place.roles, op, request, slots, ids, touched, seqs
-            )
-        finally:
-            await durable
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION).
+            ReplicationError: as ``upsert`` (UNAVAILABLE).
+        """
+        return await self._writes.decay(epoch, rate)
 
     # -- replica side ---------------------------------------------------------------------------
 
