@@ -27,12 +27,14 @@ class RecentRequests:
 
     Read on the event loop (``fresh``) and written on the store thread (``record``), hence
     the lock.
-
-    Args:
-        capacity: request ids remembered; the oldest is forgotten first.
     """
 
     def __init__(self, capacity: int = 8192) -> None:
+        """Start with no request id recorded.
+
+        Args:
+            capacity: request ids remembered; the oldest is forgotten first.
+        """
         self._capacity = capacity
         self._slots: OrderedDict[bytes, set[int]] = OrderedDict()
         self._lock = threading.Lock()

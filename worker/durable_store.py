@@ -1,7 +1,7 @@
-"""A worker's ``SlotStore`` with its one thread and its journal: every change of the store is
-applied, given its seqs and logged in one job of the store thread.
+"""A worker's ``SlotStore`` with its one thread and its journal.
 
-Store operations run on one dedicated thread, so they are applied in submission order and
+Every change of the store is applied, given its seqs and logged in one job of the store
+thread. Store operations run on one dedicated thread, so they are applied in submission order and
 never block the event loop. With a journal (``worker/journal.py``) each change (a primary's op
 with its new seqs, a replica's applied forward, an imported or dropped slot) is appended in
 the job that applies it, so log order is apply order; ``sync`` waits until a record is durable
@@ -31,13 +31,7 @@ T = TypeVar("T")
 
 
 class DurableStore:
-    """A store, the thread that runs its operations, its journal and its recent request ids.
-
-    Args:
-        store: the slot data (possibly reloaded from the journal).
-        journal: logs every change; None keeps nothing on disk.
-        requests: the request ids the journal replayed (with a store reloaded from it).
-    """
+    """A store, the thread that runs its operations, its journal and its recent request ids."""
 
     def __init__(
         self,
@@ -45,6 +39,13 @@ class DurableStore:
         journal: Journal | None = None,
         requests: list[Request] | None = None,
     ) -> None:
+        """Start the store thread for a store and its journal.
+
+        Args:
+            store: the slot data (possibly reloaded from the journal).
+            journal: logs every change; None keeps nothing on disk.
+            requests: the request ids the journal replayed (with a store reloaded from it).
+        """
         self.store = store
         self.journal = journal
         self.recent = RecentRequests()
@@ -62,8 +63,10 @@ class DurableStore:
             await self.journal.sync(pos)
 
     async def sync_all(self) -> None:
-        """Wait until everything logged so far is durable (an op applied by an earlier call
-        is acknowledged only once its record is)."""
+        """Wait until everything logged so far is durable.
+
+        An op applied by an earlier call is acknowledged only once its record is.
+        """
         if self.journal is not None:
             await self.journal.sync(self.journal.written)
 
@@ -78,13 +81,14 @@ class DurableStore:
     def commit(
         self, op: str, sub: Any, touched: np.ndarray, epoch: int, primary: str
     ) -> tuple[np.ndarray, int]:
-        """On the store thread, right after a primary applied an op: give each touched slot
-        its next seq and log the op.
+        """On the store thread, right after a primary applied an op: next seqs, log record.
 
         Args:
-            op: the op's name; ``sub`` its request message.
-            touched: [T] int64 distinct slots, ascending.
-            epoch: the slot-map epoch the op was applied at; ``primary`` this worker's name.
+            op: the op's name ("upsert", "reinforce", "delete", "decay").
+            sub: its request message.
+            touched: [T] int64 distinct slots, ascending; each takes its next seq.
+            epoch: the slot-map epoch the op was applied at.
+            primary: this worker's name.
 
         Returns:
             ([T] uint64 the seq each slot took, the journal position to sync to).
@@ -102,11 +106,13 @@ class DurableStore:
         return seqs, self._logged(self.journal.log_op(req))
 
     def apply_forward(self, req: worker_pb2.ReplicateRequest, slots: np.ndarray) -> int:
-        """On the store thread: apply a primary's forward (checked by ``check_forward``), bump
-        its slots' seqs and record its request id; return the journal position.
+        """On the store thread: apply a primary's forward; return the journal position.
+
+        The forward's slots take their next seq and its request id is recorded.
 
         Args:
-            req: the forward; ``slots`` its [T] int64 slots.
+            req: the forward, checked by ``check_forward``.
+            slots: [T] int64 its slots.
         """
         op = req.WhichOneof("op")
         assert op is not None  # check_forward refused a forward without one
@@ -122,8 +128,10 @@ class DurableStore:
             self._logged(self.journal.log_drop(slots))
 
     def import_slots(self, snaps: list[SlotSnapshot]) -> int:
-        """On the store thread: install copied slots (each replaces what was held for it) and
-        log them; return the journal position."""
+        """On the store thread: install copied slots and log them; return the journal position.
+
+        Each slot's copy replaces what was held for it.
+        """
         pos = 0
         self.store.import_slots(snaps)  # one merge for the whole batch of slots
         if self.journal is not None:

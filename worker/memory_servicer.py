@@ -1,5 +1,7 @@
-"""Memory-store RPCs of the ``neuroshard.v1.Worker`` service: decode, call ``MemoryNode``,
-map its errors to status codes (one table, ``_STATUS``).
+"""Memory-store RPCs of the ``neuroshard.v1.Worker`` service.
+
+Each RPC decodes its request, calls ``MemoryNode``'s public methods, and maps domain errors
+to status codes (one table, ``_STATUS``).
 
 Shape letters: N items of a request.
 """
@@ -63,15 +65,16 @@ def _same_length(ids: np.ndarray, **others: np.ndarray | list[bytes] | None) -> 
 
 
 class MemoryServicer:
-    """The memory RPCs, served through ``WorkerServicer``.
-
-    Args:
-        nodes: this worker's memory node (made when the first slot map arrives).
-        send_slots: streams slot copies to a peer (``CopySlots``).
-        chunk_bytes: target size of one ``SlotData`` message of ``DumpSlots``, bytes.
-    """
+    """The memory RPCs, served through ``WorkerServicer``."""
 
     def __init__(self, nodes: NodeHolder, send_slots: SlotSender, chunk_bytes: int) -> None:
+        """Build the memory RPCs over this worker's node and its way of sending copies.
+
+        Args:
+            nodes: this worker's memory node (made when the first slot map arrives).
+            send_slots: streams slot copies to a peer (``CopySlots``).
+            chunk_bytes: target size of one ``SlotData`` message of ``DumpSlots``, bytes.
+        """
         self._nodes = nodes
         self._send_slots = send_slots
         self._chunk_bytes = chunk_bytes
@@ -79,8 +82,9 @@ class MemoryServicer:
     async def Upsert(
         self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext
     ) -> worker_pb2.WriteResponse:
-        """Insert or overwrite memories of this worker's primary slots, replicated before the
-        reply.
+        """Insert or overwrite memories of this worker's primary slots, replicated first.
+
+        The reply comes once every copy applied the write and its record is durable.
 
         Raises:
             INVALID_ARGUMENT: malformed bytes, lengths that differ or bad values (nothing
@@ -237,9 +241,10 @@ class MemoryServicer:
     async def CopySlots(
         self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext
     ) -> worker_pb2.CopySlotsResponse:
-        """Copy slots to another worker (copy, then the coordinator switches the map): under
-        this worker's write order, snapshot each batch of slots, stream it to the target and
-        forward later writes of those slots there as well.
+        """Copy slots to another worker (copy, then the coordinator switches the map).
+
+        Under this worker's write order, snapshot each batch of slots, stream it to the
+        target and forward later writes of those slots there as well.
 
         Raises:
             UNAVAILABLE: the target could not be reached, or not registered yet.
@@ -273,8 +278,9 @@ class MemoryServicer:
     async def DumpSlots(
         self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.SlotData]:
-        """Stream every held slot's data, or the requested slots' (tests and diagnostics
-        compare copies with it); nothing before the worker has a store.
+        """Stream every held slot's data, or the requested slots'.
+
+        Tests and diagnostics compare copies with it. Nothing before the worker has a store.
 
         Raises:
             INVALID_ARGUMENT: a slot out of range.
@@ -293,8 +299,9 @@ class MemoryServicer:
     async def SlotSeqs(
         self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
     ) -> worker_pb2.SlotSeqsResponse:
-        """Sequence numbers of slots as held here (0 where this worker has no data: also
-        before it has a store).
+        """Sequence numbers of slots as held here.
+
+        0 where this worker has no data (also before it has a store).
 
         Raises:
             INVALID_ARGUMENT: a slot out of range.

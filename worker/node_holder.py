@@ -28,15 +28,17 @@ class NotReady(Exception):
 
 
 class NodeHolder:
-    """Holds this worker's memory node once there is one.
-
-    Args:
-        make: builds the node when the first slot map arrives (see ``NodeFactory``).
-        data_dir: this worker's data dir, coordinator: the coordinator's address (both named
-            in the error when a reloaded node has another slot count than the cluster).
-    """
+    """Holds this worker's memory node once there is one."""
 
     def __init__(self, make: NodeFactory, data_dir: Path, coordinator: str) -> None:
+        """Hold no node yet.
+
+        Args:
+            make: builds the node when the first slot map arrives (see ``NodeFactory``).
+            data_dir: this worker's data dir.
+            coordinator: the coordinator's address (both named in the error when a reloaded
+                node has another slot count than the cluster).
+        """
         self._make = make
         self._data_dir = data_dir
         self._coordinator = coordinator
@@ -62,8 +64,9 @@ class NodeHolder:
         self._node = node
 
     def ensure(self, slot_map: common_pb2.SlotMap) -> MemoryNode:
-        """Return the node, making it from the first slot map that arrives; a later map's
-        payload limit is adopted.
+        """Return the node, making it from the first slot map that arrives.
+
+        A later map's payload limit is adopted.
 
         Raises:
             RegistrationRefused: the node holds another slot count than the cluster's

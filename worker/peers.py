@@ -1,5 +1,8 @@
-"""What a worker sends to its peers: a primary's forwards (``Replicate``) and slot copies
-(``ReceiveSlots``), over the shared per-worker channels of ``WorkerClients``."""
+"""What a worker sends to its peers: a primary's forwards and slot copies.
+
+``Replicate`` and ``ReceiveSlots`` calls over the shared per-worker channels of
+``WorkerClients``.
+"""
 
 from __future__ import annotations
 
@@ -18,15 +21,16 @@ __all__ = ["PeerLinks"]
 
 
 class PeerLinks:
-    """Calls to peer workers, each with a deadline.
-
-    Args:
-        clients: channels and stubs to workers by name.
-        chunk_bytes: target size of one ``SlotData`` message of a copy, bytes.
-        rpc_timeout_s: deadline of each call, seconds.
-    """
+    """Calls to peer workers, each with a deadline."""
 
     def __init__(self, clients: WorkerClients, chunk_bytes: int, rpc_timeout_s: float) -> None:
+        """Send over ``clients``' channels.
+
+        Args:
+            clients: channels and stubs to workers by name.
+            chunk_bytes: target size of one ``SlotData`` message of a copy, bytes.
+            rpc_timeout_s: deadline of each call, seconds.
+        """
         self._clients = clients
         self._chunk_bytes = chunk_bytes
         self._timeout_s = rpc_timeout_s

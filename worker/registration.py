@@ -21,8 +21,11 @@ log = get_logger("worker.registration")
 
 
 class RegistrationRefused(Exception):
-    """This worker cannot join the coordinator's cluster (e.g. its data dir holds another
-    slot count); raised by ``on_register``, it ends the registration loop."""
+    """This worker cannot join the coordinator's cluster (FAILED_PRECONDITION).
+
+    E.g. its data dir holds another slot count; raised by ``on_register``, it ends the
+    registration loop.
+    """
 
 
 class Registration:
@@ -38,6 +41,7 @@ class Registration:
         rpc_timeout_s: float,
         on_register: Callable[[coordinator_pb2.RegisterWorkerResponse], None] | None = None,
     ) -> None:
+        """Prepare the registration (``run`` does it)."""
         self._on_register = on_register
         self.incarnation = uuid.uuid4().hex
         self.epoch: Callable[[], int] = lambda: 0

@@ -48,13 +48,17 @@ Reporter = Callable[[str, list[int], str], Awaitable[None]]
 
 
 class ReplicationError(Exception):
-    """A copy failed and the coordinator could not be told, or a slot copy could not be
-    sent (UNAVAILABLE); the write or copy is not acknowledged."""
+    """A copy failed and the coordinator could not be told (UNAVAILABLE).
+
+    Also: a slot copy could not be sent. The write or copy is not acknowledged.
+    """
 
 
 class StaleForward(Exception):
-    """A forward from an older epoch for slots this worker no longer holds
-    (FAILED_PRECONDITION); the primary ignores it: the slots' current holders have the op."""
+    """A forward from an older epoch for slots no longer held here (FAILED_PRECONDITION).
+
+    The primary ignores this answer: the slots' current holders have the op.
+    """
 
 
 class OutOfSync(Exception):
@@ -62,15 +66,16 @@ class OutOfSync(Exception):
 
 
 class Replicator:
-    """The primary side: who receives each slot's ops besides this worker, and sending them.
-
-    Args:
-        name: this worker's name (never a target of its own forwards).
-        forward: sends a forward to a peer.
-        report: tells the coordinator about a copy that stopped being updated.
-    """
+    """The primary side: who receives each slot's ops besides this worker, and sending them."""
 
     def __init__(self, name: str, forward: Forwarder, report: Reporter) -> None:
+        """Start with no copy in progress and none excluded.
+
+        Args:
+            name: this worker's name (never a target of its own forwards).
+            forward: sends a forward to a peer.
+            report: tells the coordinator about a copy that stopped being updated.
+        """
         self.name = name
         self._forward = forward
         self._report = report
@@ -85,13 +90,15 @@ class Replicator:
         self._addresses[target] = address
 
     def adopt(self, keep: np.ndarray) -> None:
-        """On a new map: forget every exclusion and the copy targets of slots other than
-        ``keep`` ([S] bool).
+        """On a new map: forget every exclusion and the copy targets of slots not in ``keep``.
 
         A new map normally ends the copies (its holders have the data), but the fence map
         comes between the copies and the target map and moves no holder: the primaries it
-        keeps go on accepting writes, which must still reach the copies (so ``keep`` is the
-        slots still primary here when the map fences some slot, else none).
+        keeps go on accepting writes, which must still reach the copies.
+
+        Args:
+            keep: [S] bool, the slots still primary here when the map fences some slot,
+                else none.
         """
         kept = {s: targets for s, targets in self._pending.items() if keep[s]}
         self._pending = defaultdict(set, kept)
@@ -122,8 +129,10 @@ class Replicator:
 
         Args:
             roles: the roles the op was applied under.
-            op: "upsert", "reinforce", "delete" or "decay"; ``request`` its request message.
-            slots: [N] int64 slot of each item (``ids`` [N] uint64; None for decay).
+            op: "upsert", "reinforce", "delete" or "decay".
+            request: the op's request message (as applied: without repeated items).
+            slots: [N] int64 slot of each item.
+            ids: [N] uint64 the items' ids; None for decay.
             touched: [T] int64 the distinct slots of ``slots``, ascending.
             seqs: [T] uint64 the seq each of ``touched`` took.
 
@@ -152,8 +161,10 @@ class Replicator:
                 await self._drop_copy(roles, target, error_message(r))
 
     async def _drop_copy(self, roles: Roles, target: str, reason: str) -> None:
-        """Stop updating every copy this primary feeds on ``target`` (its replica slots and
-        pending copies), once the coordinator knows, so no slot is silently left stale."""
+        """Stop updating every copy this primary feeds on ``target``, once the coordinator knows.
+
+        Its replica slots and pending copies alike, so no slot is silently left stale.
+        """
         pending = {s for s, targets in self._pending.items() if target in targets}
         slots = sorted(roles.replica_slots_of(target) | pending)
         try:
@@ -224,8 +235,11 @@ def check_forward(
 
 
 def _is_repeat(req: worker_pb2.ReplicateRequest, slots: np.ndarray, seq: np.ndarray) -> bool:
-    """True when every slot already took the forward's seq; False when each slot's seq is
-    its next one. Raises: OutOfSync otherwise (a gap, or a mix of both)."""
+    """True when every slot already took the forward's seq; False when it is each one's next.
+
+    Raises:
+        OutOfSync: otherwise (a gap, or a mix of both) (ABORTED).
+    """
     seqs, current = np.asarray(req.seqs, np.uint64), seq[slots]
     if (seqs <= current).all():
         return True

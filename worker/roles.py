@@ -1,5 +1,7 @@
-"""The slot map as one worker sees it: which slots it is primary or replica of, who the
-replica of each slot is, and the epoch and primary checks of every data-plane request.
+"""The slot map as one worker sees it.
+
+Which slots it is primary or replica of, who the replica of each slot is, and the epoch and
+primary checks of every data-plane request.
 
 Shape letters: S slots of the cluster, N ids of a request, K slots.
 """
@@ -65,7 +67,8 @@ class Roles:
 
     def holds(self, slots: np.ndarray) -> np.ndarray:
         """Return [K] bool: which of ``slots`` ([K] int64) this worker is primary or replica of."""
-        return self.primary[slots] | self.replica[slots]
+        held: np.ndarray = self.primary[slots] | self.replica[slots]
+        return held
 
     def replica_slots_of(self, target: str) -> set[int]:
         """Return the slots this worker is primary of whose replica is worker ``target``."""
@@ -81,17 +84,21 @@ class NotPrimary(Exception):
 
 
 class Placement:
-    """Where this worker stands in the slot map over time: its current ``Roles``, the slots it
-    received copies of for a map still to come, and reloaded data kept until the first map.
+    """Where this worker stands in the slot map over time.
 
-    Args:
-        name: this worker's name, as in the slot map.
-        held: [S] bool, slots with data or a history in the store at start (reloaded data is
-            kept until the first map says which slots this worker holds: the coordinator
-            sends it only once it has compared them with the other holders').
+    Its current ``Roles``, the slots it received copies of for a map still to come, and
+    reloaded data kept until the first map.
     """
 
     def __init__(self, name: str, held: np.ndarray) -> None:
+        """Start at epoch 0, holding no slot.
+
+        Args:
+            name: this worker's name, as in the slot map.
+            held: [S] bool, slots with data or a history in the store at start (reloaded data is
+                kept until the first map says which slots this worker holds: the coordinator
+                sends it only once it has compared them with the other holders').
+        """
         self.name = name
         self.roles = Roles.none(len(held))
         self._reloaded: np.ndarray | None = held.copy()
@@ -117,7 +124,7 @@ class Placement:
         self.incoming &= ~(roles.primary | roles.replica)
         fenced = np.asarray(m.primary, np.int64) < 0
         slots = np.flatnonzero(held)
-        gone = slots[had_role[slots] & ~roles.holds(slots) & ~fenced[slots]]
+        gone: np.ndarray = slots[had_role[slots] & ~roles.holds(slots) & ~fenced[slots]]
         self.incoming[gone] = False
         return gone
 

@@ -1,5 +1,7 @@
-"""Worker server lifecycle: reload slot data, serve, register with the coordinator,
-heartbeat, drain, stop."""
+"""Worker server lifecycle.
+
+Reload slot data, serve, register with the coordinator, heartbeat, drain, stop.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from shared.request_decoding import DecodeGuardInterceptor
 from shared.security import DaemonSecurity
 from shared.worker_clients import WorkerClients
 from worker import kernels
-from worker.journal import Journal, JournalError, lock_data_dir, recover
+from worker.journal import Journal, lock_data_dir, recover
+from worker.journal_format import JournalError
 from worker.memory_node import MemoryNode
 from worker.memory_servicer import MemoryServicer
 from worker.node_holder import NodeHolder
@@ -43,6 +46,7 @@ class WorkerServer:
     """One worker: ``await start()`` serves and registers; ``await stop()``."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
+        """Build the server and its parts from ``cfg``; nothing listens before ``start``."""
         self.cfg = cfg
         self.name = cfg.name or socket.gethostname()
         _, self.device = kernels.get_xp(cfg.device)
@@ -88,8 +92,10 @@ class WorkerServer:
         self.error = ""
 
     async def start(self) -> str:
-        """Reload the slot data of a previous run, bind and serve, then register in the
-        background; return the advertised address.
+        """Reload, bind and serve, then register in the background; return the address.
+
+        The slot data of a previous run is reloaded from the data dir first; the address
+        returned is the one advertised to the coordinator.
 
         Raises:
             JournalError: the data dir is in use by another worker or corrupt.
@@ -195,8 +201,10 @@ class WorkerServer:
         self.nodes.ensure(reply.slot_map)
 
     def _new_node(self, slots: int, max_payload_bytes: int) -> MemoryNode:
-        """Create the memory store once the cluster's slot count is known (from the
-        registration reply or the first pushed slot map, whichever comes first)."""
+        """Create the memory store once the cluster's slot count is known.
+
+        From the registration reply or the first pushed slot map, whichever comes first.
+        """
         return MemoryNode(
             self.name,
             self._new_store(slots, max_payload_bytes),
@@ -212,8 +220,11 @@ class WorkerServer:
             self.failed.set()
 
     async def _report_failure(self, worker: str, slots: list[int], reason: str) -> None:
-        """Tell the coordinator that this primary stops updating ``worker``'s copies of
-        ``slots`` (raises grpc.aio.AioRpcError)."""
+        """Tell the coordinator that this primary stops updating ``worker``'s copies of ``slots``.
+
+        Raises:
+            grpc.aio.AioRpcError: the coordinator did not take the report.
+        """
         log.warning(
             "replica_failed", worker=self.name, replica=worker, slots=len(slots), reason=reason
         )
@@ -234,8 +245,9 @@ class WorkerServer:
         return 0 if node is None else node.primary_memories()
 
     async def drain(self) -> bool:
-        """Hand this worker's slots to the others before leaving (SIGTERM, Kubernetes preStop):
-        ask the coordinator to drain it and poll until it holds no slot, serving meanwhile.
+        """Hand this worker's slots to the others before leaving (SIGTERM, Kubernetes preStop).
+
+        Ask the coordinator to drain it and poll until it holds no slot, serving meanwhile.
 
         Returns:
             True when drained; False after ``drain_timeout_s`` or if the coordinator is down.

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
@@ -34,6 +35,7 @@ class TrainingSessions:
     def __init__(
         self, torch_threads: int, allowed_imports: Sequence[str] = (), name: str = ""
     ) -> None:
+        """Start with no job; torch work gets its own thread."""
         self.fetcher: ShardFetcher | None = None
         self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, ShardRows]]] = {}
         self._torch_threads = torch_threads
@@ -86,7 +88,9 @@ class TrainingSessions:
 
     async def _fetch(self, job_id: str, shard: Shard) -> tuple[TrainData, ShardRows]:
         """Fetch ``shard`` from the coordinator: a ``TrainData`` holding it, and its rows.
-        Concurrent asks for the same shard share one fetch."""
+
+        Concurrent asks for the same shard share one fetch.
+        """
         if self.fetcher is None:
             raise DataError("data.path: this worker has no coordinator to fetch shards from")
         key = (job_id, shard)
@@ -105,8 +109,10 @@ class TrainingSessions:
         step_in_epoch: int,
         shard: tuple[int, int],
     ) -> GradResult:
-        """Gradients of one step on the torch thread, fetching the shard's rows first when
-        they are not held here (a shard handed over from another worker).
+        """Gradients of one step on the torch thread.
+
+        The shard's rows are fetched first when they are not held here (a shard handed over
+        from another worker).
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
@@ -122,7 +128,9 @@ class TrainingSessions:
 
         return await loop.run_in_executor(self._executor, work)
 
-    async def set_params(self, trainer: Trainer, params: dict, version: int) -> None:
+    async def set_params(
+        self, trainer: Trainer, params: dict[str, np.ndarray], version: int
+    ) -> None:
         """Load parameters (name -> float32 array) of ``version`` on the torch thread."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)

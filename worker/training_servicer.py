@@ -1,5 +1,7 @@
-"""Training RPCs of the ``neuroshard.v1.Worker`` service: validate, delegate to the training
-sessions, map their errors to status codes."""
+"""Training RPCs of the ``neuroshard.v1.Worker`` service.
+
+Each RPC validates, delegates to the training sessions, and maps their errors to status codes.
+"""
 
 from __future__ import annotations
 
@@ -20,14 +22,15 @@ __all__ = ["TrainingServicer"]
 
 
 class TrainingServicer:
-    """The training RPCs, served through ``WorkerServicer``.
-
-    Args:
-        sessions: this worker's training jobs.
-        chunk_bytes: target size of one gradient chunk message, bytes.
-    """
+    """The training RPCs, served through ``WorkerServicer``."""
 
     def __init__(self, sessions: TrainingSessions, chunk_bytes: int) -> None:
+        """Build the training RPCs over this worker's sessions.
+
+        Args:
+            sessions: this worker's training jobs.
+            chunk_bytes: target size of one gradient chunk message, bytes.
+        """
         self._sessions = sessions
         self._chunk_bytes = chunk_bytes
 
@@ -36,10 +39,13 @@ class TrainingServicer:
     ) -> worker_pb2.StartTrainingResponse:
         """Load this worker's shard and build the model.
 
-        INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
-        PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
-        A file data set's shard is fetched from the coordinator: when that fails, FetchShard's
-        status (NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE, ...).
+        A file data set's shard is fetched from the coordinator.
+
+        Raises:
+            INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
+            PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
+            FetchShard's status: fetching the shard failed (NOT_FOUND, PERMISSION_DENIED,
+                UNAVAILABLE, ...).
         """
         if request.shard_count < 1 or request.shard_index >= request.shard_count:
             await context.abort(
@@ -63,12 +69,17 @@ class TrainingServicer:
         request_iterator: AsyncIterator[worker_pb2.GradientRequest],
         context: aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
-        """Receive a step header (and parameters when included); stream back the step result
-        and one float32 gradient per parameter (of the mean loss over the mini-batch).
+        """Compute one step's gradients on this worker's shard.
 
-        FAILED_PRECONDITION: unknown job. INVALID_ARGUMENT: malformed stream, or a malformed
-        shard from the coordinator. A shard not held here is fetched from the coordinator
-        first; when that fails, FetchShard's status.
+        Receives a step header (and the parameters when included); streams back the step
+        result and one float32 gradient per parameter (of the mean loss over the
+        mini-batch). A shard not held here is fetched from the coordinator first.
+
+        Raises:
+            FAILED_PRECONDITION: unknown job, or a shard not held here.
+            INVALID_ARGUMENT: malformed stream or parameters, or a malformed shard from the
+                coordinator.
+            FetchShard's status: fetching the shard failed.
         """
         try:
             header, params = await read_header_and_tensors(request_iterator, "header", "param")

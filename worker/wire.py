@@ -1,5 +1,7 @@
-"""The worker's wire messages built from domain data and back: the part of a keyed write or
-a forward that touches some slots, and slot copies as streams of ``SlotData`` chunks.
+"""The worker's wire messages built from domain data and back.
+
+The part of a keyed write or a forward that touches some slots, and slot copies as streams
+of ``SlotData`` chunks.
 
 Bulk fields are raw little-endian bytes (``shared/codec.py``): ids uint64, values float32.
 
@@ -28,7 +30,8 @@ def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
     """Return the items of a keyed request where ``keep`` is set, in order.
 
     Args:
-        op: "upsert", "reinforce" or "delete"; ``request`` is its request message.
+        op: "upsert", "reinforce" or "delete".
+        request: the op's request message (a decoded one: bulk fields whole values).
         keep: [N] bool over the request's items.
 
     Raises:
@@ -62,8 +65,9 @@ def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
 def narrow(
     req: worker_pb2.ReplicateRequest, keep_slots: np.ndarray, num_slots: int
 ) -> worker_pb2.ReplicateRequest:
-    """Return the part of a forward that touches the slots where ``keep_slots`` is set: those
-    slots and their seqs, and (for keyed ops) the items in them.
+    """Return the part of a forward that touches the slots where ``keep_slots`` is set.
+
+    That is those slots and their seqs, and (for keyed ops) the items in them.
 
     Args:
         req: a forward with one seq per slot and an op.
@@ -118,8 +122,9 @@ def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotD
 
 
 async def receive_slots(messages: AsyncIterator[worker_pb2.SlotData]) -> list[SlotSnapshot]:
-    """Reassemble a stream of ``SlotData`` chunks into one snapshot per slot, in first-seen
-    order (a chunk marked ``first`` restarts its slot).
+    """Reassemble a stream of ``SlotData`` chunks into one snapshot per slot.
+
+    Slots come in first-seen order; a chunk marked ``first`` restarts its slot.
 
     Raises:
         CodecError: ids or strengths are not whole values (INVALID_ARGUMENT).

@@ -1,6 +1,9 @@
-"""The ``neuroshard.v1.Worker`` service: one servicer (a proto service is registered once)
-that hands each RPC to its part, ``MemoryServicer`` or ``TrainingServicer``, each built with
-what it needs. The parts' docstrings say what each RPC does and answers."""
+"""The ``neuroshard.v1.Worker`` service: one servicer that hands each RPC to its part.
+
+A proto service is registered once, so one servicer serves it; its parts,
+``MemoryServicer`` and ``TrainingServicer``, are each built with what they need. The parts'
+docstrings say what each RPC does and answers.
+"""
 
 from __future__ import annotations
 
@@ -16,14 +19,15 @@ __all__ = ["WorkerServicer"]
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves the Worker service by delegation.
-
-    Args:
-        memory: the memory-store RPCs.
-        training: the training RPCs.
-    """
+    """Serves the Worker service by delegation."""
 
     def __init__(self, memory: MemoryServicer, training: TrainingServicer) -> None:
+        """Serve ``memory``'s and ``training``'s RPCs.
+
+        Args:
+            memory: the memory-store RPCs.
+            training: the training RPCs.
+        """
         self.memory = memory
         self.training = training
 
