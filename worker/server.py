@@ -52,9 +52,16 @@ class WorkerServer:
         _, self.device = kernels.get_xp(cfg.device)
         self.metrics = Metrics()
         check_listen("worker", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure)
-        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name)
         self.health = health.aio.HealthServicer()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
+        self.coordinator_channel = rpc.channel(
+            cfg.coordinator, cfg.max_message_bytes, self.security.channel
+        )
+        # The generated gRPC code is untyped (no-untyped-call here and for add_*_to_server).
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)  # type: ignore[no-untyped-call]
+        # File data sets' rows come from the coordinator over its channel (no shared disk).
+        fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
+        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name, fetcher)
         self.server = aio.server(
             interceptors=[
                 RequestLogInterceptor(self.metrics, worker_name=self.name),
@@ -73,15 +80,8 @@ class WorkerServer:
             MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
             TrainingServicer(self.sessions, cfg.chunk_bytes),
         )
-        # The generated gRPC code is untyped (no-untyped-call here and for the stub below).
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.coordinator_channel = rpc.channel(
-            cfg.coordinator, cfg.max_message_bytes, self.security.channel
-        )
-        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)  # type: ignore[no-untyped-call]
-        # File data sets' rows come from the coordinator over this channel (no shared disk).
-        self.sessions.fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
         self.address = ""
         self._data_lock = -1  # fd holding the data dir's lock until a journal owns it
         self.registration: Registration | None = None

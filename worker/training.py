@@ -26,17 +26,25 @@ class UnknownTrainingJob(KeyError):
 
 
 class TrainingSessions:
-    """Trainers by job id. Torch work runs on one dedicated thread, off the event loop.
-
-    ``fetcher`` gets file data sets' shards from the coordinator; the worker server sets it
-    once its coordinator channel exists (None: file data sets are refused).
-    """
+    """Trainers by job id. Torch work runs on one dedicated thread, off the event loop."""
 
     def __init__(
-        self, torch_threads: int, allowed_imports: Sequence[str] = (), name: str = ""
+        self,
+        torch_threads: int,
+        allowed_imports: Sequence[str] = (),
+        name: str = "",
+        fetcher: ShardFetcher | None = None,
     ) -> None:
-        """Start with no job; torch work gets its own thread."""
-        self.fetcher: ShardFetcher | None = None
+        """Start with no job; torch work gets its own thread.
+
+        Args:
+            torch_threads: ``torch.set_num_threads`` of the torch thread (process-wide).
+            allowed_imports: modules a job's model may be imported from.
+            name: this worker's name, for messages.
+            fetcher: gets file data sets' shards from the coordinator (None: file data sets
+                are refused).
+        """
+        self._fetcher = fetcher
         self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, ShardRows]]] = {}
         self._torch_threads = torch_threads
         self._allowed_imports = tuple(allowed_imports)
@@ -91,12 +99,12 @@ class TrainingSessions:
 
         Concurrent asks for the same shard share one fetch.
         """
-        if self.fetcher is None:
+        if self._fetcher is None:
             raise DataError("data.path: this worker has no coordinator to fetch shards from")
         key = (job_id, shard)
         pending = self._fetching.get(key)
         if pending is None:
-            pending = asyncio.ensure_future(self.fetcher.fetch(job_id, shard))
+            pending = asyncio.ensure_future(self._fetcher.fetch(job_id, shard))
             self._fetching[key] = pending
             pending.add_done_callback(lambda _f: self._fetching.pop(key, None))
         return await asyncio.shield(pending)
