@@ -125,8 +125,8 @@ class WorkerServer:
             memories=self._memories,
             rpc_timeout_s=self.cfg.rpc_timeout_s,
             on_register=self._on_register,
+            epoch=self._epoch,
         )
-        self.registration.epoch = self._epoch
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
         self._tasks.add_done_callback(self._registration_ended)
         for svc in ("", SERVICE_NAME):
