@@ -1,0 +1,1 @@
+"""The worker daemon: slot store, kernels, replication, training executor, servicers."""

@@ -1,5 +1,6 @@
-"""A worker's durable slot data: a snapshot file plus an append-only log of the mutations
-applied since, in ``data_dir`` (formats in ``worker/journal_format.py``).
+"""A worker's durable slot data: a snapshot file plus a log of the mutations since.
+
+Both live in ``data_dir`` (formats in ``worker/journal_format.py``):
 
     LOCK              flock'ed by the worker process using the directory
     snapshot.bin      the whole store as of log generation g (write tmp, fsync, rename, fsync dir)
@@ -42,6 +43,7 @@ SNAPSHOT, SNAPSHOT_TMP = "snapshot.bin", "snapshot.tmp"
 
 
 def segment_path(data_dir: Path, gen: int) -> Path:
+    """Return the path of log segment ``gen`` in ``data_dir``."""
     return data_dir / f"log-{gen:012d}.wal"
 
 
@@ -63,8 +65,16 @@ def lock_data_dir(data_dir: Path) -> int:
 
 @dataclass
 class Recovered:
-    """What ``recover`` rebuilt: the store, the request ids to re-record (oldest first), the
-    next log generation and the log bytes replayed (they count toward the next snapshot)."""
+    """What ``recover`` rebuilt from a data dir.
+
+    Attributes:
+        store: the slot data.
+        requests: the request ids to re-record, oldest first.
+        next_gen: the log generation to start.
+        log_bytes: log bytes replayed (they count toward the next snapshot).
+        records: log records replayed.
+        seconds: time the recovery took.
+    """
 
     store: SlotStore
     requests: list[Request]
@@ -81,6 +91,7 @@ def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered
     segments are deleted (what follows a gap cannot be applied). Caller holds the lock.
 
     Args:
+        data_dir: the worker's data directory.
         make_store: builds an empty store with the given slot count.
 
     Returns:
@@ -175,6 +186,7 @@ def _truncate(path: Path, size: int) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Fsync a directory, so that a file created or renamed in it survives a power cut."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -196,15 +208,7 @@ def capture(store: SlotStore, recent: list[Request], gen: int) -> SnapshotState:
 
 
 class Journal:
-    """Appends records, syncs them per policy, and takes snapshots in the background.
-
-    Args:
-        data_dir: the worker's directory; ``lock_fd`` is its lock (released by close).
-        slots: S. gen: the generation of the segment to start.
-        fsync: "always", "interval" or "never". fsync_interval_s: seconds, for "interval".
-        snapshot_log_bytes: log bytes after which a snapshot is taken.
-        log_bytes: bytes already in the log since the last snapshot.
-    """
+    """Appends records, syncs them per policy, and takes snapshots in the background."""
 
     def __init__(
         self,
@@ -217,6 +221,18 @@ class Journal:
         snapshot_log_bytes: int,
         log_bytes: int = 0,
     ) -> None:
+        """Start log segment ``gen`` (and the interval fsync thread, if that is the policy).
+
+        Args:
+            data_dir: the worker's directory.
+            lock_fd: the directory's lock (released by close).
+            slots: S.
+            gen: the generation of the segment to start.
+            fsync: "always", "interval" or "never".
+            fsync_interval_s: seconds between fsyncs, for "interval".
+            snapshot_log_bytes: log bytes after which a snapshot is taken.
+            log_bytes: bytes already in the log since the last snapshot.
+        """
         self.dir, self._lock_fd, self.slots, self.policy = data_dir, lock_fd, slots, fsync
         self._snapshot_log_bytes = snapshot_log_bytes
         self.gen = gen
@@ -272,8 +288,10 @@ class Journal:
     # -- durability -------------------------------------------------------------------------
 
     async def sync(self, pos: int) -> None:
-        """Return once the log up to ``pos`` is durable as the policy demands (``always``:
-        fsynced; otherwise at once)."""
+        """Return once the log up to ``pos`` (bytes) is durable as the policy demands.
+
+        ``always``: once fsynced; otherwise at once.
+        """
         if self.policy == "always" and self.synced < pos:
             await asyncio.get_running_loop().run_in_executor(self._sync_pool, self._sync_to, pos)
 
@@ -296,8 +314,11 @@ class Journal:
     # -- snapshots --------------------------------------------------------------------------
 
     def maybe_snapshot(self, store: SlotStore, recent: Callable[[], list[Request]]) -> None:
-        """On the store thread: when the log has outgrown the limit and no snapshot is being
-        written, copy the store, start a new segment, and write the snapshot elsewhere."""
+        """On the store thread: snapshot when the log has outgrown the limit.
+
+        Unless a snapshot is being written already: copy the store, start a new segment, and
+        write the snapshot on another thread.
+        """
         if self.since_snapshot < self._snapshot_log_bytes or self._snapshotting:
             return
         self.snapshot(store, recent)

@@ -40,7 +40,7 @@ SNAP_HEADER = struct.Struct("<8sIQQQQI")  # magic, slots, generation, N, P, payl
 KIND_OP, KIND_IMPORT, KIND_DROP = b"R", b"I", b"D"
 MAX_RECORD_BYTES = 1 << 31
 
-# A client request id and the slots that applied it (``memory_node.RecentRequests``).
+# A client request id and the slots that applied it (``dedup.RecentRequests``).
 Request = tuple[bytes, list[int]]
 
 
@@ -55,8 +55,11 @@ def frame(kind: bytes, body: bytes) -> bytes:
 
 
 def read_frames(buf: bytes | memoryview, start: int) -> Iterator[tuple[int, bytes, bytes]]:
-    """Yield ``(end offset, kind, body)`` of each intact record from ``start``; stop at the
-    end of ``buf`` or at the first torn or corrupt record (its offset is the last ``end``)."""
+    """Yield ``(end offset, kind, body)`` of each intact record from ``start``.
+
+    Stops at the end of ``buf`` or at the first torn or corrupt record (its offset is the
+    last ``end``).
+    """
     pos = start
     while pos + FRAME.size <= len(buf):
         length, crc = FRAME.unpack_from(buf, pos)
@@ -93,8 +96,9 @@ def apply_op(store: SlotStore, op: str, sub: Any, slots: np.ndarray) -> bytes:
 
 
 def encode_import(snap: SlotSnapshot) -> bytes:
+    """Return the body of an import record: the whole slot as one serialized ``SlotData``."""
     pids = [i for i in snap.ids.tolist() if i in snap.payloads] if snap.payloads else []
-    return worker_pb2.SlotData(
+    body: bytes = worker_pb2.SlotData(
         slot=snap.slot,
         seq=snap.seq,
         first=True,
@@ -103,6 +107,7 @@ def encode_import(snap: SlotSnapshot) -> bytes:
         payload_ids=pids,
         payloads=[snap.payloads[i] for i in pids],
     ).SerializeToString()
+    return body
 
 
 def replay(

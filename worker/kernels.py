@@ -141,7 +141,8 @@ def decay_runs(strength: Any, starts: np.ndarray, ends: np.ndarray, rate: float)
 
     Args:
         strength: [N] float32, NumPy or CuPy, updated in place.
-        starts, ends: [R] int64 host, rows ``starts[r]:ends[r]`` of each run.
+        starts: [R] int64 host, first row of each run.
+        ends: [R] int64 host, end (exclusive) of each run: rows ``starts[r]:ends[r]``.
         rate: decay per call, in [0, 1] (validated by the caller; cast to float32).
     """
     if _compiled(strength):
@@ -344,11 +345,13 @@ def topk(strength: Any, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
 def topk_runs(
     strength: Any, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`topk` of the rows of R runs (starts, ends [R] int64 host); same result.
+    """:func:`topk` of the rows of R runs; same result.
 
     Args:
         strength: [N] float32, NumPy or CuPy.
         ids: [N] uint64 host ids of the same rows, distinct.
+        starts: [R] int64 host, first row of each run.
+        ends: [R] int64 host, end (exclusive) of each run.
         k: number wanted, >= 1.
     """
     if not _compiled(strength):

@@ -15,12 +15,25 @@ Shape letters: N rows, R runs, M sorted keys looked up, C top-k candidates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
 import numba
 import numpy as np
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-@numba.njit(parallel=True, cache=True)
-def decay_fused(strength, rate):  # pragma: no cover - compiled
+
+def _njit(**options: Any) -> Callable[[F], F]:
+    """``numba.njit(**options)`` typed for mypy: a compiled function keeps its signature.
+
+    numba ignores the annotations (it compiles for the argument types of each call).
+    """
+    return cast(Callable[[F], F], numba.njit(**options))
+
+
+@_njit(parallel=True, cache=True)
+def decay_fused(strength: np.ndarray, rate: np.float32) -> None:  # pragma: no cover - compiled
     """``s = clip(s - rate, 0, 1)`` over a whole [N] float32 array, rate float32."""
     for i in numba.prange(strength.shape[0]):
         v = strength[i] - rate
@@ -32,8 +45,8 @@ def decay_fused(strength, rate):  # pragma: no cover - compiled
         strength[i] = v
 
 
-@numba.njit(cache=True, nogil=True)
-def _decay_slice(x, rate):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def _decay_slice(x: np.ndarray, rate: np.float32) -> None:  # pragma: no cover - compiled
     # A loop from 0 over a slice: LLVM sees non-negative indices and vectorizes it.
     for i in range(x.shape[0]):
         v = x[i] - rate
@@ -44,15 +57,19 @@ def _decay_slice(x, rate):  # pragma: no cover - compiled
         x[i] = v
 
 
-@numba.njit(cache=True, nogil=True)
-def decay_runs(strength, starts, ends, rate):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def decay_runs(  # pragma: no cover - compiled
+    strength: np.ndarray, starts: np.ndarray, ends: np.ndarray, rate: np.float32
+) -> None:
     """``s = clip(s - rate, 0, 1)`` over the rows of R runs (starts, ends [R] int64)."""
     for r in range(starts.shape[0]):
         _decay_slice(strength[starts[r] : ends[r]], rate)
 
 
-@numba.njit(cache=True, nogil=True)
-def _count_at_least(x, edges, at_least):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def _count_at_least(  # pragma: no cover - compiled
+    x: np.ndarray, edges: np.ndarray, at_least: np.ndarray
+) -> None:
     # One pass per edge with a plain counter: vectorizes (a per-row bin lookup and
     # increment does not, and measured 2.5x slower).
     for e in range(edges.shape[0]):
@@ -62,8 +79,8 @@ def _count_at_least(x, edges, at_least):  # pragma: no cover - compiled
         at_least[e] += c
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _sum(x):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True, fastmath=True)
+def _sum(x: np.ndarray) -> float:  # pragma: no cover - compiled
     # fastmath lets LLVM reassociate (vectorize) the float64 sum, 17x faster; the sum is
     # only promised approximately (kernels.quality_runs).
     total = 0.0
@@ -72,8 +89,8 @@ def _sum(x):  # pragma: no cover - compiled
     return total
 
 
-@numba.njit(cache=True, nogil=True)
-def _min_max_bits(b):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def _min_max_bits(b: np.ndarray) -> tuple[np.int32, np.int32]:  # pragma: no cover - compiled
     # On int32 bit patterns: LLVM vectorizes integer min/max but not float ones (15x).
     lo, hi = np.int32(0x7FFFFFFF), np.int32(-0x80000000)
     for i in range(b.shape[0]):
@@ -82,14 +99,22 @@ def _min_max_bits(b):  # pragma: no cover - compiled
     return lo, hi
 
 
-@numba.njit(cache=True, nogil=True)
-def quality_runs(strength, bits, starts, ends, inner_edges):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def quality_runs(  # pragma: no cover - compiled
+    strength: np.ndarray,
+    bits: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    inner_edges: np.ndarray,
+) -> tuple[int, float, np.int32, np.int32, np.ndarray]:
     """Strength statistics of R runs: ``(count, float64 sum, min bits, max bits, at_least)``.
 
     Args:
         strength: [N] float32, finite and >= 0 (every stored strength is in [0, 1]).
         bits: [N] int32, ``strength.view(np.int32)``: for non-negative floats the IEEE 754
             bit patterns order as the values, so min/max run on integers.
+        starts: [R] int64, first row of each run.
+        ends: [R] int64, end (exclusive) of each run.
         inner_edges: [E] float32 histogram edges; ``at_least`` [E] int64 counts
             ``s >= inner_edges[e]``, from which ``kernels.quality`` derives the histogram.
     """
@@ -106,14 +131,16 @@ def quality_runs(strength, bits, starts, ends, inner_edges):  # pragma: no cover
     return count, total, lo, hi, at_least
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _worse(va, ia, vb, ib):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True, inline="always")
+def _worse(va: float, ia: int, vb: float, ib: int) -> bool:  # pragma: no cover - compiled
     """Whether (va, ia) ranks below (vb, ib): lower strength, or equal and larger id."""
     return va < vb or (va == vb and ia > ib)
 
 
-@numba.njit(cache=True, nogil=True)
-def topk_runs(strength, ids, starts, ends, k):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def topk_runs(  # pragma: no cover - compiled
+    strength: np.ndarray, ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, k: int
+) -> np.ndarray:
     """Rows of the k best memories of R runs (strength desc, then id asc), in no order.
 
     A binary heap of the k best so far with the worst at the root: a row enters when it
@@ -157,8 +184,10 @@ def topk_runs(strength, ids, starts, ends, k):  # pragma: no cover - compiled
     return hr[:size].copy()
 
 
-@numba.njit(cache=True, nogil=True)
-def locate_sorted(keys, needles):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def locate_sorted(  # pragma: no cover - compiled
+    keys: np.ndarray, needles: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ascending needles [M] uint64 in ascending keys [N] uint64.
 
     Returns ``(rows [M] int64, found [M] bool)`` with rows as ``np.searchsorted(keys,
@@ -189,8 +218,10 @@ def locate_sorted(keys, needles):  # pragma: no cover - compiled
     return rows, found
 
 
-@numba.njit(cache=True, nogil=True)
-def add_clip(strength, rows, sums):  # pragma: no cover - compiled
+@_njit(cache=True, nogil=True)
+def add_clip(  # pragma: no cover - compiled
+    strength: np.ndarray, rows: np.ndarray, sums: np.ndarray
+) -> None:
     """``s[rows] = clip(s[rows] + sums, 0, 1)`` in float32 for distinct rows [U] int64."""
     for j in range(rows.shape[0]):
         v = strength[rows[j]] + sums[j]
@@ -201,12 +232,16 @@ def add_clip(strength, rows, sums):  # pragma: no cover - compiled
         strength[rows[j]] = v
 
 
-@numba.njit(cache=True, nogil=True)
-def insert_rows(old, new, at, out):  # pragma: no cover - compiled
-    """Fill ``out`` [N + K] with ``old`` [N] and ``new`` [K] inserted before rows ``at`` [K]
-    int64 (ascending, as ``np.searchsorted(old_keys, new_keys)`` gives them): one pass of
-    slice copies instead of masked scatters. ``out`` comes from NumPy, whose large
-    allocations fault in faster (huge pages) than numba's: 22 vs 40 ms for 6.7M uint64."""
+@_njit(cache=True, nogil=True)
+def insert_rows(  # pragma: no cover - compiled
+    old: np.ndarray, new: np.ndarray, at: np.ndarray, out: np.ndarray
+) -> None:
+    """Fill ``out`` [N + K] with ``old`` [N] and ``new`` [K] inserted before rows ``at``.
+
+    ``at`` is [K] int64, ascending, as ``np.searchsorted(old_keys, new_keys)`` gives it: one
+    pass of slice copies instead of masked scatters. ``out`` comes from NumPy, whose large
+    allocations fault in faster (huge pages) than numba's: 22 vs 40 ms for 6.7M uint64.
+    """
     src = 0
     for j in range(new.shape[0]):
         a = at[j]

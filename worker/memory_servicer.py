@@ -1,5 +1,10 @@
-"""Memory-store RPCs of the ``neuroshard.v1.Worker`` service: decode, delegate to
-``MemoryNode``, map its errors to status codes."""
+"""Memory-store RPCs of the ``neuroshard.v1.Worker`` service.
+
+Each RPC decodes its request, calls ``MemoryNode``'s public methods, and maps domain errors
+to status codes (one table, ``_STATUS``).
+
+Shape letters: N items of a request.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +17,17 @@ from grpc import aio
 
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
-from shared.memory.validation import MemoryInputError, as_slots, validate_k, validate_rate
+from shared.memory.validation import MemoryInputError, validate_rate
 from shared.proto import common_pb2, worker_pb2
-from shared.rpc import error_message
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
-from worker.memory_node import (
-    MemoryNode,
-    NotPrimary,
-    OutOfSync,
-    ReplicationError,
-    StaleEpoch,
-    StaleForward,
-)
+from worker.memory_node import SlotSender
+from worker.node_holder import NodeHolder, NotReady
 from worker.registration import RegistrationRefused
-from worker.store import SlotSnapshot
+from worker.replication import OutOfSync, ReplicationError, StaleForward
+from worker.roles import NotPrimary, StaleEpoch
+from worker.wire import receive_slots, slot_messages
+
+__all__ = ["MemoryServicer"]
 
 T = TypeVar("T")
 
@@ -39,20 +41,16 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ReplicationError, grpc.StatusCode.UNAVAILABLE),
     (SlotMapError, grpc.StatusCode.INVALID_ARGUMENT),
     (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
 ]
 
 
-def _status_of(exc: BaseException) -> grpc.StatusCode | None:
-    if isinstance(exc, NotReady):
-        return grpc.StatusCode.UNAVAILABLE
-    return next((c for e, c in _STATUS if isinstance(exc, e)), None)
-
-
 async def _guard(context: aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
+    """Run ``work``; abort the call with the status of a domain error it raises."""
     try:
         return await work()
     except Exception as exc:
-        code = _status_of(exc)
+        code = next((c for e, c in _STATUS if isinstance(exc, e)), None)
         if code is None:
             raise
         await context.abort(code, str(exc))
@@ -66,48 +64,41 @@ def _same_length(ids: np.ndarray, **others: np.ndarray | list[bytes] | None) -> 
             raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(values)})")
 
 
-class NotReady(Exception):
-    """The worker has not registered yet, so it has no slot map (UNAVAILABLE)."""
+class MemoryServicer:
+    """The memory RPCs, served through ``WorkerServicer``."""
 
+    def __init__(self, nodes: NodeHolder, send_slots: SlotSender, chunk_bytes: int) -> None:
+        """Build the memory RPCs over this worker's node and its way of sending copies.
 
-class MemoryRpcs:
-    """Mixed into ``WorkerServicer``; ``self.node`` is this worker's ``MemoryNode``."""
-
-    node_or_none: MemoryNode | None
-    chunk_bytes: int
-    ensure_node: Callable[[common_pb2.SlotMap], MemoryNode]
-
-    @property
-    def node(self) -> MemoryNode:
-        if self.node_or_none is None:
-            raise NotReady("this worker has not registered with the coordinator yet")
-        return self.node_or_none
+        Args:
+            nodes: this worker's memory node (made when the first slot map arrives).
+            send_slots: streams slot copies to a peer (``CopySlots``).
+            chunk_bytes: target size of one ``SlotData`` message of ``DumpSlots``, bytes.
+        """
+        self._nodes = nodes
+        self._send_slots = send_slots
+        self._chunk_bytes = chunk_bytes
 
     async def Upsert(
         self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext
     ) -> worker_pb2.WriteResponse:
-        """Insert or overwrite memories of this worker's primary slots, replicated before the
-        reply. INVALID_ARGUMENT: bad values (nothing applied); FAILED_PRECONDITION: stale epoch
-        or a slot not primary here; UNAVAILABLE: the replica could not be reached."""
+        """Insert or overwrite memories of this worker's primary slots, replicated first.
+
+        The reply comes once every copy applied the write and its record is durable.
+
+        Raises:
+            INVALID_ARGUMENT: malformed bytes, lengths that differ or bad values (nothing
+                applied). FAILED_PRECONDITION: stale epoch, or a slot not primary here.
+            UNAVAILABLE: not registered yet, or a copy failed and the coordinator could not
+                be told.
+        """
 
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
             strengths = f32_from_bytes(request.strengths, "strengths")
             payloads = list(request.payloads) if len(request.payloads) else None
             _same_length(ids, strengths=strengths, payloads=payloads)
-            n = await self.node.mutate(
-                request.epoch,
-                "upsert",
-                request,
-                ids,
-                lambda keep: self.node.store.upsert(
-                    ids[keep],
-                    strengths[keep],
-                    None
-                    if payloads is None
-                    else [p for p, k in zip(payloads, keep, strict=True) if k],
-                ),
-            )
+            n = await self._nodes.get().upsert(request, ids, strengths, payloads)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -116,19 +107,16 @@ class MemoryRpcs:
         self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext
     ) -> worker_pb2.WriteResponse:
         """Add boosts (duplicates sum) and clip to [0, 1]; ``applied`` counts ids found.
-        Status codes as ``Upsert``."""
+
+        Raises:
+            Status codes as ``Upsert``.
+        """
 
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
             boosts = f32_from_bytes(request.boosts, "boosts")
             _same_length(ids, boosts=boosts)
-            n = await self.node.mutate(
-                request.epoch,
-                "reinforce",
-                request,
-                ids,
-                lambda keep: self.node.store.reinforce(ids[keep], boosts[keep]),
-            )
+            n = await self._nodes.get().reinforce(request, ids, boosts)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -136,17 +124,15 @@ class MemoryRpcs:
     async def Delete(
         self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext
     ) -> worker_pb2.WriteResponse:
-        """Delete memories; ``applied`` counts ids found. Status codes as ``Upsert``."""
+        """Delete memories; ``applied`` counts ids found.
+
+        Raises:
+            Status codes as ``Upsert``.
+        """
 
         async def work() -> worker_pb2.WriteResponse:
             ids = ids_from_bytes(request.ids, "ids")
-            n = await self.node.mutate(
-                request.epoch,
-                "delete",
-                request,
-                ids,
-                lambda keep: self.node.store.delete(ids[keep]),
-            )
+            n = await self._nodes.get().delete(request, ids)
             return worker_pb2.WriteResponse(applied=n)
 
         return await _guard(context, work)
@@ -154,13 +140,16 @@ class MemoryRpcs:
     async def Get(
         self, request: worker_pb2.GetRequest, context: aio.ServicerContext
     ) -> worker_pb2.GetResponse:
-        """Read memories from their primary. FAILED_PRECONDITION: stale epoch / not primary."""
+        """Read memories from their primary: found [N] uint8, strengths [N] float32.
+
+        Raises:
+            INVALID_ARGUMENT: malformed ids. FAILED_PRECONDITION: stale epoch, or a slot not
+                primary here. UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> worker_pb2.GetResponse:
             ids = ids_from_bytes(request.ids, "ids")
-            self.node.check_epoch(request.epoch)
-            self.node._check_primary(ids)
-            found, strengths, payloads = await self.node.run(self.node.store.get, ids)
+            found, strengths, payloads = await self._nodes.get().get(request.epoch, ids)
             return worker_pb2.GetResponse(
                 found=np.asarray(found, np.uint8).tobytes(),
                 strengths=f32_to_bytes(strengths),
@@ -172,36 +161,45 @@ class MemoryRpcs:
     async def Decay(
         self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext
     ) -> common_pb2.DecayResponse:
-        """Decay this worker's primary slots (called by the coordinator's fan-out)."""
+        """Decay this worker's primary slots (called by the coordinator's fan-out).
+
+        Raises:
+            INVALID_ARGUMENT: a rate outside [0, 1]. Otherwise status codes as ``Upsert``.
+        """
 
         async def work() -> common_pb2.DecayResponse:
             rate = float(validate_rate(request.rate))
-            return common_pb2.DecayResponse(memories=await self.node.decay(request.epoch, rate))
+            n = await self._nodes.get().decay(request.epoch, rate)
+            return common_pb2.DecayResponse(memories=n)
 
         return await _guard(context, work)
 
     async def Quality(
         self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext
     ) -> common_pb2.QualityStats:
-        """Strength statistics of this worker's primary slots."""
+        """Strength statistics of this worker's primary slots.
+
+        Raises:
+            FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> common_pb2.QualityStats:
-            self.node.check_epoch(request.epoch)
-            mine = np.flatnonzero(self.node.roles.primary)
-            return quality_to_pb(await self.node.run(self.node.store.quality, mine))
+            return quality_to_pb(await self._nodes.get().quality(request.epoch))
 
         return await _guard(context, work)
 
     async def TopK(
         self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext
     ) -> common_pb2.TopKResponse:
-        """The k strongest memories of this worker's primary slots (ties: smaller id)."""
+        """The k strongest memories of this worker's primary slots (ties: smaller id).
+
+        Raises:
+            INVALID_ARGUMENT: k out of range. FAILED_PRECONDITION: stale epoch.
+            UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> common_pb2.TopKResponse:
-            self.node.check_epoch(request.epoch)
-            k = validate_k(request.k, self.node.store.k_max)
-            mine = np.flatnonzero(self.node.roles.primary)
-            ids, strengths = await self.node.run(self.node.store.topk, k, mine)
+            ids, strengths = await self._nodes.get().topk(request.epoch, request.k)
             return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
         return await _guard(context, work)
@@ -209,10 +207,16 @@ class MemoryRpcs:
     async def Replicate(
         self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext
     ) -> worker_pb2.ReplicateResponse:
-        """Apply a primary's forwarded mutation in sequence order. ABORTED: out of sync."""
+        """Apply a primary's forwarded mutation in sequence order.
+
+        Raises:
+            ABORTED: out of sync (a gap, or a slot primary here). FAILED_PRECONDITION: from an
+                older epoch, for no slot held here. INVALID_ARGUMENT: malformed forward.
+                UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> worker_pb2.ReplicateResponse:
-            await self.node.apply_replicated(request)
+            await self._nodes.get().apply_replicated(request)
             return worker_pb2.ReplicateResponse()
 
         return await _guard(context, work)
@@ -220,124 +224,93 @@ class MemoryRpcs:
     async def ApplySlotMap(
         self, request: common_pb2.SlotMap, context: aio.ServicerContext
     ) -> worker_pb2.ApplySlotMapResponse:
-        """Adopt a slot map from the coordinator (older epochs are ignored)."""
+        """Adopt a slot map from the coordinator (older epochs are ignored).
+
+        Raises:
+            INVALID_ARGUMENT: a malformed map. FAILED_PRECONDITION: another slot count than
+                this worker's data.
+        """
 
         async def work() -> worker_pb2.ApplySlotMapResponse:
             validate_slot_map(request)
-            node = self.ensure_node(request)
-            return worker_pb2.ApplySlotMapResponse(epoch=await node.apply_slot_map(request))
+            epoch = await self._nodes.ensure(request).apply_slot_map(request)
+            return worker_pb2.ApplySlotMapResponse(epoch=epoch)
 
         return await _guard(context, work)
 
     async def CopySlots(
         self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext
     ) -> worker_pb2.CopySlotsResponse:
-        """Copy slots to another worker (copy, then the coordinator switches the map): under
-        this worker's write order, snapshot each batch of slots, stream it to the target and
-        forward later writes of those slots there as well. UNAVAILABLE: target unreachable."""
+        """Copy slots to another worker (copy, then the coordinator switches the map).
+
+        Under this worker's write order, snapshot each batch of slots, stream it to the
+        target and forward later writes of those slots there as well.
+
+        Raises:
+            UNAVAILABLE: the target could not be reached, or not registered yet.
+        """
 
         async def work() -> worker_pb2.CopySlotsResponse:
-            memories = nbytes = 0
-            slots = list(request.slots)
-            for i in range(0, len(slots), 64):
-                async with self.node.copy_lock:
-                    snaps = await self.node.export_for_copy(
-                        slots[i : i + 64], request.target, request.target_address
-                    )
-                    try:
-                        m, b = await self.send_slots(request.target, request.target_address, snaps)
-                    except aio.AioRpcError as exc:
-                        raise ReplicationError(
-                            f"copying slots to {request.target} at {request.target_address} "
-                            f"failed: {error_message(exc)}"
-                        ) from None
-                memories, nbytes = memories + m, nbytes + b
+            memories, nbytes = await self._nodes.get().copy_to(
+                request.target, request.target_address, list(request.slots), self._send_slots
+            )
             return worker_pb2.CopySlotsResponse(memories=memories, bytes=nbytes)
 
         return await _guard(context, work)
 
-    async def send_slots(
-        self, target: str, address: str, snaps: list[SlotSnapshot]
-    ) -> tuple[int, int]:
-        """Stream slot snapshots to a peer; return (memories, bytes). Provided by WorkerServicer."""
-        raise NotImplementedError  # provided by WorkerServicer (needs the peer channels)
-
     async def ReceiveSlots(
         self, request_iterator: AsyncIterator[worker_pb2.SlotData], context: aio.ServicerContext
     ) -> worker_pb2.ReceiveSlotsResponse:
-        """Install streamed slot copies (each replaces what this worker held for its slot)."""
+        """Install streamed slot copies (each replaces what this worker held for its slot).
+
+        Raises:
+            INVALID_ARGUMENT: malformed chunks. UNAVAILABLE: not registered yet.
+        """
 
         async def work() -> worker_pb2.ReceiveSlotsResponse:
-            snaps: dict[int, SlotSnapshot] = {}
-            async for msg in request_iterator:
-                snap = snaps.get(msg.slot)
-                ids, strengths = ids_from_bytes(msg.ids), f32_from_bytes(msg.strengths)
-                if len(msg.payload_ids) != len(msg.payloads):
-                    raise MemoryInputError(
-                        f"slot {msg.slot}: {len(msg.payloads)} payloads for "
-                        f"{len(msg.payload_ids)} payload_ids"
-                    )
-                payloads = dict(zip(msg.payload_ids, msg.payloads, strict=True))
-                if snap is None or msg.first:
-                    snaps[msg.slot] = SlotSnapshot(msg.slot, msg.seq, ids, strengths, payloads)
-                else:
-                    snap.ids = np.concatenate([snap.ids, ids])
-                    snap.strengths = np.concatenate([snap.strengths, strengths])
-                    snap.payloads.update(payloads)
-            n = await self.node.import_snapshots(list(snaps.values()))
-            return worker_pb2.ReceiveSlotsResponse(memories=n)
+            snaps = await receive_slots(request_iterator)
+            return worker_pb2.ReceiveSlotsResponse(
+                memories=await self._nodes.get().import_snapshots(snaps)
+            )
 
         return await _guard(context, work)
 
     async def DumpSlots(
         self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.SlotData]:
-        """Stream every held slot's data (tests and diagnostics compare copies with it)."""
-        if self.node_or_none is None:
+        """Stream every held slot's data, or the requested slots'.
+
+        Tests and diagnostics compare copies with it. Nothing before the worker has a store.
+
+        Raises:
+            INVALID_ARGUMENT: a slot out of range.
+        """
+        node = self._nodes.current
+        if node is None:
             return
         try:
-            chosen = as_slots(list(request.slots), self.node.store.slots)
+            snaps = await node.export_slots(list(request.slots))
         except MemoryInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        slots = chosen.tolist() or self.node.store.held_slots().tolist()
-        snaps = await self.node.run(lambda: [self.node.store.export_slot(s) for s in slots])
         for snap in snaps:
-            for msg in slot_messages(snap, self.chunk_bytes):
+            for msg in slot_messages(snap, self._chunk_bytes):
                 yield msg
 
     async def SlotSeqs(
         self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
     ) -> worker_pb2.SlotSeqsResponse:
-        """Sequence numbers of slots as held here (0 where this worker has no data: also
-        before it has a store). INVALID_ARGUMENT: a slot out of range."""
+        """Sequence numbers of slots as held here.
+
+        0 where this worker has no data (also before it has a store).
+
+        Raises:
+            INVALID_ARGUMENT: a slot out of range.
+        """
 
         async def work() -> worker_pb2.SlotSeqsResponse:
-            node = self.node_or_none
+            node = self._nodes.current
             if node is None:
                 return worker_pb2.SlotSeqsResponse(seqs=[0] * len(request.slots))
-            slots = as_slots(list(request.slots), node.store.slots)
-            return worker_pb2.SlotSeqsResponse(seqs=node.store.seq[slots].tolist())
+            return worker_pb2.SlotSeqsResponse(seqs=node.slot_seqs(list(request.slots)))
 
         return await _guard(context, work)
-
-
-def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotData]:
-    """One slot as ``SlotData`` messages of about ``chunk_bytes`` each (12 bytes a memory)."""
-    per = max(1, chunk_bytes // 12)
-    out = []
-    n = len(snap.ids)
-    for start in range(0, max(n, 1), per):
-        ids = snap.ids[start : start + per]
-        pids = [i for i in ids.tolist() if i in snap.payloads] if snap.payloads else []
-        out.append(
-            worker_pb2.SlotData(
-                slot=snap.slot,
-                seq=snap.seq,
-                ids=ids_to_bytes(ids),
-                strengths=f32_to_bytes(snap.strengths[start : start + per]),
-                payload_ids=pids,
-                payloads=[snap.payloads[i] for i in pids],
-                first=start == 0,
-            )
-        )
-    return out

@@ -21,8 +21,11 @@ log = get_logger("worker.registration")
 
 
 class RegistrationRefused(Exception):
-    """This worker cannot join the coordinator's cluster (e.g. its data dir holds another
-    slot count); raised by ``on_register``, it ends the registration loop."""
+    """This worker cannot join the coordinator's cluster (FAILED_PRECONDITION).
+
+    E.g. its data dir holds another slot count; raised by ``on_register``, it ends the
+    registration loop.
+    """
 
 
 class Registration:
@@ -37,10 +40,24 @@ class Registration:
         memories: Callable[[], int],
         rpc_timeout_s: float,
         on_register: Callable[[coordinator_pb2.RegisterWorkerResponse], None] | None = None,
+        epoch: Callable[[], int] = lambda: 0,
     ) -> None:
+        """Prepare the registration (``run`` does it).
+
+        Args:
+            stub: the coordinator's stub.
+            name: this worker's name.
+            address: the address peers and the coordinator reach this worker at.
+            device: "cpu" or "cuda", as reported.
+            memories: memories held as primary, reported in each heartbeat.
+            rpc_timeout_s: deadline of a registration call, seconds.
+            on_register: called with each registration reply (may raise
+                ``RegistrationRefused``, which ends ``run``).
+            epoch: the slot-map epoch this worker is at, reported in each heartbeat.
+        """
         self._on_register = on_register
         self.incarnation = uuid.uuid4().hex
-        self.epoch: Callable[[], int] = lambda: 0
+        self.epoch = epoch
         self._stub, self.name, self.address, self.device = stub, name, address, device
         self._memories = memories
         self._timeout_s = rpc_timeout_s

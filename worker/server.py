@@ -1,5 +1,7 @@
-"""Worker server lifecycle: reload slot data, serve, register with the coordinator,
-heartbeat, drain, stop."""
+"""Worker server lifecycle.
+
+Reload slot data, serve, register with the coordinator, heartbeat, drain, stop.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import os
 import socket
 from pathlib import Path
 
-import numpy as np
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -16,19 +17,24 @@ from shared import rpc
 from shared.config import WorkerConfig
 from shared.logging import get_logger
 from shared.metrics import Metrics
-from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shared.rpc.interceptors import server_interceptors
 from shared.rpc.limits import server_options
 from shared.rpc.peers import WorkerClients
 from shared.security.exposure import check_listen, start_probe_server
 from shared.security.transport import DaemonSecurity
 from worker import kernels
-from worker.journal import Journal, JournalError, lock_data_dir, recover
+from worker.journal import Journal, lock_data_dir, recover
+from worker.journal_format import JournalError
 from worker.memory_node import MemoryNode
+from worker.memory_servicer import MemoryServicer
+from worker.node_holder import NodeHolder
+from worker.peers import PeerLinks
 from worker.registration import Registration, RegistrationRefused
 from worker.shards import ShardFetcher
 from worker.store import SlotStore
 from worker.training import TrainingSessions
+from worker.training_servicer import TrainingServicer
 from worker.worker_servicer import WorkerServicer
 
 log = get_logger("worker.server")
@@ -39,14 +45,22 @@ class WorkerServer:
     """One worker: ``await start()`` serves and registers; ``await stop()``."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
+        """Build the server and its parts from ``cfg``; nothing listens before ``start``."""
         self.cfg = cfg
         self.name = cfg.name or socket.gethostname()
         _, self.device = kernels.get_xp(cfg.device)
         self.metrics = Metrics()
         check_listen("worker", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure)
-        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name)
         self.health = health.aio.HealthServicer()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
+        self.coordinator_channel = rpc.channel(
+            cfg.coordinator, cfg.max_message_bytes, self.security.channel
+        )
+        # The generated gRPC code is untyped (no-untyped-call here and for add_*_to_server).
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)  # type: ignore[no-untyped-call]
+        # File data sets' rows come from the coordinator over its channel (no shared disk).
+        fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
+        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name, fetcher)
         self.server = aio.server(
             interceptors=server_interceptors(
                 self.metrics, self.security.public_key, self.name, cfg.max_batch_items
@@ -54,23 +68,16 @@ class WorkerServer:
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         self.peers = WorkerClients(cfg.max_message_bytes, self.security.channel)
-        self.servicer = WorkerServicer(
-            self.sessions, cfg.chunk_bytes, self.peers, cfg.rpc_timeout_s
-        )
-        self.servicer.ensure_node = self.ensure_node
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.coordinator_channel = rpc.channel(
-            cfg.coordinator, cfg.max_message_bytes, self.security.channel
-        )
-        # File data sets' rows come from the coordinator over this channel (no shared disk).
-        self.sessions.fetcher = ShardFetcher(
-            coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel),
-            self.name,
-            cfg.rpc_timeout_s,
-        )
-        self.address = ""
+        self.links = PeerLinks(self.peers, cfg.chunk_bytes, cfg.rpc_timeout_s)
         self.data_dir = Path(cfg.data_dir)
+        self.nodes = NodeHolder(self._new_node, self.data_dir, cfg.coordinator)
+        self.servicer = WorkerServicer(
+            MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
+            TrainingServicer(self.sessions, cfg.chunk_bytes),
+        )
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.address = ""
         self._data_lock = -1  # fd holding the data dir's lock until a journal owns it
         self.registration: Registration | None = None
         self._tasks: asyncio.Task[None] | None = None
@@ -80,8 +87,10 @@ class WorkerServer:
         self.error = ""
 
     async def start(self) -> str:
-        """Reload the slot data of a previous run, bind and serve, then register in the
-        background; return the advertised address.
+        """Reload, bind and serve, then register in the background; return the address.
+
+        The slot data of a previous run is reloaded from the data dir first; the address
+        returned is the one advertised to the coordinator.
 
         Raises:
             JournalError: the data dir is in use by another worker or corrupt.
@@ -104,15 +113,15 @@ class WorkerServer:
         if self.cfg.metrics_port is not None:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         self.registration = Registration(
-            coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel),
+            self.coordinator,
             self.name,
             self.address,
             self.device,
             memories=self._memories,
             rpc_timeout_s=self.cfg.rpc_timeout_s,
             on_register=self._on_register,
+            epoch=self._epoch,
         )
-        self.registration.epoch = self._epoch
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
         self._tasks.add_done_callback(self._registration_ended)
         for svc in ("", SERVICE_NAME):
@@ -135,13 +144,15 @@ class WorkerServer:
         if rec is None:
             return
         journal = self._open_journal(rec.store.slots, rec.next_gen, rec.log_bytes)
-        self.servicer.node_or_none = MemoryNode(
-            self.name,
-            rec.store,
-            self.servicer.forward,
-            self._report_failure,
-            journal,
-            rec.requests,
+        self.nodes.install(
+            MemoryNode(
+                self.name,
+                rec.store,
+                self.links.forward,
+                self._report_failure,
+                journal,
+                rec.requests,
+            )
         )
         log.info(
             "worker_reloaded",
@@ -182,35 +193,20 @@ class WorkerServer:
             self._data_lock = -1
 
     def _on_register(self, reply: coordinator_pb2.RegisterWorkerResponse) -> None:
-        self.ensure_node(reply.slot_map)
+        self.nodes.ensure(reply.slot_map)
 
-    def ensure_node(self, slot_map: common_pb2.SlotMap) -> MemoryNode:
-        """Create the memory store once the cluster's slot count is known (from the
-        registration reply or the first pushed slot map, whichever comes first).
+    def _new_node(self, slots: int, max_payload_bytes: int) -> MemoryNode:
+        """Create the memory store once the cluster's slot count is known.
 
-        Raises:
-            RegistrationRefused: the data dir holds another slot count than the cluster's.
+        From the registration reply or the first pushed slot map, whichever comes first.
         """
-        node = self.servicer.node_or_none
-        if node is None:
-            slots = slot_map.slots or 1024
-            store = self._new_store(slots, slot_map.max_payload_bytes)
-            node = MemoryNode(
-                self.name,
-                store,
-                self.servicer.forward,
-                self._report_failure,
-                self._open_journal(slots),
-            )
-            self.servicer.node_or_none = node
-        elif slot_map.slots and slot_map.slots != node.store.slots:
-            raise RegistrationRefused(
-                f"data_dir {self.data_dir} holds {node.store.slots} slots but the coordinator "
-                f"at {self.cfg.coordinator} has {slot_map.slots}; use another data_dir"
-            )
-        elif slot_map.max_payload_bytes:
-            node.store.max_payload_bytes = slot_map.max_payload_bytes
-        return node
+        return MemoryNode(
+            self.name,
+            self._new_store(slots, max_payload_bytes),
+            self.links.forward,
+            self._report_failure,
+            self._open_journal(slots),
+        )
 
     def _registration_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and isinstance(task.exception(), RegistrationRefused):
@@ -219,13 +215,15 @@ class WorkerServer:
             self.failed.set()
 
     async def _report_failure(self, worker: str, slots: list[int], reason: str) -> None:
-        """Tell the coordinator that this primary stops updating ``worker``'s copies of
-        ``slots`` (raises grpc.aio.AioRpcError)."""
+        """Tell the coordinator that this primary stops updating ``worker``'s copies of ``slots``.
+
+        Raises:
+            grpc.aio.AioRpcError: the coordinator did not take the report.
+        """
         log.warning(
             "replica_failed", worker=self.name, replica=worker, slots=len(slots), reason=reason
         )
-        stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
-        await stub.ReportFailure(
+        await self.coordinator.ReportFailure(
             coordinator_pb2.ReportFailureRequest(
                 reporter=self.name, worker=worker, reason=reason, slots=slots
             ),
@@ -233,30 +231,28 @@ class WorkerServer:
         )
 
     def _epoch(self) -> int:
-        node = self.servicer.node_or_none
-        return 0 if node is None else node.roles.epoch
+        node = self.nodes.current
+        return 0 if node is None else node.epoch
 
     def _memories(self) -> int:
         """Memories held as primary (reported in heartbeats)."""
-        node = self.servicer.node_or_none
-        if node is None:
-            return 0
-        return int(node.store.count(np.flatnonzero(node.roles.primary)))
+        node = self.nodes.current
+        return 0 if node is None else node.primary_memories()
 
     async def drain(self) -> bool:
-        """Hand this worker's slots to the others before leaving (SIGTERM, Kubernetes preStop):
-        ask the coordinator to drain it and poll until it holds no slot, serving meanwhile.
+        """Hand this worker's slots to the others before leaving (SIGTERM, Kubernetes preStop).
+
+        Ask the coordinator to drain it and poll until it holds no slot, serving meanwhile.
 
         Returns:
             True when drained; False after ``drain_timeout_s`` or if the coordinator is down.
         """
-        stub = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.cfg.drain_timeout_s
         log.info("worker_draining", worker=self.name)
         while loop.time() < deadline:
             try:
-                reply = await stub.DrainWorker(
+                reply = await self.coordinator.DrainWorker(
                     coordinator_pb2.DrainWorkerRequest(name=self.name), timeout=5.0
                 )
             except aio.AioRpcError as exc:
@@ -283,8 +279,8 @@ class WorkerServer:
         await self.coordinator_channel.close()
         await self.peers.close()
         self.sessions.close()
-        if self.servicer.node_or_none is not None:
-            self.servicer.node_or_none.close()
+        if self.nodes.current is not None:
+            self.nodes.current.close()
         self._release_data_dir()
         log.info("worker_stopped", worker=self.name)
 
@@ -307,6 +303,6 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
         await server.stop()
         raise SystemExit(f"worker: {server.error}")
     log.info("worker_stopping", worker=server.name)
-    if server.servicer.node_or_none is not None:
+    if server.nodes.current is not None:
         await server.drain()
     await server.stop()

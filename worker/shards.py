@@ -38,6 +38,7 @@ class ShardFetchError(Exception):
     """The coordinator did not deliver a shard; ``code`` is FetchShard's gRPC status."""
 
     def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        """Name the failure and FetchShard's status ``code``."""
         super().__init__(message)
         self.code = code
 
@@ -58,15 +59,7 @@ class ShardRows:
 
 
 class TrainData:
-    """What a worker knows of a job's training set: its sizes and the shards held here.
-
-    Args:
-        n_train: training rows of the whole set (all shards).
-        input_shape: ``S``, the shape of one sample.
-        num_classes: C.
-        full: the whole split data set when it was made here (built-in sets); then every
-            shard is held.
-    """
+    """What a worker knows of a job's training set: its sizes and the shards held here."""
 
     def __init__(
         self,
@@ -75,6 +68,15 @@ class TrainData:
         num_classes: int,
         full: Dataset | None = None,
     ) -> None:
+        """Describe a training set and the shards held so far.
+
+        Args:
+            n_train: training rows of the whole set (all shards).
+            input_shape: ``S``, the shape of one sample.
+            num_classes: C.
+            full: the whole split data set when it was made here (built-in sets); then every
+                shard is held.
+        """
         self.n_train, self.input_shape, self.num_classes = n_train, input_shape, num_classes
         self._full = full
         self._shards: dict[Shard, ShardRows] = {}
@@ -141,23 +143,27 @@ class TrainData:
 
 
 class ShardFetcher:
-    """Fetches shards' rows from the coordinator over this worker's coordinator channel
-    (its TLS and worker token).
+    """Fetches shards' rows from the coordinator over this worker's coordinator channel.
 
-    Args:
-        stub: the coordinator's stub.
-        worker: this worker's name (the coordinator checks it is part of the job).
-        timeout_s: deadline of one fetch, seconds.
+    The channel carries this worker's TLS and worker token.
     """
 
     def __init__(
         self, stub: coordinator_pb2_grpc.CoordinatorStub, worker: str, timeout_s: float
     ) -> None:
+        """Fetch over ``stub`` as worker ``worker``.
+
+        Args:
+            stub: the coordinator's stub.
+            worker: this worker's name (the coordinator checks it is part of the job).
+            timeout_s: deadline of one fetch, seconds.
+        """
         self._stub, self._worker, self._timeout_s = stub, worker, timeout_s
 
     async def fetch(self, job_id: str, shard: Shard) -> tuple[TrainData, ShardRows]:
-        """Fetch one shard: the data set's sizes (a ``TrainData`` holding this shard) and
-        its rows. The arrays are assembled and checked in a thread.
+        """Fetch one shard: the data set's sizes (a ``TrainData`` holding it) and its rows.
+
+        The arrays are assembled and checked in a thread.
 
         Raises:
             ShardFetchError: FetchShard failed (its status: NOT_FOUND, PERMISSION_DENIED,

@@ -56,14 +56,7 @@ class SlotSnapshot:
 
 
 class SlotStore:
-    """Memories of the slots one worker holds, sorted by slot key.
-
-    Args:
-        slots: number of hash slots S of the cluster, a power of two.
-        device: "cpu", "cuda" or "auto" (see ``kernels.get_xp``).
-        max_payload_bytes: largest payload of one memory, bytes.
-        k_max: largest k a top-k request may ask for.
-    """
+    """Memories of the slots one worker holds, sorted by slot key."""
 
     def __init__(
         self,
@@ -72,6 +65,14 @@ class SlotStore:
         max_payload_bytes: int = 4096,
         k_max: int = 10000,
     ) -> None:
+        """Make an empty store.
+
+        Args:
+            slots: number of hash slots S of the cluster, a power of two.
+            device: "cpu", "cuda" or "auto" (see ``kernels.get_xp``).
+            max_payload_bytes: largest payload of one memory, bytes.
+            k_max: largest k a top-k request may ask for.
+        """
         sort_key(np.empty(0, np.uint64), slots)  # validates slots
         self.slots = slots
         self.xp, self.device = kernels.get_xp(device)
@@ -84,6 +85,7 @@ class SlotStore:
         self.seq = np.zeros(slots, np.uint64)
 
     def __len__(self) -> int:
+        """Memories held."""
         return len(self.ids)
 
     # --- row bookkeeping -------------------------------------------------------------------
@@ -103,6 +105,9 @@ class SlotStore:
         """Merge new rows (keys sorted, none present yet) into the sorted arrays in O(N + K).
 
         Args:
+            keys: [K] uint64 sort keys of the new rows, ascending.
+            ids: [K] uint64 ids of the new rows.
+            strengths: [K] float32 strengths of the new rows.
             at: [K] int64 ``np.searchsorted(self.keys, keys)`` when the caller has it.
         """
         if len(keys) == 0:
@@ -125,8 +130,10 @@ class SlotStore:
     def _run_bounds(
         self, slots: Sequence[int] | np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(starts [R], ends [R])`` int64: the non-empty row ranges of a slot set
-        (None: all rows), ascending, adjacent slots merged into one run."""
+        """Return ``(starts [R], ends [R])`` int64: the non-empty row ranges of a slot set.
+
+        None: all rows. Ascending, adjacent slots merged into one run.
+        """
         if slots is None:
             n = len(self.ids)
             return np.array([0] if n else [], np.int64), np.array([n] if n else [], np.int64)
@@ -315,7 +322,8 @@ class SlotStore:
         """
         chosen = as_slots(slots, self.slots)
         self.seq[np.unique(chosen)] += np.uint64(1)
-        return self.seq[chosen].copy()
+        seqs: np.ndarray = self.seq[chosen].copy()
+        return seqs
 
     def export_slot(self, slot: int) -> SlotSnapshot:
         """Copy out one slot's memories, payloads and sequence number (host arrays)."""

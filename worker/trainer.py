@@ -47,26 +47,7 @@ class GradResult:
 
 
 class Trainer:
-    """Holds one job's data and model replica on a worker and computes shard gradients.
-
-    Args:
-        spec: the job.
-        shard_index: this worker's shard in [0, shard_count).
-        shard_count: number of shards (workers) of the job.
-        torch_threads: ``torch.set_num_threads`` value. Note: this setting is process-wide.
-        allowed_imports: this worker's ``allowed_imports`` (an import model must be listed).
-        daemon: ``worker NAME``, for a refusal's message.
-        data: the job's training rows held here (at least this shard's); None makes a
-            built-in data set here.
-
-    Raises:
-        ImportNotAllowed: the model's module is not allowed here (PERMISSION_DENIED).
-        DataError: the job's data cannot be loaded, or ``data`` is None for a file data set
-            (INVALID_ARGUMENT).
-        ShardMissing: ``data`` does not hold this shard (FAILED_PRECONDITION).
-        ModelError: the job's model cannot be built (INVALID_ARGUMENT).
-        ValueError: bad shard_index/shard_count (INVALID_ARGUMENT).
-    """
+    """Holds one job's data and model replica on a worker and computes shard gradients."""
 
     def __init__(
         self,
@@ -78,6 +59,26 @@ class Trainer:
         daemon: str = "worker",
         data: TrainData | None = None,
     ) -> None:
+        """Load this worker's data and build the model and optimizer.
+
+        Args:
+            spec: the job.
+            shard_index: this worker's shard in [0, shard_count).
+            shard_count: number of shards (workers) of the job.
+            torch_threads: ``torch.set_num_threads`` value. Note: this setting is process-wide.
+            allowed_imports: this worker's ``allowed_imports`` (an import model must be listed).
+            daemon: ``worker NAME``, for a refusal's message.
+            data: the job's training rows held here (at least this shard's); None makes a
+                built-in data set here.
+
+        Raises:
+            ImportNotAllowed: the model's module is not allowed here (PERMISSION_DENIED).
+            DataError: the job's data cannot be loaded, or ``data`` is None for a file data set
+                (INVALID_ARGUMENT).
+            ShardMissing: ``data`` does not hold this shard (FAILED_PRECONDITION).
+            ModelError: the job's model cannot be built (INVALID_ARGUMENT).
+            ValueError: bad shard_index/shard_count (INVALID_ARGUMENT).
+        """
         torch.set_num_threads(torch_threads)
         self.spec = spec
         self.data = data if data is not None else TrainData.local(spec)
@@ -161,7 +162,7 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)
         logits = self.model(x)
         loss = nn.functional.cross_entropy(logits, y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         grads = {n: _grad_array(p) for n, p in self._params.items()}
         correct = int((logits.argmax(dim=1) == y).sum())
         compute_s = time.perf_counter() - t0

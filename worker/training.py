@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
@@ -25,16 +26,25 @@ class UnknownTrainingJob(KeyError):
 
 
 class TrainingSessions:
-    """Trainers by job id. Torch work runs on one dedicated thread, off the event loop.
-
-    ``fetcher`` gets file data sets' shards from the coordinator; the worker server sets it
-    once its coordinator channel exists (None: file data sets are refused).
-    """
+    """Trainers by job id. Torch work runs on one dedicated thread, off the event loop."""
 
     def __init__(
-        self, torch_threads: int, allowed_imports: Sequence[str] = (), name: str = ""
+        self,
+        torch_threads: int,
+        allowed_imports: Sequence[str] = (),
+        name: str = "",
+        fetcher: ShardFetcher | None = None,
     ) -> None:
-        self.fetcher: ShardFetcher | None = None
+        """Start with no job; torch work gets its own thread.
+
+        Args:
+            torch_threads: ``torch.set_num_threads`` of the torch thread (process-wide).
+            allowed_imports: modules a job's model may be imported from.
+            name: this worker's name, for messages.
+            fetcher: gets file data sets' shards from the coordinator (None: file data sets
+                are refused).
+        """
+        self._fetcher = fetcher
         self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, ShardRows]]] = {}
         self._torch_threads = torch_threads
         self._allowed_imports = tuple(allowed_imports)
@@ -86,13 +96,15 @@ class TrainingSessions:
 
     async def _fetch(self, job_id: str, shard: Shard) -> tuple[TrainData, ShardRows]:
         """Fetch ``shard`` from the coordinator: a ``TrainData`` holding it, and its rows.
-        Concurrent asks for the same shard share one fetch."""
-        if self.fetcher is None:
+
+        Concurrent asks for the same shard share one fetch.
+        """
+        if self._fetcher is None:
             raise DataError("data.path: this worker has no coordinator to fetch shards from")
         key = (job_id, shard)
         pending = self._fetching.get(key)
         if pending is None:
-            pending = asyncio.ensure_future(self.fetcher.fetch(job_id, shard))
+            pending = asyncio.ensure_future(self._fetcher.fetch(job_id, shard))
             self._fetching[key] = pending
             pending.add_done_callback(lambda _f: self._fetching.pop(key, None))
         return await asyncio.shield(pending)
@@ -105,8 +117,10 @@ class TrainingSessions:
         step_in_epoch: int,
         shard: tuple[int, int],
     ) -> GradResult:
-        """Gradients of one step on the torch thread, fetching the shard's rows first when
-        they are not held here (a shard handed over from another worker).
+        """Gradients of one step on the torch thread.
+
+        The shard's rows are fetched first when they are not held here (a shard handed over
+        from another worker).
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
@@ -122,7 +136,9 @@ class TrainingSessions:
 
         return await loop.run_in_executor(self._executor, work)
 
-    async def set_params(self, trainer: Trainer, params: dict, version: int) -> None:
+    async def set_params(
+        self, trainer: Trainer, params: dict[str, np.ndarray], version: int
+    ) -> None:
         """Load parameters (name -> float32 array) of ``version`` on the torch thread."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)

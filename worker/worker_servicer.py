@@ -1,149 +1,137 @@
-"""The ``neuroshard.v1.Worker`` service, training RPCs: validate, delegate, map errors."""
+"""The ``neuroshard.v1.Worker`` service: one servicer that hands each RPC to its part.
+
+A proto service is registered once, so one servicer serves it; its parts,
+``MemoryServicer`` and ``TrainingServicer``, are each built with what they need. The parts'
+docstrings say what each RPC does and answers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 from grpc import aio
 
-from shared.config import ConfigError
-from shared.proto import worker_pb2, worker_pb2_grpc
-from shared.rpc.codec import CodecError, read_header_and_tensors, tensors_to_chunks
-from shared.rpc.peers import WorkerClients
-from shared.security.confinement import ImportNotAllowed
-from shared.training.data import DataError
-from worker.memory_node import MemoryNode
-from worker.memory_servicer import MemoryRpcs, slot_messages
-from worker.shards import ShardFetchError, ShardMissing
-from worker.store import SlotSnapshot
-from worker.training import TrainingSessions, UnknownTrainingJob
+from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from worker.memory_servicer import MemoryServicer
+from worker.training_servicer import TrainingServicer
+
+__all__ = ["WorkerServicer"]
 
 
-class WorkerServicer(MemoryRpcs, worker_pb2_grpc.WorkerServicer):
-    """The Worker service: training RPCs here, memory-store RPCs from ``MemoryRpcs``."""
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves the Worker service by delegation."""
 
-    def __init__(
-        self,
-        sessions: TrainingSessions,
-        chunk_bytes: int,
-        peers: WorkerClients,
-        rpc_timeout_s: float,
-    ) -> None:
-        self._sessions = sessions
-        self._chunk_bytes = self.chunk_bytes = chunk_bytes
-        self._peers = peers
-        self._rpc_timeout_s = rpc_timeout_s
-        self.node_or_none: MemoryNode | None = None
+    def __init__(self, memory: MemoryServicer, training: TrainingServicer) -> None:
+        """Serve ``memory``'s and ``training``'s RPCs.
 
-    async def forward(self, target: str, address: str, req: worker_pb2.ReplicateRequest) -> None:
-        """Send one replicated op to a peer worker (raises grpc.aio.AioRpcError)."""
-        await self._peers.stub(target, address).Replicate(req, timeout=self._rpc_timeout_s)
+        Args:
+            memory: the memory-store RPCs.
+            training: the training RPCs.
+        """
+        self.memory = memory
+        self.training = training
 
-    async def send_slots(
-        self, target: str, address: str, snaps: list[SlotSnapshot]
-    ) -> tuple[int, int]:
-        """Stream slot snapshots to a peer's ReceiveSlots; return (memories, bytes)."""
-        msgs = [m for snap in snaps for m in slot_messages(snap, self._chunk_bytes)]
-
-        async def stream() -> AsyncIterator[worker_pb2.SlotData]:
-            for m in msgs:
-                yield m
-
-        stub = self._peers.stub(target, address)
-        await stub.ReceiveSlots(stream(), timeout=self._rpc_timeout_s)
-        return sum(len(s.ids) for s in snaps), sum(m.ByteSize() for m in msgs)
+    # -- training -------------------------------------------------------------------------------
 
     async def StartTraining(
         self, request: worker_pb2.StartTrainingRequest, context: aio.ServicerContext
     ) -> worker_pb2.StartTrainingResponse:
-        """Load this worker's shard and build the model.
-
-        INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
-        PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
-        A file data set's shard is fetched from the coordinator: when that fails, FetchShard's
-        status (NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE, ...).
-        """
-        if request.shard_count < 1 or request.shard_index >= request.shard_count:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"shard_index {request.shard_index} is not below shard_count {request.shard_count}",
-            )
-        try:
-            await self._sessions.start(
-                request.job_id, request.spec_json, request.shard_index, request.shard_count
-            )
-        except (ConfigError, DataError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ImportNotAllowed as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except ShardFetchError as exc:
-            await context.abort(exc.code, str(exc))
-        return worker_pb2.StartTrainingResponse()
+        """See ``TrainingServicer.StartTraining``."""
+        return await self.training.StartTraining(request, context)
 
     async def ComputeGradients(
         self,
         request_iterator: AsyncIterator[worker_pb2.GradientRequest],
         context: aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
-        """Receive a step header (and parameters when included); stream back the step result
-        and one float32 gradient per parameter (of the mean loss over the mini-batch).
-
-        FAILED_PRECONDITION: unknown job. INVALID_ARGUMENT: malformed stream, or a malformed
-        shard from the coordinator. A shard not held here is fetched from the coordinator
-        first; when that fails, FetchShard's status.
-        """
-        try:
-            header, params = await read_header_and_tensors(request_iterator, "header", "param")
-            if header is None:
-                raise CodecError("the stream has no StepHeader")
-        except CodecError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        try:
-            trainer = self._sessions.get(header.job_id)
-        except UnknownTrainingJob as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
-            return
-        if header.params_included:
-            try:
-                await self._sessions.set_params(trainer, params, header.params_version)
-            except ValueError as exc:  # names or shapes that are not the model's
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"param: {exc}")
-                return
-        elif trainer.params_version != header.params_version:
-            yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
-            return
-        try:
-            res = await self._sessions.compute(
-                header.job_id,
-                trainer,
-                header.epoch,
-                header.step_in_epoch,
-                (header.shard_index, header.shard_count),
-            )
-        except ShardFetchError as exc:
-            await context.abort(exc.code, str(exc))
-            return
-        except DataError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        except ShardMissing as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            return
-        yield worker_pb2.GradientResponse(
-            result=worker_pb2.StepResult(
-                samples=res.samples,
-                loss_sum=res.loss_sum,
-                correct=res.correct,
-            )
-        )
-        for chunk in tensors_to_chunks(res.grads.items(), self._chunk_bytes):
-            yield worker_pb2.GradientResponse(grad=chunk)
+        """See ``TrainingServicer.ComputeGradients``."""
+        # An async generator itself: grpc.aio runs any other streaming handler as a sync one.
+        async for response in self.training.ComputeGradients(request_iterator, context):
+            yield response
 
     async def StopTraining(
         self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext
     ) -> worker_pb2.StopTrainingResponse:
-        """Forget a job's trainer (idempotent)."""
-        self._sessions.stop(request.job_id)
-        return worker_pb2.StopTrainingResponse()
+        """See ``TrainingServicer.StopTraining``."""
+        return await self.training.StopTraining(request, context)
+
+    # -- memory store ---------------------------------------------------------------------------
+
+    async def Upsert(
+        self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext
+    ) -> worker_pb2.WriteResponse:
+        """See ``MemoryServicer.Upsert``."""
+        return await self.memory.Upsert(request, context)
+
+    async def Get(
+        self, request: worker_pb2.GetRequest, context: aio.ServicerContext
+    ) -> worker_pb2.GetResponse:
+        """See ``MemoryServicer.Get``."""
+        return await self.memory.Get(request, context)
+
+    async def Delete(
+        self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext
+    ) -> worker_pb2.WriteResponse:
+        """See ``MemoryServicer.Delete``."""
+        return await self.memory.Delete(request, context)
+
+    async def Reinforce(
+        self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext
+    ) -> worker_pb2.WriteResponse:
+        """See ``MemoryServicer.Reinforce``."""
+        return await self.memory.Reinforce(request, context)
+
+    async def Decay(
+        self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext
+    ) -> common_pb2.DecayResponse:
+        """See ``MemoryServicer.Decay``."""
+        return await self.memory.Decay(request, context)
+
+    async def Quality(
+        self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext
+    ) -> common_pb2.QualityStats:
+        """See ``MemoryServicer.Quality``."""
+        return await self.memory.Quality(request, context)
+
+    async def TopK(
+        self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext
+    ) -> common_pb2.TopKResponse:
+        """See ``MemoryServicer.TopK``."""
+        return await self.memory.TopK(request, context)
+
+    async def Replicate(
+        self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext
+    ) -> worker_pb2.ReplicateResponse:
+        """See ``MemoryServicer.Replicate``."""
+        return await self.memory.Replicate(request, context)
+
+    async def ApplySlotMap(
+        self, request: common_pb2.SlotMap, context: aio.ServicerContext
+    ) -> worker_pb2.ApplySlotMapResponse:
+        """See ``MemoryServicer.ApplySlotMap``."""
+        return await self.memory.ApplySlotMap(request, context)
+
+    async def CopySlots(
+        self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext
+    ) -> worker_pb2.CopySlotsResponse:
+        """See ``MemoryServicer.CopySlots``."""
+        return await self.memory.CopySlots(request, context)
+
+    async def ReceiveSlots(
+        self, request_iterator: AsyncIterator[worker_pb2.SlotData], context: aio.ServicerContext
+    ) -> worker_pb2.ReceiveSlotsResponse:
+        """See ``MemoryServicer.ReceiveSlots``."""
+        return await self.memory.ReceiveSlots(request_iterator, context)
+
+    async def DumpSlots(
+        self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.SlotData]:
+        """See ``MemoryServicer.DumpSlots``."""
+        async for msg in self.memory.DumpSlots(request, context):  # see ComputeGradients
+            yield msg
+
+    async def SlotSeqs(
+        self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
+    ) -> worker_pb2.SlotSeqsResponse:
+        """See ``MemoryServicer.SlotSeqs``."""
+        return await self.memory.SlotSeqs(request, context)

@@ -120,9 +120,9 @@ def coordinator_state(cluster: Any) -> dict[str, Any]:
 
 def worker_state(worker: Any) -> tuple[int, list[int], list[float]]:
     """A worker's slot-map epoch and its store's ``{id: strength}`` as sorted lists."""
-    node = worker.servicer.node_or_none
+    node = worker.nodes.current
     if node is None:
         return 0, [], []
-    ids, strengths = node.store.items()
+    ids, strengths = node.items()
     order = ids.argsort()
-    return node.roles.epoch, ids[order].tolist(), strengths[order].tolist()
+    return node.epoch, ids[order].tolist(), strengths[order].tolist()

@@ -34,11 +34,8 @@ async def crash_worker(cluster: InProcessCluster, name: str) -> None:
     w = next(w for w in cluster.workers if w.name == name)
     cluster.workers.remove(w)
     await kill_abruptly(w)
-    node = w.servicer.node_or_none
-    if node is not None:
-        node._executor.shutdown(wait=True, cancel_futures=True)
-        if node.journal is not None:
-            node.journal.abandon()
+    if w.nodes.current is not None:
+        w.nodes.current.abandon()
     w._release_data_dir()
     await w.coordinator_channel.close()
     await w.peers.close()
@@ -116,7 +113,7 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make
     assert writer.failures == []
     copied = coord.rebalancer.copies_total - copies_before
     assert 0 < copied < held, f"{copied} slots copied back to a worker holding {held}"
-    assert len(restarted.servicer.node.store) > 0
+    assert len(restarted.nodes.get()) > 0
     await assert_cluster_equals(cluster, ref)
     await client.close()
 

@@ -66,7 +66,7 @@ class FenceHold:
             apply = MemoryNode.apply_slot_map
 
             async def held_apply(node: MemoryNode, m) -> int:
-                fence = m.epoch > node.roles.epoch and min(m.primary) < 0
+                fence = m.epoch > node.epoch and min(m.primary) < 0
                 if fence and node.name in keepers:
                     await self.release.wait()
                 epoch = await apply(node, m)
@@ -93,7 +93,7 @@ async def reinforce_at_own_epoch(
     """Reinforce on worker ``name`` directly, at the epoch it is at (routing would refresh
     to the coordinator's newer map, which the held worker refuses)."""
     worker = next(w for w in cluster.workers if w.name == name)
-    epoch = worker.servicer.node.roles.epoch
+    epoch = worker.nodes.get().epoch
     async with channel(worker.address) as ch:
         request = worker_pb2.ReinforceRequest(
             epoch=epoch, ids=ids_to_bytes(ids), boosts=f32_to_bytes(boosts)

@@ -1,0 +1,73 @@
+"""De-duplication of client writes: which slots already applied each recent request id.
+
+A client retries a write that failed or timed out, and the first attempt may have been applied
+(here, and forwarded to the replica) before the failure. Every keyed write carries a
+``request_id``; each slot that applies it is remembered, so a retry applies only to the slots
+that have not (a retried reinforce must not add its boosts twice). Primaries record on apply,
+replicas on applying the primary's forward, so a promoted replica knows the ids too; the
+journal keeps the table in its snapshots (``worker/journal_format.py``).
+
+Shape letters: N items of a request, K slots.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from worker.journal_format import Request
+
+__all__ = ["RecentRequests"]
+
+
+class RecentRequests:
+    """Which slots applied each recent client request id (an LRU of ``capacity`` ids).
+
+    Read on the event loop (``fresh``) and written on the store thread (``record``), hence
+    the lock.
+    """
+
+    def __init__(self, capacity: int = 8192) -> None:
+        """Start with no request id recorded.
+
+        Args:
+            capacity: request ids remembered; the oldest is forgotten first.
+        """
+        self._capacity = capacity
+        self._slots: OrderedDict[bytes, set[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def fresh(self, rid: bytes, slots: np.ndarray) -> np.ndarray:
+        """Return keep [N] bool: the items whose slot has not applied ``rid`` yet.
+
+        Args:
+            rid: the request id (empty: never seen, every item is fresh).
+            slots: [N] int64 slot of each item of the request.
+        """
+        with self._lock:
+            done = list(self._slots.get(rid, ())) if rid else []
+        if not done:
+            return np.ones(len(slots), bool)
+        return ~np.isin(slots, np.asarray(done, np.int64))
+
+    def record(self, rid: bytes, slots: np.ndarray) -> None:
+        """Note that ``slots`` applied request ``rid`` (an empty ``rid`` is not recorded).
+
+        Args:
+            rid: the request id.
+            slots: [K] int64 slots that applied it; repeats are harmless.
+        """
+        if not rid or len(slots) == 0:
+            return
+        with self._lock:
+            self._slots.setdefault(rid, set()).update(slots.tolist())
+            self._slots.move_to_end(rid)
+            while len(self._slots) > self._capacity:
+                self._slots.popitem(last=False)
+
+    def entries(self) -> list[Request]:
+        """Return every (request id, sorted slots) held, oldest first (a journal snapshot's)."""
+        with self._lock:
+            return [(rid, sorted(slots)) for rid, slots in self._slots.items()]

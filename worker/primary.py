@@ -1,0 +1,148 @@
+"""The primary's write path: every mutation of a slot is ordered, applied and replicated here.
+
+Under this worker's write order (one ``asyncio.Lock`` shared with slot-map changes and copy
+snapshots): check the epoch and that every item's slot is primary here, leave out the items
+whose slot already applied the request id (a client retry), apply and commit (next seqs,
+journal record) in one store-thread job, then forward to every other copy while the record
+becomes durable. Both waits end before the lock is released, so each slot's forwards leave in
+seq order.
+
+Shape letters: N items of a keyed write, T slots it touches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shared.proto import worker_pb2
+from worker.durable_store import DurableStore
+from worker.replication import Replicator
+from worker.roles import Placement
+from worker.wire import sub_request
+
+__all__ = ["PrimaryWrites"]
+
+
+class PrimaryWrites:
+    """Keyed writes and decay as this worker's primary slots' single orderer."""
+
+    def __init__(
+        self,
+        name: str,
+        data: DurableStore,
+        replicator: Replicator,
+        place: Placement,
+        order: asyncio.Lock,
+    ) -> None:
+        """Write through ``data`` and ``replicator`` under ``order``.
+
+        Args:
+            name: this worker's name (the ``primary`` of its forwards and log records).
+            data: the store, its thread and journal.
+            replicator: sends applied ops to the other copies.
+            place: this worker's roles (epoch and primary checks).
+            order: this worker's write order.
+        """
+        self._name = name
+        self._data = data
+        self._replicator = replicator
+        self._place = place
+        self._order = order
+
+    async def keyed(
+        self, epoch: int, op: str, request: Any, ids: np.ndarray, apply: Callable[..., int]
+    ) -> int:
+        """Apply a keyed op as primary, then replicate it; return the count applied.
+
+        Shielded: once applied here, the op must reach the replica and be recorded even if the
+        client's call is cancelled, or the two copies would diverge.
+
+        Args:
+            epoch: the epoch the request was routed with.
+            op: "upsert", "reinforce" or "delete".
+            request: the op's request message (its ``request_id`` de-duplicates retries).
+            ids: [N] uint64, decoded from the request.
+            apply: ``apply(keep [N] bool) -> count`` applies the kept items to the store; it
+                runs on the store thread. Items whose slot already applied the request id
+                are left out of ``keep``.
+
+        Raises:
+            StaleEpoch, NotPrimary: (FAILED_PRECONDITION); nothing applied.
+            MemoryInputError: raised by ``apply`` before any change (INVALID_ARGUMENT).
+            ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE).
+        """
+        return await asyncio.shield(self._keyed(epoch, op, request, ids, apply))
+
+    async def decay(self, epoch: int, rate: float) -> int:
+        """Decay every memory of the primary slots by ``rate``, then replicate (shielded).
+
+        Returns:
+            The number of memories decayed.
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION). ReplicationError: as ``keyed`` (UNAVAILABLE).
+        """
+        return await asyncio.shield(self._decay(epoch, rate))
+
+    async def _keyed(
+        self, epoch: int, op: str, request: Any, ids: np.ndarray, apply: Callable[..., int]
+    ) -> int:
+        async with self._order:
+            self._place.check_epoch(epoch)
+            slots = self._place.check_primary(ids)
+            rid = bytes(request.request_id)
+            keep = self._data.recent.fresh(rid, slots)
+            if not keep.all():
+                request = sub_request(op, request, keep)
+                slots, ids = slots[keep], ids[keep]
+            touched = np.unique(slots)  # once per write: record, seqs and forwards share it
+
+            def apply_and_commit() -> tuple[int, np.ndarray, int]:
+                n = apply(keep)
+                self._data.recent.record(rid, touched)
+                return n, *self._data.commit(op, request, touched, epoch, self._name)
+
+            applied, seqs, pos = await self._data.run(apply_and_commit)
+            await self._replicate(op, request, slots, ids, touched, seqs, pos)
+            return applied
+
+    async def _decay(self, epoch: int, rate: float) -> int:
+        async with self._order:
+            self._place.check_epoch(epoch)
+            mine = np.flatnonzero(self._place.roles.primary)
+            req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate)
+
+            def apply_and_commit() -> tuple[int, np.ndarray, int]:
+                n = self._data.store.decay(rate, mine)
+                return n, *self._data.commit("decay", req, mine, epoch, self._name)
+
+            n, seqs, pos = await self._data.run(apply_and_commit)
+            await self._replicate("decay", req, mine, None, mine, seqs, pos)
+            return n
+
+    async def _replicate(
+        self,
+        op: str,
+        request: Any,
+        slots: np.ndarray,
+        ids: np.ndarray | None,
+        touched: np.ndarray,
+        seqs: np.ndarray,
+        pos: int,
+    ) -> None:
+        """Forward an applied op to every other copy while its journal record becomes durable.
+
+        Returns when both are done: ``Replicator.forward`` and the sync to ``pos``.
+        """
+        if len(touched) == 0:
+            return
+        durable = asyncio.ensure_future(self._data.sync(pos))
+        try:
+            roles = self._place.roles
+            await self._replicator.forward(roles, op, request, slots, ids, touched, seqs)
+        finally:
+            await durable

@@ -1,0 +1,137 @@
+"""Training RPCs of the ``neuroshard.v1.Worker`` service.
+
+Each RPC validates, delegates to the training sessions, and maps their errors to status codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from shared.config import ConfigError
+from shared.proto import worker_pb2
+from shared.rpc.codec import CodecError, read_header_and_tensors, tensors_to_chunks
+from shared.security.confinement import ImportNotAllowed
+from shared.training.data import DataError
+from worker.shards import ShardFetchError, ShardMissing
+from worker.training import TrainingSessions, UnknownTrainingJob
+
+__all__ = ["TrainingServicer"]
+
+
+class TrainingServicer:
+    """The training RPCs, served through ``WorkerServicer``."""
+
+    def __init__(self, sessions: TrainingSessions, chunk_bytes: int) -> None:
+        """Build the training RPCs over this worker's sessions.
+
+        Args:
+            sessions: this worker's training jobs.
+            chunk_bytes: target size of one gradient chunk message, bytes.
+        """
+        self._sessions = sessions
+        self._chunk_bytes = chunk_bytes
+
+    async def StartTraining(
+        self, request: worker_pb2.StartTrainingRequest, context: aio.ServicerContext
+    ) -> worker_pb2.StartTrainingResponse:
+        """Load this worker's shard and build the model.
+
+        A file data set's shard is fetched from the coordinator.
+
+        Raises:
+            INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
+            PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
+            FetchShard's status: fetching the shard failed (NOT_FOUND, PERMISSION_DENIED,
+                UNAVAILABLE, ...).
+        """
+        if request.shard_count < 1 or request.shard_index >= request.shard_count:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"shard_index {request.shard_index} is not below shard_count {request.shard_count}",
+            )
+        try:
+            await self._sessions.start(
+                request.job_id, request.spec_json, request.shard_index, request.shard_count
+            )
+        except (ConfigError, DataError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ImportNotAllowed as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except ShardFetchError as exc:
+            await context.abort(exc.code, str(exc))
+        return worker_pb2.StartTrainingResponse()
+
+    async def ComputeGradients(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.GradientRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.GradientResponse]:
+        """Compute one step's gradients on this worker's shard.
+
+        Receives a step header (and the parameters when included); streams back the step
+        result and one float32 gradient per parameter (of the mean loss over the
+        mini-batch). A shard not held here is fetched from the coordinator first.
+
+        Raises:
+            FAILED_PRECONDITION: unknown job, or a shard not held here.
+            INVALID_ARGUMENT: malformed stream or parameters, or a malformed shard from the
+                coordinator.
+            FetchShard's status: fetching the shard failed.
+        """
+        try:
+            header, params = await read_header_and_tensors(request_iterator, "header", "param")
+            if header is None:
+                raise CodecError("the stream has no StepHeader")
+        except CodecError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        try:
+            trainer = self._sessions.get(header.job_id)
+        except UnknownTrainingJob as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
+            return
+        if header.params_included:
+            try:
+                await self._sessions.set_params(trainer, params, header.params_version)
+            except ValueError as exc:  # names or shapes that are not the model's
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"param: {exc}")
+                return
+        elif trainer.params_version != header.params_version:
+            yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
+            return
+        try:
+            res = await self._sessions.compute(
+                header.job_id,
+                trainer,
+                header.epoch,
+                header.step_in_epoch,
+                (header.shard_index, header.shard_count),
+            )
+        except ShardFetchError as exc:
+            await context.abort(exc.code, str(exc))
+            return
+        except DataError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        except ShardMissing as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return
+        yield worker_pb2.GradientResponse(
+            result=worker_pb2.StepResult(
+                samples=res.samples,
+                loss_sum=res.loss_sum,
+                correct=res.correct,
+            )
+        )
+        for chunk in tensors_to_chunks(res.grads.items(), self._chunk_bytes):
+            yield worker_pb2.GradientResponse(grad=chunk)
+
+    async def StopTraining(
+        self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext
+    ) -> worker_pb2.StopTrainingResponse:
+        """Forget a job's trainer (idempotent)."""
+        self._sessions.stop(request.job_id)
+        return worker_pb2.StopTrainingResponse()
