@@ -205,12 +205,7 @@ def check_forward(
         MemoryInputError: a slot out of range, seqs not one per slot, or no op
             (INVALID_ARGUMENT).
     """
-    slots = as_slots(list(req.slots), len(seq))
-    if len(req.seqs) != len(slots) or req.WhichOneof("op") is None:
-        raise MemoryInputError(
-            f"a forward needs one seq per slot and an op: {len(req.seqs)} seqs for "
-            f"{len(slots)} slots, op {req.WhichOneof('op')}"
-        )
+    slots = _forward_slots(req, len(seq))
     holds = roles.holds(slots) | incoming[slots]
     if req.epoch < roles.epoch and not holds.all():
         # This worker has moved on to a map where it holds no copy of some of these slots;
@@ -232,6 +227,22 @@ def check_forward(
             f"{req.epoch}"
         )
     return None if _is_repeat(req, slots, seq) else (req, slots)
+
+
+def _forward_slots(req: worker_pb2.ReplicateRequest, num_slots: int) -> np.ndarray:
+    """Return [T] int64 the forward's slots.
+
+    Raises:
+        MemoryInputError: a slot out of range, seqs not one per slot, or no op
+            (INVALID_ARGUMENT).
+    """
+    slots = as_slots(list(req.slots), num_slots)
+    if len(req.seqs) != len(slots) or req.WhichOneof("op") is None:
+        raise MemoryInputError(
+            f"a forward needs one seq per slot and an op: {len(req.seqs)} seqs for "
+            f"{len(slots)} slots, op {req.WhichOneof('op')}"
+        )
+    return slots
 
 
 def _is_repeat(req: worker_pb2.ReplicateRequest, slots: np.ndarray, seq: np.ndarray) -> bool:
