@@ -41,6 +41,7 @@ lint: install
 	$(VENV)/bin/ruff format --check coordinator worker shared tests deploy
 	$(VENV)/bin/ruff check coordinator worker shared tests deploy
 	$(VENV)/bin/mypy coordinator worker shared
+	$(VENV)/bin/lint-imports
 
 # Container image (CPU torch); see deploy/docker/Dockerfile for the CUDA build arguments.
 image:
