@@ -7,6 +7,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/shared/proto/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTO_SRC))
+# Type stubs of the generated code by mypy-protobuf (messages, and the services for grpc.aio
+# only: every stub and servicer of the code base is async), checked by mypy --strict.
+PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. \
+	--plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy --mypy_out=. \
+	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
 .PHONY: install protos demo test test-chaos lint bench-train bench-memory bench-recovery clean \
 	image deploy-check
@@ -21,10 +26,10 @@ $(STAMP): pyproject.toml
 
 # Generated gRPC code (never edited by hand, not committed): protos/shared/proto/x.proto -> shared/proto/x_pb2.py
 $(PROTO_OUT) &: $(PROTO_SRC) $(STAMP)
-	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+	$(PROTOC) $(PROTO_SRC)
 
 protos: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_SRC)
+	$(PROTOC) $(PROTO_SRC)
 
 demo: install
 	$(VENV)/bin/neuroshard demo
@@ -63,4 +68,4 @@ bench-recovery: install
 	$(PY) -m tests.benchmarks.bench_recovery
 
 clean:
-	rm -rf $(VENV) shared/proto/*_pb2*.py shared/proto/*_pb2.pyi .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) shared/proto/*_pb2*.py shared/proto/*_pb2*.pyi .pytest_cache .mypy_cache .ruff_cache

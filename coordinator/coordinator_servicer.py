@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -54,7 +55,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         self._cluster = cluster
 
     async def RegisterWorker(
-        self, request: coordinator_pb2.RegisterWorkerRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.RegisterWorkerRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.RegisterWorkerResponse:
         """Register (or re-register) a worker; the reply carries the slot count and limits.
 
@@ -74,7 +75,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     async def Heartbeat(
-        self, request: coordinator_pb2.HeartbeatRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.HeartbeatRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.HeartbeatResponse:
         """Record a heartbeat; ``registered=false`` asks the worker to register again."""
         known = self._cluster.heartbeat(request.name, request.memories, request.slot_map_epoch)
@@ -83,7 +84,9 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     async def GetClusterStatus(
-        self, request: coordinator_pb2.GetClusterStatusRequest, context: aio.ServicerContext
+        self,
+        request: coordinator_pb2.GetClusterStatusRequest,
+        context: aio.ServicerContext[Any, Any],
     ) -> coordinator_pb2.ClusterStatus:
         """Workers with their state, and job counts by state."""
         c = self._cluster
@@ -112,13 +115,13 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     async def GetSlotMap(
-        self, request: coordinator_pb2.GetSlotMapRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.GetSlotMapRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.SlotMap:
         """The current slot map with worker addresses (clients route with it)."""
         return self._cluster.rebalancer.wire_map()
 
     async def ReportFailure(
-        self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.ReportFailureResponse:
         """A primary reports a replica it could not update.
 
@@ -138,7 +141,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.ReportFailureResponse()
 
     async def DrainWorker(
-        self, request: coordinator_pb2.DrainWorkerRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.DrainWorkerRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.DrainWorkerResponse:
         """Hand a worker's slots to the others; ``drained`` once it holds none.
 
@@ -152,7 +155,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.DrainWorkerResponse(drained=drained)
 
     async def Decay(
-        self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.DecayResponse:
         """Decay every memory: ``s = clip(s - rate, 0, 1)``.
 
@@ -170,7 +173,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return common_pb2.DecayResponse(memories=n)
 
     async def Quality(
-        self, request: coordinator_pb2.QualityRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.QualityRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.QualityStats:
         """Count, sum, mean, min, max and 10-bin histogram of all strengths.
 
@@ -184,7 +187,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return quality_to_pb(q)
 
     async def TopK(
-        self, request: coordinator_pb2.TopKRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.TopKRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.TopKResponse:
         """The exact global top-k by strength (ties: smaller id).
 
@@ -202,7 +205,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
     async def SubmitJob(
-        self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.Job:
         """Admit and queue a job, owned by the caller's token subject.
 
@@ -227,7 +230,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return job_to_pb(job)
 
     async def GetJob(
-        self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.Job:
         """One job.
 
@@ -238,7 +241,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return job_to_pb(await self._job(request.job_id, context))
 
     async def ListJobs(
-        self, request: coordinator_pb2.ListJobsRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.ListJobsRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.ListJobsResponse:
         """The jobs the caller may see, in submission order.
 
@@ -249,7 +252,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     async def CancelJob(
-        self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.Job:
         """Cancel a queued or running job; a finished one is returned as is.
 
@@ -262,7 +265,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         return job_to_pb(job)
 
     async def WatchJob(
-        self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[coordinator_pb2.JobEvent]:
         """Stream the job's state and progress until it reaches a terminal state.
 
@@ -284,7 +287,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             if terminal:
                 return
 
-    async def _job(self, job_id: str, context: aio.ServicerContext) -> JobRecord:
+    async def _job(self, job_id: str, context: aio.ServicerContext[Any, Any]) -> JobRecord:
         """The job ``job_id`` if the caller may see it.
 
         Raises:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -48,7 +49,7 @@ _STATUS: dict[type[Exception], grpc.StatusCode] = {
 _ERRORS = tuple(_STATUS)
 
 
-async def _abort(context: aio.ServicerContext, exc: Exception) -> None:
+async def _abort(context: aio.ServicerContext[Any, Any], exc: Exception) -> None:
     message = str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)
     await context.abort(_STATUS[type(exc)], message)
 
@@ -76,7 +77,7 @@ class DataRpcs:
     async def PutDataset(
         self,
         request_iterator: AsyncIterator[coordinator_pb2.DatasetChunk],
-        context: aio.ServicerContext,
+        context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[coordinator_pb2.DatasetReply]:
         """Store a streamed .npz as NAME.npz in the first data root.
 
@@ -131,7 +132,7 @@ class DataRpcs:
         yield coordinator_pb2.DatasetReply(stored=info_to_pb(stored))
 
     async def ListDatasets(
-        self, request: coordinator_pb2.ListDatasetsRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.ListDatasetsRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.ListDatasetsResponse:
         """The .npz and .npy files in the data roots (relative path, bytes, mtime, root)."""
         entries = await asyncio.to_thread(list_datasets, self._cluster.cfg.dataset_roots())
@@ -145,7 +146,7 @@ class DataRpcs:
         )
 
     async def FetchShard(
-        self, request: coordinator_pb2.FetchShardRequest, context: aio.ServicerContext
+        self, request: coordinator_pb2.FetchShardRequest, context: aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[coordinator_pb2.ShardChunk]:
         """Stream one shard's training rows of a running train job to one of its workers.
 

@@ -51,7 +51,7 @@ class CoordinatorServer:
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         # grpcio-tools writes the *_pb2_grpc modules without type annotations.
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(  # type: ignore[no-untyped-call]
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
             CoordinatorServicer(self.cluster), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

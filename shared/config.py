@@ -2,6 +2,8 @@
 
 Every model forbids unknown keys; a validation error is turned into one line that names the
 field (``ConfigError``), which the CLI prints and the coordinator returns as INVALID_ARGUMENT.
+Every field has a default and a description with its unit; ``shared.config_doc`` prints the
+reference tables of the README from them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class ConfigError(ValueError):
 
 
 class _Model(BaseModel):
+    """Base of every model: unknown keys are refused, assignments are validated too."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -45,6 +49,7 @@ _MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
 def _host_port(value: str) -> str:
+    """Check ``HOST:PORT`` (port 0..65535); return it unchanged."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT with a port in 0..65535, got {value!r}")
@@ -52,6 +57,8 @@ def _host_port(value: str) -> str:
 
 
 class LogConfig(_Model):
+    """The ``log`` section of both daemons: level and format of structlog's output."""
+
     level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Minimum log level."
     )
@@ -158,7 +165,12 @@ class JobRetention(_Model):
 
 
 class CoordinatorConfig(_DaemonConfig):
-    """The coordinator daemon (configs/coordinator.yaml)."""
+    """The coordinator's configuration (configs/coordinator.yaml; flags override it).
+
+    Besides the common daemon settings: where it listens and keeps its state, failure
+    detection (heartbeats, probes), the store's slot count and limits, training timeouts
+    and checkpoints, and the admission caps a job must fit before it is queued.
+    """
 
     listen: str = Field(
         "127.0.0.1:50051",
@@ -286,7 +298,12 @@ class CoordinatorConfig(_DaemonConfig):
 
 
 class WorkerConfig(_DaemonConfig):
-    """A worker daemon (configs/worker.yaml)."""
+    """A worker's configuration (configs/worker.yaml; flags override it).
+
+    Besides the common daemon settings: the coordinator to join, its name and address, its
+    slot data dir and how often its log is fsynced and snapshotted, the memory kernels'
+    device, and its request limits.
+    """
 
     coordinator: str = Field("localhost:50051", description="Coordinator HOST:PORT.")
     listen: str = Field(
@@ -360,6 +377,8 @@ class WorkerConfig(_DaemonConfig):
 
 
 class MlpSpec(_Model):
+    """The built-in multilayer perceptron: Flatten, then Linear + ReLU per hidden width."""
+
     name: Literal["mlp"] = "mlp"
     hidden: list[Annotated[int, Field(ge=1, le=65536)]] = Field(
         default_factory=lambda: [128, 64], description="Hidden layer widths."
@@ -367,6 +386,8 @@ class MlpSpec(_Model):
 
 
 class CnnSpec(_Model):
+    """The built-in CNN: two 3x3 conv layers with ReLU and max-pools, for 8x8 or 28x28 images."""
+
     name: Literal["cnn"] = "cnn"
     channels: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
         default_factory=lambda: [16, 32], description="Channels of the two conv layers."
@@ -374,6 +395,12 @@ class CnnSpec(_Model):
 
 
 class ImportModelSpec(_Model):
+    """A model built by ``package.module:callable(**args)``, from a module the operator allowed.
+
+    Written ``{import: ..., args: {...}}`` in YAML; ``import_`` in Python (``import`` is a
+    keyword).
+    """
+
     import_: str = Field(
         alias="import",
         max_length=512,
@@ -394,6 +421,8 @@ class ImportModelSpec(_Model):
 
 
 class BuiltinData(_Model):
+    """A built-in data set: ``digits`` (scikit-learn's bundled 8x8 digits) or ``synthetic``."""
+
     name: Literal["digits", "synthetic"] = "digits"
     samples: int = Field(2000, ge=10, description="synthetic only: number of samples.")
     features: int = Field(64, ge=1, description="synthetic only: features per sample.")
@@ -401,6 +430,8 @@ class BuiltinData(_Model):
 
 
 class FileData(_Model):
+    """A training set in an ``.npz`` file inside the coordinator's data roots."""
+
     path: str = Field(
         max_length=4096,
         description=".npz file with arrays x (float32) and y (int64), inside the "
@@ -410,13 +441,15 @@ class FileData(_Model):
 
 
 class OptimizerSpec(_Model):
+    """The optimizer the parameter server steps with: SGD (with momentum) or Adam."""
+
     name: Literal["sgd", "adam"] = "adam"
     lr: float = Field(1e-3, gt=0, le=10, description="Learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd only.")
     weight_decay: float = Field(0.0, ge=0, le=1)
 
 
-def _tag_by_name(default: str, alt_key: str) -> Any:
+def _tag_by_name(default: str, alt_key: str) -> Discriminator:
     """A discriminator: a dict is tagged by its ``name`` key, or ``alt_key`` when present."""
 
     def tag(v: Any) -> str:
@@ -432,6 +465,7 @@ def _tag_by_name(default: str, alt_key: str) -> Any:
 
 
 def _name_to_dict(v: Any) -> Any:
+    """Accept the short form ``model: mlp`` for ``model: {name: mlp}``."""
     return {"name": v} if isinstance(v, str) else v
 
 
@@ -450,6 +484,12 @@ DataField = Annotated[
 
 
 class TrainJobSpec(_Model):
+    """A ``train`` job: a model trained on a data set by synchronous data parallelism.
+
+    Each step every worker computes gradients on ``batch_size`` rows of its shard, and the
+    parameter server averages them (weighted by rows) and steps the optimizer.
+    """
+
     kind: Literal["train"] = Field(description="'train'.")
     name: str = Field("train", max_length=128, description="A label for people.")
     workers: int = Field(1, ge=1, le=1024, description="Workers the job needs.")
@@ -491,6 +531,13 @@ class TrainJobSpec(_Model):
 
 
 class ZipfAccess(_Model):
+    """A memory job's accesses: Zipf-popular ids of the store, as YCSB's scrambled Zipfian.
+
+    Ranks come from Gray et al.'s generator ("Quickly generating billion-record synthetic
+    databases", SIGMOD 1994) and are scattered over the stored ids by a seeded permutation,
+    so hot ids do not cluster.
+    """
+
     distribution: Literal["zipf"] = "zipf"
     alpha: float = Field(
         0.99,
@@ -504,6 +551,8 @@ class ZipfAccess(_Model):
 
 
 class TraceAccess(_Model):
+    """A memory job's accesses replayed from an ``.npy`` of ids in the data roots."""
+
     trace: str = Field(
         max_length=4096,
         description=".npy of ids: [iterations, batch] or [batch] uint64, inside the "
@@ -527,6 +576,13 @@ AccessField = Annotated[
 
 
 class MemoryJobSpec(_Model):
+    """A ``memory`` job: iterations of reinforce, decay, quality and top-k over the store.
+
+    The store is filled first with ``memories`` generated memories, or those of ``load``;
+    each iteration then reinforces the ids of one batch of accesses, decays every memory,
+    and asks for quality statistics and the top-k, timing each iteration.
+    """
+
     kind: Literal["memory"] = Field(description="'memory'.")
     name: str = Field("memory", max_length=128, description="A label for people.")
     workers: int = Field(1, ge=1, le=1024, description="Alive workers the job waits for.")
@@ -558,6 +614,7 @@ _UNION_TAGS = {"mlp", "cnn", "import", "digits", "synthetic", "path", "zipf", "t
 
 
 def _format_error(exc: ValidationError, prefix: str = "") -> str:
+    """The first error as ``dotted.key: message``, counting the others."""
     err = exc.errors()[0]
     parts: list[str] = []
     for p in err["loc"]:
@@ -574,8 +631,8 @@ def _format_error(exc: ValidationError, prefix: str = "") -> str:
     return f"{where}: {msg}{more}"
 
 
-def parse_job_spec(data: Any) -> JobSpec:
-    """Validate a job spec given as a dict (from YAML or JSON).
+def parse_job_spec(data: object) -> JobSpec:
+    """Validate a job spec given as a dict (from YAML or JSON); its ``kind`` picks the model.
 
     Raises:
         ConfigError: unknown key, wrong type, out-of-range value; the message names the field
@@ -615,7 +672,10 @@ def job_spec_from_json(text: str) -> JobSpec:
 
 
 def load_yaml(path: str | Path) -> Any:
-    """Read a YAML file with ``yaml.safe_load``.
+    """Read a YAML file with ``yaml.safe_load`` (no Python objects are constructed).
+
+    Returns:
+        What the file holds; ``{}`` for an empty file.
 
     Raises:
         ConfigError: the file is missing or is not valid YAML.
@@ -633,9 +693,10 @@ def load_config(model: type[T], path: str | Path | None, **overrides: Any) -> T:
     """Load a daemon config from YAML (or defaults), apply non-None overrides, validate.
 
     Args:
-        model: the config class, e.g. ``CoordinatorConfig``.
+        model: the config class, ``CoordinatorConfig`` or ``WorkerConfig``.
         path: a YAML file of settings; None: defaults only.
-        overrides: settings that win over the file (the CLI's flags); None values are ignored.
+        **overrides: settings that win over the file (the CLI's flags); None values are
+            ignored.
 
     Raises:
         ConfigError: the message names the file and field; also a file that is missing, not

@@ -21,15 +21,22 @@ from shared.config import (
 
 
 def table(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Markdown rows ``| key | default | description |`` of a model's fields."""
+    """Return the markdown rows ``| key | default | description |`` of a model's fields.
+
+    Args:
+        model: a config or job spec model.
+        prefix: prepended to every key (``tls.``).
+
+    Returns:
+        One row per field, in declaration order; a nested model's default is shown as a
+        dict, a required field's as ``required``.
+    """
     rows = []
     for name, field in model.model_fields.items():
         key = field.alias or name
-        if field.default_factory is not None:
-            default = field.default_factory()  # type: ignore[call-arg]
-            default = default.model_dump() if isinstance(default, BaseModel) else default
-        else:
-            default = field.default
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump()
         shown = "required" if field.is_required() else f"`{default!r}`"
         desc = (field.description or "").replace("|", "\\|")
         rows.append(f"| `{prefix}{key}` | {shown} | {desc} |")
@@ -37,8 +44,8 @@ def table(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def main() -> None:
-    """Print the reference tables of every config model."""
-    for title, model in [
+    """Print the reference tables of every config model and job spec, as the README has them."""
+    models: list[tuple[str, type[BaseModel]]] = [
         ("coordinator.yaml", CoordinatorConfig),
         ("worker.yaml", WorkerConfig),
         ("log (both)", LogConfig),
@@ -47,9 +54,10 @@ def main() -> None:
         ("job_retention (coordinator)", JobRetention),
         ("train job", TrainJobSpec),
         ("memory job", MemoryJobSpec),
-    ]:
+    ]
+    for title, model in models:
         print(f"#### {title}\n\n| key | default | meaning |\n|---|---|---|")
-        print("\n".join(table(model)))  # type: ignore[arg-type]
+        print("\n".join(table(model)))
         print()
 
 

@@ -6,6 +6,7 @@ import logging
 import sys
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 from shared.config import LogConfig
 
@@ -14,7 +15,12 @@ def configure_logging(cfg: LogConfig | None = None) -> None:
     """Configure structlog (and the stdlib root logger) once per process.
 
     Event names are snake_case with key/value fields, e.g.
-    ``log.info("worker_registered", worker="w0", address="127.0.0.1:5000")``.
+    ``log.info("worker_registered", worker="w0", address="127.0.0.1:5000")``. Context
+    variables bound per RPC (``rpc``, ``worker``, ``job_id``) are merged into every line.
+    Libraries that log through the stdlib (grpc, ...) show warnings and above only.
+
+    Args:
+        cfg: the daemon's ``log`` section; None uses the defaults (info, auto format).
     """
     cfg = cfg or LogConfig()
     level = getattr(logging, cfg.level.upper())
@@ -39,6 +45,11 @@ def configure_logging(cfg: LogConfig | None = None) -> None:
     logging.basicConfig(level=max(level, logging.WARNING), stream=sys.stderr)
 
 
-def get_logger(name: str) -> structlog.stdlib.BoundLogger:
-    """A structlog logger bound to ``component=name``."""
-    return structlog.get_logger(component=name)  # type: ignore[no-any-return]
+def get_logger(name: str) -> FilteringBoundLogger:
+    """Return a structlog logger whose lines carry ``component=name``.
+
+    Safe to call at import time: the logger takes the configuration current at its first
+    use, so ``configure_logging`` may run later.
+    """
+    logger: FilteringBoundLogger = structlog.get_logger(component=name)
+    return logger

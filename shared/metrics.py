@@ -13,11 +13,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 @dataclass
 class Metrics:
-    """All metrics; unused ones simply stay at zero on a daemon that does not touch them."""
+    """Every metric of both daemons, registered on ``registry``.
+
+    A metric a daemon does not touch stays at zero there (workers export no job gauges,
+    the coordinator no memory-op histograms).
+
+    Attributes:
+        registry: the registry the metrics are registered on (one per daemon).
+        workers: ``neuroshard_workers{state}``, workers known to the coordinator.
+        jobs: ``neuroshard_jobs{state}``, jobs by state.
+        train_steps: ``neuroshard_train_steps_total``, training steps completed.
+        step_seconds: ``neuroshard_train_step_seconds{role}``, duration of a step.
+        rpc_sent_bytes: ``neuroshard_rpc_sent_bytes_total{method}``, serialized responses.
+        rpc_received_bytes: ``neuroshard_rpc_received_bytes_total{method}``, requests.
+        rpcs: ``neuroshard_rpcs_total{method,code}``, RPCs served by status.
+        memories: ``neuroshard_memories{role}``, memories a worker holds as primary or
+            replica.
+        memory_ops: ``neuroshard_memory_ops_total{op}``, store operations applied.
+        memory_op_seconds: ``neuroshard_memory_op_seconds{op}``, their durations.
+        slot_map_epoch: ``neuroshard_slot_map_epoch``, the current slot-map epoch.
+    """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
+        """Create and register every metric."""
         r = self.registry
         self.workers = Gauge(
             "neuroshard_workers",
@@ -72,9 +92,11 @@ class Metrics:
         )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the HTTP endpoint on ``host:port`` (0 picks a port); return the bound port.
+        """Serve ``/metrics`` over HTTP from a daemon thread; return the port bound.
 
-        ``host`` is the daemon's ``metrics_host``: loopback unless the operator sets another.
+        Args:
+            port: the port; 0 picks a free one.
+            host: the daemon's ``metrics_host``: loopback unless the operator sets another.
         """
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)

@@ -77,8 +77,10 @@ class DurableStore:
             self.journal.close()
 
     def abandon(self) -> None:
-        """Stop as ``kill -9`` would: drop queued store jobs (the running one finishes, a
-        thread cannot be killed) and abandon the journal without any fsync."""
+        """Stop as ``kill -9`` would: no fsync, and queued store jobs dropped.
+
+        The running store job finishes (a thread cannot be killed); the journal is abandoned.
+        """
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self.journal is not None:
             self.journal.abandon()

@@ -111,8 +111,10 @@ class MemoryNode:
         self._data.close()
 
     def abandon(self) -> None:
-        """Stop as a killed process would: no fsync, queued store jobs dropped (tests crash
-        and restart a worker in one process with it)."""
+        """Stop as a killed process would: no fsync, queued store jobs dropped.
+
+        Tests crash and restart a worker in one process with it.
+        """
         self._data.abandon()
 
     def _primary_slots(self) -> np.ndarray:

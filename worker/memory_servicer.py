@@ -9,7 +9,7 @@ Shape letters: N items of a request.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -45,7 +45,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 
-async def _guard(context: aio.ServicerContext, work: Callable[[], Awaitable[T]]) -> T:
+async def _guard(context: aio.ServicerContext[Any, Any], work: Callable[[], Awaitable[T]]) -> T:
     """Run ``work``; abort the call with the status of a domain error it raises."""
     try:
         return await work()
@@ -80,7 +80,7 @@ class MemoryServicer:
         self._chunk_bytes = chunk_bytes
 
     async def Upsert(
-        self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext
+        self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.WriteResponse:
         """Insert or overwrite memories of this worker's primary slots, replicated first.
 
@@ -104,7 +104,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def Reinforce(
-        self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext
+        self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.WriteResponse:
         """Add boosts (duplicates sum) and clip to [0, 1]; ``applied`` counts ids found.
 
@@ -122,7 +122,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def Delete(
-        self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext
+        self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.WriteResponse:
         """Delete memories; ``applied`` counts ids found.
 
@@ -138,7 +138,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def Get(
-        self, request: worker_pb2.GetRequest, context: aio.ServicerContext
+        self, request: worker_pb2.GetRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.GetResponse:
         """Read memories from their primary: found [N] uint8, strengths [N] float32.
 
@@ -159,7 +159,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def Decay(
-        self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext
+        self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.DecayResponse:
         """Decay this worker's primary slots (called by the coordinator's fan-out).
 
@@ -175,7 +175,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def Quality(
-        self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext
+        self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.QualityStats:
         """Strength statistics of this worker's primary slots.
 
@@ -189,7 +189,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def TopK(
-        self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext
+        self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.TopKResponse:
         """The k strongest memories of this worker's primary slots (ties: smaller id).
 
@@ -205,7 +205,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def Replicate(
-        self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext
+        self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ReplicateResponse:
         """Apply a primary's forwarded mutation in sequence order.
 
@@ -222,7 +222,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def ApplySlotMap(
-        self, request: common_pb2.SlotMap, context: aio.ServicerContext
+        self, request: common_pb2.SlotMap, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ApplySlotMapResponse:
         """Adopt a slot map from the coordinator (older epochs are ignored).
 
@@ -239,7 +239,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def CopySlots(
-        self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext
+        self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.CopySlotsResponse:
         """Copy slots to another worker (copy, then the coordinator switches the map).
 
@@ -259,7 +259,9 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def ReceiveSlots(
-        self, request_iterator: AsyncIterator[worker_pb2.SlotData], context: aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[worker_pb2.SlotData],
+        context: aio.ServicerContext[Any, Any],
     ) -> worker_pb2.ReceiveSlotsResponse:
         """Install streamed slot copies (each replaces what this worker held for its slot).
 
@@ -276,7 +278,7 @@ class MemoryServicer:
         return await _guard(context, work)
 
     async def DumpSlots(
-        self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext
+        self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.SlotData]:
         """Stream every held slot's data, or the requested slots'.
 
@@ -297,7 +299,7 @@ class MemoryServicer:
                 yield msg
 
     async def SlotSeqs(
-        self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
+        self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.SlotSeqsResponse:
         """Sequence numbers of slots as held here.
 

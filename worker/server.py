@@ -56,8 +56,7 @@ class WorkerServer:
         self.coordinator_channel = rpc.channel(
             cfg.coordinator, cfg.max_message_bytes, self.security.channel
         )
-        # The generated gRPC code is untyped (no-untyped-call here and for add_*_to_server).
-        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)  # type: ignore[no-untyped-call]
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         # File data sets' rows come from the coordinator over its channel (no shared disk).
         fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
         self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name, fetcher)
@@ -75,7 +74,7 @@ class WorkerServer:
             MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
             TrainingServicer(self.sessions, cfg.chunk_bytes),
         )
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)  # type: ignore[no-untyped-call]
+        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = ""
         self._data_lock = -1  # fd holding the data dir's lock until a journal owns it

@@ -6,6 +6,7 @@ Each RPC validates, delegates to the training sessions, and maps their errors to
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -35,7 +36,7 @@ class TrainingServicer:
         self._chunk_bytes = chunk_bytes
 
     async def StartTraining(
-        self, request: worker_pb2.StartTrainingRequest, context: aio.ServicerContext
+        self, request: worker_pb2.StartTrainingRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.StartTrainingResponse:
         """Load this worker's shard and build the model.
 
@@ -67,7 +68,7 @@ class TrainingServicer:
     async def ComputeGradients(
         self,
         request_iterator: AsyncIterator[worker_pb2.GradientRequest],
-        context: aio.ServicerContext,
+        context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
         """Compute one step's gradients on this worker's shard.
 
@@ -130,7 +131,7 @@ class TrainingServicer:
             yield worker_pb2.GradientResponse(grad=chunk)
 
     async def StopTraining(
-        self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext
+        self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.StopTrainingResponse:
         """Forget a job's trainer (idempotent)."""
         self._sessions.stop(request.job_id)

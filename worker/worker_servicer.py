@@ -8,6 +8,7 @@ docstrings say what each RPC does and answers.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from grpc import aio
 
@@ -34,7 +35,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # -- training -------------------------------------------------------------------------------
 
     async def StartTraining(
-        self, request: worker_pb2.StartTrainingRequest, context: aio.ServicerContext
+        self, request: worker_pb2.StartTrainingRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.StartTrainingResponse:
         """See ``TrainingServicer.StartTraining``."""
         return await self.training.StartTraining(request, context)
@@ -42,7 +43,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def ComputeGradients(
         self,
         request_iterator: AsyncIterator[worker_pb2.GradientRequest],
-        context: aio.ServicerContext,
+        context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
         """See ``TrainingServicer.ComputeGradients``."""
         # An async generator itself: grpc.aio runs any other streaming handler as a sync one.
@@ -50,7 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield response
 
     async def StopTraining(
-        self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext
+        self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.StopTrainingResponse:
         """See ``TrainingServicer.StopTraining``."""
         return await self.training.StopTraining(request, context)
@@ -58,80 +59,82 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # -- memory store ---------------------------------------------------------------------------
 
     async def Upsert(
-        self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext
+        self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.WriteResponse:
         """See ``MemoryServicer.Upsert``."""
         return await self.memory.Upsert(request, context)
 
     async def Get(
-        self, request: worker_pb2.GetRequest, context: aio.ServicerContext
+        self, request: worker_pb2.GetRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.GetResponse:
         """See ``MemoryServicer.Get``."""
         return await self.memory.Get(request, context)
 
     async def Delete(
-        self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext
+        self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.WriteResponse:
         """See ``MemoryServicer.Delete``."""
         return await self.memory.Delete(request, context)
 
     async def Reinforce(
-        self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext
+        self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.WriteResponse:
         """See ``MemoryServicer.Reinforce``."""
         return await self.memory.Reinforce(request, context)
 
     async def Decay(
-        self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext
+        self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.DecayResponse:
         """See ``MemoryServicer.Decay``."""
         return await self.memory.Decay(request, context)
 
     async def Quality(
-        self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext
+        self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.QualityStats:
         """See ``MemoryServicer.Quality``."""
         return await self.memory.Quality(request, context)
 
     async def TopK(
-        self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext
+        self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.TopKResponse:
         """See ``MemoryServicer.TopK``."""
         return await self.memory.TopK(request, context)
 
     async def Replicate(
-        self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext
+        self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ReplicateResponse:
         """See ``MemoryServicer.Replicate``."""
         return await self.memory.Replicate(request, context)
 
     async def ApplySlotMap(
-        self, request: common_pb2.SlotMap, context: aio.ServicerContext
+        self, request: common_pb2.SlotMap, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ApplySlotMapResponse:
         """See ``MemoryServicer.ApplySlotMap``."""
         return await self.memory.ApplySlotMap(request, context)
 
     async def CopySlots(
-        self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext
+        self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.CopySlotsResponse:
         """See ``MemoryServicer.CopySlots``."""
         return await self.memory.CopySlots(request, context)
 
     async def ReceiveSlots(
-        self, request_iterator: AsyncIterator[worker_pb2.SlotData], context: aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[worker_pb2.SlotData],
+        context: aio.ServicerContext[Any, Any],
     ) -> worker_pb2.ReceiveSlotsResponse:
         """See ``MemoryServicer.ReceiveSlots``."""
         return await self.memory.ReceiveSlots(request_iterator, context)
 
     async def DumpSlots(
-        self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext
+        self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[worker_pb2.SlotData]:
         """See ``MemoryServicer.DumpSlots``."""
         async for msg in self.memory.DumpSlots(request, context):  # see ComputeGradients
             yield msg
 
     async def SlotSeqs(
-        self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext
+        self, request: worker_pb2.SlotSeqsRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.SlotSeqsResponse:
         """See ``MemoryServicer.SlotSeqs``."""
         return await self.memory.SlotSeqs(request, context)

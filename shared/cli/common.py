@@ -15,22 +15,29 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # shared/cli/common.py -> the c
 
 
 class CliError(Exception):
-    """A one-line error for the user, with its exit code."""
+    """A one-line error for the user, with its exit code; ``main`` prints it and exits."""
 
     def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        """Carry ``message`` and the exit ``code`` (EXIT_FAILED or EXIT_USAGE)."""
         super().__init__(message)
         self.code = code
 
 
 def read_job_spec(path: str) -> dict[str, Any]:
-    """Read and validate a job YAML; relative data paths resolve against the file's folder.
+    """Read a job YAML and validate it here, so a bad spec fails before anything is sent.
+
+    Paths in the spec are sent as written: the coordinator resolves them in its data roots.
+
+    Returns:
+        The spec as a dict, as the coordinator's SubmitJob takes it (defaults not filled in).
 
     Raises:
         CliError: exit code 2, one line naming the field.
     """
     try:
         data = load_yaml(path)
-        parse_job_spec(data)
+        parse_job_spec(data)  # raises unless data is a dict
     except ConfigError as exc:
         raise CliError(f"invalid job spec {path}: {exc}", EXIT_USAGE) from None
-    return data  # type: ignore[no-any-return]
+    spec: dict[str, Any] = data
+    return spec

@@ -74,6 +74,7 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 
 def _print_info(info: dict[str, Any]) -> None:
+    """Print a stored data set for people, with how a job names it."""
     print(f"stored {info['path']}: {info['bytes']} bytes, sha256 {info['sha256']}")
     for a in info["arrays"]:
         print(f"  {a['name']}: {a['dtype']} {a['shape']}")
@@ -96,6 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _print_listing(listed: list[dict[str, Any]]) -> None:
+    """Print the data roots' files as a table (modification times in local time)."""
     from rich.table import Table
 
     from shared.cli.output import out_console
@@ -121,6 +123,7 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
 
     def command(name: str, help_: str, func: Command) -> argparse.ArgumentParser:
+        """Add subcommand ``name`` running ``func``, with the client flags."""
         sp = sub.add_parser(name, help=help_, description=func.__doc__)
         sp.add_argument(
             "--coordinator",

@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from shared.cli.common import read_job_spec
 from shared.cli.local_cluster import LocalCluster
@@ -17,10 +17,22 @@ from shared.security.dev import SecureSetup
 
 
 def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) -> int:
-    """``neuroshard up``: a local cluster in the foreground until Ctrl-C or SIGTERM; with
-    ``secure``, mutual TLS and tokens (files under the data dir, settings printed)."""
+    """Run ``neuroshard up``: a local cluster in the foreground until Ctrl-C or SIGTERM.
 
-    def interrupt(signum: int, frame: Any) -> None:
+    Prints the coordinator's address on stdout (for scripts) once every worker is ALIVE.
+
+    Args:
+        workers: number of worker processes.
+        port: the coordinator's port on 127.0.0.1.
+        data_dir: the cluster's data dir; None uses a temporary one, removed at the end.
+        secure: mutual TLS and tokens, with files under the data dir; the settings a client
+            needs are printed on stderr.
+
+    Returns:
+        The exit code: 0 after Ctrl-C or SIGTERM, 1 when a daemon exited by itself.
+    """
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
@@ -49,7 +61,7 @@ def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) 
 
 
 def print_secure_settings(setup: SecureSetup, address: str) -> None:
-    """Tell people how to reach a secure local cluster (on stderr)."""
+    """Tell people, on stderr, how to reach a secure local cluster and with which tokens."""
     err_console.print(
         f"client settings: . {setup.env_file}\n"
         f"  or: --coordinator {address} {setup.client_flags()}\n"
@@ -62,7 +74,24 @@ def print_secure_settings(setup: SecureSetup, address: str) -> None:
 
 
 def run_demo(workers: int, job_path: str, as_json: bool, secure: bool = False) -> int:
-    """``neuroshard demo``: start a local cluster, run one job, print the result, stop."""
+    """Run ``neuroshard demo``: start a local cluster, run one job, print the result, stop.
+
+    The job asks for at most ``workers`` workers. When it does not succeed, the last lines
+    of every daemon's log are printed on stderr before the temporary directory goes.
+
+    Args:
+        workers: number of worker processes.
+        job_path: the job YAML.
+        as_json: print the result as one JSON document.
+        secure: run the cluster with mutual TLS and tokens.
+
+    Returns:
+        The exit code: 0 when the job succeeded, else 1.
+
+    Raises:
+        CliError: the job YAML is invalid (exit code 2).
+        ClusterStartError: the cluster did not start.
+    """
     spec = read_job_spec(job_path)
     spec["workers"] = min(int(spec.get("workers", workers)), workers) or workers
     with tempfile.TemporaryDirectory(prefix="neuroshard-demo-") as tmp:

@@ -21,12 +21,16 @@ from shared.security.transport import ChannelSecurity
 
 
 class ClusterStartError(RuntimeError):
-    """A daemon exited or the cluster did not become ready in time."""
+    """A daemon exited, or the cluster did not become ready in time; the message says which."""
 
 
 class LocalCluster:
-    """Start with ``start()`` (or ``with LocalCluster(3) as c:``); ``c.address`` is the
-    coordinator's ``host:port``."""
+    """A coordinator and N workers as child processes on 127.0.0.1.
+
+    Start it with ``start()`` or ``with LocalCluster(3) as c:``; ``c.address`` is then the
+    coordinator's ``host:port``. The processes run ``python -m shared.cli`` with the same
+    interpreter; their output goes to ``log_dir``, or else to this process's stdout and stderr.
+    """
 
     def __init__(
         self,
@@ -38,13 +42,28 @@ class LocalCluster:
         worker_args: list[str] | None = None,
         secure: bool = False,
     ) -> None:
-        """``secure``: mutual TLS and token auth with material generated under the data dir
-        (``shared.security.dev``; each worker gets a worker token for its name);
-        ``self.security`` is then the admin's client security."""
+        """Describe the cluster; nothing starts before ``start()``.
+
+        Args:
+            workers: number of worker processes, named ``worker-0`` ... ``worker-{N-1}``.
+            port: the coordinator's port; 0 picks a free one.
+            data_dir: holds every daemon's data dir; None uses a temporary directory that
+                ``stop()`` removes.
+            log_dir: where each daemon writes ``NAME.log``; None leaves their output on
+                this process's stdout and stderr.
+            coordinator_args: extra flags of ``neuroshard coordinator``.
+            worker_args: extra flags of every ``neuroshard worker``.
+            secure: mutual TLS and token auth with material generated under the data dir
+                (``shared.security.dev``; each worker gets a worker token for its name);
+                ``self.security`` is then the admin's client security.
+        """
         self.n_workers = workers
         self.port = port
-        self._tmp = tempfile.TemporaryDirectory(prefix="neuroshard-") if data_dir is None else None
-        self.data_dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="neuroshard-")
+            data_dir = self._tmp.name
+        self.data_dir = Path(data_dir)
         self.log_dir = Path(log_dir) if log_dir else None
         self._coordinator_args = coordinator_args or []
         self._worker_args = worker_args or []
@@ -57,9 +76,11 @@ class LocalCluster:
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[Any]] = []
+        self._names: dict[int, str] = {}  # pid -> the process's name, for messages
         self.address = ""
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        """Start ``python -m shared.cli ARGS`` as ``name``, its output in ``NAME.log``."""
         out: IO[Any] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +88,9 @@ class LocalCluster:
             self._logs.append(out)
         cmd = [sys.executable, "-m", "shared.cli", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, stdin=subprocess.DEVNULL)
+        self._names[proc.pid] = name
+        return proc
 
     def start(self, timeout_s: float = 60.0) -> str:
         """Start every process and wait until all workers are ALIVE; return the address.
@@ -85,6 +108,7 @@ class LocalCluster:
         return self.address
 
     def _start_coordinator(self, port: int, deadline: float) -> str:
+        """Start the coordinator and wait for its ready file; return its address."""
         ready = self.data_dir / "coordinator.addr"
         ready.unlink(missing_ok=True)
         self.coordinator = self._spawn(
@@ -114,7 +138,11 @@ class LocalCluster:
         self.coordinator.wait()
 
     def restart_coordinator(self, timeout_s: float = 60.0) -> None:
-        """Start a new coordinator on the same port and data dir."""
+        """Start a new coordinator on the same port and data dir (after ``kill_coordinator``).
+
+        Raises:
+            ClusterStartError: it exited, or wrote no address within ``timeout_s`` seconds.
+        """
         port = int(self.address.rpartition(":")[2])
         self.address = self._start_coordinator(port, time.monotonic() + timeout_s)
 
@@ -126,7 +154,12 @@ class LocalCluster:
                 p.wait()
 
     def restart_all(self, timeout_s: float = 120.0) -> None:
-        """Start the coordinator and workers again with the same port, names and data dirs."""
+        """Start the coordinator and workers again with the same port, names and data dirs.
+
+        Raises:
+            ClusterStartError: a process exited, or the workers were not all ALIVE within
+                ``timeout_s`` seconds.
+        """
         deadline = time.monotonic() + timeout_s
         self.restart_coordinator(timeout_s)
         names = [f"worker-{i}" for i in range(len(self.workers))]
@@ -143,7 +176,15 @@ class LocalCluster:
         return proc
 
     def add_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
-        """Start one more worker process named ``name`` (its data dir is under data_dir)."""
+        """Start one more worker process named ``name``, without waiting for it.
+
+        Args:
+            name: the worker's name; its data dir is ``DATA_DIR/NAME``.
+            extra: flags added after the cluster's own.
+
+        Returns:
+            The process.
+        """
         proc = self._spawn(
             name,
             [
@@ -165,7 +206,15 @@ class LocalCluster:
         return proc
 
     def wait_workers(self, n: int, deadline: float) -> None:
-        """Poll the coordinator until ``n`` workers are ALIVE."""
+        """Poll the coordinator every 0.1 s until at least ``n`` workers are ALIVE.
+
+        Args:
+            n: workers to wait for.
+            deadline: ``time.monotonic()`` value to give up at.
+
+        Raises:
+            ClusterStartError: a process exited, or the deadline passed.
+        """
         with SyncClient(self.address, timeout_s=5.0, security=self.security) as client:
             while True:
                 self._check_alive(deadline)
@@ -178,12 +227,11 @@ class LocalCluster:
                 time.sleep(0.1)
 
     def _check_alive(self, deadline: float) -> None:
+        """Raise ClusterStartError if a process exited (not by SIGKILL) or time is up."""
         for proc in [self.coordinator, *self.workers]:
             if proc is not None and proc.poll() is not None and proc.returncode != -9:
-                raise ClusterStartError(
-                    f"{' '.join(map(str, proc.args[3:5]))} exited with code "  # type: ignore[index]
-                    f"{proc.returncode}"
-                )
+                name = self._names.get(proc.pid, "a daemon")
+                raise ClusterStartError(f"{name} exited with code {proc.returncode}")
         if time.monotonic() > deadline:
             raise ClusterStartError("the local cluster did not become ready in time")
 
@@ -216,6 +264,7 @@ class LocalCluster:
             self._tmp = None
 
     def __enter__(self) -> LocalCluster:
+        """Start the cluster (stopping what started if that fails) and return it."""
         try:
             self.start()
         except BaseException:
@@ -224,4 +273,5 @@ class LocalCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Stop the cluster."""
         self.stop()

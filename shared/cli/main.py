@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
@@ -30,7 +31,8 @@ from shared.config import (
 from shared.logging import configure_logging
 
 
-def _run_daemon(main: Any) -> int:
+def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
+    """Run a daemon's ``serve`` coroutine on uvloop (asyncio's loop without it) to the end."""
     try:
         import uvloop
 
@@ -41,7 +43,14 @@ def _run_daemon(main: Any) -> int:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    """``neuroshard coordinator``: run the coordinator until SIGTERM."""
+    """Run ``neuroshard coordinator``: the coordinator, until SIGTERM or SIGINT.
+
+    Flags override the YAML config, which overrides the defaults. The server is imported
+    here, lazily, so that client commands load no daemon code.
+
+    Raises:
+        ConfigError: an invalid config or flag (exit code 2).
+    """
     from coordinator.server import serve
 
     cfg = load_config(
@@ -58,7 +67,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """``neuroshard worker``: run a worker until SIGTERM (it drains first)."""
+    """Run ``neuroshard worker``: a worker, until SIGTERM (it hands its slots over first).
+
+    Flags override the YAML config, which overrides the defaults.
+
+    Raises:
+        ConfigError: an invalid config or flag (exit code 2).
+    """
     from worker.server import serve
 
     cfg = load_config(
@@ -79,7 +94,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def add_exposure_flags(parser: argparse.ArgumentParser) -> None:
-    """``--insecure``, ``--metrics-host``, ``--probe-port`` of both daemons."""
+    """Add ``--insecure``, ``--metrics-host`` and ``--probe-port``, flags of both daemons."""
     parser.add_argument(
         "--insecure",
         action="store_true",
@@ -95,7 +110,7 @@ def add_exposure_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def exposure_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Config overrides from :func:`add_exposure_flags` (None: keep the config's value)."""
+    """Return the config overrides of :func:`add_exposure_flags` (None keeps the config's)."""
     return {
         "insecure": args.insecure,
         "metrics_host": args.metrics_host,
@@ -104,7 +119,11 @@ def exposure_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    """``neuroshard submit``: exit 0 when the job succeeded (or was queued without --follow)."""
+    """Run ``neuroshard submit``: send a job spec; with ``--follow``, watch it to the end.
+
+    Returns:
+        0 when the job was queued (without ``--follow``) or succeeded, 1 otherwise.
+    """
     from shared.cli.output import follow_job
     from shared.client import SyncClient
 
@@ -119,7 +138,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """``neuroshard status``: workers, jobs and slot figures."""
+    """Run ``neuroshard status``: print the workers, job counts and slot figures."""
     from shared.cli.output import print_status
     from shared.client import SyncClient
 
@@ -133,7 +152,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    """``neuroshard jobs``: every job with its state."""
+    """Run ``neuroshard jobs``: print every job the caller may see, with its state."""
     from shared.cli.output import print_jobs
     from shared.client import SyncClient
 
@@ -147,7 +166,11 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    """``neuroshard cancel ID``. NOT_FOUND for an unknown id (exit 1)."""
+    """Run ``neuroshard cancel ID`` and print the job's state afterwards.
+
+    Raises:
+        NeuroshardError: NOT_FOUND for an unknown id (exit code 1).
+    """
     from shared.client import SyncClient
 
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
@@ -157,14 +180,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """``neuroshard up``: a local cluster in the foreground."""
+    """Run ``neuroshard up``: a local cluster in the foreground (see ``local.run_up``)."""
     from shared.cli.local import run_up
 
     return run_up(args.workers, args.port, args.data_dir, secure=args.secure)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """``neuroshard demo``: local cluster, one job, result, stop."""
+    """Run ``neuroshard demo``: a local cluster, one job (the digits MLP by default), stop."""
     from shared.cli.local import run_demo
 
     job = args.job or str(REPO_ROOT / "configs/jobs/digits-mlp.yaml")
@@ -172,7 +195,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of every ``neuroshard`` command."""
+    """Build the argparse parser of every ``neuroshard`` command.
+
+    Each subcommand sets ``func``, the ``cmd_*`` function that runs it.
+    """
     p = argparse.ArgumentParser(prog="neuroshard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -262,7 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``neuroshard`` console script."""
+    """Run the ``neuroshard`` console script: parse ``argv``, run the command.
+
+    Expected failures (``CliError``, ``ConfigError``, ``NeuroshardError``) are printed as
+    one ``error:`` line on stderr rather than a traceback.
+
+    Args:
+        argv: the arguments after the program name; None reads ``sys.argv``.
+
+    Returns:
+        The exit code: 0 success, 1 failure, 2 bad usage or an INVALID_ARGUMENT refusal,
+        130 after Ctrl-C.
+    """
     from shared.client import NeuroshardError
 
     args = build_parser().parse_args(argv)

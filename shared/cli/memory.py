@@ -50,6 +50,7 @@ def _usage_errors(command: Command) -> Command:
 
 
 def _uint64(text: str, what: str) -> int:
+    """Parse a command-line id or k; _UsageError naming ``what`` unless it is a uint64."""
     try:
         value = int(text)
     except ValueError:
@@ -176,6 +177,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _print_stats(doc: dict[str, Any]) -> None:
+    """Print ``memory stats`` for people: strength figures, histogram, slots, workers."""
     from rich.table import Table
 
     from shared.cli.output import out_console
@@ -233,6 +235,7 @@ def add_memory_commands(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="memory_command", required=True, metavar="COMMAND")
 
     def command(name: str, help_: str, func: Command) -> argparse.ArgumentParser:
+        """Add subcommand ``name`` running ``func``, with the client flags."""
         sp = sub.add_parser(name, help=help_, description=func.__doc__)
         sp.add_argument(
             "--coordinator",

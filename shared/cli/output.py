@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -11,15 +11,13 @@ from rich.table import Table
 
 from shared.client import JobInfo, SyncClient
 
-if TYPE_CHECKING:
-    pass
-
 TERMINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELLED")
 err_console = Console(stderr=True)
 out_console = Console()
 
 
 def _describe(progress: dict[str, Any]) -> str:
+    """One line of a job event's progress: epoch, loss, accuracy, throughput, load."""
     parts = []
     if "epoch" in progress:
         parts.append(f"epoch {progress['epoch']}/{progress.get('epochs', '?')}")
@@ -41,6 +39,17 @@ def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
     """Show a progress bar (on stderr, when it is a terminal) until the job ends.
 
     Prints the final JSON document (``--json``) or a short summary on stdout.
+
+    Args:
+        client: the client the job was submitted with.
+        job: the job as submitted.
+        as_json: print ``job.summary()`` as JSON instead of a summary for people.
+
+    Returns:
+        The job's final state (asked for once more if the stream ended before the job did).
+
+    Raises:
+        NeuroshardError: the job cannot be followed (NOT_FOUND, UNAVAILABLE).
     """
     final = job
     columns = [
@@ -72,7 +81,7 @@ def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
 
 
 def print_result(job: JobInfo) -> None:
-    """A human summary of a finished job."""
+    """Print a finished job for people: its state and error, or its result's fields."""
     if job.state != "SUCCEEDED":
         print(f"{job.job_id} {job.state}: {job.error}")
         return
@@ -86,6 +95,7 @@ def print_result(job: JobInfo) -> None:
 
 
 def print_status(status: dict[str, Any]) -> None:
+    """Print ``Client.status()`` for people: a table of workers, job counts, slot figures."""
     table = Table(title="workers")
     for col in ("name", "address", "state", "device", "memories", "primary", "replica"):
         table.add_column(col)
@@ -110,6 +120,7 @@ def print_status(status: dict[str, Any]) -> None:
 
 
 def print_jobs(jobs: list[JobInfo]) -> None:
+    """Print a table of jobs: id, kind, state, workers and error."""
     table = Table()
     for col in ("job", "kind", "state", "workers", "error"):
         table.add_column(col)

@@ -1,5 +1,7 @@
-"""Security on the command line: the ``--tls-*``/``--token`` flags of every client command,
-the ``--tls-*``/``--auth-*`` flags of the daemons, and the ``certs`` and ``token`` commands.
+"""Security on the command line: TLS and token flags, the ``certs`` and ``token`` commands.
+
+Every client command takes ``--tls-*`` and ``--token``/``--token-file``; the daemons take
+``--tls-*`` and ``--auth-*``, which replace their config's ``tls`` and ``auth`` sections.
 
 Client flags fall back to environment variables (``NEUROSHARD_TLS_CA``, ``NEUROSHARD_TLS_CERT``,
 ``NEUROSHARD_TLS_KEY``, ``NEUROSHARD_TOKEN``, ``NEUROSHARD_TOKEN_FILE``), so that
@@ -12,7 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.security.transport import ChannelSecurity
 
 ROLES = ("worker", "reader", "writer", "admin")  # shared.tokens.ROLES (no jwt import here)
 _ENV = {
@@ -25,7 +30,13 @@ _ENV = {
 
 
 def add_tls_flags(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
-    """``--tls-ca``, ``--tls-cert``, ``--tls-key`` (all three or none)."""
+    """Add ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` (all three or none) to ``parser``.
+
+    Args:
+        parser: the command's parser.
+        suppress: leave the attributes unset when a flag is absent, so that a subcommand's
+            flags do not overwrite the same flags given before the subcommand.
+    """
     default = argparse.SUPPRESS if suppress else None
     parser.add_argument(
         "--tls-ca",
@@ -48,7 +59,12 @@ def add_tls_flags(parser: argparse.ArgumentParser, suppress: bool = False) -> No
 
 
 def add_client_flags(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
-    """TLS flags and ``--token``/``--token-file`` of a client command."""
+    """Add the TLS flags and ``--token``/``--token-file`` of a client command to ``parser``.
+
+    Args:
+        parser: the command's parser.
+        suppress: as in ``add_tls_flags``.
+    """
     add_tls_flags(parser, suppress)
     default = argparse.SUPPRESS if suppress else None
     parser.add_argument("--token", default=default, help="bearer token (or $NEUROSHARD_TOKEN)")
@@ -61,8 +77,10 @@ def add_client_flags(parser: argparse.ArgumentParser, suppress: bool = False) ->
 
 
 def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
-    """TLS flags and ``--auth-public-key-file``/``--auth-private-key-file``/
-    ``--auth-token-file`` of a daemon; they replace the config's ``tls`` and ``auth``."""
+    """Add a daemon's TLS flags and ``--auth-*-file`` flags to ``parser``.
+
+    The flags replace the config's ``tls`` and ``auth`` sections (``daemon_overrides``).
+    """
     add_tls_flags(parser)
     parser.add_argument(
         "--auth-public-key-file",
@@ -83,7 +101,11 @@ def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def daemon_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Config overrides (``tls``, ``auth``) from a daemon's flags; empty when none given.
+    """Return the config overrides (``tls``, ``auth``) a daemon's flags give.
+
+    Returns:
+        ``{"tls": {...}, "auth": {...}}`` for the sections whose flags were given; empty
+        when none were.
 
     Raises:
         ConfigError: only some of the TLS flags, or an --auth-* flag without
@@ -109,8 +131,10 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def client_security_of(args: argparse.Namespace) -> Any:
-    """The ``ChannelSecurity`` of a client command from its flags and the environment.
+def client_security_of(args: argparse.Namespace) -> ChannelSecurity:
+    """Return the ``ChannelSecurity`` of a client command from its flags and the environment.
+
+    A flag wins over its ``NEUROSHARD_*`` environment variable.
 
     Raises:
         ConfigError: incomplete TLS flags, a missing or invalid file (names the flag).
@@ -122,7 +146,7 @@ def client_security_of(args: argparse.Namespace) -> Any:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    """``neuroshard certs DIR --hosts a,b``: a development CA and certificates."""
+    """Run ``neuroshard certs DIR --hosts a,b``: write a development CA and certificates."""
     from shared.security.certs import write_dev_certs
 
     hosts = [h for h in (args.hosts or "").split(",") if h.strip()]
@@ -137,8 +161,14 @@ def cmd_certs(args: argparse.Namespace) -> int:
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:
-    """``neuroshard token create --role R --subject S [--names P] [--ttl 7d]
-    --private-key-file F``: print a signed token."""
+    """Run ``neuroshard token create``: print a token signed with the private key.
+
+    Flags: ``--role R --subject S [--names P] [--ttl 7d] --private-key-file F``.
+
+    Raises:
+        ConfigError: a bad role, subject, pattern or lifetime, or an unreadable key (exit
+            code 2); the message names the flag.
+    """
     from shared.config import ConfigError
     from shared.security.tokens import KeyFileError, create_token, parse_ttl, read_private_key
 
@@ -155,8 +185,14 @@ def cmd_token_create(args: argparse.Namespace) -> int:
 
 
 def cmd_token_keygen(args: argparse.Namespace) -> int:
-    """``neuroshard token keygen DIR``: a new Ed25519 pair, ``private.pem`` (0600) and
-    ``public.pem``."""
+    """Run ``neuroshard token keygen DIR``: write a new Ed25519 token key pair.
+
+    ``private.pem`` (mode 0600) belongs to the coordinator only; ``public.pem`` to every
+    daemon.
+
+    Raises:
+        ConfigError: DIR holds a private key already (exit code 2).
+    """
     from shared.config import ConfigError
     from shared.security.tokens import write_keypair
 
@@ -175,8 +211,8 @@ def cmd_token_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_security_commands(sub: Any) -> None:
-    """Add ``certs`` and ``token keygen|create`` to the top-level subcommands."""
+def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``certs`` and ``token keygen|create`` to the top-level subcommands ``sub``."""
     c = sub.add_parser("certs", help="generate a development CA and mutual-TLS certificates")
     c.add_argument(
         "dir",

@@ -7,6 +7,8 @@ async with Client("localhost:50051") as c:
         print(job.state, progress.get("step"))
 ```
 Errors surface as ``NeuroshardError`` with the gRPC status code and a one-line message.
+Keyed memory operations go straight to the workers holding the ids' slots
+(``shared.client.memory``); everything else goes to the coordinator.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 from grpc import aio
 
 from shared import rpc
@@ -43,17 +46,24 @@ from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 from shared.security.transport import ChannelSecurity, explain_unavailable
 
 DEFAULT_ADDRESS = "localhost:50051"
+T = TypeVar("T")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
 def default_address() -> str:
-    """``$NEUROSHARD_COORDINATOR`` or ``localhost:50051``."""
+    """Return the coordinator address to use: ``$NEUROSHARD_COORDINATOR`` or ``localhost:50051``."""
     return os.environ.get("NEUROSHARD_COORDINATOR") or DEFAULT_ADDRESS
 
 
 class NeuroshardError(Exception):
-    """An RPC failed; ``code`` is the gRPC status code, ``str()`` a one-line message."""
+    """An RPC failed; ``code`` is the gRPC status code, ``str()`` a one-line message.
+
+    Input the client refuses before sending anything is INVALID_ARGUMENT too.
+    """
 
     def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN) -> None:
+        """Keep ``code`` beside the message."""
         super().__init__(message)
         self.code = code
 
@@ -61,6 +71,7 @@ class NeuroshardError(Exception):
 def _error(
     exc: aio.AioRpcError, address: str, security: ChannelSecurity | None = None
 ) -> NeuroshardError:
+    """A failed call as one line for people: the coordinator's address, a TLS hint."""
     code = exc.code()
     if code is grpc.StatusCode.UNAVAILABLE:
         details = explain_unavailable(exc.details() or "", security)
@@ -74,7 +85,20 @@ def _error(
 
 @dataclass
 class JobInfo:
-    """A job as the client sees it; ``state`` is QUEUED/RUNNING/SUCCEEDED/FAILED/CANCELLED."""
+    """A job as the client sees it.
+
+    Attributes:
+        job_id: the coordinator's id of the job.
+        kind: ``train`` or ``memory``.
+        state: ``QUEUED``, ``RUNNING``, ``SUCCEEDED``, ``FAILED`` or ``CANCELLED``.
+        spec: the spec as the coordinator stored it (data paths resolved).
+        result: the final result document, once the job succeeded.
+        error: why the job failed or was cancelled; "" otherwise.
+        workers: names of the workers running it.
+        created_at: submission time, Unix seconds.
+        started_at: start time, Unix seconds (0 while queued).
+        finished_at: end time, Unix seconds (0 while not finished).
+    """
 
     job_id: str
     kind: str
@@ -89,11 +113,12 @@ class JobInfo:
 
     @property
     def terminal(self) -> bool:
+        """Whether the job has ended (SUCCEEDED, FAILED or CANCELLED): it changes no more."""
         return self.state in ("SUCCEEDED", "FAILED", "CANCELLED")
 
     @classmethod
     def from_pb(cls, pb: coordinator_pb2.Job) -> JobInfo:
-        """Build from a Job message (spec and result decoded from JSON)."""
+        """Decode a ``Job`` message (its spec and result are JSON documents)."""
         return cls(
             job_id=pb.job_id,
             kind=pb.kind,
@@ -108,7 +133,7 @@ class JobInfo:
         )
 
     def summary(self) -> dict[str, Any]:
-        """The document ``submit --json`` prints."""
+        """Return the document ``submit --json`` prints: id, state, kind, result, error."""
         return {
             "job_id": self.job_id,
             "state": self.state,
@@ -119,7 +144,11 @@ class JobInfo:
 
 
 class Client:
-    """Async client of a coordinator (and, for memory operations, of its workers)."""
+    """Async client of a coordinator (and, for keyed memory operations, of its workers).
+
+    Every call has a deadline (``timeout_s``); ``watch`` has none. Use it as an async
+    context manager, or call ``close()``, to close its channels.
+    """
 
     def __init__(
         self,
@@ -128,8 +157,15 @@ class Client:
         max_message_bytes: int = 64 * 1024 * 1024,
         security: ChannelSecurity | None = None,
     ) -> None:
-        """``security``: TLS files and token (``shared.security.client_security``); None is
-        plaintext without a token."""
+        """Open a channel to the coordinator (connected at the first call).
+
+        Args:
+            address: the coordinator's ``host:port``; default ``default_address()``.
+            timeout_s: deadline of every call, seconds (an upload's grows with its size).
+            max_message_bytes: message limit of every channel, bytes.
+            security: TLS files and token (``shared.security.transport.client_security``);
+                None is plaintext without a token.
+        """
         self.address = address or default_address()
         self.timeout_s = timeout_s
         self._max_message_bytes = max_message_bytes
@@ -139,50 +175,87 @@ class Client:
         self._router = MemoryRouter(self._stub, timeout_s, max_message_bytes, security=security)
 
     async def __aenter__(self) -> Client:
+        """Return the client itself; leaving the block closes it."""
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Close the client."""
         await self.close()
 
     async def close(self) -> None:
+        """Close the channels to the coordinator and to the workers."""
         await self._router.close()
         await self._channel.close()
 
-    async def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    async def _call(
+        self,
+        rpc: aio.UnaryUnaryMultiCallable[Req, Resp],
+        request: Req,
+        timeout_s: float | None = None,
+    ) -> Resp:
+        """Call a unary coordinator RPC with the client's deadline.
+
+        Raises:
+            NeuroshardError: the call failed (its status).
+        """
         try:
-            return await getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
+            return await rpc(request, timeout=timeout_s or self.timeout_s)
         except aio.AioRpcError as exc:
             raise _error(exc, self.address, self._security) from None
 
     async def submit(self, spec: dict[str, Any]) -> JobInfo:
-        """Submit a job spec (a dict as in configs/jobs/*.yaml).
+        """Submit a job spec (a dict as in configs/jobs/*.yaml); the job starts QUEUED.
 
         Raises:
-            NeuroshardError: INVALID_ARGUMENT (the message names the field), UNAVAILABLE.
+            NeuroshardError: INVALID_ARGUMENT (the message names the field),
+                PERMISSION_DENIED (an import or path the coordinator does not allow),
+                RESOURCE_EXHAUSTED (over an admission cap), UNAVAILABLE.
         """
-        pb = await self._call(
-            "SubmitJob", coordinator_pb2.SubmitJobRequest(spec_json=json.dumps(spec))
+        pb: coordinator_pb2.Job = await self._call(
+            self._stub.SubmitJob, coordinator_pb2.SubmitJobRequest(spec_json=json.dumps(spec))
         )
         return JobInfo.from_pb(pb)
 
     async def get_job(self, job_id: str) -> JobInfo:
-        """Raises: NeuroshardError NOT_FOUND for an unknown id."""
+        """Return a job's current state.
+
+        Raises:
+            NeuroshardError: NOT_FOUND for an unknown id, or a job of another user.
+        """
         return JobInfo.from_pb(
-            await self._call("GetJob", coordinator_pb2.JobRequest(job_id=job_id))
+            await self._call(self._stub.GetJob, coordinator_pb2.JobRequest(job_id=job_id))
         )
 
     async def jobs(self) -> list[JobInfo]:
-        reply = await self._call("ListJobs", coordinator_pb2.ListJobsRequest())
+        """List the jobs the caller may see (its own; every job for an admin or without auth).
+
+        Raises:
+            NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
+        """
+        reply: coordinator_pb2.ListJobsResponse = await self._call(
+            self._stub.ListJobs, coordinator_pb2.ListJobsRequest()
+        )
         return [JobInfo.from_pb(j) for j in reply.jobs]
 
     async def cancel(self, job_id: str) -> JobInfo:
-        """Raises: NeuroshardError NOT_FOUND for an unknown id."""
+        """Cancel a job that has not ended; return its state after the request.
+
+        Raises:
+            NeuroshardError: NOT_FOUND for an unknown id, or a job of another user.
+        """
         return JobInfo.from_pb(
-            await self._call("CancelJob", coordinator_pb2.JobRequest(job_id=job_id))
+            await self._call(self._stub.CancelJob, coordinator_pb2.JobRequest(job_id=job_id))
         )
 
     async def watch(self, job_id: str) -> AsyncIterator[tuple[JobInfo, dict[str, Any]]]:
-        """Yield (job, progress) until the job reaches a terminal state (no overall timeout).
+        """Follow a job until it ends: yield its state and progress at every event.
+
+        There is no overall deadline: a training job may run for hours.
+
+        Yields:
+            ``(job, progress)``: the job's state and the event's progress document (``step``,
+            ``loss``, ``test_accuracy``, ``samples_per_s``, or ``iteration``, ``iteration_ms``
+            for memory jobs; keys vary by kind and phase).
 
         Raises:
             NeuroshardError: NOT_FOUND, UNAVAILABLE.
@@ -195,7 +268,11 @@ class Client:
             raise _error(exc, self.address, self._security) from None
 
     async def wait(self, job_id: str) -> JobInfo:
-        """Block until the job finishes; return its final state."""
+        """Wait until the job ends, without a deadline; return its final state.
+
+        Raises:
+            NeuroshardError: NOT_FOUND, UNAVAILABLE.
+        """
         final: JobInfo | None = None
         async for job, _ in self.watch(job_id):
             final = job
@@ -209,8 +286,10 @@ class Client:
         replace: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> dict[str, Any]:
-        """Upload a local ``.npz`` to the coordinator's first data root as ``NAME.npz``; a
-        job then names it ``data: {path: NAME.npz}`` (or ``load: NAME.npz``).
+        """Upload a local ``.npz`` to the coordinator's first data root as ``NAME.npz``.
+
+        A job then names it ``data: {path: NAME.npz}`` (or ``load: NAME.npz``); the
+        coordinator validates it as it arrives and serves the workers their rows.
 
         Args:
             path: the file: arrays ``x`` float32 [N, ...] and ``y`` int64 [N] (a training
@@ -247,15 +326,34 @@ class Client:
         return info_from_pb(info)
 
     async def list_datasets(self) -> list[dict[str, Any]]:
-        """The .npz and .npy files in the coordinator's data roots: ``path`` (relative to
-        its root), ``bytes``, ``modified_at`` (unix seconds), ``root`` (index)."""
+        """List the .npz and .npy files in the coordinator's data roots.
+
+        Returns:
+            One dict per file: ``path`` (relative to its root), ``bytes``, ``modified_at``
+            (Unix seconds), ``root`` (index of the root).
+
+        Raises:
+            NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
+        """
         return entries_from_pb(
-            await self._call("ListDatasets", coordinator_pb2.ListDatasetsRequest())
+            await self._call(self._stub.ListDatasets, coordinator_pb2.ListDatasetsRequest())
         )
 
     async def status(self) -> dict[str, Any]:
-        """Cluster status: ``workers`` (name, address, state, device, ...) and job counts."""
-        s = await self._call("GetClusterStatus", coordinator_pb2.GetClusterStatusRequest())
+        """Return the cluster's status as ``neuroshard status --json`` prints it.
+
+        Returns:
+            ``workers`` (name, address, state, device, heartbeat_age_s, memories,
+            slots_primary, slots_replica of each), ``jobs`` (count by state), ``slots``,
+            ``replication_factor``, ``under_replicated_slots``, ``slot_map_epoch`` and
+            ``memories`` (primary copies, as the alive workers last reported them).
+
+        Raises:
+            NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
+        """
+        s: coordinator_pb2.ClusterStatus = await self._call(
+            self._stub.GetClusterStatus, coordinator_pb2.GetClusterStatusRequest()
+        )
         return {
             "workers": [
                 {
@@ -280,7 +378,8 @@ class Client:
 
     # -- memory store ---------------------------------------------------------------------
 
-    async def _routed(self, work: Any) -> Any:
+    async def _routed(self, work: Awaitable[T]) -> T:
+        """Await a routed operation, turning its failures into ``NeuroshardError``."""
         try:
             return await work
         except RoutingError as exc:
@@ -289,9 +388,15 @@ class Client:
             raise _error(exc, self.address, self._security) from None
 
     async def _payload_limit(self) -> int:
+        """The cluster's ``max_payload_bytes``, from the slot map."""
         return int((await self._routed(self._router.slot_map())).max_payload_bytes)
 
-    async def upsert(self, ids: Any, strengths: Any, payloads: list[bytes] | None = None) -> int:
+    async def upsert(
+        self,
+        ids: npt.ArrayLike,
+        strengths: npt.ArrayLike,
+        payloads: Sequence[bytes] | None = None,
+    ) -> int:
         """Insert or overwrite memories; acknowledged once both copies applied them.
 
         Args:
@@ -307,7 +412,6 @@ class Client:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
                 UNAVAILABLE when the batch could not be delivered.
         """
-
         try:
             ids, strengths, checked = validate_upsert(
                 ids, strengths, payloads, await self._payload_limit()
@@ -325,25 +429,35 @@ class Client:
         plain = None if checked is None else [bytes(p or b"") for p in checked]
         return int(await self._routed(self._router.upsert(ids, strengths, plain)))
 
-    async def reinforce(self, ids: Any, boosts: Any) -> int:
-        """Add boosts (finite, >= 0; duplicate ids add up), clip to [0, 1].
+    async def reinforce(self, ids: npt.ArrayLike, boosts: npt.ArrayLike) -> int:
+        """Add boosts to the strengths of stored memories, then clip them to [0, 1].
+
+        Args:
+            ids: [N] uint64 (any integer array of non-negative values); duplicates add up.
+            boosts: [N] float32, finite and >= 0.
 
         Returns:
             Ids found (unknown ids are skipped).
 
         Raises:
-            NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent).
+            NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
+                UNAVAILABLE when the batch could not be delivered.
         """
-
         try:
             ids, boosts = validate_reinforce(ids, boosts)
         except MemoryInputError as exc:
             raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         return int(await self._routed(self._router.reinforce(ids, boosts)))
 
-    async def delete(self, ids: Any) -> int:
-        """Delete memories; return how many existed."""
+    async def delete(self, ids: npt.ArrayLike) -> int:
+        """Delete memories from both copies; return how many existed.
 
+        Args:
+            ids: [N] uint64 (any integer array of non-negative values).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); UNAVAILABLE.
+        """
         try:
             ids = as_ids(ids)
         except MemoryInputError as exc:
@@ -351,33 +465,58 @@ class Client:
         return int(await self._routed(self._router.delete(ids)))
 
     async def get(
-        self, ids: Any, with_payloads: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
+        self, ids: npt.ArrayLike, with_payloads: bool = False
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
         """Read memories from their primaries.
+
+        Args:
+            ids: [N] uint64 (any integer array of non-negative values).
+            with_payloads: also fetch the payloads.
 
         Returns:
             found [N] bool, strengths [N] float32 (0 where missing), payloads [N] (None where
             missing or absent; only when ``with_payloads``).
-        """
 
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); UNAVAILABLE.
+        """
         try:
             ids = as_ids(ids)
         except MemoryInputError as exc:
             raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-        return await self._routed(self._router.get(ids, with_payloads))  # type: ignore[no-any-return]
+        return await self._routed(self._router.get(ids, with_payloads))
 
     async def decay(self, rate: float) -> int:
-        """Decay every memory: ``s = clip(s - rate, 0, 1)``; return memories decayed.
+        """Decay every memory of the cluster: ``s = clip(s - rate, 0, 1)``.
+
+        Args:
+            rate: subtracted from every strength, in [0, 1].
+
+        Returns:
+            Memories decayed (the primary copies in the cluster).
 
         Raises:
-            NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1]; UNAVAILABLE.
+            NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1]; PERMISSION_DENIED
+                for a role other than admin; UNAVAILABLE.
         """
-        reply = await self._call("Decay", coordinator_pb2.DecayRequest(rate=rate))
+        reply: common_pb2.DecayResponse = await self._call(
+            self._stub.Decay, coordinator_pb2.DecayRequest(rate=rate)
+        )
         return int(reply.memories)
 
     async def quality(self) -> dict[str, Any]:
-        """count, sum, mean, min, max and histogram (10 bins over [0, 1]) of all strengths."""
-        q = await self._call("Quality", coordinator_pb2.QualityRequest())
+        """Summarize every strength in the cluster, exactly (merged from the primaries).
+
+        Returns:
+            ``count``, ``sum``, ``mean``, ``min``, ``max`` and ``histogram`` (10 counts of
+            bins of width 0.1 over [0, 1]).
+
+        Raises:
+            NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
+        """
+        q: common_pb2.QualityStats = await self._call(
+            self._stub.Quality, coordinator_pb2.QualityRequest()
+        )
         return {
             "count": q.count,
             "sum": q.sum,
@@ -387,19 +526,31 @@ class Client:
             "histogram": list(q.histogram),
         }
 
-    async def topk(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The exact global top-k: ids [k'] uint64 and strengths [k'] float32.
+    async def topk(self, k: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Return the exact global top-k, strongest first, ties broken by smaller id.
+
+        Returns:
+            ids [k'] uint64 and strengths [k'] float32, k' = min(k, memories).
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT when k <= 0 or above the coordinator's topk_max.
         """
         if k < 1:
             raise NeuroshardError(f"k: {k} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
-        r = await self._call("TopK", coordinator_pb2.TopKRequest(k=k))
+        r: common_pb2.TopKResponse = await self._call(
+            self._stub.TopK, coordinator_pb2.TopKRequest(k=k)
+        )
         return ids_from_bytes(r.ids), f32_from_bytes(r.strengths)
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Wait until the cluster has published a slot map with no under-replicated slot."""
+        """Wait until the cluster has a slot map with no under-replicated slot, then fetch it.
+
+        Args:
+            timeout_s: how long to wait, seconds.
+
+        Raises:
+            NeuroshardError: DEADLINE_EXCEEDED when the map did not settle in time.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -415,7 +566,11 @@ class Client:
 
 
 class SyncClient:
-    """Blocking wrapper of ``Client`` for scripts: same methods, no ``await``."""
+    """Blocking wrapper of ``Client`` for scripts: the same methods, without ``await``.
+
+    It runs its own event loop (``asyncio.Runner``), so it cannot be used from inside a
+    running loop; use ``Client`` there. Each method is documented on ``Client``.
+    """
 
     def __init__(
         self,
@@ -423,6 +578,7 @@ class SyncClient:
         timeout_s: float = 30.0,
         security: ChannelSecurity | None = None,
     ) -> None:
+        """Start the event loop and a ``Client(address, timeout_s, security=security)``."""
         self._runner = asyncio.Runner()
         self._client = self._runner.run(self._make(address, timeout_s, security))
 
@@ -430,19 +586,27 @@ class SyncClient:
     async def _make(
         address: str | None, timeout_s: float, security: ChannelSecurity | None
     ) -> Client:
+        """Make the client inside the loop (grpc.aio channels bind to the running loop)."""
         return Client(address, timeout_s, security=security)
 
+    def _run(self, work: Coroutine[Any, Any, T]) -> T:
+        return self._runner.run(work)
+
     def __enter__(self) -> SyncClient:
+        """Return the client itself; leaving the block closes it."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the client."""
         self.close()
 
     def close(self) -> None:
+        """Close the channels and the event loop."""
         self._runner.run(self._client.close())
         self._runner.close()
 
     def __getattr__(self, name: str) -> Any:
+        """Reach the rest of ``Client``: attributes as they are, coroutines run to the end."""
         attr = getattr(self._client, name)
         if not callable(attr) or name == "watch":
             return attr
@@ -452,7 +616,28 @@ class SyncClient:
 
         return call
 
+    def submit(self, spec: dict[str, Any]) -> JobInfo:
+        """Submit a job spec (see ``Client.submit``)."""
+        return self._run(self._client.submit(spec))
+
+    def get_job(self, job_id: str) -> JobInfo:
+        """Return a job's current state (see ``Client.get_job``)."""
+        return self._run(self._client.get_job(job_id))
+
+    def jobs(self) -> list[JobInfo]:
+        """List the jobs the caller may see (see ``Client.jobs``)."""
+        return self._run(self._client.jobs())
+
+    def cancel(self, job_id: str) -> JobInfo:
+        """Cancel a job (see ``Client.cancel``)."""
+        return self._run(self._client.cancel(job_id))
+
     def watch(self, job_id: str) -> Iterator[tuple[JobInfo, dict[str, Any]]]:
+        """Follow a job until it ends (see ``Client.watch``).
+
+        Yields:
+            ``(job, progress)`` at every event.
+        """
         agen = self._client.watch(job_id).__aiter__()
         while True:
             try:
@@ -460,7 +645,68 @@ class SyncClient:
             except StopAsyncIteration:
                 return
 
+    def wait(self, job_id: str) -> JobInfo:
+        """Wait until a job ends; return its final state (see ``Client.wait``)."""
+        return self._run(self._client.wait(job_id))
 
-async def _next(agen: Any) -> Any:
+    def put_dataset(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        replace: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Upload a local ``.npz`` to the coordinator (see ``Client.put_dataset``)."""
+        return self._run(self._client.put_dataset(path, name, replace, progress))
+
+    def list_datasets(self) -> list[dict[str, Any]]:
+        """List the files in the coordinator's data roots (see ``Client.list_datasets``)."""
+        return self._run(self._client.list_datasets())
+
+    def status(self) -> dict[str, Any]:
+        """Return the cluster's status (see ``Client.status``)."""
+        return self._run(self._client.status())
+
+    def upsert(
+        self,
+        ids: npt.ArrayLike,
+        strengths: npt.ArrayLike,
+        payloads: Sequence[bytes] | None = None,
+    ) -> int:
+        """Insert or overwrite memories; return distinct ids written (see ``Client.upsert``)."""
+        return self._run(self._client.upsert(ids, strengths, payloads))
+
+    def reinforce(self, ids: npt.ArrayLike, boosts: npt.ArrayLike) -> int:
+        """Add boosts to stored strengths; return ids found (see ``Client.reinforce``)."""
+        return self._run(self._client.reinforce(ids, boosts))
+
+    def delete(self, ids: npt.ArrayLike) -> int:
+        """Delete memories; return how many existed (see ``Client.delete``)."""
+        return self._run(self._client.delete(ids))
+
+    def get(
+        self, ids: npt.ArrayLike, with_payloads: bool = False
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
+        """Read memories: found, strengths, payloads (see ``Client.get``)."""
+        return self._run(self._client.get(ids, with_payloads))
+
+    def decay(self, rate: float) -> int:
+        """Decay every memory by ``rate``; return memories decayed (see ``Client.decay``)."""
+        return self._run(self._client.decay(rate))
+
+    def quality(self) -> dict[str, Any]:
+        """Summarize every strength in the cluster (see ``Client.quality``)."""
+        return self._run(self._client.quality())
+
+    def topk(self, k: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Return the exact global top-k ids and strengths (see ``Client.topk``)."""
+        return self._run(self._client.topk(k))
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until no slot is under-replicated (see ``Client.wait_ready``)."""
+        self._run(self._client.wait_ready(timeout_s))
+
+
+async def _next(agen: AsyncIterator[T]) -> T:
     """``anext`` as a coroutine (``asyncio.Runner.run`` takes coroutines only)."""
     return await agen.__anext__()

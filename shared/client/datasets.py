@@ -1,5 +1,6 @@
-"""The client side of the data set RPCs: streaming a local ``.npz`` to the coordinator
-(PutDataset) and reading its listing (ListDatasets). ``shared.client.Client`` calls these.
+"""The client side of the data set RPCs: PutDataset (upload an ``.npz``) and ListDatasets.
+
+``shared.client.Client`` calls these.
 
 A file travels as a ``DatasetHeader`` (name, size, replace) and, once the coordinator
 accepted it, 1 MiB chunks of its bytes, read in a thread; the coordinator counts them against
@@ -14,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc import aio
 
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 
@@ -23,19 +23,28 @@ CHUNK_BYTES = 1 << 20  # well under any gRPC message limit
 # this many bytes (a link slower than ~1 MB/s times out).
 MIN_UPLOAD_BYTES_PER_S = 1_000_000
 
-Progress = Callable[[int], None]
+Progress = Callable[[int], None]  # called with the size of each chunk sent, bytes
 
 
 def upload_timeout_s(base_s: float, size_bytes: int) -> float:
-    """Deadline of an upload of ``size_bytes``, seconds."""
+    """Return the deadline of an upload, seconds: ``base_s`` plus 1 s per MB.
+
+    Args:
+        base_s: the client's call timeout, seconds.
+        size_bytes: the file's size, bytes.
+    """
     return base_s + size_bytes / MIN_UPLOAD_BYTES_PER_S
 
 
 class UploadRefused(Exception):
-    """The coordinator ended an upload without a status the client could read (it closed the
-    stream while a chunk was being sent); ``code`` is what the call reported."""
+    """The coordinator ended an upload without sending the reply the client waited for.
+
+    It closed the stream while a chunk was being sent, so its status may be lost; ``code`` is
+    what the call reported.
+    """
 
     def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        """Keep the call's ``code`` beside the message."""
         super().__init__(message)
         self.code = code
 
@@ -47,10 +56,21 @@ async def put_file(
     progress: Progress | None,
     timeout_s: float,
 ) -> coordinator_pb2.DatasetInfo:
-    """Run one PutDataset call: send the header, wait for ``accepted``, send the file's
-    bytes in chunks (read in a thread), half-close and read the stored data set.
+    """Upload one file with a PutDataset call.
 
-    ``progress(n)`` is called once each chunk of ``n`` bytes has been handed to gRPC.
+    Send the header, wait for ``accepted`` (a refused header costs no upload), send the
+    file's bytes in chunks of ``CHUNK_BYTES`` read in a thread, half-close and read the
+    stored data set.
+
+    Args:
+        stub: the coordinator's stub.
+        path: the local ``.npz``.
+        header: the name, size and ``replace`` flag.
+        progress: called with ``n`` once each chunk of ``n`` bytes has been handed to gRPC.
+        timeout_s: deadline of the whole call, seconds (see ``upload_timeout_s``).
+
+    Returns:
+        The stored data set: its name, path in the data root, size, sha256, kind, arrays.
 
     Raises:
         grpc.aio.AioRpcError: the coordinator refused the upload (its status).
@@ -59,7 +79,7 @@ async def put_file(
     call = stub.PutDataset(timeout=timeout_s)
     await call.write(coordinator_pb2.DatasetChunk(header=header))
     reply = await call.read()  # a refused header raises here, before any byte is sent
-    if reply is aio.EOF or not reply.HasField("accepted"):
+    if not isinstance(reply, coordinator_pb2.DatasetReply) or not reply.HasField("accepted"):
         raise UploadRefused("the coordinator did not accept the upload", await call.code())
     f = await asyncio.to_thread(path.open, "rb")
     try:
@@ -74,7 +94,7 @@ async def put_file(
     if not call.done():
         await call.done_writing()
     reply = await call.read()
-    if reply is aio.EOF or not reply.HasField("stored"):
+    if not isinstance(reply, coordinator_pb2.DatasetReply) or not reply.HasField("stored"):
         raise UploadRefused(
             "the coordinator ended the upload without storing it", await call.code()
         )
@@ -82,7 +102,12 @@ async def put_file(
 
 
 def info_from_pb(info: coordinator_pb2.DatasetInfo) -> dict[str, Any]:
-    """A stored data set as ``data put --json`` prints it."""
+    """Turn a stored data set into the document ``data put --json`` prints.
+
+    Returns:
+        ``name``, ``path`` (in the data root), ``bytes``, ``sha256`` (hex), ``kind``
+        (``train`` or ``memory``) and ``arrays`` (name, dtype, shape of each).
+    """
     return {
         "name": info.name,
         "path": info.path,
@@ -94,7 +119,12 @@ def info_from_pb(info: coordinator_pb2.DatasetInfo) -> dict[str, Any]:
 
 
 def entries_from_pb(reply: coordinator_pb2.ListDatasetsResponse) -> list[dict[str, Any]]:
-    """The listing as ``data ls --json`` prints it."""
+    """Turn a ListDatasets reply into the list ``data ls --json`` prints.
+
+    Returns:
+        One dict per file: ``path`` (relative to its root), ``bytes``, ``modified_at``
+        (Unix seconds) and ``root`` (index into the coordinator's data roots).
+    """
     return [
         {"path": e.path, "bytes": e.bytes, "modified_at": e.modified_at, "root": e.root}
         for e in reply.datasets

@@ -5,6 +5,8 @@ nothing), split stably by primary worker with the cached slot map, sent concurre
 the parts a worker refuses because of a stale map (FAILED_PRECONDITION), a failover
 (UNAVAILABLE) or an ordering conflict (ABORTED) are retried after refreshing the map.
 Bulk operations (decay, quality, top-k) go to the coordinator, which fans them out.
+
+Shape letters: N batch items, n items of one part (one worker's share of a batch).
 """
 
 from __future__ import annotations
@@ -13,14 +15,21 @@ import asyncio
 import random
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import NoReturn, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 from grpc import aio
 
 from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
-from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from shared.proto import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.limits import split_parts
 from shared.rpc.peers import WorkerClients
@@ -33,22 +42,35 @@ _RETRY = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
 
-# One keyed RPC: (stub, epoch, positions of the batch it carries) -> reply
-Call = Callable[[Any, int, np.ndarray], Awaitable[Any]]
+Reply = TypeVar("Reply")
+Positions: TypeAlias = npt.NDArray[np.int64]  # [n] positions in the batch
+# One keyed RPC: (worker's stub, map epoch, positions of the batch it carries) -> its reply
+Call: TypeAlias = Callable[[worker_pb2_grpc.WorkerStub, int, Positions], Awaitable[Reply]]
 # Where the router gets the current slot map from
-SlotMapSource = Callable[[], Awaitable[common_pb2.SlotMap]]
+SlotMapSource: TypeAlias = Callable[[], Awaitable[common_pb2.SlotMap]]
 
 
 class RoutingError(RuntimeError):
-    """A batch could not be delivered within the retry budget; ``code`` is the last status."""
+    """A batch could not be delivered; ``code`` is the status the client reports.
+
+    The last retryable status when the retry budget ran out; a worker's non-retryable
+    status (e.g. INVALID_ARGUMENT); UNAVAILABLE for an unusable slot map; INTERNAL for a
+    malformed worker reply.
+    """
 
     def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        """Keep ``code`` beside the message."""
         super().__init__(message)
         self.code = code
 
 
 class MemoryRouter:
-    """Routes keyed operations with a cached slot map (refreshed when a worker says so)."""
+    """Routes keyed operations to the slots' primaries with a cached slot map.
+
+    The map is fetched on first use and refreshed whenever a part of a batch fails with a
+    retryable status (a stale epoch, a failover, a fence). Every part of a batch, and every
+    retry of it, carries the batch's request id, so a worker applies a write at most once.
+    """
 
     def __init__(
         self,
@@ -58,9 +80,16 @@ class MemoryRouter:
         retry_budget_s: float = 30.0,
         security: ChannelSecurity | None = None,
     ) -> None:
-        """Route with maps from a coordinator stub (``GetSlotMap``) or, inside the
-        coordinator itself, from an async function returning the current map; worker
-        channels use ``security`` (TLS, token)."""
+        """Route with maps from the coordinator.
+
+        Args:
+            coordinator: a coordinator stub (maps from ``GetSlotMap``) or, inside the
+                coordinator itself, an async function returning the current map.
+            timeout_s: deadline of each RPC, seconds.
+            max_message_bytes: message limit of the worker channels, bytes.
+            retry_budget_s: how long a batch is retried before ``RoutingError``, seconds.
+            security: TLS and token of the worker channels; None is plaintext.
+        """
         if isinstance(coordinator, coordinator_pb2_grpc.CoordinatorStub):
             stub = coordinator
 
@@ -75,10 +104,11 @@ class MemoryRouter:
         self._retry_budget_s = retry_budget_s
 
     async def close(self) -> None:
+        """Close the channels to the workers."""
         await self._workers.close()
 
     async def slot_map(self, refresh: bool = False) -> common_pb2.SlotMap:
-        """The cached map (fetched when None or ``refresh``).
+        """Return the cached slot map, fetching it first when there is none or ``refresh``.
 
         Raises:
             RoutingError: the coordinator sent a map that cannot be routed with (UNAVAILABLE).
@@ -94,11 +124,22 @@ class MemoryRouter:
             self._map = m
         return self._map
 
-    async def route(self, ids: np.ndarray, call: Call) -> list[tuple[np.ndarray, Any]]:
-        """Deliver every position of ``ids`` to its slot's primary.
+    async def route(
+        self, ids: npt.NDArray[np.uint64], call: Call[Reply]
+    ) -> list[tuple[Positions, Reply]]:
+        """Deliver every position of ``ids`` to its slot's primary, retrying failed parts.
+
+        Parts that fail with FAILED_PRECONDITION, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED
+        are retried after a map refresh, with jittered exponential backoff (20 ms doubling to
+        500 ms), until ``retry_budget_s`` has passed.
+
+        Args:
+            ids: [N] uint64 the batch's ids (their slots choose the workers).
+            call: sends one part: ``call(stub, epoch, positions)``.
 
         Returns:
-            (positions [n] int64, reply) for each delivered part.
+            ``(positions [n] int64, reply)`` for each delivered part; the positions of all
+            parts together are ``0..N-1``, each once.
 
         Raises:
             RoutingError: a part still failed when the retry budget ran out, or a worker
@@ -107,7 +148,7 @@ class MemoryRouter:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_budget_s
         pending = np.arange(len(ids), dtype=np.int64)
-        done: list[tuple[np.ndarray, Any]] = []
+        done: list[tuple[Positions, Reply]] = []
         backoff_s, refresh = 0.02, False
         while len(pending):
             m = await self.slot_map(refresh)
@@ -126,11 +167,21 @@ class MemoryRouter:
     async def _send_once(
         self,
         m: common_pb2.SlotMap,
-        ids: np.ndarray,
-        pending: np.ndarray,
-        call: Call,
-        done: list[tuple[np.ndarray, Any]],
-    ) -> tuple[np.ndarray, tuple[grpc.StatusCode, str]]:
+        ids: npt.NDArray[np.uint64],
+        pending: Positions,
+        call: Call[Reply],
+        done: list[tuple[Positions, Reply]],
+    ) -> tuple[Positions, tuple[grpc.StatusCode, str]]:
+        """Send each pending position once to its primary by map ``m``.
+
+        Delivered parts are appended to ``done``.
+
+        Returns:
+            The positions to retry, and the last retryable status and details seen.
+
+        Raises:
+            RoutingError: a worker answered with a status that is not retryable.
+        """
         if m.slots == 0 or m.epoch == 0:
             return pending, (grpc.StatusCode.UNAVAILABLE, "the cluster has no slot map yet")
         owner = np.asarray(m.primary, np.int64)[slot_of(ids[pending], m.slots)]
@@ -138,7 +189,7 @@ class MemoryRouter:
         # workers, costs far less than a stable argsort of the batch (0.5 vs 3 ms at 100k).
         owners = np.flatnonzero(np.bincount(owner + 1)) - 1
         parts = [pending[np.flatnonzero(owner == w)] for w in owners.tolist()]
-        calls: list[Awaitable[Any]] = []
+        calls: list[Awaitable[Reply]] = []
         if m.max_batch_items:  # workers refuse larger requests (INVALID_ARGUMENT)
             owners, parts = split_parts(
                 owners, parts, m.max_batch_items, lambda p: slot_of(ids[p], m.slots)
@@ -150,7 +201,7 @@ class MemoryRouter:
                 stub = self._workers.stub(m.workers[w], m.addresses[w])
                 calls.append(call(stub, m.epoch, part))
         results = await asyncio.gather(*calls, return_exceptions=True)
-        failed: list[np.ndarray] = []
+        failed: list[Positions] = []
         last = (grpc.StatusCode.OK, "")
         for part, r in zip(parts, results, strict=True):
             if isinstance(r, aio.AioRpcError) and r.code() in _RETRY:
@@ -167,11 +218,26 @@ class MemoryRouter:
     # -- keyed operations -------------------------------------------------------------------
 
     async def upsert(
-        self, ids: np.ndarray, strengths: np.ndarray, payloads: list[bytes] | None
+        self,
+        ids: npt.NDArray[np.uint64],
+        strengths: npt.NDArray[np.float32],
+        payloads: list[bytes] | None,
     ) -> int:
+        """Upsert a validated batch; return the distinct ids written.
+
+        Args:
+            ids: [N] uint64.
+            strengths: [N] float32 in [0, 1].
+            payloads: N payloads (b"" removes one), or None to leave payloads alone.
+
+        Raises:
+            RoutingError: as ``route``.
+        """
         rid = uuid.uuid4().bytes  # one id for every part and retry: workers dedup by it
 
-        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+        async def call(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        ) -> worker_pb2.WriteResponse:
             return await stub.Upsert(
                 worker_pb2.UpsertRequest(
                     epoch=epoch,
@@ -185,10 +251,21 @@ class MemoryRouter:
 
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
-    async def reinforce(self, ids: np.ndarray, boosts: np.ndarray) -> int:
+    async def reinforce(self, ids: npt.NDArray[np.uint64], boosts: npt.NDArray[np.float32]) -> int:
+        """Reinforce with a validated batch; return the ids found.
+
+        Args:
+            ids: [N] uint64; duplicates add their boosts.
+            boosts: [N] float32, finite and >= 0.
+
+        Raises:
+            RoutingError: as ``route``.
+        """
         rid = uuid.uuid4().bytes
 
-        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+        async def call(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        ) -> worker_pb2.WriteResponse:
             return await stub.Reinforce(
                 worker_pb2.ReinforceRequest(
                     epoch=epoch,
@@ -201,10 +278,20 @@ class MemoryRouter:
 
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
-    async def delete(self, ids: np.ndarray) -> int:
+    async def delete(self, ids: npt.NDArray[np.uint64]) -> int:
+        """Delete memories; return how many existed.
+
+        Args:
+            ids: [N] uint64.
+
+        Raises:
+            RoutingError: as ``route``.
+        """
         rid = uuid.uuid4().bytes
 
-        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+        async def call(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        ) -> worker_pb2.WriteResponse:
             return await stub.Delete(
                 worker_pb2.DeleteRequest(epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx])),
                 timeout=self._timeout_s,
@@ -213,9 +300,25 @@ class MemoryRouter:
         return sum(int(r.applied) for _, r in await self.route(ids, call))
 
     async def get(
-        self, ids: np.ndarray, with_payloads: bool
-    ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
-        async def call(stub: Any, epoch: int, idx: np.ndarray) -> Any:
+        self, ids: npt.NDArray[np.uint64], with_payloads: bool
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
+        """Read memories from their primaries.
+
+        Args:
+            ids: [N] uint64.
+            with_payloads: also fetch the payloads.
+
+        Returns:
+            found [N] bool, strengths [N] float32 (0 where missing), and N payloads (None
+            where missing, empty, or not asked for).
+
+        Raises:
+            RoutingError: as ``route``, or INTERNAL for a malformed worker reply.
+        """
+
+        async def call(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        ) -> worker_pb2.GetResponse:
             return await stub.Get(
                 worker_pb2.GetRequest(
                     epoch=epoch, ids=ids_to_bytes(ids[idx]), with_payloads=with_payloads
@@ -236,7 +339,9 @@ class MemoryRouter:
         return found, strengths, payloads
 
 
-def _get_reply(r: Any, n: int, with_payloads: bool) -> tuple[np.ndarray, np.ndarray]:
+def _get_reply(
+    r: worker_pb2.GetResponse, n: int, with_payloads: bool
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
     """``(found [n] bool, strengths [n] float32)`` of a worker's GetResponse for n ids.
 
     Raises:
@@ -256,7 +361,8 @@ def _get_reply(r: Any, n: int, with_payloads: bool) -> tuple[np.ndarray, np.ndar
     return np.frombuffer(r.found, np.uint8).astype(bool), s
 
 
-async def _unassigned() -> Any:
+async def _unassigned() -> NoReturn:
+    """Fail like a call to a worker that is down: the slot has no primary in this map."""
     raise aio.AioRpcError(
         grpc.StatusCode.UNAVAILABLE,
         aio.Metadata(),

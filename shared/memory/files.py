@@ -20,15 +20,19 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from shared.memory.validation import MemoryInputError, as_ids, validate_values
 
 
 class MemoryFileError(ValueError):
-    """A memory input file is missing or malformed; the message names the file and array."""
+    """A memory input file is missing or malformed; the message names the file and array.
+
+    The CLI exits 2 with it; a memory job fails with it.
+    """
 
 
 _MAGIC = (b"PK", b"\x93NUMPY")  # a zip archive (.npz), the NumPy array format (.npy)
@@ -36,7 +40,7 @@ _WRITER = {".npz": "np.savez", ".npy": "np.save"}
 
 
 @contextmanager
-def _opened(path: Path, suffix: str) -> Iterator[object]:
+def _opened(path: Path, suffix: str) -> Iterator[npt.NDArray[Any] | np.lib.npyio.NpzFile]:
     """``np.load`` of ``path`` (an ndarray, or an open NpzFile) with the file open meanwhile.
 
     The file is opened here, not by NumPy, so that it is closed whatever happens: NumPy leaks
@@ -85,12 +89,15 @@ _HEADER_READERS = {
 
 
 def _detail(exc: BaseException) -> str:
+    """The first line of an exception's message (at most 200 characters), or its type."""
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
 def _check_npy_size(path: Path, what: str, f: IO[bytes], size: int) -> None:
-    """Refuse an .npy whose header claims more data than the ``size`` bytes it holds,
-    before NumPy allocates the array the header asks for (``f`` at the start of the .npy).
+    """Refuse an .npy whose header claims more data than the ``size`` bytes it holds.
+
+    Checked before NumPy allocates the array the header asks for, so a 100-byte file cannot
+    make the process allocate terabytes. ``f`` is at the start of the .npy.
 
     Raises:
         MemoryFileError: an unreadable header, or a claimed size beyond the data.
@@ -110,8 +117,18 @@ def _check_npy_size(path: Path, what: str, f: IO[bytes], size: int) -> None:
         )
 
 
-def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, npt.NDArray[Any]]:
     """Read the named arrays of an ``.npz`` file (other arrays are ignored).
+
+    Nothing is unpickled (``allow_pickle=False``), and each array's header is checked
+    against its member's size before it is loaded.
+
+    Args:
+        path: the ``.npz`` file.
+        names: the arrays to read.
+
+    Returns:
+        ``{name: array}`` as stored (dtype and shape unchecked).
 
     Raises:
         MemoryFileError: missing or unreadable file, or an array is absent or not loadable.
@@ -137,7 +154,7 @@ def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     return out
 
 
-def load_memories(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+def load_memories(path: str | Path) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
     """Read memories to upsert: ``(ids [N] uint64, strengths [N] float32 in [0, 1])``.
 
     Raises:
@@ -151,7 +168,9 @@ def load_memories(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         raise MemoryFileError(f"{path}: {exc}") from None
 
 
-def load_reinforcements(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+def load_reinforcements(
+    path: str | Path,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
     """Read a reinforcement batch: ``(ids [K] uint64, boosts [K] float32 >= 0)``.
 
     Raises:
@@ -165,8 +184,12 @@ def load_reinforcements(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         raise MemoryFileError(f"{path}: {exc}") from None
 
 
-def load_trace(path: str | Path, iterations: int) -> np.ndarray:
+def load_trace(path: str | Path, iterations: int) -> npt.NDArray[np.uint64]:
     """Read an access trace of ids: [iterations, B] (one row per iteration) or [B] (reused).
+
+    Args:
+        path: the ``.npy`` file.
+        iterations: I, the memory job's iterations; a 2-D trace needs at least I rows.
 
     Returns:
         [I, B] uint64 with I = iterations, or [1, B] for a 1-D trace; B >= 1.

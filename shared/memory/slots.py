@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+from shared.proto import common_pb2
 
 _U64 = np.uint64
 _C1 = _U64(0xBF58476D1CE4E5B9)
 _C2 = _U64(0x94D049BB133111EB)
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
+def mix64(x: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     """Mix 64-bit integers with the splitmix64 finalizer (a bijection on uint64).
 
     ``z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9; z = (z ^ (z >> 27)) * 0x94d049bb133111eb;
@@ -45,13 +47,17 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 def slot_bits(slots: int) -> int:
-    """Return log2(slots); raise ValueError unless slots is a power of two >= 1."""
+    """Return log2(slots), the number of low bits of mix64 that select a slot.
+
+    Raises:
+        ValueError: ``slots`` is not a power of two >= 1.
+    """
     if not isinstance(slots, int | np.integer) or slots < 1 or slots & (slots - 1):
         raise ValueError(f"slots: {slots} is not a power of two >= 1")
     return int(slots).bit_length() - 1
 
 
-def slot_of(ids: np.ndarray, slots: int) -> np.ndarray:
+def slot_of(ids: npt.ArrayLike, slots: int) -> npt.NDArray[np.int64]:
     """Return the slot of each id: ``mix64(id) & (slots - 1)``.
 
     Args:
@@ -60,12 +66,15 @@ def slot_of(ids: np.ndarray, slots: int) -> np.ndarray:
 
     Returns:
         [N] int64 slot numbers in [0, S).
+
+    Raises:
+        ValueError: ``slots`` is not a power of two.
     """
     slot_bits(slots)
     return (mix64(ids) & _U64(slots - 1)).astype(np.int64)
 
 
-def sort_key(ids: np.ndarray, slots: int) -> np.ndarray:
+def sort_key(ids: npt.ArrayLike, slots: int) -> npt.NDArray[np.uint64]:
     """Return the storage key of each id: mix64(id) rotated right by log2(slots) bits.
 
     The slot (the low bits of mix64) lands in the top bits of the key, so sorting keys sorts
@@ -78,6 +87,9 @@ def sort_key(ids: np.ndarray, slots: int) -> np.ndarray:
 
     Returns:
         [N] uint64 keys.
+
+    Raises:
+        ValueError: ``slots`` is not a power of two.
     """
     b = slot_bits(slots)
     h = mix64(ids)
@@ -87,7 +99,18 @@ def sort_key(ids: np.ndarray, slots: int) -> np.ndarray:
 
 
 def slot_key_range(slot: int, slots: int) -> tuple[int, int]:
-    """Return the inclusive range ``(lo, hi)`` of the keys of one slot, as Python ints."""
+    """Return the inclusive range ``(lo, hi)`` of the ``sort_key`` values of one slot.
+
+    Args:
+        slot: the slot, in [0, S).
+        slots: number of slots S, a power of two.
+
+    Returns:
+        Python ints in [0, 2**64); a store finds the slot's rows between them.
+
+    Raises:
+        ValueError: ``slots`` is not a power of two, or ``slot`` is outside [0, S).
+    """
     b = slot_bits(slots)
     if not 0 <= slot < slots:
         raise ValueError(f"slot: {slot} is outside [0, {slots})")
@@ -95,7 +118,7 @@ def slot_key_range(slot: int, slots: int) -> tuple[int, int]:
     return slot * width, (slot + 1) * width - 1
 
 
-def slot_bounds(sorted_keys: np.ndarray, slots: int) -> np.ndarray:
+def slot_bounds(sorted_keys: npt.NDArray[np.uint64], slots: int) -> npt.NDArray[np.int64]:
     """Return the row offsets of every slot's segment in a sorted key array.
 
     Args:
@@ -104,6 +127,9 @@ def slot_bounds(sorted_keys: np.ndarray, slots: int) -> np.ndarray:
 
     Returns:
         [S + 1] int64; slot s occupies rows ``bounds[s]:bounds[s + 1]``.
+
+    Raises:
+        ValueError: ``slots`` is not a power of two.
     """
     b = slot_bits(slots)
     starts = np.arange(slots, dtype=_U64)
@@ -116,23 +142,33 @@ def slot_bounds(sorted_keys: np.ndarray, slots: int) -> np.ndarray:
 
 
 def hash64(name: str) -> int:
-    """Hash a worker name to 64 bits: blake2b (8-byte digest) read as little-endian uint64."""
+    """Hash a worker name to 64 bits: blake2b (8-byte digest) read as little-endian uint64.
+
+    Stable across processes and Python versions, unlike ``hash()``, so every process
+    computes the same placement.
+    """
     digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
-def rendezvous_weights(workers: Sequence[str], slots: int) -> np.ndarray:
+def rendezvous_weights(workers: Sequence[str], slots: int) -> npt.NDArray[np.uint64]:
     """Return the rendezvous weight of every (worker, slot): mix64(hash64(w) ^ mix64(s)).
 
+    Args:
+        workers: W worker names.
+        slots: number of slots S.
+
     Returns:
-        [W, S] uint64.
+        [W, S] uint64; the highest weight of a column owns that slot.
     """
     names = np.array([hash64(w) for w in workers], dtype=_U64).reshape(-1, 1)
     slot_mix = mix64(np.arange(slots, dtype=_U64)).reshape(1, -1)
     return mix64((names ^ slot_mix).ravel()).reshape(len(workers), slots)
 
 
-def assign_slots(workers: Sequence[str], slots: int) -> tuple[np.ndarray, np.ndarray]:
+def assign_slots(
+    workers: Sequence[str], slots: int
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
     """Place every slot on a primary and a replica worker by rendezvous hashing.
 
     The primary of a slot is the worker of highest weight, the replica the second highest
@@ -167,7 +203,9 @@ def assign_slots(workers: Sequence[str], slots: int) -> tuple[np.ndarray, np.nda
     return primary, replica
 
 
-def group_by_slot(slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def group_by_slot(
+    slot_ids: npt.ArrayLike,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Group a batch by slot, stably: items of one slot keep their relative order.
 
     Args:
@@ -178,10 +216,10 @@ def group_by_slot(slot_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
         int64 distinct slots ascending, bounds [G + 1] int64; the items of ``present[g]``
         are ``order[bounds[g]:bounds[g + 1]]``, in batch order.
     """
-    slot_ids = np.asarray(slot_ids).astype(np.int64, copy=False)
-    order = np.argsort(slot_ids, kind="stable")
-    present, starts = np.unique(slot_ids[order], return_index=True)
-    bounds = np.append(starts, len(slot_ids)).astype(np.int64)
+    slots_N = np.asarray(slot_ids).astype(np.int64, copy=False)
+    order = np.argsort(slots_N, kind="stable")
+    present, starts = np.unique(slots_N[order], return_index=True)
+    bounds = np.append(starts, len(slots_N)).astype(np.int64)
     return order.astype(np.int64), present.astype(np.int64), bounds
 
 
@@ -189,11 +227,13 @@ MAX_SLOTS = 1 << 16  # the largest slot count a coordinator may be configured wi
 
 
 class SlotMapError(ValueError):
-    """A slot map received from a peer is inconsistent (INVALID_ARGUMENT); nothing was
-    adopted or routed with it."""
+    """A slot map received from a peer is inconsistent (INVALID_ARGUMENT).
+
+    Nothing was adopted or routed with it; a client treats it as UNAVAILABLE and asks again.
+    """
 
 
-def validate_slot_map(m: Any) -> None:
+def validate_slot_map(m: common_pb2.SlotMap) -> None:
     """Check a ``SlotMap`` message before a worker adopts it or a client routes with it.
 
     A map of epoch 0 only carries the slot count (the registration reply); a later one

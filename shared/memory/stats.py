@@ -9,9 +9,11 @@ Shape letters: K candidates (the concatenated local top-k lists).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from shared.proto import common_pb2
 
@@ -31,11 +33,18 @@ HIST_BINS = 10
 
 @dataclass(frozen=True)
 class Quality:
-    """Summary of a set of strengths.
+    """Summary of a set of strengths, as every worker computes it and the coordinator merges.
 
-    ``sum`` and ``mean`` are float64; ``min``/``max`` are float32 values as Python floats;
-    ``histogram`` counts 10 bins of width 0.1 over [0, 1], the last one including 1.0.
     An empty set has count 0 and every other field 0.
+
+    Attributes:
+        count: number of strengths.
+        sum: their sum, accumulated in float64.
+        mean: ``sum / count`` in float64.
+        min: the smallest, a float32 value as a Python float.
+        max: the largest, a float32 value as a Python float.
+        histogram: counts of ``HIST_BINS`` bins of width 0.1 over [0, 1]; the last bin
+            includes 1.0.
     """
 
     count: int
@@ -50,7 +59,11 @@ EMPTY_QUALITY = Quality(0, 0.0, 0.0, 0.0, 0.0, (0,) * HIST_BINS)
 
 
 def merge_quality(parts: list[Quality]) -> Quality:
-    """Merge summaries of disjoint sets: count, min, max and histogram exact, sum in float64."""
+    """Merge the summaries of disjoint sets (the primaries' slots) into the summary of their union.
+
+    Count, min, max and histogram are exact; sum is a float64 sum of float64 partial sums,
+    so it may differ from a single-process sum in the last bits. Empty parts are ignored.
+    """
     parts = [q for q in parts if q.count > 0]
     if not parts:
         return EMPTY_QUALITY
@@ -67,7 +80,9 @@ def merge_quality(parts: list[Quality]) -> Quality:
     )
 
 
-def top_of(ids: np.ndarray, strengths: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def top_of(
+    ids: npt.NDArray[np.uint64], strengths: npt.NDArray[np.float32], k: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
     """The k strongest of a small candidate set, strongest first, ties broken by smaller id.
 
     A full sort: meant for K of at most workers x k, not for a whole store (the workers'
@@ -85,7 +100,9 @@ def top_of(ids: np.ndarray, strengths: np.ndarray, k: int) -> tuple[np.ndarray, 
     return ids[order], strengths[order]
 
 
-def merge_topk(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+def merge_topk(
+    parts: Sequence[tuple[npt.ArrayLike, npt.ArrayLike]], k: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
     """Merge local top-k lists of disjoint id sets into the exact global top-k.
 
     Exact because each global winner is a winner of its own part: it ranks at least as
@@ -106,7 +123,7 @@ def merge_topk(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.n
 
 
 def quality_to_pb(q: Quality) -> common_pb2.QualityStats:
-    """Quality statistics as a QualityStats message."""
+    """Encode a ``Quality`` as its wire form, a ``QualityStats`` message."""
     return common_pb2.QualityStats(
         count=q.count,
         sum=q.sum,
@@ -118,7 +135,7 @@ def quality_to_pb(q: Quality) -> common_pb2.QualityStats:
 
 
 def quality_from_pb(pb: common_pb2.QualityStats) -> Quality:
-    """A QualityStats message as a ``Quality``."""
+    """Decode a ``QualityStats`` message into a ``Quality``."""
     return Quality(
         count=int(pb.count),
         sum=float(pb.sum),

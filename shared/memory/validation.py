@@ -10,8 +10,10 @@ Shape letters: K batch items.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "MemoryInputError",
@@ -29,12 +31,24 @@ class MemoryInputError(ValueError):
     """A memory-store request is malformed (maps to INVALID_ARGUMENT); nothing was applied."""
 
 
-def _fmt(value: object) -> str:
-    return repr(float(value))  # type: ignore[arg-type]
+def _fmt(value: float | np.integer[Any] | np.floating[Any]) -> str:
+    """A number as its shortest float repr, for messages (``0.1``, ``nan``, ``inf``)."""
+    return repr(float(value))
 
 
-def as_ids(ids: object, name: str = "ids") -> np.ndarray:
-    """Return ids as a 1-D uint64 array; refuse other shapes, negatives and non-integers."""
+def as_ids(ids: object, name: str = "ids") -> npt.NDArray[np.uint64]:
+    """Return ids as a 1-D uint64 array, refusing what is not one without loss.
+
+    Args:
+        ids: [K] integers of any integer dtype (an empty array of any dtype is accepted).
+        name: the field, named in errors.
+
+    Returns:
+        [K] uint64; ``ids`` itself when it is uint64 already.
+
+    Raises:
+        MemoryInputError: not 1-D, not integers, or a negative value (INVALID_ARGUMENT).
+    """
     a = np.asarray(ids)
     if a.ndim != 1:
         raise MemoryInputError(f"{name}: expected a 1-D array, got shape {a.shape}")
@@ -50,8 +64,17 @@ def as_ids(ids: object, name: str = "ids") -> np.ndarray:
     return a.astype(np.uint64)
 
 
-def as_slots(slots: object, num_slots: int, name: str = "slots") -> np.ndarray:
-    """Return slot numbers as a 1-D int64 array, each in [0, num_slots)."""
+def as_slots(slots: object, num_slots: int, name: str = "slots") -> npt.NDArray[np.int64]:
+    """Return slot numbers as a 1-D int64 array, each in [0, num_slots).
+
+    Args:
+        slots: [G] integers.
+        num_slots: number of slots S of the cluster.
+        name: the field, named in errors.
+
+    Raises:
+        MemoryInputError: not 1-D integers, or a slot outside [0, S) (INVALID_ARGUMENT).
+    """
     a = np.asarray(slots)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise MemoryInputError(f"{name}: expected a 1-D array of integers")
@@ -64,11 +87,25 @@ def as_slots(slots: object, num_slots: int, name: str = "slots") -> np.ndarray:
 
 
 def validate_values(
-    values: object, name: str, ids: np.ndarray, *, unit_range: bool = False
-) -> np.ndarray:
+    values: object, name: str, ids: npt.NDArray[Any], *, unit_range: bool = False
+) -> npt.NDArray[np.float32]:
     """Return values as [K] float32 matching ids: finite, >= 0, and <= 1 when unit_range.
 
     -0.0 becomes +0.0, so stored strengths compare equal bit for bit.
+
+    Args:
+        values: [K] numbers of any integer or float dtype.
+        name: the field (``strengths``, ``boosts``), named in errors.
+        ids: [K] the batch's ids, for the length check.
+        unit_range: also refuse values above 1 (strengths).
+
+    Returns:
+        [K] float32, a new array.
+
+    Raises:
+        MemoryInputError: not 1-D numbers, a length other than K, or a value that is NaN,
+            infinite, negative, beyond float32, or above 1 with ``unit_range``
+            (INVALID_ARGUMENT).
     """
     a = np.asarray(values)
     if a.ndim != 1:
@@ -100,8 +137,14 @@ def validate_values(
 
 def validate_upsert(
     ids: object, strengths: object, payloads: Sequence[bytes | None] | None, max_payload_bytes: int
-) -> tuple[np.ndarray, np.ndarray, list[bytes | None] | None]:
-    """Check an upsert batch; return ``(ids [K] uint64, strengths [K] float32, payloads)``.
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32], list[bytes | None] | None]:
+    """Check an upsert batch whole; return ``(ids [K] uint64, strengths [K] float32, payloads)``.
+
+    Args:
+        ids: [K] non-negative integers.
+        strengths: [K] numbers in [0, 1].
+        payloads: None (leave payloads alone), or K items of bytes or None.
+        max_payload_bytes: the cluster's largest payload, bytes.
 
     Raises:
         MemoryInputError: names the field and the first offending index (INVALID_ARGUMENT).
@@ -123,8 +166,12 @@ def validate_upsert(
     return ids, values, payloads
 
 
-def validate_reinforce(ids: object, boosts: object) -> tuple[np.ndarray, np.ndarray]:
-    """Check a reinforce batch; return ``(ids [K] uint64, boosts [K] float32)``, boosts >= 0.
+def validate_reinforce(
+    ids: object, boosts: object
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+    """Check a reinforce batch whole; return ``(ids [K] uint64, boosts [K] float32)``.
+
+    Boosts must be finite and >= 0 (they may exceed 1: strengths are clipped after adding).
 
     Raises:
         MemoryInputError: names the field and the first offending index (INVALID_ARGUMENT).
@@ -137,7 +184,8 @@ def validate_rate(rate: object) -> np.float32:
     """Check a decay rate (finite, in [0, 1]) and return it as float32.
 
     Raises:
-        MemoryInputError: (INVALID_ARGUMENT).
+        MemoryInputError: not a real number (bools are refused), not finite, or outside
+            [0, 1] (INVALID_ARGUMENT).
     """
     if isinstance(rate, bool) or not isinstance(rate, int | float | np.integer | np.floating):
         raise MemoryInputError(f"rate: {rate!r} is not a number")
@@ -151,8 +199,13 @@ def validate_rate(rate: object) -> np.float32:
 def validate_k(k: object, k_max: int) -> int:
     """Check a top-k size: an integer in [1, k_max].
 
+    Args:
+        k: the requested size.
+        k_max: the coordinator's ``topk_max``.
+
     Raises:
-        MemoryInputError: (INVALID_ARGUMENT).
+        MemoryInputError: not an integer (bools are refused), below 1 or above ``k_max``
+            (INVALID_ARGUMENT).
     """
     if isinstance(k, bool) or not isinstance(k, int | np.integer):
         raise MemoryInputError(f"k: {k!r} is not an integer")

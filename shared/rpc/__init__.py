@@ -1,6 +1,11 @@
-"""gRPC helpers shared by both daemons and the client: channels, options, error text and the
-daemons' stop signal. Subpackages: ``codec`` (arrays as bytes), ``interceptors`` (every
-server interceptor), ``limits`` (request limits), ``peers`` (a channel pool to workers)."""
+"""gRPC helpers shared by both daemons and the client.
+
+This module makes every channel of the code base (``channel``), turns RPC failures into one
+line (``error_message``) and holds the daemons' wait for SIGTERM. Its modules: ``codec``
+(arrays as raw little-endian bytes, chunked tensor streams), ``interceptors`` (every server
+interceptor), ``limits`` (message, stream and batch limits) and ``peers`` (one channel and
+stub per worker).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,15 @@ import asyncio
 import json
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from grpc import aio
 
 if TYPE_CHECKING:
     from shared.security.transport import ChannelSecurity
+
+# gRPC channel or server options: (name, value) pairs such as ("grpc.enable_retries", 1).
+Options: TypeAlias = list[tuple[str, int | str]]
 
 # Retry only UNAVAILABLE, with jittered exponential backoff (gRPC's built-in retry policy,
 # https://github.com/grpc/proposal/blob/master/A6-client-retries.md).
@@ -35,8 +43,14 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
-def message_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Channel/server options that raise gRPC's 4 MiB default message limits."""
+def message_options(max_message_bytes: int) -> Options:
+    """Return the channel or server options that set both message size limits.
+
+    gRPC's default receive limit is 4 MiB; gradients, slot copies and data shards need more.
+
+    Args:
+        max_message_bytes: the largest message sent or received, bytes.
+    """
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -48,10 +62,21 @@ def channel(
     max_message_bytes: int = 64 * 1024 * 1024,
     security: ChannelSecurity | None = None,
 ) -> aio.Channel:
-    """A grpc.aio channel with retries of UNAVAILABLE on the coordinator service: plaintext
-    without ``security``, else mutual TLS and/or a bearer token as it says. Every channel of
-    the code base is made here."""
-    options = [
+    """Open a grpc.aio channel; every channel of the code base is made here.
+
+    Calls to the coordinator service are retried on UNAVAILABLE by gRPC itself (5 attempts,
+    jittered exponential backoff from 50 ms to 1 s); worker calls are retried by their callers.
+    Keepalive pings every 30 s while calls are open notice a peer that vanished.
+
+    Args:
+        address: ``host:port`` to dial.
+        max_message_bytes: the largest message sent or received, bytes.
+        security: mutual TLS and/or a bearer token; None dials in plaintext without a token.
+
+    Returns:
+        The channel (not connected until its first call).
+    """
+    options: Options = [
         *message_options(max_message_bytes),
         ("grpc.service_config", _SERVICE_CONFIG),
         ("grpc.enable_retries", 1),
@@ -65,8 +90,15 @@ def channel(
 async def wait_for_stop_signal(
     extra: asyncio.Event | None = None,
 ) -> None:
-    """Return on the first SIGTERM or SIGINT (or when ``extra`` is set): the daemons' main
-    wait before a graceful shutdown."""
+    """Wait for the first SIGTERM or SIGINT: the daemons' main wait before a graceful stop.
+
+    Installs handlers for both signals on the running loop (so they no longer raise
+    KeyboardInterrupt).
+
+    Args:
+        extra: an event that also ends the wait when set (a worker that cannot go on sets
+            it).
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -80,14 +112,28 @@ async def wait_for_stop_signal(
 
 
 async def write_ready_file(path: str | None, address: str) -> None:
-    """Write the bound address to ``path`` (used by the local cluster to find daemons)."""
+    """Write a daemon's bound address to ``path``, from a thread, once it serves.
+
+    ``LocalCluster`` polls the file to learn the port a daemon started with port 0 bound.
+
+    Args:
+        path: the ``--ready-file``; None or empty writes nothing.
+        address: ``host:port`` the daemon serves on.
+    """
     if path:
         await asyncio.to_thread(Path(path).write_text, address)
 
 
 def error_message(exc: BaseException, limit: int = 300) -> str:
-    """One line for an RPC failure: ``CODE: details`` for a gRPC error, else the exception's
-    text; at most ``limit`` characters."""
+    """Describe a failed call in one line for logs, job errors and failure reports.
+
+    Args:
+        exc: a gRPC error (anything with ``code()`` and ``details()``) or any exception.
+        limit: the most characters returned.
+
+    Returns:
+        ``CODE: details`` for a gRPC error, else ``ExceptionType: text``.
+    """
     details, code = getattr(exc, "details", None), getattr(exc, "code", None)
     if callable(details) and callable(code):
         text = f"{code().name}: {details()}"

@@ -3,7 +3,11 @@
 Arrays never travel as ``repeated float``: a tensor is sent as ``TensorChunk`` messages, each
 carrying the dtype, the shape and up to ``chunk_bytes`` of the raw little-endian C-order
 bytes, which the receiver reassembles; id and strength arrays of the memory store are plain
-little-endian ``bytes`` fields.
+little-endian ``bytes`` fields (uint64 ids, float32 strengths and boosts), made and read by
+the ``*_to_bytes`` and ``*_from_bytes`` pairs.
+
+Every decoder checks byte lengths against the declared dtype and shape before it allocates,
+and raises ``CodecError``, which servers answer with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from shared.proto import common_pb2
 
@@ -34,7 +39,7 @@ class CodecError(ValueError):
     """Bytes do not decode to the declared dtype/shape (INVALID_ARGUMENT)."""
 
 
-def _le(dtype: np.dtype) -> np.dtype:
+def _le(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype.newbyteorder("<") if dtype.byteorder not in ("|", "<") else dtype
 
 
@@ -61,10 +66,17 @@ def tensor_to_chunks(
 ) -> Iterator[common_pb2.TensorChunk]:
     """Split one array into ``TensorChunk`` messages of at most ``chunk_bytes`` data each.
 
+    Each chunk repeats the name, dtype, shape and total size, and carries its byte offset,
+    so the receiver can check order and completeness.
+
     Args:
-        name: the tensor's name in the stream.
-        array: any shape (0-d and empty ones too), sent as raw little-endian C-order bytes.
+        name: the tensor's name in the stream (a parameter name, ``x``, ``y``).
+        array: any shape (0-d and empty ones too) of a wire dtype (float16/32/64,
+            int8/32/64, uint8/32/64, bool), sent as raw little-endian C-order bytes.
         chunk_bytes: most data bytes per chunk, >= 1; an empty array is one empty chunk.
+
+    Yields:
+        The chunks in offset order; only one chunk's bytes are copied at a time.
     """
     a = np.asarray(array)  # not ascontiguousarray: it turns a 0-d array into shape (1,)
     # A byte view of the (little-endian) array: each chunk copies only its own bytes, so a
@@ -92,24 +104,38 @@ def tensor_to_chunks(
 def tensors_to_chunks(
     tensors: Iterable[tuple[str, np.ndarray]], chunk_bytes: int
 ) -> Iterator[common_pb2.TensorChunk]:
-    """Chunk several named arrays in order (see ``tensor_to_chunks``)."""
+    """Chunk several named arrays, one after the other (see ``tensor_to_chunks``).
+
+    Args:
+        tensors: ``(name, array)`` pairs; names must be distinct.
+        chunk_bytes: most data bytes per chunk.
+
+    Yields:
+        Every chunk of the first tensor, then of the second, and so on.
+    """
     for name, array in tensors:
         yield from tensor_to_chunks(name, array, chunk_bytes)
 
 
 class ChunkAssembler:
-    """Reassemble ``TensorChunk`` messages into named arrays, in arrival order."""
+    """Reassemble ``TensorChunk`` messages into named arrays, in arrival order.
+
+    Chunks of several tensors may interleave; each tensor's chunks must arrive in offset
+    order. Feed every chunk to ``add``, then call ``result`` once the stream ended.
+    """
 
     def __init__(self) -> None:
+        """Start with no tensors."""
         self._parts: dict[str, list[bytes]] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self._received: dict[str, int] = {}
 
     def add(self, chunk: common_pb2.TensorChunk) -> None:
-        """Add one chunk.
+        """Add one chunk to its tensor.
 
         Raises:
-            CodecError: a chunk out of order or inconsistent with earlier chunks of its tensor.
+            CodecError: a chunk out of order, or one whose dtype, shape or total size differs
+                from earlier chunks of its tensor (INVALID_ARGUMENT).
         """
         got = self._received.get(chunk.name, 0)
         if chunk.offset != got:
@@ -121,10 +147,11 @@ class ChunkAssembler:
         self._received[chunk.name] = got + len(chunk.data)
 
     def result(self) -> dict[str, np.ndarray]:
-        """Return the arrays, in the order their first chunk arrived.
+        """Return the arrays, by name, in the order their first chunk arrived.
 
         Raises:
-            CodecError: a tensor is incomplete.
+            CodecError: a tensor is incomplete, or its bytes do not match its dtype and shape
+                (INVALID_ARGUMENT).
         """
         out: dict[str, np.ndarray] = {}
         for name, parts in self._parts.items():
@@ -140,8 +167,19 @@ class ChunkAssembler:
 async def read_header_and_tensors(
     stream: AsyncIterable[Any], header_field: str, chunk_field: str
 ) -> tuple[Any | None, dict[str, np.ndarray]]:
-    """Read a stream of ``oneof {header, chunk}`` messages: the last header seen and the
-    arrays reassembled from the ``TensorChunk`` parts (ComputeGradients in both directions).
+    """Read a stream of ``oneof {header, chunk}`` messages to its end.
+
+    The shape of ComputeGradients in both directions and of FetchShard: a header message
+    (step, loss, ...) and the tensors it describes, chunked.
+
+    Args:
+        stream: the messages; each has a message field ``header_field`` and a
+            ``TensorChunk`` field ``chunk_field`` in one oneof.
+        header_field: the name of the header field.
+        chunk_field: the name of the chunk field.
+
+    Returns:
+        The last header seen (None when none came) and the reassembled arrays by name.
 
     Raises:
         CodecError: chunks out of order or incomplete (INVALID_ARGUMENT).
@@ -156,32 +194,60 @@ async def read_header_and_tensors(
     return header, assembler.result()
 
 
-def ids_to_bytes(ids: np.ndarray) -> bytes:
-    """[N] ids as uint64 little-endian bytes."""
+def ids_to_bytes(ids: npt.ArrayLike) -> bytes:
+    """Encode memory ids for a ``bytes`` field.
+
+    Args:
+        ids: [N] non-negative integers (cast to uint64).
+
+    Returns:
+        8 * N bytes, uint64 little-endian.
+    """
     return np.ascontiguousarray(ids, dtype="<u8").tobytes()
 
 
-def f32_to_bytes(values: np.ndarray) -> bytes:
-    """[N] values as float32 little-endian bytes."""
+def f32_to_bytes(values: npt.ArrayLike) -> bytes:
+    """Encode strengths or boosts for a ``bytes`` field.
+
+    Args:
+        values: [N] numbers (cast to float32).
+
+    Returns:
+        4 * N bytes, float32 little-endian.
+    """
     return np.ascontiguousarray(values, dtype="<f4").tobytes()
 
 
-def ids_from_bytes(data: bytes, field: str = "ids") -> np.ndarray:
-    """Decode uint64 little-endian bytes to a [N] uint64 array (read-only view).
+def ids_from_bytes(data: bytes, field: str = "ids") -> npt.NDArray[np.uint64]:
+    """Decode a ``bytes`` field of memory ids.
+
+    Args:
+        data: uint64 little-endian bytes.
+        field: the message field, named in the error.
+
+    Returns:
+        [len(data) / 8] uint64, a read-only view of ``data`` on little-endian hosts.
 
     Raises:
-        CodecError: the byte length is not a multiple of 8; the message names ``field``.
+        CodecError: the byte length is not a multiple of 8 (INVALID_ARGUMENT).
     """
     if len(data) % 8:
         raise CodecError(f"{field}: {len(data)} bytes is not a whole number of uint64 values")
     return np.frombuffer(data, dtype="<u8").astype(np.uint64, copy=False)
 
 
-def f32_from_bytes(data: bytes, field: str = "values") -> np.ndarray:
-    """Decode float32 little-endian bytes to a [N] float32 array (read-only view).
+def f32_from_bytes(data: bytes, field: str = "values") -> npt.NDArray[np.float32]:
+    """Decode a ``bytes`` field of float32 values (strengths, boosts).
+
+    Args:
+        data: float32 little-endian bytes.
+        field: the message field, named in the error.
+
+    Returns:
+        [len(data) / 4] float32, a read-only view of ``data`` on little-endian hosts.
 
     Raises:
-        CodecError: the byte length is not a multiple of 4; the message names ``field``.
+        CodecError: the byte length is not a multiple of 4 (INVALID_ARGUMENT).
     """
     if len(data) % 4:
         raise CodecError(f"{field}: {len(data)} bytes is not a whole number of float32 values")

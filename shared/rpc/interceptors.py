@@ -1,16 +1,28 @@
 """Every server interceptor of both daemons, and ``wrap_handler``, which they build on.
 
-In the order the servers install them: ``DecodeGuardInterceptor`` (request bytes that do not
-parse are INVALID_ARGUMENT), ``AuthInterceptor`` (bearer token and role, checked before the
-request is deserialized), ``RequestLogInterceptor`` (``rpc_served`` log line and
-``neuroshard_rpcs_total``), ``MetricsInterceptor`` (request/response bytes) and, on workers,
-``BatchLimitInterceptor`` (keyed memory requests over ``max_batch_items``).
+``server_interceptors`` builds a daemon's chain, outermost first:
+
+1. ``RequestLogInterceptor``: the ``rpc_served`` debug line and ``neuroshard_rpcs_total`` for
+   every outcome, refusals by the interceptors below it included.
+2. ``DecodeGuardInterceptor``: request bytes that do not parse are INVALID_ARGUMENT (grpc.aio
+   alone answers UNKNOWN), before any code reads a request field.
+3. ``AuthInterceptor`` (when auth is on): bearer token and role, checked from the metadata
+   before the request is deserialized (UNAUTHENTICATED, PERMISSION_DENIED).
+4. ``BatchLimitInterceptor`` (workers): keyed memory requests over ``max_batch_items`` are
+   INVALID_ARGUMENT before the servicer runs.
+5. ``MetricsInterceptor``: serialized request and response bytes per method.
 
 ``wrap_handler`` turns an ``RpcMethodHandler`` of any of the four kinds into one whose behavior
 runs inside an async context manager ``around(request, context)`` (``request`` is None for
 client-streaming RPCs). The context manager may abort the RPC on entry and sees its outcome
 on exit; it runs in the RPC's own task, so context variables it sets (structlog's, the
 caller's ``Principal``) are visible to the servicer and to log lines of that RPC.
+
+Handlers are rebuilt with grpc's public ``*_rpc_method_handler`` factories. grpc's type stubs
+describe a handler's behaviors as synchronous functions of a ``grpc.ServicerContext``; under
+grpc.aio they are coroutine functions (or async generator functions) of an
+``aio.ServicerContext``, so this module types them as ``Behavior`` and handlers by their
+request and response message types ``Req`` and ``Resp`` only.
 """
 
 from __future__ import annotations
@@ -20,13 +32,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from google.protobuf.message import DecodeError
 from grpc import aio
+from prometheus_client import Counter
 
 from shared.logging import get_logger
 from shared.metrics import Metrics
@@ -44,18 +57,69 @@ from shared.security.auth import (
 )
 from shared.security.tokens import Principal, TokenError, verify_token
 
-Around = Callable[[Any, aio.ServicerContext], AbstractAsyncContextManager[None]]
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+# A handler's behavior as grpc.aio calls it: ``(request or request iterator, context)`` to a
+# coroutine, or to an async generator for a streaming response.
+Behavior: TypeAlias = Callable[..., Any]
+Deserializer: TypeAlias = Callable[[bytes], Any]
+Serializer: TypeAlias = Callable[[Any], bytes]
+
+if TYPE_CHECKING:  # grpc.RpcMethodHandler is generic in the stubs only
+    Context: TypeAlias = aio.ServicerContext[Any, Any]
+    Handler: TypeAlias = grpc.RpcMethodHandler[Req, Resp]
+    Around: TypeAlias = Callable[[Any, Context], AbstractAsyncContextManager[None]]
+    Continuation: TypeAlias = Callable[
+        [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]
+    ]
 
 log = get_logger("rpc")
 
+_FACTORIES: dict[str, Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
 
-def _wrap_streaming(behavior: Any, around: Around, with_request: bool) -> Any:
-    """Wrap a server-streaming behavior: an async generator, or a coroutine that writes
-    with ``context.write``."""
+
+def _kind_of(handler: Handler[Any, Any]) -> tuple[str, Behavior]:
+    """The kind of ``handler`` (``unary_unary``, ...) and its behavior."""
+    if handler.unary_unary is not None:
+        return "unary_unary", handler.unary_unary
+    if handler.unary_stream is not None:
+        return "unary_stream", handler.unary_stream
+    if handler.stream_unary is not None:
+        return "stream_unary", handler.stream_unary
+    if handler.stream_stream is not None:
+        return "stream_stream", handler.stream_stream
+    raise ValueError("an RpcMethodHandler without a behavior")
+
+
+def _handler(
+    kind: str,
+    behavior: Behavior,
+    request_deserializer: Deserializer | None,
+    response_serializer: Serializer | None,
+) -> Handler[Any, Any]:
+    """A new handler of ``kind`` (what ``grpc.*_rpc_method_handler`` make)."""
+    return _FACTORIES[kind](
+        behavior,
+        request_deserializer=request_deserializer,
+        response_serializer=response_serializer,
+    )
+
+
+def _wrap_streaming(behavior: Behavior, around: Around, with_request: bool) -> Behavior:
+    """Wrap a server-streaming behavior.
+
+    It is an async generator function, or a coroutine function that writes its replies with
+    ``context.write``.
+    """
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
             async with around(request if with_request else None, context):
                 async for reply in behavior(request, context):
                     yield reply
@@ -64,30 +128,45 @@ def _wrap_streaming(behavior: Any, around: Around, with_request: bool) -> Any:
     return _wrap_unary(behavior, around, with_request)
 
 
-def _wrap_unary(behavior: Any, around: Around, with_request: bool) -> Any:
-    async def call(request: Any, context: aio.ServicerContext) -> Any:
+def _wrap_unary(behavior: Behavior, around: Around, with_request: bool) -> Behavior:
+    async def call(request: Any, context: Context) -> Any:
         async with around(request if with_request else None, context):
             return await behavior(request, context)
 
     return call
 
 
-def wrap_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandler:
-    """The same handler with its behavior run inside ``around(request, context)``."""
-    h: Any = handler
-    if h.unary_unary is not None:
-        return h._replace(unary_unary=_wrap_unary(h.unary_unary, around, True))
-    if h.unary_stream is not None:
-        return h._replace(unary_stream=_wrap_streaming(h.unary_stream, around, True))
-    if h.stream_unary is not None:
-        return h._replace(stream_unary=_wrap_unary(h.stream_unary, around, False))
-    return h._replace(stream_stream=_wrap_streaming(h.stream_stream, around, False))
+def wrap_handler(handler: Handler[Req, Resp], around: Around) -> Handler[Req, Resp]:
+    """Return the same handler with its behavior run inside ``around(request, context)``.
+
+    Args:
+        handler: a grpc.aio handler of any of the four kinds.
+        around: makes the async context manager each call runs in; it gets the request, or
+            None for client-streaming kinds (whose requests arrive after it is entered).
+
+    Returns:
+        A handler of the same kind, with the same deserializer and serializer.
+    """
+    kind, behavior = _kind_of(handler)
+    if kind in ("unary_unary", "stream_unary"):
+        wrapped = _wrap_unary(behavior, around, kind == "unary_unary")
+    else:
+        wrapped = _wrap_streaming(behavior, around, kind == "unary_stream")
+    return _handler(kind, wrapped, handler.request_deserializer, handler.response_serializer)
 
 
-def status_of(context: aio.ServicerContext, exc: BaseException | None) -> str:
-    """The final status name of an RPC: the aborted/set code, UNKNOWN for an exception that
-    escaped the servicer, CANCELLED when the caller went away, OK otherwise."""
-    code = context.code()
+def status_of(context: Context, exc: BaseException | None) -> str:
+    """Name the final status of an RPC for logs and the ``code`` label of metrics.
+
+    Args:
+        context: the RPC's server context, after its behavior returned or raised.
+        exc: what the behavior raised, or None.
+
+    Returns:
+        The code the servicer aborted with or set, else UNKNOWN for an exception that escaped
+        the servicer, CANCELLED when the caller went away, OK otherwise.
+    """
+    code: object = context.code()
     if isinstance(code, grpc.StatusCode):
         return code.name
     if isinstance(code, int) and code:  # grpc.aio may report the numeric value
@@ -98,15 +177,18 @@ def status_of(context: aio.ServicerContext, exc: BaseException | None) -> str:
 
 
 class RequestLogInterceptor(aio.ServerInterceptor):
-    """Log every RPC at debug level (``rpc_served``: method, peer, subject, role, status,
-    duration_ms) and count it in ``neuroshard_rpcs_total{method,code}``.
+    """Log and count every RPC but health checks, whatever its outcome.
 
-    Binds structlog context variables for the RPC's task: ``rpc`` (method), ``worker`` (this
+    Each RPC is counted in ``neuroshard_rpcs_total{method,code}`` and, when debug logging is
+    on, logged as ``rpc_served`` (method, peer, subject, role, status, duration_ms).
+
+    It binds structlog context variables for the RPC's task: ``rpc`` (method), ``worker`` (this
     worker's name on a worker; the request's ``name`` on the coordinator) and ``job_id`` when
     the request carries one, so every log line the servicer writes carries them too.
     """
 
     def __init__(self, metrics: Metrics, worker_name: str | None = None) -> None:
+        """Count into ``metrics.rpcs``; ``worker_name`` is None on the coordinator."""
         self._metrics = metrics
         self._worker_name = worker_name
         # Decided once (logging is configured before servers are built): building the
@@ -114,8 +196,9 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         self._debug = debug_enabled()
 
     async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """Wrap the method's handler so that each call binds, logs and counts itself."""
         handler = await continuation(handler_call_details)
         full = handler_call_details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
@@ -136,10 +219,10 @@ class RequestLogInterceptor(aio.ServerInterceptor):
 
     def _around_for(self, method: str) -> Around:
         counter = self._metrics.rpcs
-        by_code: dict[str, Any] = {}  # counter children by status name
+        by_code: dict[str, Counter] = {}  # counter children by status name
 
         @asynccontextmanager
-        async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
+        async def around(request: Any, context: Context) -> AsyncIterator[None]:
             self._bind(method, request)
             start = time.perf_counter()
             # Asked now: after a streaming RPC ended (aborted, cancelled) the call may be gone,
@@ -177,7 +260,12 @@ class RequestLogInterceptor(aio.ServerInterceptor):
 
 
 def debug_enabled() -> bool:
-    """Whether structlog as configured now lets debug lines through."""
+    """Tell whether structlog, as configured now, lets debug lines through.
+
+    Returns:
+        False only when the configured wrapper class is a filtering bound logger above debug
+        level; True for any other wrapper class (the logger then decides per line).
+    """
     check = getattr(structlog.get_config()["wrapper_class"], "is_enabled_for", None)
     try:
         return True if check is None else bool(check(None, logging.DEBUG))
@@ -186,16 +274,20 @@ def debug_enabled() -> bool:
 
 
 class MetricsInterceptor(aio.ServerInterceptor):
-    """Count serialized request/response bytes and status codes per RPC method."""
+    """Count serialized request and response bytes per RPC method.
+
+    Into ``neuroshard_rpc_received_bytes_total`` and ``neuroshard_rpc_sent_bytes_total``,
+    labelled by method; health checks are not counted.
+    """
 
     def __init__(self, metrics: Metrics) -> None:
+        """Count into ``metrics.rpc_received_bytes`` and ``metrics.rpc_sent_bytes``."""
         self._m = metrics
 
     async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """Wrap the method's (de)serializers so that they count the bytes they see."""
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
             return handler
@@ -209,30 +301,36 @@ class MetricsInterceptor(aio.ServerInterceptor):
             return deser(data) if deser else data
 
         def count_out(msg: Any) -> bytes:
-            data = ser(msg) if ser else msg
+            data: bytes = ser(msg) if ser else msg
             sent.inc(len(data))
-            return data  # type: ignore[no-any-return]
+            return data
 
-        return handler._replace(request_deserializer=count_in, response_serializer=count_out)
+        kind, behavior = _kind_of(handler)
+        return _handler(kind, behavior, count_in, count_out)
 
 
 class BatchLimitInterceptor(aio.ServerInterceptor):
-    """On a worker: refuse keyed memory requests with more than ``limit`` ids
-    (INVALID_ARGUMENT, before any work)."""
+    """Refuse, on a worker, keyed memory requests that carry more than ``limit`` ids.
+
+    Upsert, Get, Delete and Reinforce requests over the limit are INVALID_ARGUMENT before
+    any work is done; clients split their batches to the limit the slot map publishes.
+    """
 
     def __init__(self, limit: int = DEFAULT_MAX_BATCH_ITEMS) -> None:
+        """Refuse requests with more than ``limit`` ids (the worker's ``max_batch_items``)."""
         self.limit = limit
 
     async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """Wrap keyed memory methods with the size check; pass the others through."""
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method not in KEYED_METHODS:
             return handler
 
         @asynccontextmanager
-        async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
+        async def around(request: Any, context: Context) -> AsyncIterator[None]:
             error = batch_error(len(request.ids) // 8, self.limit)
             if error is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
@@ -250,11 +348,20 @@ class UndecodableRequest:
     __slots__ = ("error",)
 
     def __init__(self, error: str) -> None:
+        """Keep ``error``, the message the RPC is refused with."""
         self.error = error
 
 
-def tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """``parse`` that returns an ``UndecodableRequest`` instead of raising ``DecodeError``."""
+def tolerant(parse: Deserializer) -> Deserializer:
+    """Wrap a request deserializer so that bytes that do not parse are not an exception.
+
+    Args:
+        parse: a message type's ``FromString``.
+
+    Returns:
+        ``parse``, except that it returns an ``UndecodableRequest`` where ``parse`` raises
+        protobuf's ``DecodeError``.
+    """
 
     def deserialize(data: bytes) -> Any:
         try:
@@ -265,22 +372,22 @@ def tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-async def _refuse(context: aio.ServicerContext, request: UndecodableRequest) -> None:
+async def _refuse(context: Context, request: UndecodableRequest) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
 
 
-async def _checked(requests: AsyncIterator[Any], context: aio.ServicerContext) -> Any:
+async def _checked(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
     async for request in requests:
         if isinstance(request, UndecodableRequest):
             await _refuse(context, request)
         yield request
 
 
-def _one_request(behavior: Any) -> Any:
+def _one_request(behavior: Behavior) -> Behavior:
     """Wrap a unary-request behavior (unary or server-streaming, generator or coroutine)."""
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
             if isinstance(request, UndecodableRequest):
                 await _refuse(context, request)
             async for reply in behavior(request, context):
@@ -288,7 +395,7 @@ def _one_request(behavior: Any) -> Any:
 
         return stream
 
-    async def call(request: Any, context: aio.ServicerContext) -> Any:
+    async def call(request: Any, context: Context) -> Any:
         if isinstance(request, UndecodableRequest):
             await _refuse(context, request)
         return await behavior(request, context)
@@ -296,45 +403,41 @@ def _one_request(behavior: Any) -> Any:
     return call
 
 
-def _request_stream(behavior: Any) -> Any:
+def _request_stream(behavior: Behavior) -> Behavior:
     """Wrap a client-streaming behavior: its request iterator refuses an undecodable one."""
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream(requests: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(requests: Any, context: Context) -> AsyncIterator[Any]:
             async for reply in behavior(_checked(requests, context), context):
                 yield reply
 
         return stream
 
-    async def call(requests: Any, context: aio.ServicerContext) -> Any:
+    async def call(requests: Any, context: Context) -> Any:
         return await behavior(_checked(requests, context), context)
 
     return call
 
 
 class DecodeGuardInterceptor(aio.ServerInterceptor):
-    """Answer INVALID_ARGUMENT for request bytes that are not a valid message of the
-    method's request type (instead of grpc.aio's UNKNOWN). Put it before interceptors whose
-    code reads request fields."""
+    """Answer INVALID_ARGUMENT, not UNKNOWN, for request bytes that do not parse.
+
+    Bytes that are not a valid message of the method's request type reach the behavior as an
+    ``UndecodableRequest``, which aborts the call before the servicer runs. Install it before
+    interceptors whose code reads request fields.
+    """
 
     async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """Give the method's handler a tolerant deserializer and a behavior that refuses."""
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        h: Any = handler
-        parse = tolerant(h.request_deserializer)
-        if h.unary_unary is not None:
-            return h._replace(request_deserializer=parse, unary_unary=_one_request(h.unary_unary))
-        if h.unary_stream is not None:
-            return h._replace(request_deserializer=parse, unary_stream=_one_request(h.unary_stream))
-        if h.stream_unary is not None:
-            return h._replace(
-                request_deserializer=parse, stream_unary=_request_stream(h.stream_unary)
-            )
-        return h._replace(
-            request_deserializer=parse, stream_stream=_request_stream(h.stream_stream)
+        kind, behavior = _kind_of(handler)
+        guarded = _one_request(behavior) if kind.startswith("unary_") else _request_stream(behavior)
+        return _handler(
+            kind, guarded, tolerant(handler.request_deserializer), handler.response_serializer
         )
 
 
@@ -342,34 +445,45 @@ class DecodeGuardInterceptor(aio.ServerInterceptor):
 
 
 def refusal_handler(
-    handler: grpc.RpcMethodHandler,
+    handler: Handler[Req, Resp],
     code: grpc.StatusCode,
     message: str,
     principal: Principal | None = None,
-) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that aborts with ``code`` and ``message``
-    without deserializing the request (no request_deserializer: the bytes stay bytes, and a
-    client-streaming request is never read). ``principal`` is the caller for request logs."""
+) -> Handler[Req, Resp]:
+    """Build a stand-in for ``handler`` that refuses every call without reading it.
 
-    async def refuse(request: Any, context: aio.ServicerContext) -> None:
+    The stand-in has no request deserializer (the bytes stay bytes) and never reads a
+    client-streaming request; it aborts with ``code`` and ``message``.
+
+    Args:
+        handler: the method's real handler; only its kind is used.
+        code: the refusal's status (UNAUTHENTICATED or PERMISSION_DENIED).
+        message: the refusal's details, for the caller.
+        principal: the caller, when known, for the request log.
+
+    Returns:
+        A handler of the same kind as ``handler``.
+    """
+
+    async def refuse(request: Any, context: Context) -> None:
         set_principal(principal)
         await context.abort(code, message)
 
-    h: Any = handler
-    if h.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    if h.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    if h.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    return grpc.stream_stream_rpc_method_handler(refuse)
+    kind, _ = _kind_of(handler)
+    return _handler(kind, refuse, None, None)
 
 
 class AuthInterceptor(aio.ServerInterceptor):
-    """Verify the bearer token of every RPC but health checks, enforce ``may_call`` and the
-    worker-name binding, and make the caller ``current_principal()`` for the servicer."""
+    """Check the bearer token of every RPC but health checks, before its request is parsed.
+
+    A call without a valid token is UNAUTHENTICATED; a role that may not call the method
+    (``may_call``), or a worker token naming another worker in a bound field
+    (``BOUND_FIELDS``), is PERMISSION_DENIED. An accepted caller becomes
+    ``current_principal()`` for the servicer.
+    """
 
     def __init__(self, public_key: Ed25519PublicKey, cache_size: int = 1024) -> None:
+        """Verify tokens with ``public_key``; remember up to ``cache_size`` verified ones."""
         self._public_key = public_key
         # Verified tokens until they expire: an Ed25519 check through PyJWT costs ~100-300 us,
         # and a daemon presents the same token on thousands of calls. Keyed by the whole
@@ -378,7 +492,11 @@ class AuthInterceptor(aio.ServerInterceptor):
         self._cache_size = cache_size
 
     def _verify(self, token: str) -> Principal:
-        """``verify_token`` with the cache. Raises: TokenError."""
+        """Run ``verify_token`` through the cache.
+
+        Raises:
+            TokenError: as ``verify_token`` (UNAUTHENTICATED).
+        """
         hit = self._verified.get(token)
         if hit is not None and hit.expires_at > time.time():
             return hit
@@ -391,7 +509,16 @@ class AuthInterceptor(aio.ServerInterceptor):
     def authorize(
         self, details: grpc.HandlerCallDetails
     ) -> tuple[Principal | None, grpc.StatusCode, str]:
-        """The caller of an RPC from its metadata, and OK or the refusal's code and message."""
+        """Decide whether the caller of an RPC may call its method, from its metadata only.
+
+        Args:
+            details: the method name and the invocation metadata with the token.
+
+        Returns:
+            ``(principal, OK, "")`` for an accepted caller, else the caller (None when the
+            token is missing or invalid), UNAUTHENTICATED or PERMISSION_DENIED, and the
+            refusal's message.
+        """
         token = bearer_token(details.invocation_metadata)
         if token is None:
             return (
@@ -418,8 +545,9 @@ class AuthInterceptor(aio.ServerInterceptor):
         return principal, grpc.StatusCode.OK, ""
 
     async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler:
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """Return a refusing stand-in, or the handler wrapped to set the caller per call."""
         handler = await continuation(handler_call_details)
         full = handler_call_details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
@@ -431,7 +559,7 @@ class AuthInterceptor(aio.ServerInterceptor):
         bound = full.startswith(COORDINATOR) and method in BOUND_FIELDS
 
         @asynccontextmanager
-        async def around(request: Any, context: aio.ServicerContext) -> AsyncIterator[None]:
+        async def around(request: Any, context: Context) -> AsyncIterator[None]:
             set_principal(principal)
             if bound and principal is not None:
                 denied = bound_name_error(principal, method, request)
@@ -448,7 +576,7 @@ def server_interceptors(
     worker_name: str | None = None,
     max_batch_items: int | None = None,
 ) -> list[aio.ServerInterceptor]:
-    """A daemon's interceptor chain, outermost first.
+    """Build a daemon's interceptor chain, outermost first.
 
     The request log sees every outcome (refusals included); request bytes are checked to
     parse before anything reads a field; the token (when ``public_key`` is set: auth is on)
@@ -460,6 +588,9 @@ def server_interceptors(
         public_key: the coordinator's token-signing key, or None without auth.
         worker_name: this worker's name for log lines (None on the coordinator).
         max_batch_items: a worker's ``max_batch_items`` (None on the coordinator).
+
+    Returns:
+        The interceptors, for ``grpc.aio.server(interceptors=...)``.
     """
     chain: list[aio.ServerInterceptor] = [
         RequestLogInterceptor(metrics, worker_name=worker_name),

@@ -1,4 +1,4 @@
-"""Request limits enforced by the servers.
+"""Request limits enforced by the servers, and the client's splitting of batches to fit them.
 
 - ``max_message_bytes`` (both daemons): gRPC refuses larger messages with RESOURCE_EXHAUSTED.
 - ``max_concurrent_streams`` (both daemons): HTTP/2 ``SETTINGS_MAX_CONCURRENT_STREAMS``; a
@@ -13,14 +13,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from shared.rpc import Options
 
 DEFAULT_MAX_BATCH_ITEMS = 1 << 20
 KEYED_METHODS = {"/neuroshard.v1.Worker/" + m for m in ("Upsert", "Get", "Delete", "Reinforce")}
 
 
-def server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, Any]]:
-    """``aio.server`` options: message size limits and concurrent streams per connection."""
+def server_options(max_message_bytes: int, max_concurrent_streams: int) -> Options:
+    """Return a daemon's ``grpc.aio.server`` options.
+
+    Args:
+        max_message_bytes: the largest message received or sent, bytes; larger ones are
+            RESOURCE_EXHAUSTED.
+        max_concurrent_streams: concurrent RPCs per client connection; more wait for a
+            free stream.
+    """
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -29,7 +42,13 @@ def server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[
 
 
 def batch_error(items: int, limit: int, field: str = "ids") -> str | None:
-    """The refusal message for a batch of ``items`` over ``limit`` (None when within it)."""
+    """Say why a batch is refused, or return None when it is within the limit.
+
+    Args:
+        items: ids in the request.
+        limit: the receiving worker's ``max_batch_items``.
+        field: the request field, named in the message.
+    """
     if items <= limit:
         return None
     return (
@@ -38,25 +57,37 @@ def batch_error(items: int, limit: int, field: str = "ids") -> str | None:
     )
 
 
-def split(positions: Any, limit: int) -> list[Any]:
-    """``positions`` ([n] array) in consecutive pieces of at most ``limit`` (0: no limit)."""
+def split(positions: npt.NDArray[np.int64], limit: int) -> list[npt.NDArray[np.int64]]:
+    """Cut batch positions into consecutive pieces of at most ``limit`` items.
+
+    Args:
+        positions: [n] int64 positions in a batch.
+        limit: most items per piece; 0 means no limit.
+
+    Returns:
+        The pieces in order (views of ``positions``); ``[positions]`` when it fits.
+    """
     if not limit or len(positions) <= limit:
         return [positions]
     return [positions[i : i + limit] for i in range(0, len(positions), limit)]
 
 
 def split_parts(
-    owners: Any, parts: list[Any], limit: int, slots_of: Callable[[Any], Any]
-) -> tuple[Any, list[Any]]:
-    """Cut each owner's part of a routed batch into requests of at most ``limit`` items,
-    along slot boundaries: every slot's items stay in one request, so the pieces can share
-    the batch's request id (workers deduplicate retries per request id and slot).
+    owners: npt.NDArray[np.int64],
+    parts: list[npt.NDArray[np.int64]],
+    limit: int,
+    slots_of: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.integer]],
+) -> tuple[npt.NDArray[np.int64], list[npt.NDArray[np.int64]]]:
+    """Cut each owner's part of a routed batch into requests of at most ``limit`` items.
+
+    Cuts fall on slot boundaries: every slot's items stay in one request, so the pieces can
+    share the batch's request id (workers deduplicate retries per request id and slot).
 
     Args:
         owners: [G] int64 worker index of each part.
-        parts: G arrays of batch positions.
+        parts: G arrays of [n_g] int64 batch positions.
         limit: most items per request (the cluster's ``max_batch_items``).
-        slots_of: positions [n] -> their slots [n].
+        slots_of: maps [n] int64 batch positions to their [n] integer slots.
 
     Returns:
         ([G'] int64 owners, G' arrays of positions), G' >= G. A slot holding more than
@@ -67,7 +98,7 @@ def split_parts(
     if all(len(p) <= limit for p in parts):
         return owners, parts
     out_owners: list[int] = []
-    out_parts: list[Any] = []
+    out_parts: list[npt.NDArray[np.int64]] = []
     for w, part in zip(owners.tolist(), parts, strict=True):
         if len(part) <= limit:
             out_owners.append(w)

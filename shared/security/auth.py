@@ -23,8 +23,8 @@ PERMISSION_DENIED, naming both, before the servicer runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextvars import ContextVar, Token
-from typing import Any
 
 from shared.security.tokens import Principal
 
@@ -71,29 +71,46 @@ _principal: ContextVar[Principal | None] = ContextVar("neuroshard_principal", de
 
 
 def method_name(full: str) -> str:
-    """``/neuroshard.v1.Worker/Upsert`` -> ``Upsert``."""
+    """Strip the service from a full method name: ``/neuroshard.v1.Worker/Upsert`` -> ``Upsert``."""
     return full.rsplit("/", 1)[-1]
 
 
 def current_principal() -> Principal | None:
-    """The caller of the RPC being served (None when auth is off or outside an RPC)."""
+    """Return the caller of the RPC being served (None when auth is off or outside an RPC).
+
+    Servicers use it to bind jobs to their owner and to check ``may_see_job``; it is a
+    context variable, so each RPC's task sees its own caller.
+    """
     return _principal.get()
 
 
 def set_principal(principal: Principal | None) -> Token[Principal | None]:
-    """Make ``principal`` the caller for the current task (the auth interceptor does, in
-    each RPC's own task); ``reset_principal`` with the returned token undoes it."""
+    """Make ``principal`` the caller for the current task and the tasks it creates.
+
+    The auth interceptor calls it in each RPC's own task.
+
+    Returns:
+        The token that ``reset_principal`` takes to undo this.
+    """
     return _principal.set(principal)
 
 
 def reset_principal(token: Token[Principal | None]) -> None:
-    """Undo a ``set_principal``."""
+    """Restore the caller that was current before the ``set_principal`` that gave ``token``."""
     _principal.reset(token)
 
 
 def may_call(role: str, full_method: str) -> bool:
-    """Whether ``role`` may call ``/package.Service/Method`` (job ownership and worker names
-    are checked elsewhere)."""
+    """Tell whether ``role`` may call a method, by the table in the module docstring.
+
+    Job ownership (``may_see_job``) and worker names (``bound_name_error``) are checked
+    separately; this looks at the role alone.
+
+    Args:
+        role: ``worker``, ``reader``, ``writer`` or ``admin``; any other role may call
+            nothing but the health service.
+        full_method: ``/package.Service/Method`` as gRPC names it.
+    """
     if role == "admin" or full_method.startswith(HEALTH_PREFIX):
         return True
     allowed = _TABLE.get(role)
@@ -108,15 +125,30 @@ def may_call(role: str, full_method: str) -> bool:
 
 
 def may_see_job(owner: str) -> bool:
-    """Whether the current caller may see (get, watch, list, cancel) a job of ``owner``:
-    admins and callers without auth see every job, others only their own (same subject)."""
+    """Tell whether the current caller may see (get, watch, list, cancel) a job of ``owner``.
+
+    Admins, and every caller when auth is off, see every job; others only their own (the
+    job's owner is the subject of the token that submitted it). Servicers answer NOT_FOUND
+    for a job the caller may not see, so that its existence does not leak.
+    """
     p = current_principal()
     return p is None or p.role == "admin" or p.subject == owner
 
 
-def bound_name_error(principal: Principal, method: str, request: Any) -> str | None:
-    """Why a worker token may not make this request (None: it may): the request's worker
-    name (``BOUND_FIELDS``) must be the token's subject or match its ``names`` pattern."""
+def bound_name_error(principal: Principal, method: str, request: object) -> str | None:
+    """Say why a worker token may not make a request that names a worker, or return None.
+
+    The request's worker name (the field ``BOUND_FIELDS`` gives for ``method``) must be the
+    token's subject or match its ``names`` pattern; other roles and methods always pass.
+
+    Args:
+        principal: the caller.
+        method: the Coordinator method's short name (``Heartbeat``).
+        request: the request message.
+
+    Returns:
+        None when allowed, else the PERMISSION_DENIED message (it names both workers).
+    """
     field = BOUND_FIELDS.get(method)
     if field is None or principal.role != "worker":
         return None
@@ -126,8 +158,13 @@ def bound_name_error(principal: Principal, method: str, request: Any) -> str | N
     return f"{method}: the worker token of {principal.describe()} may not act as {field} {name!r}"
 
 
-def bearer_token(metadata: Any) -> str | None:
-    """The token of an ``authorization: Bearer <token>`` metadata entry, if any."""
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """Find the token of the first ``authorization: Bearer <token>`` metadata entry.
+
+    Returns:
+        The token; "" when the entry exists but its scheme is not ``Bearer`` (refused as
+        malformed); None without an ``authorization`` entry.
+    """
     for key, value in metadata or ():
         if key == "authorization":
             text = value.decode() if isinstance(value, bytes) else value

@@ -32,7 +32,7 @@ _DAY = dt.timedelta(days=1)
 
 @dataclass(frozen=True)
 class CertPaths:
-    """Where ``write_dev_certs`` put the files (all PEM)."""
+    """Where ``write_dev_certs`` put the files (all PEM; keys PKCS#8, mode 0600)."""
 
     ca_cert: Path
     ca_key: Path
@@ -43,6 +43,7 @@ class CertPaths:
 
 
 def _name(common_name: str) -> x509.Name:
+    """A subject or issuer name in the ``neuroshard development`` organisation."""
     return x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "neuroshard development"),
@@ -52,6 +53,7 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
+    """Subject alternative names: IP addresses as such, anything else as a DNS name."""
     names: list[x509.GeneralName] = []
     for host in dict.fromkeys(hosts):  # dedupe, keep order
         try:
@@ -64,6 +66,7 @@ def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
 def _builder(
     subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, days: int
 ) -> x509.CertificateBuilder:
+    """A builder valid from a day ago (clock skew) for ``days`` days, with a random serial."""
     now = dt.datetime.now(dt.UTC)
     return (
         x509.CertificateBuilder()
@@ -77,7 +80,14 @@ def _builder(
 
 
 def make_ca(days: int = 3650) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A self-signed CA certificate and its key."""
+    """Make a self-signed CA that may sign leaf certificates only (path length 0).
+
+    Args:
+        days: validity, days (default 10 years).
+
+    Returns:
+        The CA certificate and its ECDSA P-256 key.
+    """
     key = ec.generate_private_key(ec.SECP256R1())
     name = _name("neuroshard development CA")
     cert = (
@@ -111,8 +121,20 @@ def issue(
     server: bool = True,
     days: int = 825,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A leaf certificate signed by the CA: client auth always, server auth when ``server``
-    (then ``hosts`` become its subject alternative names)."""
+    """Sign a leaf certificate with the CA, usable for client authentication.
+
+    Args:
+        ca_cert: the issuing CA's certificate.
+        ca_key: the issuing CA's key.
+        common_name: the subject's CN (for people; TLS checks the alternative names).
+        hosts: DNS names (wildcards allowed) and IP addresses the certificate is valid
+            for as a server; none for a client-only certificate.
+        server: also allow server authentication.
+        days: validity, days (default 825, the most browsers accept).
+
+    Returns:
+        The certificate and its new ECDSA P-256 key.
+    """
     key = ec.generate_private_key(ec.SECP256R1())
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
     if server:
@@ -140,10 +162,12 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 def _pem(cert: x509.Certificate) -> bytes:
+    """``cert`` as PEM."""
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """``key`` as unencrypted PKCS#8 PEM."""
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -152,8 +176,18 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def write_dev_certs(directory: str | Path, hosts: Iterable[str] = ()) -> CertPaths:
-    """Create a CA, a node certificate (``hosts`` plus localhost and 127.0.0.1) and a client
-    certificate under ``directory`` (created if needed; existing files are replaced).
+    """Create a CA, a node certificate and a client certificate under ``directory``.
+
+    The directory is created if needed; existing files are replaced (tokens are not
+    affected: they are signed with the token key pair, not with these).
+
+    Args:
+        directory: where to write the six files.
+        hosts: the node certificate's host names and IPs besides localhost and 127.0.0.1
+            (blank entries are skipped).
+
+    Returns:
+        The paths written.
 
     Raises:
         OSError: the directory cannot be written.

@@ -1,5 +1,7 @@
-"""What a job spec may make a daemon do: import only allowed modules, open only files inside
-the data roots (DESIGN.md, "Trust boundaries").
+"""What a job spec may make a daemon do: import allowed modules, open files in the data roots.
+
+The trust boundary of DESIGN.md: clients never cause code to run or files to be read that the
+operator did not allow.
 
 A spec field that names code or a file is marked in ``shared.config`` with
 ``json_schema_extra=IMPORT_REF`` or ``DATA_PATH_REF``; :func:`spec_refs` finds every marked
@@ -13,29 +15,42 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TypeVar
 
 from pydantic import BaseModel
 
 from shared.config import DATA_PATH_REF, IMPORT_REF, TRUST_KEY
 
+SpecT = TypeVar("SpecT", bound=BaseModel)
+
 
 class ImportNotAllowed(PermissionError):
-    """A spec names a module outside the daemon's ``allowed_imports`` (PERMISSION_DENIED);
-    the message names the spec key and the module."""
+    """A spec names a module outside the daemon's ``allowed_imports`` (PERMISSION_DENIED).
+
+    The message names the spec key, the module and what is allowed.
+    """
 
 
 class PathRefused(ValueError):
-    """A spec path is absolute outside the data roots, contains ``..``, or leads out of the
-    roots through a symlink (INVALID_ARGUMENT). The message is the same whether or not the
-    file exists."""
+    """A spec path lies outside the data roots (INVALID_ARGUMENT).
+
+    It is absolute outside every root, contains ``..``, or leads out of its root through a
+    symlink. The message is the same whether or not the file exists, so a refusal reveals
+    nothing about the coordinator's file system.
+    """
 
 
 def spec_refs(spec: BaseModel, prefix: str = "") -> Iterator[tuple[str, str, str]]:
-    """Every import or data path a spec names, as ``(key, kind, value)``.
+    """List every import or data path a spec names, through nested models.
 
-    ``key`` is the dotted spec key (``model.import``, ``data.path``, ``access.trace``);
-    ``kind`` is ``"import"`` or ``"data_path"``; unset (None) fields are skipped.
+    Args:
+        spec: a validated job spec (or any part of one).
+        prefix: prepended to every key (used by the recursion).
+
+    Yields:
+        ``(key, kind, value)``: the dotted spec key (``model.import``, ``data.path``,
+        ``access.trace``), ``"import"`` or ``"data_path"``, and the value as a string.
+        Unset (None) fields are skipped.
     """
     for name, field in type(spec).model_fields.items():
         value = getattr(spec, name)
@@ -49,12 +64,15 @@ def spec_refs(spec: BaseModel, prefix: str = "") -> Iterator[tuple[str, str, str
 
 
 def module_of(target: str) -> str:
-    """``package.module:callable`` -> ``package.module``."""
+    """Return the module of an import target: ``package.module:callable`` -> ``package.module``."""
     return target.partition(":")[0]
 
 
 def import_allowed(module: str, allowed: Sequence[str]) -> bool:
-    """Whether ``module`` is an entry of ``allowed`` or inside a package listed there."""
+    """Tell whether ``module`` is an entry of ``allowed`` or inside a package listed there.
+
+    ``mymodels`` allows ``mymodels`` and ``mymodels.vision``, not ``mymodels_extra``.
+    """
     return any(module == a or module.startswith(a + ".") for a in allowed)
 
 
@@ -80,7 +98,12 @@ def check_import(key: str, target: str, allowed: Sequence[str], daemon: str) -> 
 
 
 def check_imports(spec: BaseModel, allowed: Sequence[str], daemon: str) -> None:
-    """:func:`check_import` for every import a spec names.
+    """Run :func:`check_import` on every import a spec names.
+
+    Args:
+        spec: a validated job spec.
+        allowed: the daemon's ``allowed_imports``.
+        daemon: ``coordinator`` or ``worker NAME``, for the message.
 
     Raises:
         ImportNotAllowed: the first import not allowed (PERMISSION_DENIED).
@@ -91,6 +114,7 @@ def check_imports(spec: BaseModel, allowed: Sequence[str], daemon: str) -> None:
 
 
 def _inside(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or below it, lexically."""
     return path == root or root in path.parents
 
 
@@ -142,7 +166,14 @@ def resolve_data_path(key: str, value: str, roots: Sequence[Path]) -> Path:
 
 
 def resolve_data_paths(spec: BaseModel, roots: Sequence[Path]) -> dict[str, Path]:
-    """:func:`resolve_data_path` for every data path a spec names: ``{key: real path}``.
+    """Run :func:`resolve_data_path` on every data path a spec names.
+
+    Args:
+        spec: a validated job spec.
+        roots: absolute data roots.
+
+    Returns:
+        ``{spec key: real path}``.
 
     Raises:
         PathRefused: the first path refused (INVALID_ARGUMENT).
@@ -154,8 +185,15 @@ def resolve_data_paths(spec: BaseModel, roots: Sequence[Path]) -> dict[str, Path
     }
 
 
-def with_resolved_paths(spec: Any, roots: Sequence[Path]) -> Any:
-    """A copy of ``spec`` whose data paths are replaced by their confined real paths.
+def with_resolved_paths(spec: SpecT, roots: Sequence[Path]) -> SpecT:
+    """Return a copy of ``spec`` whose data paths are replaced by their confined real paths.
+
+    The coordinator calls it again when a job starts, not only at admission: a symlink in a
+    root may have changed since, or the job was resumed after a restart.
+
+    Args:
+        spec: a validated job spec.
+        roots: absolute data roots.
 
     Raises:
         PathRefused: a path is refused (INVALID_ARGUMENT).

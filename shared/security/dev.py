@@ -27,7 +27,7 @@ TOKEN_TTL_S = 7 * 86400
 
 
 def _write_token(path: Path, token: str) -> Path:
-    """Write ``token`` to ``path`` with mode 0600 (replacing an older one)."""
+    """Write ``token`` to ``path`` with mode 0600 (replacing an older one); return the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     path.touch(mode=0o600)
@@ -37,7 +37,16 @@ def _write_token(path: Path, token: str) -> Path:
 
 @dataclass(frozen=True)
 class SecureSetup:
-    """Paths of a local cluster's certificates, token keys and tokens."""
+    """Paths of a local cluster's certificates, token keys and tokens, and the flags using them.
+
+    Attributes:
+        root: the cluster's data dir.
+        certs: the CA, node and client certificates.
+        private_key_file: the token-signing key (the coordinator's only).
+        public_key_file: the token-verifying key (every daemon's).
+        admin_token_file: an ``admin`` token for ``local-admin``, 7 days.
+        writer_token_file: a ``writer`` token for ``local-writer``, 7 days.
+    """
 
     root: Path
     certs: CertPaths
@@ -48,9 +57,11 @@ class SecureSetup:
 
     @property
     def env_file(self) -> Path:
+        """``ROOT/client.env``, the shell settings ``write_env`` writes."""
         return self.root / "client.env"
 
     def _tls_args(self) -> list[str]:
+        """The ``--tls-*`` flags of a daemon: the CA and the node certificate."""
         c = self.certs
         return [
             "--tls-ca",
@@ -62,8 +73,11 @@ class SecureSetup:
         ]
 
     def coordinator_args(self) -> list[str]:
-        """Flags of ``neuroshard coordinator``: mutual TLS, and tokens verified with the public
-        key; it signs its own admin token with the private key."""
+        """Return the flags of ``neuroshard coordinator`` for this cluster.
+
+        Mutual TLS with the node certificate; tokens verified with the public key; the
+        private key, with which the coordinator signs its own admin token.
+        """
         return [
             *self._tls_args(),
             "--auth-public-key-file",
@@ -73,8 +87,15 @@ class SecureSetup:
         ]
 
     def worker_args(self, name: str) -> list[str]:
-        """Flags of ``neuroshard worker --name NAME``: mutual TLS, the public key, and a
-        ``worker`` token for ``name`` signed now (the worker never sees the private key)."""
+        """Sign a worker token for ``name`` and return the flags of its ``neuroshard worker``.
+
+        Mutual TLS with the node certificate, the public key, and the new ``worker`` token
+        (7 days) written to ``ROOT/auth/workers/NAME.token``; the worker never sees the
+        private key.
+
+        Raises:
+            KeyFileError: the private key cannot be read.
+        """
         key = read_private_key(self.private_key_file)
         token = create_token(key, "worker", name, TOKEN_TTL_S)
         token_file = _write_token(self.root / "auth" / "workers" / f"{name}.token", token)
@@ -87,7 +108,7 @@ class SecureSetup:
         ]
 
     def client_security(self, admin: bool = False) -> ChannelSecurity:
-        """The client certificate and the writer (or admin) token."""
+        """Return a client's security: the client certificate and the writer or admin token."""
         return client_security(
             str(self.certs.ca_cert),
             str(self.certs.client_cert),
@@ -96,14 +117,18 @@ class SecureSetup:
         )
 
     def client_flags(self) -> str:
-        """The flags a client command needs (writer token), for people to copy."""
+        """Return the flags a client command needs (writer token), for people to copy."""
         return (
             f"--tls-ca {self.certs.ca_cert} --tls-cert {self.certs.client_cert} "
             f"--tls-key {self.certs.client_key} --token-file {self.writer_token_file}"
         )
 
     def write_env(self, address: str) -> Path:
-        """Write ``client.env`` (writer token) for ``address``; return its path."""
+        """Write ``client.env``, the ``NEUROSHARD_*`` settings of a shell, and return its path.
+
+        Args:
+            address: the coordinator's ``host:port``.
+        """
         lines = [
             f"NEUROSHARD_COORDINATOR={address}",
             f"NEUROSHARD_TLS_CA={self.certs.ca_cert}",
@@ -116,8 +141,16 @@ class SecureSetup:
 
 
 def prepare(data_dir: str | Path) -> SecureSetup:
-    """Create (or reuse) the certificates and key pair under ``data_dir``, sign the admin
-    and writer tokens (subjects ``local-admin``, ``local-writer``)."""
+    """Create or reuse a local cluster's certificates and token key pair; sign people's tokens.
+
+    Certificates and the key pair of an earlier run under ``data_dir`` are kept (tokens
+    signed with them stay valid); the admin and writer tokens (subjects ``local-admin``,
+    ``local-writer``, 7 days) are signed anew.
+
+    Raises:
+        OSError: ``data_dir`` cannot be written.
+        KeyFileError: an existing private key cannot be read.
+    """
     root = Path(data_dir)
     cert_dir, auth_dir = root / "certs", root / "auth"
     if (cert_dir / "node.key").exists():

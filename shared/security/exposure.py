@@ -1,6 +1,9 @@
-"""Refuse to be open by accident: a daemon serves gRPC beyond loopback only with mutual TLS and
-tokens, or when the operator says ``insecure`` (and then it warns at every start); and the
-health-only probe listener that Kubernetes probes use while the main port requires TLS.
+"""Refuse to be open by accident, and serve Kubernetes probes beside a TLS-only port.
+
+A daemon serves gRPC beyond loopback only with mutual TLS and tokens, or when the operator
+says ``insecure`` (and then it warns at every start). The probe listener serves only the
+health service, in plaintext, because Kubernetes' gRPC probes cannot present a client
+certificate.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ class ExposureRefused(ConfigError):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (as in HOST:PORT, brackets allowed) only reaches this machine."""
+    """Tell whether ``host`` (as in HOST:PORT, IPv6 brackets allowed) only reaches this machine.
+
+    ``localhost`` and loopback addresses (127.0.0.0/8, ::1) do; any other name may resolve
+    to anything, so it does not.
+    """
     host = host.strip("[]")
     if host == "localhost":
         return True
@@ -39,7 +46,8 @@ def check_listen(
     Args:
         daemon: ``coordinator`` or ``worker``, for the message.
         listen: the HOST:PORT the daemon binds.
-        tls: whether mutual TLS is configured; auth: whether tokens are required.
+        tls: whether mutual TLS is configured.
+        auth: whether tokens are required.
         insecure: the operator's ``insecure`` setting (``--insecure``).
         field: the config key, for the message.
 
@@ -72,7 +80,8 @@ async def start_probe_server(
 
     Args:
         servicer: the daemon's health servicer (the same statuses as on the main port).
-        host: the bind host (the daemon's listen host); port: 0 picks one.
+        host: the bind host (the daemon's listen host).
+        port: the port to bind; 0 picks a free one.
 
     Returns:
         The started server and the port bound.

@@ -1,5 +1,7 @@
-"""Bearer tokens: JWTs signed with EdDSA over Ed25519 (RFC 7519, RFC 8037; via PyJWT and
-cryptography), carrying a subject, a role and, on worker tokens, an optional name pattern.
+"""Bearer tokens: JWTs signed with EdDSA over Ed25519 (RFC 7519, RFC 8037).
+
+Made and checked with PyJWT and cryptography. A token carries a subject, a role and, on
+worker tokens, an optional pattern of worker names.
 
 Claims: ``sub`` (who: a person, a program or a daemon's name), ``role`` (``worker``,
 ``reader``, ``writer`` or ``admin``), ``iat`` and ``exp`` (Unix seconds), ``iss`` =
@@ -36,19 +38,31 @@ _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class TokenError(Exception):
-    """A token is missing, malformed, not EdDSA, badly signed, expired or names no known role
-    (UNAUTHENTICATED); the message says which."""
+    """A token is missing, malformed, not EdDSA, badly signed, expired or has a bad role.
+
+    Maps to UNAUTHENTICATED; the message says which of these it is.
+    """
 
 
 class KeyFileError(ValueError):
-    """A key or token file is missing, unreadable or not what it should be; the message
-    starts with the file's role (``public_key_file``, ...) and path."""
+    """A key or token file is missing, unreadable or not what it should be.
+
+    The message starts with the file's role (``public_key_file``, ``--token-file``, ...) and
+    its path; daemons report it as a ConfigError and exit 2.
+    """
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who made a request: the token's subject, role, expiry and (worker tokens) the
-    pattern of worker names it may act as."""
+    """Who made a request, from a verified token.
+
+    Attributes:
+        subject: the ``sub`` claim: a person, a program or a worker's name.
+        role: ``worker``, ``reader``, ``writer`` or ``admin``.
+        expires_at: the ``exp`` claim, Unix seconds.
+        names: worker tokens only: an fnmatch pattern of further worker names the token may
+            act as (``neuroshard-worker-*``), or None.
+    """
 
     subject: str
     role: str
@@ -56,22 +70,28 @@ class Principal:
     names: str | None = None
 
     def may_act_as(self, name: str) -> bool:
-        """Whether a request naming worker ``name`` is this token's: the subject itself, or
-        a name matching the ``names`` pattern (fnmatch, case-sensitive)."""
+        """Tell whether this token may act as worker ``name``.
+
+        It may when ``name`` is the subject itself, or matches the ``names`` pattern
+        (fnmatch, case-sensitive); an empty name matches no pattern.
+        """
         if name == self.subject:
             return True
         return self.names is not None and bool(name) and fnmatch.fnmatchcase(name, self.names)
 
     def describe(self) -> str:
-        """``'w0'`` or ``'pool' (names 'neuroshard-worker-*')`` for messages."""
+        """Name the token in messages: ``'w0'`` or ``'pool' (names 'neuroshard-worker-*')``."""
         return repr(self.subject) + (f" (names {self.names!r})" if self.names else "")
 
 
 def parse_ttl(text: str) -> float:
-    """``"90s"``, ``"30m"``, ``"1h"``, ``"7d"`` or plain seconds -> seconds.
+    """Parse a token lifetime such as ``"90s"``, ``"30m"``, ``"1h"``, ``"7d"`` or ``"45"``.
+
+    Returns:
+        The duration in seconds (plain numbers are seconds).
 
     Raises:
-        ValueError: not a positive duration (names the value).
+        ValueError: not a positive duration; the message starts with ``ttl:``.
     """
     m = _TTL.match(text.strip().lower())
     if not m or float(m.group(1)) <= 0:
@@ -80,8 +100,13 @@ def parse_ttl(text: str) -> float:
 
 
 def write_keypair(directory: str | Path) -> tuple[Path, Path]:
-    """Write a new Ed25519 pair as ``private.pem`` (PKCS#8, mode 0600) and ``public.pem``
-    (SubjectPublicKeyInfo, mode 0644) into ``directory``; return their paths.
+    """Write a new Ed25519 token key pair into ``directory`` (created if needed).
+
+    ``private.pem`` is PKCS#8, created with mode 0600 (never readable by others, not even
+    briefly); ``public.pem`` is SubjectPublicKeyInfo, mode 0644.
+
+    Returns:
+        The paths of ``private.pem`` and ``public.pem``.
 
     Raises:
         FileExistsError: ``private.pem`` exists already (replacing it would invalidate every
@@ -109,6 +134,7 @@ def write_keypair(directory: str | Path) -> tuple[Path, Path]:
 
 
 def _read_bytes(field: str, path: str | Path) -> bytes:
+    """The bytes of ``path``; KeyFileError naming ``field`` when it cannot be read."""
     try:
         return Path(path).read_bytes()
     except OSError as exc:
@@ -116,7 +142,11 @@ def _read_bytes(field: str, path: str | Path) -> bytes:
 
 
 def read_private_key(path: str | Path, field: str = "private_key_file") -> Ed25519PrivateKey:
-    """The Ed25519 private key in the PEM file ``path``.
+    """Load the Ed25519 private key that signs tokens from a PEM file.
+
+    Args:
+        path: the PEM file (PKCS#8, unencrypted).
+        field: the config key or flag, named in errors.
 
     Raises:
         KeyFileError: missing, unreadable, encrypted, not PEM or not Ed25519 (names
@@ -135,7 +165,11 @@ def read_private_key(path: str | Path, field: str = "private_key_file") -> Ed255
 
 
 def read_public_key(path: str | Path, field: str = "public_key_file") -> Ed25519PublicKey:
-    """The Ed25519 public key in the PEM file ``path``.
+    """Load the Ed25519 public key that verifies tokens from a PEM file.
+
+    Args:
+        path: the PEM file (SubjectPublicKeyInfo).
+        field: the config key or flag, named in errors.
 
     Raises:
         KeyFileError: missing, unreadable, not PEM or not Ed25519 (names ``field`` and the
@@ -154,7 +188,11 @@ def read_public_key(path: str | Path, field: str = "public_key_file") -> Ed25519
 
 
 def read_token_file(path: str | Path, field: str = "token_file") -> str:
-    """The token stored in ``path`` (surrounding whitespace stripped).
+    """Read the token stored in ``path``, without surrounding whitespace.
+
+    Args:
+        path: a file holding one token (as ``neuroshard token create`` prints it).
+        field: the config key or flag, named in errors.
 
     Raises:
         KeyFileError: missing, unreadable or empty (names ``field`` and the file).
@@ -176,8 +214,16 @@ def create_token(
     """Sign a token for ``subject`` with ``role``, valid for ``ttl_s`` seconds.
 
     Args:
+        private_key: the coordinator's token-signing key.
+        role: ``worker``, ``reader``, ``writer`` or ``admin``.
+        subject: who the token is for (a person, a program, a worker's name).
+        ttl_s: lifetime, seconds; rounded to whole seconds, at least 1.
         names: worker tokens only: an fnmatch pattern of the worker names the token may
             register as, besides ``subject`` (e.g. ``neuroshard-worker-*``).
+        now: issue time, Unix seconds (default: the current time).
+
+    Returns:
+        The compact JWT (``header.claims.signature``).
 
     Raises:
         ValueError: unknown role, empty subject, ttl_s <= 0, or names on a non-worker token.
@@ -204,11 +250,16 @@ def create_token(
 
 
 def _utc(ts: float) -> str:
+    """``ts`` (Unix seconds) as an ISO 8601 UTC time for messages."""
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _algorithm_of(token: str) -> str:
-    """The header's ``alg`` (unverified), or raises TokenError for a malformed token."""
+    """Read the header's ``alg`` without verifying anything.
+
+    Raises:
+        TokenError: the token is not a JWT.
+    """
     try:
         return str(jwt.get_unverified_header(token).get("alg"))
     except jwt.InvalidTokenError as exc:
@@ -217,6 +268,18 @@ def _algorithm_of(token: str) -> str:
 
 def verify_token(public_key: Ed25519PublicKey, token: str, leeway_s: float = 5.0) -> Principal:
     """Check the algorithm (EdDSA only), signature, expiry and claims of ``token``.
+
+    The algorithm is read from the header and refused unless it is EdDSA before PyJWT
+    verifies anything, so neither an unsigned (``alg: none``) nor an HMAC token signed with
+    the public key as secret can pass.
+
+    Args:
+        public_key: the coordinator's token-verifying key.
+        token: the compact JWT.
+        leeway_s: clock skew tolerated on ``exp`` and ``iat``, seconds.
+
+    Returns:
+        The caller the token names.
 
     Raises:
         TokenError: with a message saying what is wrong (UNAUTHENTICATED at the RPC layer).
@@ -257,9 +320,12 @@ def verify_token(public_key: Ed25519PublicKey, token: str, leeway_s: float = 5.0
 
 
 class TokenSource:
-    """The token a process presents: a fixed one (read from a file or given), or one it
-    signs itself with the private key and renews when less than half of its lifetime is
-    left (the coordinator's own ``admin`` token)."""
+    """The token a process presents; calling it returns the token to send now.
+
+    Either a fixed token (read from a file or given), or one the process signs itself with
+    the private key and renews once half of its lifetime has passed (the coordinator's own
+    ``admin`` token). Thread-safe: channels call it from any thread.
+    """
 
     def __init__(
         self,
@@ -270,6 +336,18 @@ class TokenSource:
         subject: str = "",
         ttl_s: float = 3600.0,
     ) -> None:
+        """Present ``token`` as is, or sign tokens with ``private_key``.
+
+        Args:
+            token: a fixed token (surrounding whitespace is stripped).
+            private_key: the signing key, instead of ``token``.
+            role: the role of signed tokens.
+            subject: the subject of signed tokens.
+            ttl_s: the lifetime of signed tokens, seconds.
+
+        Raises:
+            ValueError: both or neither of ``token`` and ``private_key`` given.
+        """
         if (token is None) == (private_key is None):
             raise ValueError("give either a token or a private key to sign one with")
         self._fixed = token.strip() if token is not None else None
@@ -279,7 +357,7 @@ class TokenSource:
 
     @classmethod
     def from_file(cls, path: str | Path, field: str = "token_file") -> TokenSource:
-        """The token stored in ``path``.
+        """Present the token stored in ``path`` (read once, now).
 
         Raises:
             KeyFileError: missing, unreadable or empty file (names ``field`` and the file).
@@ -287,6 +365,7 @@ class TokenSource:
         return cls(read_token_file(path, field))
 
     def __call__(self) -> str:
+        """Return the token to present now, signing a new one when the last is half-used."""
         if self._fixed is not None:
             return self._fixed
         now = time.time()

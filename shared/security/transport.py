@@ -11,15 +11,17 @@ Every channel goes through ``shared.rpc.channel``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self, TypeAlias, TypeVar
 
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from grpc import aio
 
 from shared.config import AuthConfig, ConfigError, TlsConfig
@@ -32,6 +34,10 @@ from shared.security.tokens import (
     verify_token,
 )
 
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+TokenFn: TypeAlias = Callable[[], str]  # returns the token to present now
+
 _TLS_HINT = (
     "the server may require TLS (pass --tls-ca, --tls-cert and --tls-key) or refuse "
     "this certificate"
@@ -41,7 +47,13 @@ _TLS_SIGNS = ("ssl", "handshake", "certificate", "socket closed", "connection re
 
 @dataclass(frozen=True)
 class TlsFiles:
-    """PEM bytes of a CA certificate, a certificate and its private key."""
+    """PEM bytes of a CA certificate, a certificate and its private key, checked to match.
+
+    Attributes:
+        ca: the CA certificate(s) that sign every peer's certificate.
+        cert: this process's certificate (leaf first).
+        key: the unencrypted private key of ``cert``.
+    """
 
     ca: bytes
     cert: bytes
@@ -56,6 +68,12 @@ class TlsFiles:
         names: tuple[str, str, str] = ("tls.ca_file", "tls.cert_file", "tls.key_file"),
     ) -> TlsFiles:
         """Read and check the three files (the key must belong to the certificate).
+
+        Args:
+            ca_file: the CA certificate (PEM).
+            cert_file: this process's certificate (PEM).
+            key_file: its private key (PEM, unencrypted).
+            names: the config keys or flags of the three files, named in errors.
 
         Raises:
             ConfigError: a file is missing or not PEM of the right kind (names the field).
@@ -82,88 +100,261 @@ class TlsFiles:
         return cls(ca, cert, key)
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Server side: present the certificate, require a client certificate from the CA."""
+        """Return server credentials: present the certificate, require a client one from the CA."""
         return grpc.ssl_server_credentials(
             [(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
-        """Client side: trust only the CA, present the certificate."""
+        """Return channel credentials: trust only the CA, present the certificate."""
         return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
 
 
-def _public_der(key: Any) -> bytes:
+def _public_der(key: PublicKeyTypes) -> bytes:
+    """The DER SubjectPublicKeyInfo of ``key``, to compare two keys of any kind."""
     return key.public_bytes(
-        serialization.Encoding.DER,  # type: ignore[no-any-return]
-        serialization.PublicFormat.SubjectPublicKeyInfo,
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
 
 
 def _read(field_name: str, path: str) -> bytes:
+    """The bytes of ``path``; ConfigError naming ``field_name`` when it cannot be read."""
     try:
         return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"{field_name}: {path}: {exc.strerror or exc}") from None
 
 
-class _WithToken:
-    """A multi-callable of a channel that adds ``authorization: Bearer <token>`` metadata."""
+# Invocation metadata as a call takes it: grpc.aio's Metadata or (key, value) pairs.
+MetadataType: TypeAlias = aio.Metadata | Sequence[tuple[str, str | bytes]]
 
-    __slots__ = ("_call", "_token")
 
-    def __init__(self, call: Any, token: Callable[[], str]) -> None:
+def _with_token(metadata: MetadataType | None, token: str) -> tuple[tuple[str, str | bytes], ...]:
+    """The call's metadata plus ``authorization: Bearer <token>``."""
+    auth = (("authorization", "Bearer " + token),)
+    return tuple(metadata) + auth if metadata else auth
+
+
+class _UnaryUnary(aio.UnaryUnaryMultiCallable[Req, Resp]):
+    """A unary-unary multi-callable whose calls carry the bearer token."""
+
+    def __init__(self, call: aio.UnaryUnaryMultiCallable[Req, Resp], token: TokenFn) -> None:
         self._call, self._token = call, token
 
-    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
-        auth = (("authorization", "Bearer " + self._token()),)
-        return self._call(*args, metadata=tuple(metadata) + auth if metadata else auth, **kwargs)
+    def __call__(
+        self,
+        request: Req,
+        *,
+        timeout: float | None = None,
+        metadata: MetadataType | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> aio.UnaryUnaryCall[Req, Resp]:
+        return self._call(
+            request,
+            timeout=timeout,
+            metadata=_with_token(metadata, self._token()),
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
 
 
-class TokenChannel:
+class _UnaryStream(aio.UnaryStreamMultiCallable[Req, Resp]):
+    """A unary-stream multi-callable whose calls carry the bearer token."""
+
+    def __init__(self, call: aio.UnaryStreamMultiCallable[Req, Resp], token: TokenFn) -> None:
+        self._call, self._token = call, token
+
+    def __call__(
+        self,
+        request: Req,
+        *,
+        timeout: float | None = None,
+        metadata: MetadataType | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> aio.UnaryStreamCall[Req, Resp]:
+        return self._call(
+            request,
+            timeout=timeout,
+            metadata=_with_token(metadata, self._token()),
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
+
+
+class _StreamUnary(aio.StreamUnaryMultiCallable[Req, Resp]):
+    """A stream-unary multi-callable whose calls carry the bearer token."""
+
+    def __init__(self, call: aio.StreamUnaryMultiCallable[Req, Resp], token: TokenFn) -> None:
+        self._call, self._token = call, token
+
+    def __call__(
+        self,
+        request_iterator: AsyncIterator[Req] | Iterator[Req] | None = None,
+        timeout: float | None = None,
+        metadata: MetadataType | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> aio.StreamUnaryCall[Req, Resp]:
+        return self._call(
+            request_iterator,
+            timeout=timeout,
+            metadata=_with_token(metadata, self._token()),
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
+
+
+class _StreamStream(aio.StreamStreamMultiCallable[Req, Resp]):
+    """A stream-stream multi-callable whose calls carry the bearer token."""
+
+    def __init__(self, call: aio.StreamStreamMultiCallable[Req, Resp], token: TokenFn) -> None:
+        self._call, self._token = call, token
+
+    def __call__(
+        self,
+        request_iterator: AsyncIterator[Req] | Iterator[Req] | None = None,
+        timeout: float | None = None,
+        metadata: MetadataType | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> aio.StreamStreamCall[Req, Resp]:
+        return self._call(
+            request_iterator,
+            timeout=timeout,
+            metadata=_with_token(metadata, self._token()),
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
+
+
+class TokenChannel(aio.Channel):
     """A grpc.aio channel whose every call carries the bearer token.
 
     Stubs get their multi-callables from ``unary_unary`` and friends; wrapping those costs a
     function call per RPC, where grpc.aio client interceptors cost ~200 us of CPU (an extra
-    task per call). Everything else is the wrapped channel's.
+    task per call). Everything else is delegated to the wrapped channel.
     """
 
-    def __init__(self, channel: aio.Channel, token: Callable[[], str]) -> None:
+    def __init__(self, channel: aio.Channel, token: TokenFn) -> None:
+        """Wrap ``channel``; ``token()`` is asked for the token at every call (it may renew)."""
         self._channel, self._token = channel, token
 
-    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.unary_unary(*args, **kwargs), self._token)
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Req], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Resp] | None = None,
+        **kwargs: Any,
+    ) -> aio.UnaryUnaryMultiCallable[Req, Resp]:
+        """Return the channel's multi-callable for ``method``, adding the token to calls.
 
-    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.unary_stream(*args, **kwargs), self._token)
+        ``kwargs`` (the generated stubs' ``_registered_method``) are passed on.
+        """
+        call = self._channel.unary_unary(
+            method, request_serializer, response_deserializer, **kwargs
+        )
+        return _UnaryUnary(call, self._token)
 
-    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.stream_unary(*args, **kwargs), self._token)
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Req], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Resp] | None = None,
+        **kwargs: Any,
+    ) -> aio.UnaryStreamMultiCallable[Req, Resp]:
+        """Return the channel's multi-callable for ``method``, adding the token to calls."""
+        call = self._channel.unary_stream(
+            method, request_serializer, response_deserializer, **kwargs
+        )
+        return _UnaryStream(call, self._token)
 
-    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
-        return _WithToken(self._channel.stream_stream(*args, **kwargs), self._token)
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Req], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Resp] | None = None,
+        **kwargs: Any,
+    ) -> aio.StreamUnaryMultiCallable[Req, Resp]:
+        """Return the channel's multi-callable for ``method``, adding the token to calls."""
+        call = self._channel.stream_unary(
+            method, request_serializer, response_deserializer, **kwargs
+        )
+        return _StreamUnary(call, self._token)
 
-    async def __aenter__(self) -> TokenChannel:
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Req], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Resp] | None = None,
+        **kwargs: Any,
+    ) -> aio.StreamStreamMultiCallable[Req, Resp]:
+        """Return the channel's multi-callable for ``method``, adding the token to calls."""
+        call = self._channel.stream_stream(
+            method, request_serializer, response_deserializer, **kwargs
+        )
+        return _StreamStream(call, self._token)
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close the wrapped channel; calls still running get ``grace`` seconds to finish."""
+        await self._channel.close(grace)
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        """Return the wrapped channel's connectivity state."""
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        """Wait until the wrapped channel leaves ``last_observed_state``."""
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        """Wait until the wrapped channel is READY."""
+        await self._channel.channel_ready()
+
+    async def __aenter__(self) -> Self:
+        """Use the channel as an async context manager that closes it on exit."""
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        """Close the wrapped channel."""
         await self._channel.close()
-
-    def __getattr__(self, name: str) -> Any:  # close, channel_ready, get_state, ...
-        return getattr(self._channel, name)
 
 
 @dataclass(frozen=True)
 class ChannelSecurity:
-    """How a process dials: TLS files (None: plaintext), the token it presents (None: none),
-    and the name expected in server certificates (None: the host dialed)."""
+    """How a process dials: with or without TLS, with or without a token.
+
+    Attributes:
+        tls: the CA and this process's certificate and key; None dials in plaintext.
+        token: the token presented on every call; None presents none.
+        server_name: the name expected in server certificates; None expects the host dialed.
+    """
 
     tls: TlsFiles | None = None
     token: TokenSource | None = None
     server_name: str | None = None
     _creds: list[grpc.ChannelCredentials] = field(default_factory=list, repr=False, compare=False)
 
-    def open(self, address: str, options: list[tuple[str, Any]]) -> aio.Channel:
-        """A grpc.aio channel to ``address`` with this security and ``options``."""
+    def open(self, address: str, options: Sequence[tuple[str, int | str]]) -> aio.Channel:
+        """Open a grpc.aio channel to ``address`` with this security and ``options``.
+
+        Every channel of the process shares one credentials object, so the TLS files are
+        parsed once. With a token, the channel is a ``TokenChannel``.
+        """
         if self.tls is None:
             ch = aio.insecure_channel(address, options=options)
         else:
@@ -174,14 +365,26 @@ class ChannelSecurity:
             ch = aio.secure_channel(address, self._creds[0], options=options)
         if self.token is None:
             return ch
-        return TokenChannel(ch, self.token)  # type: ignore[return-value]
+        return TokenChannel(ch, self.token)
 
 
 PLAINTEXT = ChannelSecurity()
 
 
 def explain_unavailable(details: str, security: ChannelSecurity | None) -> str:
-    """Add a hint to an UNAVAILABLE error that looks like a TLS mismatch."""
+    """Add a hint to an UNAVAILABLE error's details when they look like a TLS mismatch.
+
+    A plaintext client of a TLS server (or the reverse) sees a closed socket or a handshake
+    error, which says nothing about TLS to most people.
+
+    Args:
+        details: the error's details.
+        security: how the client dialed; None is plaintext.
+
+    Returns:
+        ``details``, followed by a hint in parentheses when it mentions ssl, handshakes,
+        certificates or a reset connection.
+    """
     text = details or "unavailable"
     if any(sign in text.lower() for sign in _TLS_SIGNS):
         if security is None or security.tls is None:
@@ -191,7 +394,12 @@ def explain_unavailable(details: str, security: ChannelSecurity | None) -> str:
 
 
 def _coordinator_token(auth: AuthConfig, public_key: Ed25519PublicKey, subject: str) -> TokenSource:
-    """The coordinator's own token source. Raises: ConfigError, KeyFileError."""
+    """The coordinator's own token source: signed with its private key, or read from a file.
+
+    Raises:
+        ConfigError: the private key is not the public key's, or neither file is given.
+        KeyFileError: a key or token file cannot be read.
+    """
     if auth.private_key_file:
         key = read_private_key(auth.private_key_file, "auth.private_key_file")
         if _public_der(key.public_key()) != _public_der(public_key):
@@ -211,7 +419,10 @@ def _coordinator_token(auth: AuthConfig, public_key: Ed25519PublicKey, subject: 
 def _worker_token(auth: AuthConfig, public_key: Ed25519PublicKey, name: str) -> TokenSource:
     """A worker's token source, checked now rather than refused at registration.
 
-    Raises: ConfigError, KeyFileError.
+    Raises:
+        ConfigError: the worker holds the private key, has no token file, or its token is
+            invalid, not a worker token, or not for its name.
+        KeyFileError: the token file cannot be read.
     """
     if auth.private_key_file:
         raise ConfigError(
@@ -238,7 +449,13 @@ def _worker_token(auth: AuthConfig, public_key: Ed25519PublicKey, name: str) -> 
 
 @dataclass
 class DaemonSecurity:
-    """A daemon's security, from its ``tls`` and ``auth`` config sections."""
+    """A daemon's security, from its ``tls`` and ``auth`` config sections.
+
+    Attributes:
+        tls: the daemon's TLS files; None serves and dials in plaintext.
+        public_key: verifies the tokens of callers; None accepts calls without tokens.
+        channel: how the daemon dials the others (its certificate and its own token).
+    """
 
     tls: TlsFiles | None
     public_key: Ed25519PublicKey | None
@@ -253,10 +470,18 @@ class DaemonSecurity:
         *,
         coordinator: bool = False,
     ) -> DaemonSecurity:
-        """Load the files. The coordinator's own token is an ``admin`` token for ``subject``
-        it signs with ``auth.private_key_file`` (1 h, renewed at half-life), or the one in
+        """Load and check a daemon's TLS files, token keys and token.
+
+        The coordinator's own token is an ``admin`` token for ``subject`` it signs with
+        ``auth.private_key_file`` (1 h, renewed at half-life), or the one in
         ``auth.token_file``; a worker presents ``auth.token_file``, which must be a valid
         ``worker`` token covering its name ``subject``.
+
+        Args:
+            tls: the ``tls`` section; None serves and dials in plaintext.
+            auth: the ``auth`` section; None requires and presents no token.
+            subject: the coordinator's token subject, or the worker's name.
+            coordinator: whether this is the coordinator.
 
         Raises:
             ConfigError: a file is missing or invalid, a worker has no token_file or holds the
@@ -288,7 +513,15 @@ class DaemonSecurity:
         return "none" if self.public_key is None else "token"
 
     def add_port(self, server: aio.Server, listen: str) -> int:
-        """Bind ``listen`` (TLS or plaintext); return the port bound."""
+        """Bind ``listen`` on ``server`` with mutual TLS, or in plaintext without TLS files.
+
+        Args:
+            server: the daemon's server, not started yet.
+            listen: ``host:port``; port 0 picks a free one.
+
+        Returns:
+            The port bound (0 when binding failed, as grpc reports it).
+        """
         if self.tls is None:
             return server.add_insecure_port(listen)
         return server.add_secure_port(listen, self.tls.server_credentials())
@@ -302,7 +535,15 @@ def client_security(
     token_file: str | None = None,
     server_name: str | None = None,
 ) -> ChannelSecurity:
-    """A client's ``ChannelSecurity`` from its flags (all three TLS files or none).
+    """Build a client's ``ChannelSecurity`` from its command-line flags.
+
+    Args:
+        tls_ca: the CA certificate that signs the servers' (PEM file).
+        tls_cert: the client certificate (PEM file); all three TLS files or none.
+        tls_key: the client certificate's key (PEM file).
+        token: a bearer token; preferred over ``token_file``.
+        token_file: a file holding the bearer token.
+        server_name: the name expected in server certificates instead of the host dialed.
 
     Raises:
         ConfigError: only some TLS files given, a file missing or invalid, an empty token.

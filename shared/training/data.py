@@ -15,8 +15,10 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
@@ -44,10 +46,10 @@ class Dataset:
         num_classes: number of classes C.
     """
 
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
+    x_train: npt.NDArray[np.float32]
+    y_train: npt.NDArray[np.int64]
+    x_test: npt.NDArray[np.float32]
+    y_test: npt.NDArray[np.int64]
     input_shape: tuple[int, ...]
     num_classes: int
 
@@ -85,7 +87,9 @@ def load_dataset(spec: BuiltinData | FileData, seed: int, test_fraction: float) 
     return _split(x, y, num_classes, seed, test_fraction)
 
 
-def _synthetic(samples: int, features: int, classes: int, seed: int) -> tuple[np.ndarray, ...]:
+def _synthetic(
+    samples: int, features: int, classes: int, seed: int
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
     """Gaussian blobs: class centres ~ N(0, s^2 I), samples ~ N(centre, I)."""
     rng = np.random.default_rng(seed)
     centres_CF = rng.normal(0.0, _SYNTHETIC_SEPARATION, size=(classes, features))
@@ -96,8 +100,17 @@ def _synthetic(samples: int, features: int, classes: int, seed: int) -> tuple[np
 
 
 def _split(
-    x: np.ndarray, y: np.ndarray, num_classes: int, seed: int, test_fraction: float
+    x: npt.NDArray[np.float32],
+    y: npt.NDArray[np.int64],
+    num_classes: int,
+    seed: int,
+    test_fraction: float,
 ) -> Dataset:
+    """Hold out ``ceil(N * test_fraction)`` rows for testing, stratified when possible.
+
+    Raises:
+        DataError: too few samples to leave at least one row on each side.
+    """
     n = len(y)
     n_test = math.ceil(n * test_fraction)
     if n_test < 1 or n - n_test < 1:
@@ -119,8 +132,11 @@ def _split(
     )
 
 
-def load_training_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def load_training_npz(path: Path) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
     """Read and validate ``x`` and ``y`` from an .npz file (no pickles).
+
+    Headers are checked against the members' sizes before NumPy allocates anything, and the
+    arrays' dtypes, shapes, finiteness and labels before they are returned.
 
     Returns:
         x [N, ...] float32 (finite), y [N] int64 labels in [0, C) with C >= 2.
@@ -156,8 +172,9 @@ def load_training_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check_member_sizes(path: Path) -> None:
-    """Refuse an archive whose ``x``/``y`` headers claim more bytes than the members hold,
-    before NumPy allocates what a header asks for.
+    """Refuse an archive whose ``x``/``y`` headers claim more bytes than the members hold.
+
+    Checked before NumPy allocates what a header asks for.
 
     Raises:
         DataError: a claimed size beyond the member's uncompressed size.
@@ -184,7 +201,12 @@ def _check_member_sizes(path: Path) -> None:
                 )
 
 
-def _check_arrays(path: Path, x: np.ndarray, y: np.ndarray) -> None:
+def _check_arrays(path: Path, x: npt.NDArray[Any], y: npt.NDArray[Any]) -> None:
+    """Refuse arrays that are not a training set: dtypes, shapes, NaN/inf, labels.
+
+    Raises:
+        DataError: naming the array and what is wrong with it.
+    """
     if x.dtype != np.float32:
         raise DataError(f"{path}: array 'x' must be float32, got {x.dtype}")
     if y.dtype != np.int64:
@@ -206,9 +228,14 @@ def _check_arrays(path: Path, x: np.ndarray, y: np.ndarray) -> None:
 
 
 def shard_bounds(n: int, shard_index: int, shard_count: int) -> tuple[int, int]:
-    """Half-open row range [start, stop) of one shard, split like ``np.array_split``.
+    """Return the half-open row range [start, stop) of one shard, split like ``np.array_split``.
 
     The first ``n % shard_count`` shards hold one row more than the others.
+
+    Args:
+        n: training rows N.
+        shard_index: the shard, in [0, shard_count).
+        shard_count: shards (the job's workers).
 
     Raises:
         ValueError: shard_count < 1, shard_index outside [0, shard_count) or n < 0.
@@ -221,14 +248,26 @@ def shard_bounds(n: int, shard_index: int, shard_count: int) -> tuple[int, int]:
 
 
 def steps_per_epoch(n_train: int, shard_count: int, batch_size: int) -> int:
-    """Steps in one epoch: the largest shard's ceil(rows / batch_size)."""
+    """Return the steps in one epoch: the largest shard's ceil(rows / batch_size).
+
+    Shorter shards run out of rows first: their last batch is smaller or empty.
+
+    Args:
+        n_train: training rows N.
+        shard_count: shards (the job's workers).
+        batch_size: rows per worker per step.
+    """
     return math.ceil(math.ceil(n_train / shard_count) / batch_size)
 
 
 def total_steps(spec: TrainJobSpec, n_train: int) -> int:
-    """Steps a job runs: ``spec.steps`` if set, else epochs x steps_per_epoch.
+    """Return the steps a job runs: ``spec.steps`` if set, else epochs x steps_per_epoch.
 
     Global step g is (epoch, step_in_epoch) = divmod(g, steps_per_epoch(...)).
+
+    Args:
+        spec: the job (its steps or epochs, workers and batch size).
+        n_train: training rows N of its data set.
     """
     if spec.steps is not None:
         return spec.steps
@@ -244,11 +283,21 @@ def batch_indices(
     epoch: int,
     step_in_epoch: int,
     seed: int,
-) -> np.ndarray:
-    """Global training-row indices of one shard's mini-batch.
+) -> npt.NDArray[np.int64]:
+    """Return the global training-row indices of one shard's mini-batch.
 
     The shard's rows are permuted by ``np.random.default_rng((seed, epoch, shard_index))``
-    and the step takes the slice [step * B, (step + 1) * B).
+    and the step takes the slice [step * B, (step + 1) * B). Any process computes the same
+    rows, so a shard can move to another worker, or a job resume, without changing them.
+
+    Args:
+        n_train: training rows N.
+        shard_index: the shard, in [0, shard_count).
+        shard_count: shards (the job's workers).
+        batch_size: B, rows per worker per step.
+        epoch: the epoch, from 0.
+        step_in_epoch: the step within the epoch, from 0.
+        seed: the job's seed.
 
     Returns:
         [B'] int64 row indices into x_train, B' <= batch_size; empty when the shard has no

@@ -125,6 +125,12 @@ def _imported(spec: ImportModelSpec) -> nn.Module:
 
 
 def _resolve(target: str) -> Callable[..., object]:
+    """Import ``package.module:attr.path`` and return the callable it names.
+
+    Raises:
+        ModelError: the module cannot be imported, an attribute is missing, or the object
+            is not callable (INVALID_ARGUMENT).
+    """
     module_name, _, attr_path = target.partition(":")
     try:
         obj: object = importlib.import_module(module_name)
@@ -143,19 +149,29 @@ def _resolve(target: str) -> Callable[..., object]:
 
 
 def count_params(model: nn.Module) -> int:
-    """Number of parameter elements (works on a model built on the meta device)."""
+    """Count the parameter elements of ``model``; works on a model built on the meta device.
+
+    The coordinator admits a job only if this is within ``max_model_params``.
+    """
     return sum(p.numel() for p in model.parameters())
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter, in ``model.named_parameters()`` order."""
+    """Map the name of every parameter to its shape, in ``model.named_parameters()`` order.
+
+    What ``check_param_arrays`` checks received parameters or gradients against.
+    """
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def check_param_arrays(
     arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]
 ) -> None:
-    """Check that arrays has exactly the expected names and shapes (parameters or grads).
+    """Check that received parameters or gradients have exactly the expected names and shapes.
+
+    Args:
+        arrays: name -> array, as decoded from the wire.
+        expected: name -> shape, from ``param_shapes`` of the job's model.
 
     Raises:
         ValueError: names missing or unknown, or a shape differs; the message names them.
