@@ -31,6 +31,7 @@ from shared.config import (
     TrainJobSpec,
     job_spec_from_json,
 )
+from shared.npz import npz_members
 from shared.security.confinement import check_imports, resolve_data_paths
 from shared.training.data import total_steps
 from shared.training.models import ModelError, build_model, count_params
@@ -195,18 +196,8 @@ def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dty
     out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
     try:
         with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue
-                with zf.open(info) as f:
-                    version = np.lib.format.read_magic(f)
-                    read = (
-                        np.lib.format.read_array_header_1_0
-                        if version == (1, 0)
-                        else np.lib.format.read_array_header_2_0
-                    )
-                    shape, _, dtype = read(f)
-                out[info.filename[: -len(".npy")]] = (tuple(shape), np.dtype(dtype))
+            for member in npz_members(zf):
+                out[member.name] = (member.shape, member.dtype)
     except (
         OSError,
         ValueError,

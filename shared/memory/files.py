@@ -13,7 +13,6 @@ with it and the job fails with it.
 
 from __future__ import annotations
 
-import math
 import struct
 import zipfile
 import zlib
@@ -26,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.memory.validation import MemoryInputError, as_ids, validate_values
+from shared.npz import NpyHeader, NpyHeaderError, npz_members, read_npy_header
 
 
 class MemoryFileError(ValueError):
@@ -52,7 +52,7 @@ def _opened(path: Path, suffix: str) -> Iterator[npt.NDArray[Any] | np.lib.npyio
         head = f.read(6)
         if head.startswith(_MAGIC[1]):
             f.seek(0)
-            _check_npy_size(path, "", f, path.stat().st_size)
+            _check_npy_size(path, f, path.stat().st_size)
         if not head.startswith(_MAGIC):
             raise MemoryFileError(f"{path}: not a {suffix} file (as {_WRITER[suffix]} writes)")
         f.seek(0)
@@ -82,38 +82,40 @@ _UNREADABLE = (
 )
 
 
-_HEADER_READERS = {
-    (1, 0): np.lib.format.read_array_header_1_0,
-    (2, 0): np.lib.format.read_array_header_2_0,
-}
-
-
 def _detail(exc: BaseException) -> str:
     """The first line of an exception's message (at most 200 characters), or its type."""
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
-def _check_npy_size(path: Path, what: str, f: IO[bytes], size: int) -> None:
-    """Refuse an .npy whose header claims more data than the ``size`` bytes it holds.
+def _check_npy_size(path: Path, f: IO[bytes], size: int) -> None:
+    """Refuse a lone .npy whose header claims more data than the ``size`` bytes it holds.
 
-    Checked before NumPy allocates the array the header asks for, so a 100-byte file cannot
-    make the process allocate terabytes. ``f`` is at the start of the .npy.
+    ``f`` is at the start of the .npy.
 
     Raises:
         MemoryFileError: an unreadable header, or a claimed size beyond the data.
     """
     try:
-        version = np.lib.format.read_magic(f)
-        if version not in _HEADER_READERS:
-            raise ValueError(f".npy format version {version} is not supported")
-        shape, _, dtype = _HEADER_READERS[version](f)
-        need = math.prod(shape) * dtype.itemsize
-    except _UNREADABLE as exc:
-        raise MemoryFileError(f"{path}: {what}unreadable .npy header ({_detail(exc)})") from None
-    have = size - f.tell()
-    if need > have:
+        header = read_npy_header(f)
+    except NpyHeaderError as exc:
+        raise MemoryFileError(f"{path}: unreadable .npy header ({_detail(exc)})") from None
+    _check_claim(path, "", header, size)
+
+
+def _check_claim(path: Path, what: str, header: NpyHeader, size: int) -> None:
+    """Refuse an .npy whose header claims more data than the ``size`` bytes it holds.
+
+    Checked before NumPy allocates the array the header asks for, so a 100-byte file cannot
+    make the process allocate terabytes.
+
+    Raises:
+        MemoryFileError: a claimed size beyond the data.
+    """
+    have = size - header.header_bytes
+    if header.data_bytes > have:
         raise MemoryFileError(
-            f"{path}: {what}header claims shape {shape} ({need} bytes) but {have} bytes follow"
+            f"{path}: {what}header claims shape {header.shape} ({header.data_bytes} bytes) "
+            f"but {have} bytes follow"
         )
 
 
@@ -144,11 +146,15 @@ def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, npt.NDArray[
             if name not in data.files:
                 has = ", ".join(data.files) or "no arrays"
                 raise MemoryFileError(f"{p}: no array {name!r} (has: {has})")
+            what = f"array {name!r}: "
             try:
-                key = name if name in archive.namelist() else f"{name}.npy"
-                with archive.open(key) as f:
-                    _check_npy_size(p, f"array {name!r}: ", f, archive.getinfo(key).file_size)
+                for member in npz_members(archive, (name,)):
+                    _check_claim(p, what, member, member.stored_bytes)
                 out[name] = data[name]
+            except NpyHeaderError as exc:
+                raise MemoryFileError(
+                    f"{p}: {what}unreadable .npy header ({_detail(exc)})"
+                ) from None
             except _UNREADABLE as exc:  # e.g. an object array, refused without pickle
                 raise MemoryFileError(f"{p}: array {name!r}: {_detail(exc)}") from None
     return out

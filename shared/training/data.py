@@ -23,6 +23,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from shared.config import BuiltinData, FileData, TrainJobSpec
+from shared.npz import npz_members
 
 # A class centre is this many noise standard deviations from the origin per feature, so that
 # the synthetic blobs are learnable to high accuracy but not trivially by one feature.
@@ -181,23 +182,12 @@ def _check_member_sizes(path: Path) -> None:
         ValueError, zipfile.BadZipFile, ...: unreadable archive (the caller reports them).
     """
     with zipfile.ZipFile(path) as zf:
-        for info in zf.infolist():
-            if info.filename not in ("x.npy", "y.npy"):
-                continue
-            with zf.open(info) as f:
-                version = np.lib.format.read_magic(f)
-                read = (
-                    np.lib.format.read_array_header_1_0
-                    if version == (1, 0)
-                    else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = read(f)
-                header_bytes = f.tell()
-            need = math.prod(shape) * np.dtype(dtype).itemsize
-            if need > info.file_size - header_bytes:
+        for m in npz_members(zf, ("x", "y")):
+            have = m.stored_bytes - m.header_bytes
+            if m.data_bytes > have:
                 raise DataError(
-                    f"{path}: array {info.filename[:-4]!r} claims shape {tuple(shape)} "
-                    f"({need} bytes) but the archive holds {info.file_size - header_bytes}"
+                    f"{path}: array {m.name!r} claims shape {m.shape} "
+                    f"({m.data_bytes} bytes) but the archive holds {have}"
                 )
 
 
