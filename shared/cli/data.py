@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shared.cli.security import add_client_flags, client_security_of
+from shared.cli.security import add_client_command, client_security_of
 
 EXIT_OK, EXIT_USAGE = 0, 2
-Command = Callable[[argparse.Namespace], int]
 _USE = {"train": "data: {{path: {path}}}", "memory": "load: {path}"}
 
 
@@ -122,19 +121,9 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     """
     sub = parser.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
 
-    def command(name: str, help_: str, func: Command) -> argparse.ArgumentParser:
-        """Add subcommand ``name`` running ``func``, with the client flags."""
-        sp = sub.add_parser(name, help=help_, description=func.__doc__)
-        sp.add_argument(
-            "--coordinator",
-            default=argparse.SUPPRESS,
-            help="coordinator HOST:PORT (default $NEUROSHARD_COORDINATOR or localhost:50051)",
-        )
-        add_client_flags(sp, suppress=True)
-        sp.set_defaults(func=func)
-        return sp
-
-    p = command("put", "upload an .npz data set to the coordinator's data root", cmd_put)
+    p = add_client_command(
+        sub, "put", "upload an .npz data set to the coordinator's data root", cmd_put
+    )
     p.add_argument(
         "file", help=".npz with x [N, ...] float32 and y [N] int64, or ids and strengths"
     )
@@ -145,5 +134,5 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--replace", action="store_true", help="overwrite a data set of that name")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
-    ls = command("ls", "list the data sets in the coordinator's data roots", cmd_ls)
+    ls = add_client_command(sub, "ls", "list the data sets in the coordinator's data roots", cmd_ls)
     ls.add_argument("--json", action="store_true", help="print a JSON list")

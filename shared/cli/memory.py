@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.cli.security import add_client_flags, client_security_of
+from shared.cli.security import add_client_command, client_security_of
 
 EXIT_OK, EXIT_USAGE = 0, 2
 LOAD_BATCH = 100_000
@@ -234,19 +234,9 @@ def add_memory_commands(parser: argparse.ArgumentParser) -> None:
     """
     sub = parser.add_subparsers(dest="memory_command", required=True, metavar="COMMAND")
 
-    def command(name: str, help_: str, func: Command) -> argparse.ArgumentParser:
-        """Add subcommand ``name`` running ``func``, with the client flags."""
-        sp = sub.add_parser(name, help=help_, description=func.__doc__)
-        sp.add_argument(
-            "--coordinator",
-            default=argparse.SUPPRESS,
-            help="coordinator HOST:PORT (default $NEUROSHARD_COORDINATOR or localhost:50051)",
-        )
-        add_client_flags(sp, suppress=True)
-        sp.set_defaults(func=func)
-        return sp
-
-    ld = command("load", "upsert memories from an .npz (arrays ids, strengths)", cmd_load)
+    ld = add_client_command(
+        sub, "load", "upsert memories from an .npz (arrays ids, strengths)", cmd_load
+    )
     ld.add_argument("file", help=".npz with ids [N] uint64 and strengths [N] float32 in [0, 1]")
     ld.add_argument(
         "--batch",
@@ -255,19 +245,23 @@ def add_memory_commands(parser: argparse.ArgumentParser) -> None:
         help=f"memories per upsert call (default {LOAD_BATCH})",
     )
 
-    g = command("get", "print id, found and strength of memories", cmd_get)
+    g = add_client_command(sub, "get", "print id, found and strength of memories", cmd_get)
     g.add_argument("ids", nargs="+", metavar="ID", help="memory id (unsigned 64-bit)")
     g.add_argument("--json", action="store_true", help="print a JSON list")
 
-    r = command("reinforce", "reinforce from an .npz (arrays ids, boosts)", cmd_reinforce)
+    r = add_client_command(
+        sub, "reinforce", "reinforce from an .npz (arrays ids, boosts)", cmd_reinforce
+    )
     r.add_argument("file", help=".npz with ids [K] uint64 and boosts [K] float32 >= 0")
 
-    d = command("decay", "subtract RATE from every strength (clipped to 0)", cmd_decay)
+    d = add_client_command(
+        sub, "decay", "subtract RATE from every strength (clipped to 0)", cmd_decay
+    )
     d.add_argument("rate", metavar="RATE", help="a number in [0, 1]")
 
-    s = command("stats", "strength statistics and slot figures", cmd_stats)
+    s = add_client_command(sub, "stats", "strength statistics and slot figures", cmd_stats)
     s.add_argument("--json", action="store_true", help="print one JSON document")
 
-    t = command("topk", "the K strongest memories", cmd_topk)
+    t = add_client_command(sub, "topk", "the K strongest memories", cmd_topk)
     t.add_argument("k", metavar="K", help="how many (1 .. the coordinator's topk_max)")
     t.add_argument("--json", action="store_true", help="print one JSON document")

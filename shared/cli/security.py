@@ -17,6 +17,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from shared.security.transport import ChannelSecurity
 
 ROLES = ("worker", "reader", "writer", "admin")  # shared.tokens.ROLES (no jwt import here)
@@ -74,6 +76,37 @@ def add_client_flags(parser: argparse.ArgumentParser, suppress: bool = False) ->
         metavar="FILE",
         help="file holding the bearer token (or $NEUROSHARD_TOKEN_FILE)",
     )
+
+
+def add_client_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help_: str,
+    func: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` running ``func``, with ``--coordinator`` and the client flags.
+
+    The flags default to ``argparse.SUPPRESS``, so they are accepted before or after the
+    subcommand without one hiding the other.
+
+    Args:
+        sub: the parent command's subparsers (``neuroshard data``, ``neuroshard memory``).
+        name: the subcommand.
+        help_: its one-line help; ``func``'s docstring is its description.
+        func: what it runs; returns the exit code.
+
+    Returns:
+        The subcommand's parser, for its own arguments.
+    """
+    sp = sub.add_parser(name, help=help_, description=func.__doc__)
+    sp.add_argument(
+        "--coordinator",
+        default=argparse.SUPPRESS,
+        help="coordinator HOST:PORT (default $NEUROSHARD_COORDINATOR or localhost:50051)",
+    )
+    add_client_flags(sp, suppress=True)
+    sp.set_defaults(func=func)
+    return sp
 
 
 def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
