@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from shared.config import (
     TrainJobSpec,
     job_spec_from_json,
 )
-from shared.npz import npz_members
+from shared.npz import UNREADABLE, npz_members
 from shared.security.confinement import check_imports, resolve_data_paths
 from shared.training.data import total_steps
 from shared.training.models import ModelError, build_model, count_params
@@ -175,14 +174,7 @@ def data_shape(data: BuiltinData | FileData, path: Path | None, max_bytes: int) 
     try:
         with np.load(path, allow_pickle=False) as npz:
             classes = int(npz["y"].max()) + 1
-    except (
-        OSError,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-        zipfile.BadZipFile,
-        zlib.error,
-    ) as exc:
+    except UNREADABLE as exc:
         raise ConfigError(f"data.path: {path.name}: array 'y' is not readable ({exc})") from None
     return DataShape(int(x_shape[0][0]), tuple(int(d) for d in x_shape[0][1:]), max(classes, 2))
 
@@ -198,15 +190,7 @@ def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dty
         with zipfile.ZipFile(path) as zf:
             for member in npz_members(zf):
                 out[member.name] = (member.shape, member.dtype)
-    except (
-        OSError,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-        zipfile.BadZipFile,
-        zlib.error,
-    ) as exc:
-        # NotImplementedError: a member compressed with a method zipfile lacks.
+    except UNREADABLE as exc:
         raise ConfigError(f"{key}: {path.name} is not a readable .npz ({exc})") from None
     return out
 

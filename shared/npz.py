@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
@@ -40,6 +41,20 @@ class NpyHeaderError(ValueError):
 
     Callers report it as a malformed input (INVALID_ARGUMENT).
     """
+
+
+# What reading a corrupt .npy/.npz raises: zipfile's BadZipFile, NotImplementedError for a
+# compression method zipfile lacks, zlib.error for a corrupt deflate stream, struct.error for
+# a truncated header, and NumPy's OSError/ValueError/EOFError.
+UNREADABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    EOFError,
+    zipfile.BadZipFile,
+    zlib.error,
+    NotImplementedError,
+    struct.error,
+)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,6 @@ with it and the job fails with it.
 
 from __future__ import annotations
 
-import struct
-import zipfile
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.memory.validation import MemoryInputError, as_ids, validate_values
-from shared.npz import NpyHeader, NpyHeaderError, npz_members, read_npy_header
+from shared.npz import UNREADABLE, NpyHeader, NpyHeaderError, npz_members, read_npy_header
 
 
 class MemoryFileError(ValueError):
@@ -58,7 +55,7 @@ def _opened(path: Path, suffix: str) -> Iterator[npt.NDArray[Any] | np.lib.npyio
         f.seek(0)
         try:
             data = np.load(f, allow_pickle=False)
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             raise MemoryFileError(
                 f"{path}: not a readable {suffix} file ({_detail(exc)})"
             ) from None
@@ -67,19 +64,6 @@ def _opened(path: Path, suffix: str) -> Iterator[npt.NDArray[Any] | np.lib.npyio
         finally:
             if isinstance(data, np.lib.npyio.NpzFile):
                 data.close()
-
-
-# What reading a corrupt .npy/.npz raises (zipfile: NotImplementedError for an unknown
-# compression method, zlib.error for a corrupt deflate stream).
-_UNREADABLE = (
-    OSError,
-    ValueError,
-    EOFError,
-    zipfile.BadZipFile,
-    zlib.error,
-    NotImplementedError,
-    struct.error,
-)
 
 
 def _detail(exc: BaseException) -> str:
@@ -155,7 +139,7 @@ def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, npt.NDArray[
                 raise MemoryFileError(
                     f"{p}: {what}unreadable .npy header ({_detail(exc)})"
                 ) from None
-            except _UNREADABLE as exc:  # e.g. an object array, refused without pickle
+            except UNREADABLE as exc:  # e.g. an object array, refused without pickle
                 raise MemoryFileError(f"{p}: array {name!r}: {_detail(exc)}") from None
     return out
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 from shared.config import BuiltinData, FileData, TrainJobSpec
-from shared.npz import npz_members
+from shared.npz import UNREADABLE, npz_members
 
 # A class centre is this many noise standard deviations from the origin per feature, so that
 # the synthetic blobs are learnable to high accuracy but not trivially by one feature.
@@ -156,15 +155,7 @@ def load_training_npz(path: Path) -> tuple[npt.NDArray[np.float32], npt.NDArray[
                     f"{path}: missing array {missing[0]!r} (found: {sorted(npz.files)})"
                 )
             x, y = npz["x"], npz["y"]
-    except (
-        OSError,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-        zipfile.BadZipFile,
-        zlib.error,
-    ) as exc:
-        # NotImplementedError: a member compressed with a method zipfile lacks.
+    except UNREADABLE as exc:
         if isinstance(exc, DataError):
             raise
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
