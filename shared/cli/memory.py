@@ -32,8 +32,8 @@ class _UsageError(ValueError):
 def _usage_errors(command: Command) -> Command:
     """Print a bad file or argument as one line and exit 2.
 
-    Handled here rather than with ``shared.cli.CliError``: under ``python -m shared.cli`` that
-    module runs as ``__main__``, and a class imported from ``shared.cli.main`` would not be caught.
+    Turns the memory file readers' ``MemoryFileError`` and this module's ``_UsageError`` into
+    the CLI's usage exit code without making the readers depend on the CLI.
     """
 
     @functools.wraps(command)

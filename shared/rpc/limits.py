@@ -57,21 +57,6 @@ def batch_error(items: int, limit: int, field: str = "ids") -> str | None:
     )
 
 
-def split(positions: npt.NDArray[np.int64], limit: int) -> list[npt.NDArray[np.int64]]:
-    """Cut batch positions into consecutive pieces of at most ``limit`` items.
-
-    Args:
-        positions: [n] int64 positions in a batch.
-        limit: most items per piece; 0 means no limit.
-
-    Returns:
-        The pieces in order (views of ``positions``); ``[positions]`` when it fits.
-    """
-    if not limit or len(positions) <= limit:
-        return [positions]
-    return [positions[i : i + limit] for i in range(0, len(positions), limit)]
-
-
 def split_parts(
     owners: npt.NDArray[np.int64],
     parts: list[npt.NDArray[np.int64]],
