@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shared.config import TrainJobSpec
+from shared.training.controls import make_optimizer
 from shared.training.data import Dataset
 from shared.training.models import build_model, check_param_arrays, param_shapes
 
@@ -90,7 +91,7 @@ class ParameterServer:
         self.model: nn.Module = build_model(
             spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_imports
         )
-        self.optimizer = _make_optimizer(spec, self.model)
+        self.optimizer = make_optimizer(spec, self.model.parameters())
         self.version = 0
         self._shapes = param_shapes(self.model)
 
@@ -177,12 +178,3 @@ class ParameterServer:
             EOFError,
         ) as exc:
             raise ValueError(f"not a checkpoint of this job's model: {exc}") from None
-
-
-def _make_optimizer(spec: TrainJobSpec, model: nn.Module) -> torch.optim.Optimizer:
-    opt = spec.optimizer
-    if opt.name == "sgd":
-        return torch.optim.SGD(
-            model.parameters(), lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay
-        )
-    return torch.optim.Adam(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)

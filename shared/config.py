@@ -441,12 +441,33 @@ class FileData(_Model):
 
 
 class OptimizerSpec(_Model):
-    """The optimizer the parameter server steps with: SGD (with momentum) or Adam."""
+    """The optimizer: SGD (with momentum), Adam or AdamW (``torch.optim``)."""
 
-    name: Literal["sgd", "adam"] = "adam"
-    lr: float = Field(1e-3, gt=0, le=10, description="Learning rate.")
+    name: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = Field(1e-3, gt=0, le=10, description="Peak learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd only.")
-    weight_decay: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(
+        0.0, ge=0, le=1, description="L2 penalty (sgd, adam) or decoupled decay (adamw)."
+    )
+
+
+class LrScheduleSpec(_Model):
+    """The learning rate over the optimizer steps, after an optional linear warm-up.
+
+    ``constant``: lr. ``cosine``: from lr down to ``lr * min_lr_factor`` over the remaining
+    steps (Loshchilov & Hutter 2017, without restarts). ``linear``: from lr down to
+    ``lr * min_lr_factor``. ``step``: lr times ``gamma`` every ``step_size`` steps. Warm-up
+    rises linearly from ``lr / warmup_steps`` to lr (Goyal et al. 2017). Built from
+    ``torch.optim.lr_scheduler`` and stepped once per optimizer step.
+    """
+
+    name: Literal["constant", "cosine", "linear", "step"] = "constant"
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear warm-up, steps.")
+    min_lr_factor: float = Field(
+        0.0, ge=0, le=1, description="cosine, linear: the final lr as a fraction of lr."
+    )
+    step_size: int = Field(100, ge=1, description="step: optimizer steps between decays.")
+    gamma: float = Field(0.1, gt=0, le=1, description="step: factor applied every step_size.")
 
 
 def _tag_by_name(default: str, alt_key: str) -> Discriminator:
@@ -504,10 +525,61 @@ class TrainJobSpec(_Model):
     )
     optimizer: OptimizerSpec = Field(
         default_factory=OptimizerSpec,
-        description="{name: sgd|adam, lr, momentum (sgd), weight_decay}.",
+        description="{name: sgd|adam|adamw, lr, momentum (sgd), weight_decay}.",
     )
-    strategy: Literal["sync"] = Field(
-        "sync", description="sync: parameter server, gradients averaged every step."
+    lr_schedule: LrScheduleSpec = Field(
+        default_factory=LrScheduleSpec,
+        description="{name: constant|cosine|linear|step, warmup_steps, min_lr_factor, "
+        "step_size, gamma}.",
+    )
+    strategy: Literal["sync", "allreduce"] = Field(
+        "sync",
+        description="sync: parameter server on the coordinator, gradients averaged every "
+        "step. allreduce: the workers form a torch.distributed group and train with DDP.",
+    )
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="allreduce: fewest workers a generation may run with (default: workers).",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="allreduce: torch.distributed backend; auto: nccl when the job trains "
+        "on cuda, else gloo.",
+    )
+    collective_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="allreduce: a collective (or the rendezvous) waiting longer than this, "
+        "seconds, ends the generation.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model trains; auto: cuda when every worker has it."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Forward/backward under torch.autocast in this dtype (fp16 with a "
+        "GradScaler); parameters and optimizer state stay float32.",
+    )
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Mini-batches of batch_size per worker per optimizer step; the global "
+        "batch is workers x batch_size x grad_accum_steps.",
+    )
+    clip_grad_norm: float | None = Field(
+        None,
+        gt=0,
+        description="Clip the global gradient's L2 norm to this before each optimizer step; "
+        "null: no clipping.",
+    )
+    sync_batchnorm: bool = Field(
+        False,
+        description="allreduce: BatchNorm statistics over the global batch "
+        "(torch.nn.SyncBatchNorm on cuda, an all-reduce of sums on cpu).",
     )
     epochs: int | None = Field(
         None, ge=1, le=100000, description="Passes over the training split (default 10)."
@@ -527,6 +599,19 @@ class TrainJobSpec(_Model):
     def _epochs_or_steps(self) -> TrainJobSpec:
         if self.epochs is None and self.steps is None:
             self.epochs = 10
+        if self.min_workers is None:
+            self.min_workers = self.workers
+        elif self.min_workers > self.workers:
+            raise ValueError(
+                f"min_workers: {self.min_workers} is more than workers ({self.workers})"
+            )
+        if self.sync_batchnorm and self.strategy != "allreduce":
+            raise ValueError(
+                "sync_batchnorm: needs strategy allreduce (with sync, the coordinator "
+                "averages the workers' BatchNorm statistics instead)"
+            )
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError("backend: nccl needs device cuda (or auto), not cpu")
         return self
 
 
