@@ -123,7 +123,6 @@ def _data_bytes(key: str, path: Path) -> int:
 # Spec keys accepted by the schema whose training code has not landed yet: refused with a
 # clear reason instead of being ignored. Each entry goes when its code lands.
 _NOT_YET: dict[str, tuple[object, str]] = {
-    "strategy": ("sync", "allreduce"),
     "precision": ("fp32", "bf16/fp16"),
     "grad_accum_steps": (1, "gradient accumulation"),
     "clip_grad_norm": (None, "gradient clipping"),

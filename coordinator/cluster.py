@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.admission import admit
+from coordinator.allreduce_job import AllreduceJob
 from coordinator.dataset_store import remove_stale_uploads
 from coordinator.failure_detector import FailureDetector
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
@@ -23,7 +24,7 @@ from coordinator.scheduler import Scheduler
 from coordinator.slot_map import WireLimits
 from coordinator.train_job import TrainJob
 from coordinator.train_sets import TrainSets
-from shared.config import CoordinatorConfig, JobSpec
+from shared.config import CoordinatorConfig, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
@@ -216,6 +217,18 @@ class Cluster:
         ).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
+        assert isinstance(job.spec, TrainJobSpec)
+        if job.spec.strategy == "allreduce":
+            return await AllreduceJob(
+                job,
+                workers,
+                self.cfg,
+                self.clients,
+                self.jobs,
+                self.metrics,
+                alive=self.membership.alive,
+                train_sets=self.train_sets,
+            ).run()
         return await TrainJob(
             job,
             workers,

@@ -24,6 +24,8 @@ from shared.rpc.peers import WorkerClients
 from shared.security.exposure import check_listen, start_probe_server
 from shared.security.transport import DaemonSecurity
 from worker import kernels
+from worker.allreduce import AllreduceSessions
+from worker.allreduce_servicer import AllreduceServicer
 from worker.journal import Journal, lock_data_dir, recover
 from worker.journal_format import JournalError
 from worker.memory_node import MemoryNode
@@ -60,6 +62,14 @@ class WorkerServer:
         # File data sets' rows come from the coordinator over its channel (no shared disk).
         fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
         self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name, fetcher)
+        listen_host, _, _ = cfg.listen.rpartition(":")
+        self.advertise_host = cfg.advertise_host or (
+            "127.0.0.1" if listen_host in ("0.0.0.0", "[::]") else listen_host
+        )
+        # strategy allreduce: one child process per job, which joins the job's process group
+        self.allreduce = AllreduceSessions(
+            cfg.torch_threads, cfg.allowed_imports, self.name, fetcher, self.advertise_host
+        )
         self.server = aio.server(
             interceptors=server_interceptors(
                 self.metrics, self.security.public_key, self.name, cfg.max_batch_items
@@ -73,6 +83,7 @@ class WorkerServer:
         self.servicer = WorkerServicer(
             MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
             TrainingServicer(self.sessions, cfg.chunk_bytes),
+            AllreduceServicer(self.allreduce, cfg.chunk_bytes),
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -102,8 +113,7 @@ class WorkerServer:
             raise
         host, _, _ = self.cfg.listen.rpartition(":")
         port = self.security.add_port(self.server, self.cfg.listen)
-        adv = self.cfg.advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "[::]") else host)
-        self.address = f"{adv}:{port}"
+        self.address = f"{self.advertise_host}:{port}"
         await self.server.start()
         if self.cfg.probe_port is not None:
             self.probe_server, self.probe_port = await start_probe_server(
@@ -278,6 +288,7 @@ class WorkerServer:
         await self.coordinator_channel.close()
         await self.peers.close()
         self.sessions.close()
+        await self.allreduce.close()
         if self.nodes.current is not None:
             self.nodes.current.close()
         self._release_data_dir()

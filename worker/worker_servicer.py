@@ -13,6 +13,7 @@ from typing import Any
 from grpc import aio
 
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from worker.allreduce_servicer import AllreduceServicer
 from worker.memory_servicer import MemoryServicer
 from worker.training_servicer import TrainingServicer
 
@@ -22,15 +23,19 @@ __all__ = ["WorkerServicer"]
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves the Worker service by delegation."""
 
-    def __init__(self, memory: MemoryServicer, training: TrainingServicer) -> None:
-        """Serve ``memory``'s and ``training``'s RPCs.
+    def __init__(
+        self, memory: MemoryServicer, training: TrainingServicer, allreduce: AllreduceServicer
+    ) -> None:
+        """Serve ``memory``'s, ``training``'s and ``allreduce``'s RPCs.
 
         Args:
             memory: the memory-store RPCs.
-            training: the training RPCs.
+            training: the parameter-server training RPCs (``strategy: sync``).
+            allreduce: ``RunAllreduce`` (``strategy: allreduce``).
         """
         self.memory = memory
         self.training = training
+        self.allreduce = allreduce
 
     # -- training -------------------------------------------------------------------------------
 
@@ -53,8 +58,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def StopTraining(
         self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.StopTrainingResponse:
-        """See ``TrainingServicer.StopTraining``."""
+        """See ``TrainingServicer.StopTraining``; an allreduce job's child is killed too."""
+        self.allreduce.stop(request.job_id)
         return await self.training.StopTraining(request, context)
+
+    async def RunAllreduce(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.AllreduceInput],
+        context: aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[worker_pb2.AllreduceEvent]:
+        """See ``AllreduceServicer.RunAllreduce``."""
+        async for event in self.allreduce.RunAllreduce(request_iterator, context):
+            yield event
 
     # -- memory store ---------------------------------------------------------------------------
 

@@ -1,0 +1,260 @@
+"""The ``allreduce`` jobs this worker takes part in: one child process per job.
+
+The child (``worker.allreduce_child``) holds the job's replica across generations; this
+module starts it, hands it the training rows (a file data set is fetched from the
+coordinator once, whole, and written to a private temporary ``.npz``), relays one
+generation at a time, and kills it when the job ends, the coordinator goes away, or it stops
+answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
+from shared.logging import get_logger
+from shared.security.confinement import check_imports
+from shared.training.data import DataError
+from worker.child_pipe import MAX_LINE_BYTES, AsyncPipe, Frame, PipeClosed
+from worker.shards import ShardFetcher
+
+log = get_logger("worker.allreduce")
+
+
+class ChildFailed(RuntimeError):
+    """The job's child process refused the job or died (the message says which)."""
+
+
+@dataclass(frozen=True)
+class GenerationOrder:
+    """What the coordinator asks of this worker for one generation.
+
+    Attributes:
+        generation: the generation number, from 0.
+        rank: this worker's rank in [0, world_size).
+        world_size: W.
+        master_addr: rank 0's store as ``host:port`` (empty on rank 0, which makes it).
+        checkpoint_every: steps between the checkpoints rank 0 sends.
+        timeout_s: deadline of the rendezvous and of each collective, seconds.
+    """
+
+    generation: int
+    rank: int
+    world_size: int
+    master_addr: str
+    checkpoint_every: int
+    timeout_s: float
+
+
+class AllreduceChild:
+    """One job's child process and the pipe to it."""
+
+    def __init__(self, job_id: str, proc: asyncio.subprocess.Process, tmp: Path) -> None:
+        """Wrap a started child; use :meth:`start`."""
+        self.job_id, self._proc, self._tmp = job_id, proc, tmp
+        assert proc.stdout is not None and proc.stdin is not None
+        self.pipe = AsyncPipe(proc.stdout, proc.stdin)
+        self.total_steps = 0
+        self.lock = asyncio.Lock()  # one generation at a time
+
+    @classmethod
+    async def start(
+        cls, job_id: str, init: dict[str, object], tmp: Path, env: dict[str, str]
+    ) -> AllreduceChild:
+        """Start the child and send it ``init``; return once it has built its replica.
+
+        Raises:
+            ChildFailed: it refused the job (its reason) or exited.
+        """
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "worker.allreduce_child",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+            limit=MAX_LINE_BYTES,
+        )
+        child = cls(job_id, proc, tmp)
+        try:
+            await child.pipe.write(Frame("init", dict(init)))
+            first = await child.pipe.read()
+        except PipeClosed:
+            child.kill()
+            raise ChildFailed(f"the training process of job {job_id} exited at start") from None
+        if first.type != "loaded":
+            child.kill()
+            raise ChildFailed(str(first.fields.get("message", first.type)))
+        child.total_steps = int(first.fields["total_steps"])
+        return child
+
+    @property
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self._proc.returncode is None
+
+    async def generation(self, order: GenerationOrder, state: bytes) -> AsyncIterator[Frame]:
+        """Run one generation; yield the child's frames up to and including ``ended``.
+
+        Raises:
+            ChildFailed: the child died during the generation.
+        """
+        host, _, port = order.master_addr.rpartition(":")
+        fields = {
+            "generation": order.generation,
+            "rank": order.rank,
+            "world_size": order.world_size,
+            "master_addr": host.strip("[]"),
+            "master_port": int(port or 0),
+            "checkpoint_every": order.checkpoint_every,
+            "timeout_s": order.timeout_s,
+        }
+        try:
+            await self.pipe.write(Frame("generation", fields, state))
+            while True:
+                frame = await self.pipe.read()
+                yield frame
+                if frame.type == "ended":
+                    return
+        except PipeClosed:
+            self.kill()
+            raise ChildFailed(
+                f"the training process of job {self.job_id} died (exit code "
+                f"{self._proc.returncode})"
+            ) from None
+
+    async def request_stop(self) -> None:
+        """Ask the child to end its generation at the next control point."""
+        with contextlib.suppress(PipeClosed):
+            await self.pipe.write(Frame("stop"))
+
+    def kill(self) -> None:
+        """Kill the process (idempotent) and remove its temporary files."""
+        if self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+        for f in self._tmp.glob("*"):
+            f.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self._tmp.rmdir()
+
+    async def wait(self) -> None:
+        """Wait for the process to exit."""
+        await self._proc.wait()
+
+
+class AllreduceSessions:
+    """This worker's allreduce children by job id."""
+
+    def __init__(
+        self,
+        torch_threads: int,
+        allowed_imports: Sequence[str],
+        name: str,
+        fetcher: ShardFetcher | None,
+        advertise_host: str,
+    ) -> None:
+        """No child yet.
+
+        Args:
+            torch_threads: ``torch.set_num_threads`` of each child.
+            allowed_imports: modules a job's model may be imported from.
+            name: this worker's name, for messages.
+            fetcher: gets a file data set's rows from the coordinator (None: refused).
+            advertise_host: the host other workers reach this one at; a loopback host keeps
+                gloo on the loopback interface.
+        """
+        self._torch_threads = torch_threads
+        self._allowed_imports = tuple(allowed_imports)
+        self._daemon = f"worker {name}".strip()
+        self._fetcher = fetcher
+        self._advertise_host = advertise_host
+        self._children: dict[str, AllreduceChild] = {}
+        self._starting: dict[str, asyncio.Lock] = {}
+        self._exiting: set[asyncio.Task[None]] = set()  # killed children not yet reaped
+
+    async def child(self, job_id: str, spec_json: str) -> AllreduceChild:
+        """The job's child, started (with its data) on first use.
+
+        Raises:
+            ConfigError: the spec is invalid or not a train spec (INVALID_ARGUMENT).
+            ImportNotAllowed: its model's module is not allowed here (PERMISSION_DENIED).
+            DataError, ShardFetchError: its data cannot be had (INVALID_ARGUMENT, or
+                FetchShard's status).
+            ChildFailed: the child refused the job (FAILED_PRECONDITION).
+        """
+        lock = self._starting.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            existing = self._children.get(job_id)
+            if existing is not None and existing.alive:
+                return existing
+            spec = job_spec_from_json(spec_json)
+            if not isinstance(spec, TrainJobSpec):
+                raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
+            check_imports(spec, self._allowed_imports, self._daemon)
+            tmp = Path(tempfile.mkdtemp(prefix=f"neuroshard-{job_id[:16]}-"))
+            init = await self._init(job_id, spec, spec_json, tmp)
+            child = await AllreduceChild.start(job_id, init, tmp, self._env())
+            self._children[job_id] = child
+            log.info("allreduce_child_started", job_id=job_id, steps=child.total_steps)
+            return child
+
+    async def _init(
+        self, job_id: str, spec: TrainJobSpec, spec_json: str, tmp: Path
+    ) -> dict[str, object]:
+        data_path, num_classes = "", 0
+        if isinstance(spec.data, FileData):
+            if self._fetcher is None:
+                raise DataError("data.path: this worker has no coordinator to fetch rows from")
+            data, rows = await self._fetcher.fetch(job_id, (0, 1))
+            data_path, num_classes = str(tmp / "train.npz"), data.num_classes
+            await asyncio.to_thread(np.savez, data_path, x=rows.x, y=rows.y)
+        return {
+            "spec_json": spec_json,
+            "data_path": data_path,
+            "num_classes": num_classes,
+            "torch_threads": self._torch_threads,
+            "allowed_imports": list(self._allowed_imports),
+            "daemon": self._daemon,
+        }
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if "GLOO_SOCKET_IFNAME" not in env and _is_loopback(self._advertise_host):
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        return env
+
+    def stop(self, job_id: str) -> None:
+        """Kill a job's child (idempotent)."""
+        child = self._children.pop(job_id, None)
+        self._starting.pop(job_id, None)
+        if child is not None:
+            child.kill()
+            reap = asyncio.ensure_future(child.wait())
+            self._exiting.add(reap)
+            reap.add_done_callback(self._exiting.discard)
+            log.info("allreduce_child_stopped", job_id=job_id)
+
+    async def close(self) -> None:
+        """Kill every child and wait for them to exit."""
+        for job_id in list(self._children):
+            self.stop(job_id)
+        await asyncio.gather(*self._exiting, return_exceptions=True)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    return False
