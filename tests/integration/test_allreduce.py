@@ -50,7 +50,9 @@ def reference_params(spec_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     n = len(ds.y_train)
     g = spec.workers * spec.batch_size
     per_epoch = -(-n // g)
-    model = build_model(spec.model, ds.input_shape, ds.num_classes, spec.seed)
+    model = build_model(
+        spec.model, ds.input_shape, ds.num_classes, spec.seed, allowed_imports=["tests.fixtures"]
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         epoch, s = divmod(step, per_epoch)
@@ -125,3 +127,44 @@ async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster)
     n_train = 1797 - int(np.ceil(1797 * 0.2))
     assert [h["samples"] for h in result["history"]] == [n_train] * result["epochs"]
     assert [h["epoch"] for h in result["history"]] == list(range(1, result["epochs"] + 1))
+
+
+BN_MODEL = {"import": "tests.fixtures.models:bn_mlp"}
+
+
+async def test_sync_batchnorm_equals_single_process_batchnorm(make_cluster) -> None:
+    # Arrange: BatchNorm statistics over the global batch, on CPU (CpuSyncBatchNorm).
+    cluster = await make_cluster(
+        workers=2,
+        allowed_imports=["tests.fixtures"],
+        worker_overrides={"allowed_imports": ["tests.fixtures"]},
+    )
+    spec = _spec(2, model=BN_MODEL, sync_batchnorm=True)
+    async with cluster.client() as client:
+        # Act
+        final = await client.wait((await client.submit(spec)).job_id)
+
+    # Assert: parameters and running statistics as one process on the global batch.
+    assert final.state == "SUCCEEDED", final.error
+    ref = reference_params(spec)
+    assert "2.running_mean" in ref and "2.running_var" in ref
+    assert _max_diff(final.result["model_path"], ref) < 1e-5
+
+
+async def test_plain_allreduce_keeps_rank0_statistics_that_moved(make_cluster) -> None:
+    # Without sync_batchnorm, DDP broadcasts rank 0's buffers: trained, not initial, values.
+    cluster = await make_cluster(
+        workers=2,
+        allowed_imports=["tests.fixtures"],
+        worker_overrides={"allowed_imports": ["tests.fixtures"]},
+    )
+    spec = _spec(2, model=BN_MODEL)
+    async with cluster.client() as client:
+        final = await client.wait((await client.submit(spec)).job_id)
+    assert final.state == "SUCCEEDED", final.error
+    got = torch.load(io.BytesIO(Path(final.result["model_path"]).read_bytes()), weights_only=True)
+    assert float(got["2.running_mean"].abs().max()) > 1e-3  # initial: zeros
+    assert float((got["2.running_var"] - 1).abs().max()) > 1e-3  # initial: ones
+    assert int(got["2.num_batches_tracked"]) == STEPS
+    # ...and not the global batch's statistics (those need sync_batchnorm).
+    assert _max_diff(final.result["model_path"], reference_params(spec)) > 1e-4
