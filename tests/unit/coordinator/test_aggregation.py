@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from coordinator.aggregation import ParameterServer, weighted_average
 from shared.config import TrainJobSpec
-from shared.training.data import Dataset, batch_indices, load_dataset, steps_per_epoch
-from shared.training.models import build_model
+from shared.training.data import Dataset, load_dataset, steps_per_epoch
+from tests.training_reference import train_single_process
 from worker.trainer import Trainer
 
 
@@ -84,23 +83,8 @@ def test_sync_training_equals_single_process_on_the_global_batch(
     """THE equivalence: N shards + parameter server == one process on the concatenated batch."""
     lr = 0.05 if optimizer == "sgd" else 3e-3
     spec = make_spec(workers=workers, optimizer={"name": optimizer, "lr": lr})
-    model = build_model(spec.model, digits.input_shape, digits.num_classes, spec.seed)
-    opt: torch.optim.Optimizer = (
-        torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        if optimizer == "sgd"
-        else torch.optim.Adam(model.parameters(), lr=lr)
-    )
-    x_all, y_all = torch.from_numpy(digits.x_train), torch.from_numpy(digits.y_train)
-    n, per_epoch = len(y_all), steps_per_epoch(len(y_all), workers, 32)
     steps = 20  # crosses an epoch boundary (15 or 12 steps per epoch) and short last batches
-    for g in range(steps):
-        epoch, step = divmod(g, per_epoch)
-        rows = np.concatenate(
-            [batch_indices(n, s, workers, 32, epoch, step, spec.seed) for s in range(workers)]
-        )
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x_all[rows]), y_all[rows]).backward()
-        opt.step()
+    model = train_single_process(spec, digits, steps)
 
     ps = run_sync(spec, digits, steps)
 
