@@ -345,7 +345,8 @@ class AllreduceJob:
             self._final = data
         else:
             await asyncio.to_thread(self._checkpoint, step, data)
-        if reason in ("epoch", "final"):
+        evaluated = {h["step"] for h in self._progress.history}
+        if reason in ("epoch", "final") and step not in evaluated:
             await asyncio.to_thread(self._evaluate, step, data)
 
     def _advance(self, step: int) -> None:

@@ -165,8 +165,11 @@ class _Generation:
         r = self.replica
         device_ids = [r.device.index] if r.device.type == "cuda" else None
         ddp = DistributedDataParallel(r.model, device_ids=device_ids)
-        if r.step >= r.total_steps and self.rank == 0:  # finished, but the final state is owed
-            self.pipe.write(Frame("state", {"step": r.step, "reason": "final"}, r.state_bytes()))
+        if self.rank == 0 and r.step > 0 and (r.step >= r.total_steps or r.step % r.per_epoch == 0):
+            # The last generation may have ended between an epoch's (or the job's) last step
+            # and the state it owed: send it again; the coordinator takes it once.
+            reason = "final" if r.step >= r.total_steps else "epoch"
+            self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, r.state_bytes()))
         sums, steps, t0 = StepStats(), 0, time.perf_counter()
         while r.step < r.total_steps:
             s = r.train_step(ddp, self.rank, self.world)

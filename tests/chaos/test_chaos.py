@@ -124,6 +124,70 @@ async def test_kill9_worker_during_training_succeeds(tmp_path: Path) -> None:
     assert final.result["test_accuracy"] >= 0.95
 
 
+def _training_children() -> int:
+    """Processes running an allreduce job's training child (any left behind is a leak)."""
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-f", "worker.allreduce_child"], capture_output=True)
+    return len(out.stdout.split())
+
+
+async def test_kill9_worker_during_allreduce_new_generation_succeeds(tmp_path: Path) -> None:
+    # Arrange: 3 worker processes train digits with DDP; kill -9 one mid-epoch.
+    cluster = make_cluster(tmp_path)
+    await asyncio.to_thread(cluster.start)
+    try:
+        spec = yaml.safe_load(DIGITS_MLP.read_text())
+        spec.update(strategy="allreduce", min_workers=2, collective_timeout_s=20)
+        async with Client(cluster.address) as client:
+            job = await client.submit(spec)
+            async for _, progress in client.watch(job.job_id):
+                per_epoch = progress.get("steps", 0) // progress.get("epochs", 1)
+                if progress and progress["step"] >= 2 * per_epoch + per_epoch // 2:
+                    break
+            # Act
+            await asyncio.to_thread(cluster.kill_worker, 1)
+            final = await client.wait(job.job_id)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+    # Assert: the survivors went on in a new generation; no row of an epoch lost or repeated.
+    assert final.state == "SUCCEEDED", final.error
+    result = final.result
+    assert result["worker_failures"] == 1 and result["generations"] == 2
+    assert result["test_accuracy"] >= 0.95
+    n_train = 1797 - int(np.ceil(1797 * 0.2))
+    assert [h["samples"] for h in result["history"]] == [n_train] * result["epochs"]
+    # The killed daemon's child exited with it (its stdin closed), like every other child.
+    await wait_for(lambda: _no_children(), 10.0, "training children to exit")
+
+
+async def _no_children() -> bool:
+    return _training_children() == 0
+
+
+async def test_kill9_coordinator_during_allreduce_resumes_from_checkpoint(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path)
+    await asyncio.to_thread(cluster.start)
+    try:
+        spec = yaml.safe_load(DIGITS_MLP.read_text())
+        spec.update(strategy="allreduce")
+        async with Client(cluster.address) as client:
+            job = await client.submit(spec)
+            async for _, progress in client.watch(job.job_id):
+                if progress.get("step", 0) >= 50:
+                    break
+        await asyncio.to_thread(cluster.kill_coordinator)
+        await asyncio.to_thread(cluster.restart_coordinator)
+        async with Client(cluster.address) as client:
+            final = await client.wait(job.job_id)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["resumed_from_step"] >= 40  # checkpoint_every_steps: 20
+    assert final.result["test_accuracy"] >= 0.95
+
+
 async def test_sigterm_worker_drains_and_no_request_fails(tmp_path: Path) -> None:
     cluster = make_cluster(tmp_path)
     await asyncio.to_thread(cluster.start)

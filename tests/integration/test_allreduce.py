@@ -64,8 +64,12 @@ def reference_params(spec_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def _saved(path: str) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(Path(path).read_bytes()), weights_only=True)
+
+
 def _max_diff(path: str, ref: dict[str, torch.Tensor]) -> float:
-    got = torch.load(io.BytesIO(Path(path).read_bytes()), weights_only=True)
+    got = _saved(path)
     assert set(got) == set(ref)
     return max(float((got[k] - v).abs().max()) for k, v in ref.items())
 
@@ -162,7 +166,7 @@ async def test_plain_allreduce_keeps_rank0_statistics_that_moved(make_cluster) -
     async with cluster.client() as client:
         final = await client.wait((await client.submit(spec)).job_id)
     assert final.state == "SUCCEEDED", final.error
-    got = torch.load(io.BytesIO(Path(final.result["model_path"]).read_bytes()), weights_only=True)
+    got = _saved(final.result["model_path"])
     assert float(got["2.running_mean"].abs().max()) > 1e-3  # initial: zeros
     assert float((got["2.running_var"] - 1).abs().max()) > 1e-3  # initial: ones
     assert int(got["2.num_batches_tracked"]) == STEPS
