@@ -48,7 +48,7 @@ def reference_params(spec_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     spec = TrainJobSpec(**spec_dict)
     ds = load_dataset(spec.data, spec.seed, spec.test_fraction)
     n = len(ds.y_train)
-    g = spec.workers * spec.batch_size
+    g = spec.workers * spec.batch_size * spec.grad_accum_steps
     per_epoch = -(-n // g)
     model = build_model(
         spec.model, ds.input_shape, ds.num_classes, spec.seed, allowed_imports=["tests.fixtures"]
@@ -172,3 +172,58 @@ async def test_plain_allreduce_keeps_rank0_statistics_that_moved(make_cluster) -
     assert int(got["2.num_batches_tracked"]) == STEPS
     # ...and not the global batch's statistics (those need sync_batchnorm).
     assert _max_diff(final.result["model_path"], reference_params(spec)) > 1e-4
+
+
+async def test_grad_accumulation_equals_the_larger_batch(make_cluster) -> None:
+    # grad_accum_steps 2 at batch 8 trains on the rows of batch 16, in two micro-batches.
+    cluster = await make_cluster(workers=2)
+    spec = _spec(2, batch_size=8, grad_accum_steps=2)
+    async with cluster.client() as client:
+        final = await client.wait((await client.submit(spec)).job_id)
+    assert final.state == "SUCCEEDED", final.error
+    assert _max_diff(final.result["model_path"], reference_params(_spec(2, batch_size=16))) < 1e-5
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+async def test_mixed_precision_trains_digits(make_cluster, precision: str) -> None:
+    cluster = await make_cluster(workers=2)
+    spec = {
+        "kind": "train",
+        "strategy": "allreduce",
+        "workers": 2,
+        "epochs": 6,
+        "optimizer": {"name": "adamw", "lr": 0.003},
+        "precision": precision,
+        "clip_grad_norm": 5.0,
+    }
+    async with cluster.client() as client:
+        final = await client.wait((await client.submit(spec)).job_id)
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["test_accuracy"] >= 0.9
+    assert final.result["best_test_accuracy"] >= final.result["test_accuracy"]
+    assert Path(final.result["best_model_path"]).is_file()  # noqa: ASYNC240
+
+
+async def test_history_follows_the_lr_schedule(make_cluster) -> None:
+    from shared.config import TrainJobSpec
+    from shared.training.controls import lr_factor
+
+    cluster = await make_cluster(workers=1)
+    spec = {
+        "kind": "train",
+        "strategy": "allreduce",
+        "workers": 1,
+        "epochs": 3,
+        "batch_size": 64,
+        "optimizer": {"name": "sgd", "lr": 0.2},
+        "lr_schedule": {"name": "cosine", "warmup_steps": 5, "min_lr_factor": 0.1},
+    }
+    async with cluster.client() as client:
+        final = await client.wait((await client.submit(spec)).job_id)
+    assert final.state == "SUCCEEDED", final.error
+    history, total = final.result["history"], final.result["steps"]
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    parsed = TrainJobSpec(**spec)
+    for h in history:  # the lr of the step after the epoch's last
+        assert h["lr"] == pytest.approx(0.2 * lr_factor(parsed, h["step"], total), rel=1e-6)
+    assert history[-1]["lr"] < history[0]["lr"]
