@@ -83,6 +83,7 @@ class _Progress:
     rows: dict[int, int] = field(default_factory=dict)
     epochs: dict[int, _EpochStats] = field(default_factory=dict)
     samples: int = 0
+    train_seconds: float = 0.0  # rank 0's seconds in training steps (from progress)
     lr: float = float("nan")
     test_loss: float = float("nan")
     test_acc: float = float("nan")
@@ -306,6 +307,7 @@ class AllreduceJob:
         self._advance(int(p.step))
         prog.samples += int(p.samples)
         prog.lr = float(p.lr)
+        prog.train_seconds += float(p.step_s) * max(steps, 0)
         if steps > 0:
             self._metrics.train_steps.inc(steps)
             self._metrics.step_seconds.labels("allreduce").observe(float(p.step_s))
@@ -434,7 +436,8 @@ class AllreduceJob:
             "steps": self._total,
             "epochs": self._epochs,
             "samples": prog.samples,
-            "samples_per_s": prog.samples / seconds,
+            # Throughput of the training steps (rank 0's clock; not the processes' start-up).
+            "samples_per_s": prog.samples / max(prog.train_seconds, 1e-9),
             "seconds": seconds,
             "model_path": str(self.model_path.resolve()),
             "best_model_path": str(self.best_model_path.resolve()),

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
-from torch.nn.parallel import DistributedDataParallel
 
 from shared.config import TrainJobSpec, job_spec_from_json
 from shared.training.controls import resolve_device
@@ -163,13 +162,12 @@ class _Generation:
 
     def _train(self) -> tuple[bool, str]:
         r = self.replica
-        device_ids = [r.device.index] if r.device.type == "cuda" else None
-        ddp = DistributedDataParallel(r.model, device_ids=device_ids)
+        ddp = r.wrap(self.world)
         if self.rank == 0 and r.step > 0 and (r.step >= r.total_steps or r.step % r.per_epoch == 0):
             # The last generation may have ended between an epoch's (or the job's) last step
             # and the state it owed: send it again; the coordinator takes it once.
-            reason = "final" if r.step >= r.total_steps else "epoch"
-            self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, r.state_bytes()))
+            owed = "final" if r.step >= r.total_steps else "epoch"
+            self.pipe.write(Frame("state", {"step": r.step, "reason": owed}, r.state_bytes()))
         sums, steps, t0 = StepStats(), 0, time.perf_counter()
         while r.step < r.total_steps:
             s = r.train_step(ddp, self.rank, self.world)

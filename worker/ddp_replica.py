@@ -101,6 +101,8 @@ class Replica:
         self.scheduler = make_lr_scheduler(spec, self.optimizer, self.total_steps)
         self.scaler = make_grad_scaler(spec.precision, device)
         self.step = 0
+        self._perm_epoch = -1
+        self._perm = np.empty(0, np.int64)
 
     @property
     def lr(self) -> float:
@@ -111,15 +113,35 @@ class Replica:
         """(epoch, step_in_epoch) of a global step."""
         return divmod(step, self.per_epoch)
 
-    def train_step(self, ddp: DistributedDataParallel, rank: int, world_size: int) -> StepStats:
+    def _rows(self, step: int) -> npt.NDArray[np.int64]:
+        """The global batch of ``step`` (``global_rows``, its epoch's permutation cached)."""
+        epoch, in_epoch = self.epoch_of(step)
+        if self._perm_epoch != epoch:
+            self._perm = global_rows(self.n_train, self.n_train, self.spec.seed, epoch, 0)
+            self._perm_epoch = epoch
+        g = self.global_batch
+        return self._perm[in_epoch * g : (in_epoch + 1) * g]
+
+    def wrap(self, world_size: int) -> nn.Module:
+        """The model as a generation trains it: DDP, or the model itself for one rank.
+
+        With one rank there is nothing to all-reduce (and no buffer to broadcast).
+        """
+        if world_size == 1:
+            return self.model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
+            self.model, device_ids=device_ids, gradient_as_bucket_view=True
+        )
+
+    def train_step(self, ddp: nn.Module, rank: int, world_size: int) -> StepStats:
         """Train one optimizer step (``self.step``) on this rank's rows, then advance.
 
         Raises:
             RuntimeError (torch.distributed.DistBackendError among them): a collective
                 failed or timed out; the replica keeps the state of ``self.step``.
         """
-        epoch, in_epoch = self.epoch_of(self.step)
-        rows = global_rows(self.n_train, self.global_batch, self.spec.seed, epoch, in_epoch)
+        rows = self._rows(self.step)
         mine = rank_rows(rows, rank, world_size)
         scale = world_size / max(len(rows), 1)
         stats = StepStats()
@@ -127,7 +149,10 @@ class Replica:
         parts = micro_batches(mine, self.spec.grad_accum_steps)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            with contextlib.nullcontext() if last else ddp.no_sync():
+            ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if not last and isinstance(ddp, DistributedDataParallel):
+                ctx = ddp.no_sync()  # accumulate locally; all-reduce on the last micro-batch
+            with ctx:
                 self._backward(ddp, part, scale, stats)
         self.scaler.unscale_(self.optimizer)
         if self.spec.clip_grad_norm is not None:
@@ -139,7 +164,7 @@ class Replica:
         return stats
 
     def _backward(
-        self, ddp: DistributedDataParallel, part: npt.NDArray[np.int64], scale: float, s: StepStats
+        self, ddp: nn.Module, part: npt.NDArray[np.int64], scale: float, s: StepStats
     ) -> None:
         index = torch.from_numpy(part)
         x = self.x[index].to(self.device, non_blocking=True)

@@ -1,4 +1,4 @@
-"""Training throughput: single process vs torch DDP (gloo) vs neuroshard sync training.
+"""Training throughput: single process vs torch DDP (gloo) vs neuroshard allreduce and sync.
 
 Every runner trains the same model on the same GLOBAL batch per step (split across processes
 where there are several) and reports the median samples/s over ``repeats`` timed runs of
@@ -9,11 +9,14 @@ where there are several) and reports the median samples/s over ``repeats`` timed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -128,69 +131,170 @@ def run_ddp_gloo(
     return statistics.median(global_batch * steps / t for t in times)
 
 
-# ---------------------------------------------------------------------------------------------
-# TODO(neuroshard): fill in once the coordinator and worker daemons run sync training.
 def run_neuroshard(
-    workers: int, spec: TrainJobSpec, global_batch: int, steps: int, repeats: int = 5
+    strategy: str,
+    workers: int,
+    spec: TrainJobSpec,
+    global_batch: int,
+    steps: int,
+    repeats: int = 5,
 ) -> float:
-    """Median samples/s of a neuroshard sync job on a local cluster of ``workers`` worker
-    processes: ``spec`` with batch_size = global_batch // workers and ``steps`` steps,
-    submitted ``repeats`` times; each job's own samples/s covers its step loop only (after
-    the workers loaded the data), as the other runners time steps after a warm-up.
+    """Median samples/s of neuroshard jobs on a local cluster of ``workers`` worker processes.
+
+    ``spec`` with the strategy, batch_size = global_batch // workers and ``steps`` steps is
+    submitted ``repeats + 1`` times (the first warms the cluster up); each job's own
+    samples/s covers its training steps (sync: its step loop after the workers loaded the
+    data; allreduce: rank 0's step time, after the DDP processes started), as the other
+    runners time steps after a warm-up.
     """
-    from shared.cli.local_cluster import LocalCluster
-    from shared.client import SyncClient
-
-    doc = spec.model_dump(by_alias=True)
-    doc.update(workers=workers, batch_size=global_batch // workers, steps=steps, epochs=None)
-    import tempfile
-
+    doc = _job(spec, strategy, workers, global_batch, steps=steps)
     rates = []
-    logs = tempfile.TemporaryDirectory(prefix="neuroshard-bench-")
-    with (
-        logs,
-        LocalCluster(workers, log_dir=logs.name) as cluster,
-        SyncClient(cluster.address) as client,
-    ):
-        for _ in range(repeats + 1):  # the first job warms up the workers
-            job = client.submit(doc)
-            final = client.wait(job.job_id)
+    with _cluster(workers) as (_cluster_, client):
+        for _ in range(repeats + 1):
+            final = client.wait(client.submit(doc).job_id)
             if final.state != "SUCCEEDED":
                 raise RuntimeError(f"benchmark job {final.state}: {final.error}")
             rates.append(float(final.result["samples_per_s"]))
     return statistics.median(rates[1:])
 
 
-# ---------------------------------------------------------------------------------------------
+def _job(spec: TrainJobSpec, strategy: str, workers: int, global_batch: int, **kw: Any) -> dict:
+    doc = spec.model_dump(by_alias=True)
+    doc.update(strategy=strategy, workers=workers, batch_size=global_batch // workers)
+    doc.update(epochs=None, steps=None, min_workers=None)
+    doc.update(kw)
+    return doc
+
+
+@contextlib.contextmanager
+def _cluster(workers: int, args: list[str] | None = None) -> Iterator[tuple[Any, Any]]:
+    from shared.cli.local_cluster import LocalCluster
+    from shared.client import SyncClient
+
+    with (
+        tempfile.TemporaryDirectory(prefix="neuroshard-bench-") as logs,
+        LocalCluster(workers, log_dir=logs, coordinator_args=args) as cluster,
+        SyncClient(cluster.address) as client,
+    ):
+        yield cluster, client
+
+
+def time_to_accuracy(strategy: str, workers: int, spec: TrainJobSpec, target: float) -> float:
+    """Wall seconds from submit until a progress event reports test accuracy >= ``target``.
+
+    The digits job of ``configs/jobs/digits-mlp.yaml`` (global batch 96) on a fresh local
+    cluster; includes the job's start (data, model, the DDP processes for allreduce).
+    """
+    doc = _job(spec, strategy, workers, 96, epochs=30)
+    with _cluster(workers) as (_c, client):
+        t0 = time.perf_counter()
+        job = client.submit(doc)
+        for _info, progress in client.watch(job.job_id):
+            if float(progress.get("test_accuracy") or 0.0) >= target:
+                seconds = time.perf_counter() - t0
+                client.cancel(job.job_id)
+                return seconds
+    raise RuntimeError(f"{strategy} never reached test accuracy {target}")
+
+
+def rerendezvous_seconds(spec: TrainJobSpec, repeats: int) -> float:
+    """Median seconds from kill -9 of one of 3 allreduce workers to the next step's progress.
+
+    The coordinator notices (heartbeat timeout 1 s, or the survivors' failed collective),
+    opens a new generation of the 2 survivors, rank 0 broadcasts its state, and training
+    goes on; the figure is the wall time until a progress event of the new generation.
+    """
+    fast = Path(tempfile.mkdtemp(prefix="neuroshard-bench-")) / "coordinator.yaml"
+    fast.write_text("heartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.0\n")
+    times = []
+    for _ in range(repeats):
+        doc = _job(spec, "allreduce", 3, 96, steps=100_000, min_workers=2)
+        with _cluster(3, ["--config", str(fast)]) as (cluster, client):
+            job = client.submit(doc)
+            watch = client.watch(job.job_id)
+            for _info, progress in watch:
+                if progress.get("step", 0) >= 50:
+                    break
+            t0 = time.perf_counter()
+            cluster.kill_worker(2)
+            for _info, progress in watch:
+                if progress.get("generation", 0) >= 1 and progress.get("step", 0) > 50:
+                    times.append(time.perf_counter() - t0)
+                    break
+            client.cancel(job.job_id)
+    return statistics.median(times)
+
+
+def torch_restart_all_seconds(spec: TrainJobSpec, repeats: int) -> float:
+    """Median seconds for a fresh 2-process DDP group (gloo) to start and finish one step.
+
+    What torchrun's elastic agent does on every membership change (it stops every worker
+    and starts a new group), without its rendezvous waits (``last_call_timeout``) and
+    without loading a checkpoint: a lower bound of its restart.
+    """
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run_ddp_gloo(spec, 96, 1, 1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+MODELS: dict[str, dict[str, Any]] = {
+    "mlp": {"model": "mlp"},
+    "cnn": {"model": "cnn"},
+    # Where communication matters: 784-1024-1024-10 (1.86M parameters) on 28x28 inputs.
+    "wide": {
+        "model": {"name": "mlp", "hidden": [1024, 1024]},
+        "data": {"name": "synthetic", "samples": 4000, "features": 784},
+    },
+}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print samples/s of each runner and its ratio to single-process (1 thread)."""
+    """Print samples/s of each runner, its ratio to one process and to DDP; then times."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
+    p.add_argument("--model", choices=sorted(MODELS), default="mlp")
     p.add_argument("--global-batch", type=int, default=96)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--parts", default="throughput,time,elastic")
     a = p.parse_args(argv)
-    spec = TrainJobSpec.model_validate({"kind": "train", "model": a.model})
+    spec = TrainJobSpec.model_validate({"kind": "train", **MODELS[a.model]})
     b, s, r = a.global_batch, a.steps, a.repeats
+    parts = set(a.parts.split(","))
+    if "throughput" in parts:
+        _throughput(spec, a.model, b, s, r)
+    if "time" in parts and a.model == "mlp":
+        print("\ntime to test accuracy 0.95, digits mlp, global batch 96 (wall seconds)")
+        for strategy in ("allreduce", "sync"):
+            t = time_to_accuracy(strategy, 2, spec, 0.95)
+            print(f"neuroshard {strategy}, 2 workers: {t:.1f} s", flush=True)
+    if "elastic" in parts:
+        print("\nafter kill -9 of 1 of 3 workers (median of 3)")
+        print(f"neuroshard allreduce, next step: {rerendezvous_seconds(spec, 3):.2f} s")
+        restart = torch_restart_all_seconds(spec, 3)
+        print(f"fresh DDP group of 2 (torchrun restarts all): {restart:.2f} s")
+
+
+def _throughput(spec: TrainJobSpec, model: str, b: int, s: int, r: int) -> None:
     rows: list[tuple[str, Callable[[], float]]] = [
         ("single-process, 1 thread", lambda: run_single_process(spec, b, s, r, threads=1)),
-        ("single-process, 2 threads", lambda: run_single_process(spec, b, s, r, threads=2)),
         ("torch DDP gloo, 2 procs x 1 thread", lambda: run_ddp_gloo(spec, b, s, r)),
-        ("neuroshard sync, 1 worker", lambda: run_neuroshard(1, spec, b, s, r)),
-        ("neuroshard sync, 2 workers", lambda: run_neuroshard(2, spec, b, s, r)),
+        ("neuroshard allreduce, 1 worker", lambda: run_neuroshard("allreduce", 1, spec, b, s, r)),
+        ("neuroshard allreduce, 2 workers", lambda: run_neuroshard("allreduce", 2, spec, b, s, r)),
+        ("neuroshard sync, 1 worker", lambda: run_neuroshard("sync", 1, spec, b, s, r)),
+        ("neuroshard sync, 2 workers", lambda: run_neuroshard("sync", 2, spec, b, s, r)),
     ]
-    print(f"digits {a.model}, global batch {b}, {s} steps x {r} repeats, median")
-    print(f"{'runner':<36} {'samples/s':>12} {'ratio':>7}")
-    baseline: float | None = None
+    print(f"{model}, global batch {b}, {s} steps x {r} repeats, median samples/s")
+    print(f"{'runner':<36} {'samples/s':>12} {'vs 1 proc':>10} {'vs DDP':>8}")
+    single = ddp = None
     for name, run in rows:
-        try:
-            rate = run()
-        except NotImplementedError:
-            continue
-        baseline = baseline or rate
-        print(f"{name:<36} {rate:>12,.0f} {rate / baseline:>7.2f}", flush=True)
+        rate = run()
+        single = single or rate
+        ddp = rate if name.startswith("torch DDP") else ddp
+        vs_ddp = f"{rate / ddp:>8.2f}" if ddp else f"{'':>8}"
+        print(f"{name:<36} {rate:>12,.0f} {rate / single:>10.2f} {vs_ddp}", flush=True)
 
 
 if __name__ == "__main__":
