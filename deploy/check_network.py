@@ -197,6 +197,8 @@ def expected_paths(
         (s["client"], coordinator, grpc["coordinator"], "TCP"),
         (s["client_ns"], coordinator, grpc["coordinator"], "TCP"),
         (s["client"], worker, grpc["worker"], "TCP"),
+        # an allreduce job's process group: store and gloo on ephemeral ports
+        (worker, worker, 41234, "TCP"),
     ]
     allowed += [(d, s["dns"], 53, proto) for d in daemons for proto in ("UDP", "TCP")]
     allowed += [(s["scraper"], d, metrics[d.what], "TCP") for d in daemons if metrics[d.what]]
@@ -206,6 +208,8 @@ def expected_paths(
         (s["stranger_ns"], coordinator, grpc["coordinator"], "TCP"),
         (s["scraper"], coordinator, grpc["coordinator"], "TCP"),
         (s["client"], coordinator, metrics["coordinator"] or 9100, "TCP"),
+        (s["client"], worker, 41234, "TCP"),
+        (coordinator, worker, 41234, "TCP"),
     ]
     denied += [(d, s["internet"], 443, "TCP") for d in daemons]
     denied += [(d, s["stranger"], 8080, "TCP") for d in daemons]
