@@ -20,7 +20,7 @@ from tests.integration.test_failover import FAST_HEARTBEATS, kill_abruptly
 pytestmark = pytest.mark.integration
 
 STEPS = 20
-DIGITS_MLP = Path(__file__).resolve().parents[2] / "configs/jobs/digits-mlp.yaml"
+DIGITS_ALLREDUCE = Path(__file__).resolve().parents[2] / "configs/jobs/digits-allreduce.yaml"
 
 
 def _spec(workers: int, **extra: Any) -> dict[str, Any]:
@@ -110,8 +110,7 @@ async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster)
     import yaml
 
     cluster = await make_cluster(workers=3, **FAST_HEARTBEATS)
-    spec = yaml.safe_load(DIGITS_MLP.read_text())
-    spec.update(strategy="allreduce", min_workers=2, collective_timeout_s=10)
+    spec = yaml.safe_load(DIGITS_ALLREDUCE.read_text())  # min_workers: 2
     async with cluster.client() as client:
         job = await client.submit(spec)
         async for _, progress in client.watch(job.job_id):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.config import CoordinatorConfig, WorkerConfig, load_config
+from shared.config import CoordinatorConfig, WorkerConfig, load_config, parse_job_spec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -23,3 +23,10 @@ def test_example_config_lists_every_key_with_its_default(file: str, model: type)
 
     assert sorted(listed) == sorted(model.model_fields)
     assert loaded == model()
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "jobs").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_job_is_a_valid_spec(path: Path) -> None:
+    spec = parse_job_spec(yaml.safe_load(path.read_text()))
+
+    assert spec.name == path.stem
