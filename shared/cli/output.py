@@ -97,7 +97,16 @@ def print_result(job: JobInfo) -> None:
 def print_status(status: dict[str, Any]) -> None:
     """Print ``Client.status()`` for people: a table of workers, job counts, slot figures."""
     table = Table(title="workers")
-    for col in ("name", "address", "state", "device", "memories", "primary", "replica"):
+    for col in (
+        "name",
+        "address",
+        "state",
+        "device",
+        "training",  # the training device; "device" is the memory kernels'
+        "memories",
+        "primary",
+        "replica",
+    ):
         table.add_column(col)
     for w in status["workers"]:
         table.add_row(
@@ -105,6 +114,7 @@ def print_status(status: dict[str, Any]) -> None:
             w["address"],
             w["state"],
             w["device"],
+            w["train_device"],
             str(w["memories"]),
             str(w["slots_primary"]),
             str(w["slots_replica"]),
