@@ -17,6 +17,7 @@ from shared.rpc.codec import CodecError, read_header_and_tensors, tensors_to_chu
 from shared.security.confinement import ImportNotAllowed
 from shared.training.data import DataError
 from worker.shards import ShardFetchError, ShardMissing
+from worker.trainer import DeviceUnavailable
 from worker.training import TrainingSessions, UnknownTrainingJob
 
 __all__ = ["TrainingServicer"]
@@ -45,6 +46,7 @@ class TrainingServicer:
         Raises:
             INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
             PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
+            FAILED_PRECONDITION: the job trains on cuda and this worker has no CUDA device.
             FetchShard's status: fetching the shard failed (NOT_FOUND, PERMISSION_DENIED,
                 UNAVAILABLE, ...).
         """
@@ -61,6 +63,8 @@ class TrainingServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ImportNotAllowed as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except DeviceUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))
         return worker_pb2.StartTrainingResponse()
@@ -72,9 +76,10 @@ class TrainingServicer:
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
         """Compute one step's gradients on this worker's shard.
 
-        Receives a step header (and the parameters when included); streams back the step
-        result and one float32 gradient per parameter (of the mean loss over the
-        mini-batch). A shard not held here is fetched from the coordinator first.
+        Receives a step header (and the parameters and buffers when included); streams back
+        the step result, one float32 gradient per parameter (of the mean loss over the step's
+        rows, unscaled by the header's ``loss_scale``) and the model's buffers after the
+        step's forward passes. A shard not held here is fetched from the coordinator first.
 
         Raises:
             FAILED_PRECONDITION: unknown job, or a shard not held here.
@@ -110,6 +115,7 @@ class TrainingServicer:
                 header.epoch,
                 header.step_in_epoch,
                 (header.shard_index, header.shard_count),
+                header.loss_scale or 1.0,
             )
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))
@@ -125,9 +131,11 @@ class TrainingServicer:
                 samples=res.samples,
                 loss_sum=res.loss_sum,
                 correct=res.correct,
+                nonfinite=not res.finite,
             )
         )
-        for chunk in tensors_to_chunks(res.grads.items(), self._chunk_bytes):
+        tensors = [*res.grads.items(), *res.buffers.items()]
+        for chunk in tensors_to_chunks(tensors, self._chunk_bytes):
             yield worker_pb2.GradientResponse(grad=chunk)
 
     async def StopTraining(
