@@ -5,6 +5,7 @@ Each RPC validates, delegates to the training sessions, and maps their errors to
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,14 +84,16 @@ class TrainingServicer:
 
         Raises:
             FAILED_PRECONDITION: unknown job, or a shard not held here.
-            INVALID_ARGUMENT: malformed stream or parameters, or a malformed shard from the
-                coordinator.
+            INVALID_ARGUMENT: malformed stream or parameters, a loss_scale that is negative or
+                not finite, or a malformed shard from the coordinator.
             FetchShard's status: fetching the shard failed.
         """
         try:
             header, params = await read_header_and_tensors(request_iterator, "header", "param")
             if header is None:
                 raise CodecError("the stream has no StepHeader")
+            if not (math.isfinite(header.loss_scale) and header.loss_scale >= 0):
+                raise CodecError(f"loss_scale: must be finite and >= 0, got {header.loss_scale}")
         except CodecError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
