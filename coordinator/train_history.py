@@ -34,7 +34,15 @@ class TrainHistory:
         self.best_test_accuracy = math.nan
         self._samples = 0
         self._loss_sum = 0.0
+        self._carried_s = 0.0  # seconds of the running epoch before a checkpoint
         self._t0 = clock()
+
+    def start(self) -> None:
+        """Start (or resume) the running epoch's clock: the job's first step comes next.
+
+        Model building and the workers' start-up before it do not count in samples_per_s.
+        """
+        self._t0 = self._clock() - self._carried_s
 
     def add_step(self, samples: int, loss_sum: float) -> None:
         """Count one step of the running epoch.
@@ -69,7 +77,7 @@ class TrainHistory:
                 "samples_per_s": self._samples / max(now - self._t0, 1e-9),
             }
         )
-        self._samples, self._loss_sum, self._t0 = 0, 0.0, now
+        self._samples, self._loss_sum, self._t0, self._carried_s = 0, 0.0, now, 0.0
         improved = math.isnan(self.best_test_accuracy) or test_accuracy > self.best_test_accuracy
         if improved:
             self.best_test_accuracy = test_accuracy
@@ -100,4 +108,5 @@ class TrainHistory:
         self.entries = [dict(e) for e in doc["entries"]]
         self.best_test_accuracy = float(doc["best_test_accuracy"])
         self._samples, self._loss_sum = int(doc["samples"]), float(doc["loss_sum"])
-        self._t0 = self._clock() - float(doc["seconds"])
+        self._carried_s = float(doc["seconds"])
+        self.start()

@@ -155,6 +155,7 @@ class TrainJob:
             self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
         )
         await self.members.start(self._workers)
+        run.history.start()
         try:
             for step in range(start_step, run.total):
                 await self._train_step(ps, step, run)

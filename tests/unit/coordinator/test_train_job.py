@@ -71,8 +71,10 @@ def test_history_continues_from_a_checkpoint() -> None:
     clock.now = 100.0  # the coordinator restarted later
     after = TrainHistory(clock)
     after.load_doc(doc)
+    clock.now = 105.0  # and took 5 s to start the workers
+    after.start()
     after.add_step(10, 15.0)
-    clock.now = 101.0
+    clock.now = 106.0
     after.end_epoch(2, 0.4, 0.85, 0.01)
 
     assert [e["epoch"] for e in after.entries] == [1, 2]
