@@ -120,30 +120,7 @@ def _data_bytes(key: str, path: Path) -> int:
     return max(size, sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays))
 
 
-# Spec keys accepted by the schema whose training code has not landed yet: refused with a
-# clear reason instead of being ignored. Each entry goes when its code lands.
-_NOT_YET: dict[str, tuple[object, str]] = {
-    "precision": ("fp32", "bf16/fp16"),
-    "grad_accum_steps": (1, "gradient accumulation"),
-    "clip_grad_norm": (None, "gradient clipping"),
-    "device": ("auto", "device placement"),
-}
-
-
-def _not_yet(spec: TrainJobSpec) -> None:
-    if spec.strategy == "allreduce":  # every control is built for allreduce
-        return
-    for key, (default, what) in _NOT_YET.items():
-        if getattr(spec, key) != default:
-            raise ConfigError(f"{key}: {what} is not available in this version yet")
-    if spec.lr_schedule.name != "constant" or spec.lr_schedule.warmup_steps:
-        raise ConfigError("lr_schedule: schedules are not available in this version yet")
-    if spec.optimizer.name == "adamw":
-        raise ConfigError("optimizer.name: adamw is not available in this version yet")
-
-
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
-    _not_yet(spec)
     shape = data_shape(spec.data, path, cfg.max_dataset_bytes)
     try:
         model = build_model(

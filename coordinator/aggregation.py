@@ -1,29 +1,32 @@
 """Synchronous data-parallel training on the coordinator.
 
-Gradient averaging and the parameter server that holds a job's authoritative model and
-optimizer.
+Gradient and buffer averaging, and the parameter server that holds a job's authoritative
+model, optimizer, learning-rate schedule and loss scale (on the CPU).
 
 Shapes: W workers; each gradient dict maps a parameter name to an array of that parameter's
-shape.
+shape, each buffer dict a buffer name (BatchNorm's running_mean, running_var,
+num_batches_tracked) to an array of that buffer's shape and dtype.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from coordinator.evaluation import evaluate
+from coordinator.loss_scale import LossScale
 from shared.config import TrainJobSpec
-from shared.training.controls import make_optimizer
+from shared.training.controls import make_lr_scheduler, make_optimizer
 from shared.training.data import Dataset
-from shared.training.models import build_model, check_param_arrays, param_shapes
-
-_EVAL_BATCH = 1024
+from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
 
 
 def weighted_average(
@@ -68,20 +71,58 @@ def weighted_average(
     return out
 
 
+def average_buffers(
+    buffers: Sequence[dict[str, np.ndarray]], samples: Sequence[int]
+) -> dict[str, np.ndarray]:
+    """Merge the workers' model buffers after one step: floats averaged, integers maxed.
+
+    Float buffers (BatchNorm's running_mean and running_var) are averaged weighted by sample
+    count, as ``weighted_average``: each worker updated them from the coordinator's values
+    with its own batches' statistics, so the average of running_mean is the running mean of
+    the global batch's mean. Integer buffers (num_batches_tracked) take the largest value
+    among the workers that had samples: the forward passes of the step's longest shard.
+
+    Args:
+        buffers: W dicts name -> array, same names, shapes and dtypes; may be empty dicts.
+        samples: W sample counts n_w >= 0, not all 0.
+
+    Returns:
+        name -> array of the buffer's dtype.
+
+    Raises:
+        ValueError: as ``weighted_average`` (counts, names, shapes).
+    """
+    if not buffers or not buffers[0]:
+        return {}
+    first = buffers[0]
+    floats = [n for n, a in first.items() if np.issubdtype(np.asarray(a).dtype, np.floating)]
+    out = weighted_average([{n: g[n] for n in floats} for g in buffers], samples)
+    ints = [n for n in first if n not in out]
+    contributed = [b for b, n in zip(buffers, samples, strict=True) if n > 0]
+    for name in ints:
+        out[name] = np.max([np.asarray(b[name]) for b in contributed], axis=0)
+    return {n: out[n].astype(np.asarray(first[n]).dtype, copy=False) for n in first}
+
+
 class ParameterServer:
-    """The authoritative model and optimizer of one sync training job."""
+    """The authoritative model, optimizer, lr schedule and loss scale of one sync job (CPU)."""
 
     def __init__(
-        self, spec: TrainJobSpec, dataset: Dataset, allowed_imports: Sequence[str] = ()
+        self,
+        spec: TrainJobSpec,
+        dataset: Dataset,
+        allowed_imports: Sequence[str] = (),
+        total_steps: int = 1,
     ) -> None:
-        """Build the model and its optimizer (in a thread: it may import and allocate).
+        """Build the model, optimizer and schedule (in a thread: it may import and allocate).
 
         Args:
-            spec: the job; the model is seeded with ``spec.seed``, the optimizer is
-                ``spec.optimizer`` (sgd with momentum, or adam; lr; weight_decay).
+            spec: the job; the model is seeded with ``spec.seed``; ``optimizer``,
+                ``lr_schedule``, ``clip_grad_norm`` and ``precision`` (fp16: a loss scale).
             dataset: the job's data; the test split is used by ``evaluate``.
             allowed_imports: the operator's ``allowed_imports`` for a model given as
                 ``package.module:callable``.
+            total_steps: optimizer steps of the whole job, for the lr schedule (>= 1).
 
         Raises:
             ModelError: the model cannot be built (INVALID_ARGUMENT).
@@ -92,13 +133,22 @@ class ParameterServer:
             spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_imports
         )
         self.optimizer = make_optimizer(spec, self.model.parameters())
+        self.scheduler = make_lr_scheduler(spec, self.optimizer, max(total_steps, 1))
+        self.loss_scale = LossScale(enabled=spec.precision == "fp16")
         self.version = 0
+        self.skipped_steps = 0
         self._shapes = param_shapes(self.model)
+        self._buffer_shapes = buffer_shapes(self.model)
 
     @property
     def param_count(self) -> int:
         """Number of scalar parameters."""
         return sum(int(np.prod(s)) for s in self._shapes.values())
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def params(self) -> dict[str, np.ndarray]:
         """The current parameters: name -> float32 copy, ``named_parameters()`` order."""
@@ -107,59 +157,91 @@ class ParameterServer:
             for name, p in self.model.named_parameters()
         }
 
-    def step(self, grads: dict[str, np.ndarray]) -> None:
-        """Apply one optimizer step with the averaged gradients and bump ``version``.
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The current buffers: name -> copy in the buffer's dtype, ``named_buffers()`` order."""
+        return {name: b.detach().numpy().copy() for name, b in self.model.named_buffers()}
+
+    def step(self, grads: dict[str, np.ndarray] | None) -> bool:
+        """Apply one optimizer step with the averaged gradients; bump ``version``.
+
+        The gradient's global L2 norm is clipped to ``clip_grad_norm`` first
+        (``torch.nn.utils.clip_grad_norm_``). None skips the optimizer step: with fp16, a
+        shard's gradients were not all finite, and the loss scale backs off
+        (``coordinator.loss_scale``). The lr schedule advances once per call, skipped or not,
+        as in torch's AMP recipe; ``version`` too (the buffers changed either way).
 
         Args:
-            grads: name -> float32 array with every parameter's name and shape.
+            grads: name -> float32 array with every parameter's name and shape, unscaled;
+                None: skip this step.
+
+        Returns:
+            True when the optimizer stepped, False when the step was skipped.
 
         Raises:
             ValueError: names or shapes differ from the model's; nothing is changed.
         """
-        check_param_arrays(grads, self._shapes)
-        for name, p in self.model.named_parameters():
-            p.grad = torch.tensor(np.asarray(grads[name], dtype=np.float32))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if grads is not None:
+            check_param_arrays(grads, self._shapes)
+            for name, p in self.model.named_parameters():
+                p.grad = torch.tensor(np.asarray(grads[name], dtype=np.float32))
+            if self.spec.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.clip_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.skipped_steps += 1
+        self.loss_scale.update(finite=grads is not None)
+        with warnings.catch_warnings():
+            # A skipped first step: torch warns that the schedule steps before the optimizer,
+            # which is what a skipped AMP step means (the schedule counts every step).
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()
         self.version += 1
+        return grads is not None
+
+    def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
+        """Overwrite the model's buffers (the workers' merged ones, ``average_buffers``).
+
+        Raises:
+            ValueError: names or shapes differ from the model's buffers; nothing is changed.
+        """
+        check_param_arrays(buffers, self._buffer_shapes, "buffer")
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                b.copy_(torch.tensor(np.asarray(buffers[name]), dtype=b.dtype))
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        """Mean cross-entropy (nats) and accuracy in [0, 1] on the test split."""
-        x_all = torch.from_numpy(self.dataset.x_test)
-        y_all = torch.from_numpy(self.dataset.y_test)
-        loss_sum, correct = 0.0, 0
-        self.model.eval()
-        try:
-            for i in range(0, len(y_all), _EVAL_BATCH):
-                x, y = x_all[i : i + _EVAL_BATCH], y_all[i : i + _EVAL_BATCH]
-                logits = self.model(x)
-                loss_sum += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-                correct += int((logits.argmax(dim=1) == y).sum())
-        finally:
-            self.model.train()
-        n = max(len(y_all), 1)
-        return loss_sum / n, correct / n
+        """Mean cross-entropy (nats) and accuracy in [0, 1] on the test split (eval mode)."""
+        return evaluate(self.model, self.dataset.x_test, self.dataset.y_test)
 
     def save(self, path: str | Path) -> None:
         """Write the model's ``state_dict`` with ``torch.save`` (load with weights_only)."""
         torch.save(self.model.state_dict(), Path(path))
 
-    def state(self) -> bytes:
-        """Serialize model, optimizer and version, for a checkpoint."""
+    def state(self, run: dict[str, Any] | None = None) -> bytes:
+        """Serialize model, optimizer, schedule, loss scale and version, for a checkpoint.
+
+        Args:
+            run: plain data (numbers, strings, lists, dicts) of the job's run to keep with
+                it, returned by ``load_state``.
+        """
         buf = io.BytesIO()
         torch.save(
             {
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "loss_scale": self.loss_scale.state_dict(),
                 "version": self.version,
+                "run": run or {},
             },
             buf,
         )
         return buf.getvalue()
 
-    def load_state(self, data: bytes) -> None:
-        """Restore what ``state`` wrote (same spec).
+    def load_state(self, data: bytes) -> dict[str, Any]:
+        """Restore what ``state`` wrote (same spec); return its ``run`` data.
 
         Raises:
             ValueError: the bytes are not a checkpoint of this model (FAILED_PRECONDITION).
@@ -168,7 +250,10 @@ class ParameterServer:
             state = torch.load(io.BytesIO(data), weights_only=True)
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.loss_scale.load_state_dict(state["loss_scale"])
             self.version = int(state["version"])
+            return dict(state["run"])
         except (
             pickle.UnpicklingError,
             RuntimeError,

@@ -37,6 +37,7 @@ from coordinator.allreduce_generation import Generation, GenerationOutcome, Gene
 from coordinator.evaluation import evaluate
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
+from coordinator.train_job import job_device
 from coordinator.train_sets import TrainSets
 from shared.config import CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
@@ -67,6 +68,7 @@ class _EpochStats:
     samples: int = 0
     loss_sum: float = 0.0
     correct: int = 0
+    seconds: float = 0.0  # rank 0's seconds in the epoch's training steps
 
 
 @dataclass
@@ -249,10 +251,8 @@ class AllreduceJob:
         ).run()
 
     def _spec_json(self, ranks: list[WorkerRecord]) -> str:
-        """The spec with ``device`` resolved: ``auto`` is cuda when every rank has one."""
-        device = self.spec.device
-        if device == "auto":
-            device = "cuda" if all(w.device.startswith("cuda") for w in ranks) else "cpu"
+        """The spec with ``device`` resolved for this generation's ranks (``job_device``)."""
+        device = job_device(self.spec.device, ranks)
         return self.spec.model_copy(update={"device": device}).model_dump_json(by_alias=True)
 
     async def _fill(self, members: list[WorkerRecord], failed: set[str]) -> list[WorkerRecord]:
@@ -304,6 +304,7 @@ class AllreduceJob:
         e.loss_sum += float(p.loss_sum)
         e.correct += int(p.correct)
         steps = int(p.step) - prog.applied
+        e.seconds += float(p.step_s) * max(steps, 0)
         self._advance(int(p.step))
         prog.samples += int(p.samples)
         prog.lr = float(p.lr)
@@ -332,7 +333,7 @@ class AllreduceJob:
                 / max(step_s, 1e-9),
                 "workers": len(self._contributed),
                 "generation": self.generations,
-                "history": prog.history,
+                "history": prog.history[-20:],  # the result holds them all
             },
         )
 
@@ -397,6 +398,7 @@ class AllreduceJob:
                 "test_accuracy": prog.test_acc,
                 "lr": prog.lr,
                 "samples": prog.rows.get(epoch, 0),
+                "samples_per_s": stats.samples / max(stats.seconds, 1e-9),
             }
         )
         if prog.test_acc > prog.best_acc:

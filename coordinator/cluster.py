@@ -90,7 +90,9 @@ class Cluster:
             self.rebalancer.trust.load_doc(saved[1])
             self.metrics.slot_map_epoch.set(saved[0].epoch)
         for w in self.state.load_workers():
-            rec, _, _ = self.membership.register(w.name, w.address, w.device, w.process_id)
+            rec, _, _ = self.membership.register(
+                w.name, w.address, w.device, w.process_id, w.train_device
+            )
             rec.slot_map_epoch = self.rebalancer.current.epoch
             rec.restored = True  # until its process registers or heartbeats here
         jobs = self.state.load_jobs()
@@ -111,7 +113,7 @@ class Cluster:
     # -- membership ------------------------------------------------------------------------
 
     def register_worker(
-        self, name: str, address: str, device: str, process_id: str = ""
+        self, name: str, address: str, device: str, process_id: str = "", train_device: str = "cpu"
     ) -> WorkerRecord:
         """Add or refresh a worker.
 
@@ -121,15 +123,23 @@ class Cluster:
         Args:
             name: the worker's unique name.
             address: ``host:port`` of its gRPC server.
-            device: ``cpu`` or ``cuda[:N]``.
+            device: its memory kernels' device, ``cpu`` or ``cuda[:N]``.
             process_id: the worker process's random id; a new one means a restart.
+            train_device: its training device, ``cpu`` or ``cuda[:N]``.
         """
         new = self.membership.get(name) is None
-        rec, changed, restarted = self.membership.register(name, address, device, process_id)
-        log.info(
-            "worker_registered", worker=name, address=address, device=device, restarted=restarted
+        rec, changed, restarted = self.membership.register(
+            name, address, device, process_id, train_device
         )
-        self.state.save_worker(name, address, device, process_id)
+        log.info(
+            "worker_registered",
+            worker=name,
+            address=address,
+            device=device,
+            train_device=train_device,
+            restarted=restarted,
+        )
+        self.state.save_worker(name, address, device, process_id, train_device)
         if restarted or new:  # whatever its data dir holds is checked before it gets a map
             self.rebalancer.worker_restarted(name)
         if changed:

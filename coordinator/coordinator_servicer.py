@@ -65,7 +65,11 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
         self._cluster.register_worker(
-            request.name, request.address, request.device or "cpu", request.incarnation
+            request.name,
+            request.address,
+            request.device or "cpu",
+            request.incarnation,
+            request.train_device or "cpu",
         )
         # Only the slot count: the map itself is pushed by the rebalancer once this worker's
         # data (or lack of it) is accounted for.
@@ -97,6 +101,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 address=w.address,
                 state=_WORKER_STATE[w.state],
                 device=w.device,
+                train_device=w.train_device,
                 heartbeat_age_s=c.membership.heartbeat_age_s(w),
                 memories=w.memories,
                 slots_primary=slots["per_worker"].get(w.name, (0, 0))[0],

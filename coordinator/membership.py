@@ -28,7 +28,9 @@ class WorkerRecord:
     Attributes:
         name: the worker's unique name (its identity across restarts).
         address: ``host:port`` its gRPC server listens on.
-        device: ``cpu`` or ``cuda[:N]``.
+        device: where its memory kernels run, ``cpu`` or ``cuda[:N]``.
+        train_device: where it trains models (torch), ``cpu`` or ``cuda[:N]``; a train job
+            with ``device: auto`` trains on cuda only when every worker of the job has it.
         state: ALIVE, DEAD or DRAINING.
         last_heartbeat: ``clock()`` seconds of the last registration or heartbeat.
         registered_at: ``clock()`` seconds of the last registration.
@@ -46,6 +48,7 @@ class WorkerRecord:
     name: str
     address: str
     device: str
+    train_device: str = "cpu"
     state: WorkerState = WorkerState.ALIVE
     last_heartbeat: float = 0.0
     registered_at: float = 0.0
@@ -74,7 +77,7 @@ class Membership:
         self._workers: dict[str, WorkerRecord] = {}
 
     def register(
-        self, name: str, address: str, device: str, process_id: str = ""
+        self, name: str, address: str, device: str, process_id: str = "", train_device: str = "cpu"
     ) -> tuple[WorkerRecord, bool, bool]:
         """Add or refresh a worker.
 
@@ -83,8 +86,9 @@ class Membership:
         Args:
             name: the worker's unique name.
             address: ``host:port`` of its gRPC server.
-            device: ``cpu`` or ``cuda[:N]``.
+            device: its memory kernels' device, ``cpu`` or ``cuda[:N]``.
             process_id: the worker process's random id.
+            train_device: its training device, ``cpu`` or ``cuda[:N]``.
 
         Returns:
             (record, changed, restarted): changed when its liveness or address changed;
@@ -94,7 +98,13 @@ class Membership:
         rec = self._workers.get(name)
         if rec is None:
             rec = WorkerRecord(
-                name, address, device, last_heartbeat=now, registered_at=now, process_id=process_id
+                name,
+                address,
+                device,
+                train_device,
+                last_heartbeat=now,
+                registered_at=now,
+                process_id=process_id,
             )
             self._workers[name] = rec
             return rec, True, False
@@ -102,6 +112,7 @@ class Membership:
         rec.process_id = process_id
         changed = restarted or rec.state is not WorkerState.ALIVE or rec.address != address
         rec.address, rec.device, rec.state = address, device, WorkerState.ALIVE
+        rec.train_device = train_device
         rec.last_heartbeat, rec.registered_at = now, now
         rec.incarnation += 1
         rec.slot_map_epoch, rec.restored = 0, False

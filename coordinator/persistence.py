@@ -31,6 +31,9 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE TABLE IF NOT EXISTS job_owners (job_id TEXT PRIMARY KEY, owner TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS job_crashes (job_id TEXT PRIMARY KEY, crashes INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS worker_train_devices (
+    name TEXT PRIMARY KEY, train_device TEXT NOT NULL
+);
 """
 
 # A job RUNNING when the coordinator crashed this many times in a row is not run again.
@@ -49,6 +52,7 @@ class SavedWorker:
     address: str
     device: str
     process_id: str
+    train_device: str = "cpu"
 
 
 class StateStore:
@@ -92,16 +96,25 @@ class StateStore:
 
     # -- workers --------------------------------------------------------------------------
 
-    def save_worker(self, name: str, address: str, device: str, process_id: str) -> None:
+    def save_worker(
+        self, name: str, address: str, device: str, process_id: str, train_device: str = "cpu"
+    ) -> None:
         """Save (or replace) a worker's registration."""
         self._db.execute(
             "INSERT OR REPLACE INTO workers VALUES (?, ?, ?, ?)",
             (name, address, device, process_id),
         )
+        # A separate table: databases of earlier versions need no migration.
+        self._db.execute(
+            "INSERT OR REPLACE INTO worker_train_devices VALUES (?, ?)", (name, train_device)
+        )
 
     def load_workers(self) -> list[SavedWorker]:
-        """Every saved worker registration."""
-        rows = self._db.execute("SELECT name, address, device, process_id FROM workers")
+        """Every saved worker registration (train device ``cpu`` when none was saved)."""
+        rows = self._db.execute(
+            "SELECT w.name, w.address, w.device, w.process_id, COALESCE(d.train_device, 'cpu') "
+            "FROM workers w LEFT JOIN worker_train_devices d ON d.name = w.name"
+        )
         return [SavedWorker(*r) for r in rows]
 
     # -- jobs -----------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """The ``train`` job, synchronous parameter server (DESIGN.md, "Training").
 
-Each step the coordinator streams the current parameters to the job's workers, each computes
-the gradient of the mean loss over one data shard's mini-batch, and the coordinator averages
-them weighted by sample count and steps the optimizer. With equal shards this equals
-single-process training on the concatenated global batch. Failed workers' shards are
-recomputed by the survivors (``coordinator.train_members``); every
-``checkpoint_every_steps`` the parameter server's state is checkpointed so a restarted
-coordinator resumes the job where it was.
+Each step the coordinator streams the current parameters and buffers to the job's workers,
+each computes the gradient of the mean loss over one data shard's rows of the step
+(``grad_accum_steps`` micro-batches), and the coordinator averages them weighted by sample
+count, clips, and steps the optimizer and the lr schedule; the workers' buffers (BatchNorm
+running statistics) are averaged into the model the same way. With equal shards this equals
+single-process training on the concatenated global batch. With fp16 the coordinator keeps the
+loss scale (``coordinator.loss_scale``). Failed workers' shards are recomputed by the
+survivors (``coordinator.train_members``); every ``checkpoint_every_steps`` the parameter
+server's state is checkpointed so a restarted coordinator resumes the job where it was. Every
+epoch the model is evaluated, an entry is added to the history (``coordinator.train_history``)
+and the model is saved as the best one when its test accuracy improved.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.aggregation import ParameterServer, weighted_average
+from coordinator.aggregation import ParameterServer, average_buffers, weighted_average
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
-from coordinator.train_members import Members, ShardResult
+from coordinator.train_history import TrainHistory
+from coordinator.train_members import Members, ShardResult, StepOrder
 from coordinator.train_sets import TrainSets
 from shared.config import CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
@@ -41,6 +46,7 @@ class _Run:
         per_epoch: global steps in one epoch (``steps_per_epoch``).
         total: global steps of the job (``total_steps``).
         t_start: ``clock()`` seconds when this process started (or resumed) the job.
+        history: the per-epoch entries and the best test accuracy.
         samples: training samples whose gradients were applied by this process.
         test_loss: mean loss on the test split at the last evaluation (NaN before one).
         test_acc: accuracy on the test split at the last evaluation (NaN before one).
@@ -49,6 +55,7 @@ class _Run:
     per_epoch: int
     total: int
     t_start: float
+    history: TrainHistory
     samples: int = 0
     test_loss: float = float("nan")
     test_acc: float = float("nan")
@@ -105,6 +112,8 @@ class TrainJob:
             cfg.chunk_bytes,
         )
         self.checkpoint_path = Path(cfg.data_dir) / "checkpoints" / f"{job.job_id}.ckpt"
+        self.model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.pt"
+        self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
@@ -123,37 +132,57 @@ class TrainJob:
             data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
         except PathRefused as exc:
             raise JobFailed(str(exc)) from None
+        device = job_device(spec.device, self._workers)
+        # Workers get the spec with the job's device resolved (``auto`` is decided once, here).
+        self.members.spec_json = spec.model_copy(update={"device": device}).model_dump_json(
+            by_alias=True
+        )
         dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
-        ps = await asyncio.to_thread(ParameterServer, spec, dataset, self.cfg.allowed_imports)
-        start_step = await asyncio.to_thread(self._restore, ps)
+        n_train = len(dataset.y_train)
+        run = _Run(
+            per_epoch=steps_per_epoch(
+                n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
+            ),
+            total=total_steps(spec, n_train),
+            t_start=self._clock(),
+            history=TrainHistory(self._clock),
+        )
+        ps = await asyncio.to_thread(
+            ParameterServer, spec, dataset, self.cfg.allowed_imports, run.total
+        )
+        start_step = await asyncio.to_thread(self._restore, ps, run.history)
         self._train_sets.open(
             self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
         )
         await self.members.start(self._workers)
-        n_train = len(dataset.y_train)
-        run = _Run(
-            per_epoch=steps_per_epoch(n_train, spec.workers, spec.batch_size),
-            total=total_steps(spec, n_train),
-            t_start=self._clock(),
-        )
+        run.history.start()
         try:
             for step in range(start_step, run.total):
                 await self._train_step(ps, step, run)
         finally:
             await self.members.stop()
-        model_path = Path(self.cfg.data_dir) / "models" / f"{self.job.job_id}.pt"
-        await asyncio.to_thread(_save_model, ps, model_path)
+        await asyncio.to_thread(_save_model, ps, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
+        return self._result(ps, run, start_step, device)
+
+    def _result(
+        self, ps: ParameterServer, run: _Run, start_step: int, device: str
+    ) -> dict[str, Any]:
         elapsed = max(self._clock() - run.t_start, 1e-9)
         return {
             "test_accuracy": run.test_acc,
             "test_loss": run.test_loss,
+            "best_test_accuracy": run.history.best_test_accuracy,
             "steps": run.total,
             "epochs": run.epochs,
             "samples": run.samples,
             "samples_per_s": run.samples / elapsed,
             "seconds": elapsed,
-            "model_path": str(model_path.resolve()),
+            "device": device,
+            "skipped_steps": ps.skipped_steps,
+            "model_path": str(self.model_path.resolve()),
+            "best_model_path": str(self.best_model_path.resolve()),
+            "history": run.history.entries,
             "resumed_from_step": start_step,
             "worker_failures": self.members.failures,
             "workers": self.members.summary(),
@@ -162,21 +191,33 @@ class TrainJob:
     async def _train_step(self, ps: ParameterServer, step: int, run: _Run) -> None:
         """One global step of the job, with its progress event.
 
-        Gradients from the workers, an optimizer step, evaluation at the end of an epoch, a
-        checkpoint every ``checkpoint_every_steps``.
+        Gradients from the workers, an optimizer step, evaluation (a history entry, the best
+        model) at the end of an epoch, a checkpoint every ``checkpoint_every_steps``.
         """
         epoch, step_in_epoch = divmod(step, run.per_epoch)
         t0 = self._clock()
         self.members.admit()
-        results = await self.members.step(ps.params(), ps.version, step, epoch, step_in_epoch)
+        lr = ps.lr  # the rate this step applies
+        buffers = ps.buffers()
+        order = StepOrder(
+            step,
+            epoch,
+            step_in_epoch,
+            ps.version,
+            ps.params() | buffers,
+            frozenset(buffers),
+            ps.loss_scale.scale,
+        )
+        results = await self.members.step(order)
         n, loss_sum, correct = await self._apply(ps, results, step)
         run.samples += n
+        run.history.add_step(n, loss_sum)
         self._metrics.train_steps.inc()
         self._metrics.step_seconds.labels("coordinator").observe(self._clock() - t0)
         if step_in_epoch == run.per_epoch - 1 or step == run.total - 1:
-            run.test_loss, run.test_acc = await asyncio.to_thread(ps.evaluate)
+            await self._end_epoch(ps, epoch, lr, run)
         if (step + 1) % self.cfg.checkpoint_every_steps == 0 and step + 1 < run.total:
-            await asyncio.to_thread(self._checkpoint, ps, step + 1)
+            await asyncio.to_thread(self._checkpoint, ps, step + 1, run.history)
         elapsed = max(self._clock() - run.t_start, 1e-9)
         await self._jobs.update(
             self.job,
@@ -189,41 +230,85 @@ class TrainJob:
                 "train_accuracy": correct / max(n, 1),
                 "test_accuracy": run.test_acc,
                 "test_loss": run.test_loss,
+                "lr": lr,
                 "samples_per_s": run.samples / elapsed,
                 "workers": len(self.members.live),
+                "history": run.history.recent(),
             },
         )
+
+    async def _end_epoch(self, ps: ParameterServer, epoch: int, lr: float, run: _Run) -> None:
+        """Evaluate, add the epoch's history entry, save the model if it is the best yet."""
+        run.test_loss, run.test_acc = await asyncio.to_thread(ps.evaluate)
+        if run.history.end_epoch(epoch + 1, run.test_loss, run.test_acc, lr):
+            await asyncio.to_thread(_save_model, ps, self.best_model_path)
 
     async def _apply(
         self, ps: ParameterServer, results: dict[int, ShardResult], step: int
     ) -> tuple[int, float, int]:
+        """Average the shards' gradients and buffers into the parameter server.
+
+        With fp16, a step where a shard's gradients are not finite is skipped (the buffers
+        are still merged: the forward passes ran, as in single-process AMP training).
+        """
         counts = [r.samples for r in results.values()]
         if sum(counts) == 0:
             raise JobFailed(f"step {step}: no shard had samples")
-        grads = weighted_average([r.grads for r in results.values()], counts)
-        await asyncio.to_thread(ps.step, grads)
+        finite = all(r.finite for r in results.values())
+        skip = ps.loss_scale.enabled and not finite
+
+        def apply() -> None:
+            grads = None if skip else weighted_average([r.grads for r in results.values()], counts)
+            ps.set_buffers(average_buffers([r.buffers for r in results.values()], counts))
+            ps.step(grads)
+
+        await asyncio.to_thread(apply)
         return (
             sum(counts),
             sum(r.loss_sum for r in results.values()),
             sum(r.correct for r in results.values()),
         )
 
-    def _checkpoint(self, ps: ParameterServer, next_step: int) -> None:
-        """Atomically write (next step, parameter-server state) to the checkpoint file."""
+    def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
+        """Atomically write (next step, parameter-server state, history) to the checkpoint."""
         self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.checkpoint_path.with_suffix(".tmp")
-        tmp.write_bytes(next_step.to_bytes(8, "little") + ps.state())
+        state = ps.state({"history": history.to_doc()})
+        tmp.write_bytes(next_step.to_bytes(8, "little") + state)
         tmp.replace(self.checkpoint_path)
 
-    def _restore(self, ps: ParameterServer) -> int:
+    def _restore(self, ps: ParameterServer, history: TrainHistory) -> int:
         """Load the checkpoint if one exists; return the step to start from."""
         if not self.checkpoint_path.exists():
             return 0
         data = self.checkpoint_path.read_bytes()
-        ps.load_state(data[8:])
+        run = ps.load_state(data[8:])
+        history.load_doc(run.get("history", {}))
         step = int.from_bytes(data[:8], "little")
         log.info("train_resumed", job_id=self.job.job_id, step=step)
         return step
+
+
+def job_device(spec_device: str, workers: list[WorkerRecord]) -> str:
+    """The device the job's workers train on: ``cpu`` or ``cuda``.
+
+    ``auto`` is ``cuda`` only when every worker of the job trains on CUDA (its registered
+    ``train_device``), so that no worker is left out and the job's arithmetic is the same on
+    every worker.
+
+    Args:
+        spec_device: the spec's ``device`` (``auto``, ``cpu`` or ``cuda``).
+        workers: the workers the scheduler picked.
+
+    Raises:
+        JobFailed: ``cuda`` asked for and a worker has no CUDA device (FAILED).
+    """
+    without = sorted(w.name for w in workers if not w.train_device.startswith("cuda"))
+    if spec_device == "cuda" and without:
+        raise JobFailed(f"device: cuda asked for, but worker {without[0]} trains on cpu")
+    if spec_device == "auto":
+        return "cuda" if workers and not without else "cpu"
+    return spec_device
 
 
 def _save_model(ps: ParameterServer, path: Path) -> None:

@@ -39,21 +39,51 @@ class Member:
     steps: int = 0
 
 
-@dataclass
-class ShardResult:
-    """One shard's answer to a step: what its mini-batch contributed.
+@dataclass(frozen=True)
+class StepOrder:
+    """What every shard of one step is computed from.
 
     Attributes:
-        samples: rows in the mini-batch (0 when the shard ran out this epoch).
+        step: the global step, from 0.
+        epoch: its epoch, from 0.
+        step_in_epoch: its step within the epoch, from 0.
+        version: the parameter server's version of ``tensors``.
+        tensors: parameters and buffers by state_dict name (float32 parameters, buffers in
+            their dtype), sent to a worker that does not hold ``version``.
+        buffer_names: the names in ``tensors`` that are buffers (their answers too).
+        loss_scale: the fp16 loss scale the workers multiply the loss by (1.0: none).
+    """
+
+    step: int
+    epoch: int
+    step_in_epoch: int
+    version: int
+    tensors: dict[str, np.ndarray] = field(repr=False)
+    buffer_names: frozenset[str] = frozenset()
+    loss_scale: float = 1.0
+
+
+@dataclass
+class ShardResult:
+    """One shard's answer to a step: what its rows contributed.
+
+    Attributes:
+        samples: rows of the step (0 when the shard ran out this epoch).
         loss_sum: the loss summed over those rows.
         correct: rows predicted right.
-        grads: parameter name -> gradient of the mean loss, float32 of the parameter's shape.
+        grads: parameter name -> gradient of the mean loss, float32 of the parameter's shape,
+            unscaled.
+        buffers: buffer name -> the worker's buffer after the step (e.g. BatchNorm running
+            statistics), in the buffer's dtype.
+        finite: every gradient element is finite.
     """
 
     samples: int
     loss_sum: float
     correct: int
     grads: dict[str, np.ndarray] = field(repr=False)
+    buffers: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+    finite: bool = True
 
 
 class Members:
@@ -183,19 +213,14 @@ class Members:
                 error=error_message(exc),
             )
 
-    async def step(
-        self, params: dict[str, np.ndarray], version: int, step: int, epoch: int, step_in_epoch: int
-    ) -> dict[int, ShardResult]:
+    async def step(self, order: StepOrder) -> dict[int, ShardResult]:
         """Compute every shard of one step, re-assigning the shards of failed members."""
         results: dict[int, ShardResult] = {}
         pending = list(range(self.shards))
         while pending:
             plan = self.assign(pending)
             replies = await asyncio.gather(
-                *(
-                    self._shard_step(m, s, params, version, step, epoch, step_in_epoch)
-                    for s, m in plan
-                ),
+                *(self._shard_step(m, s, order) for s, m in plan),
                 return_exceptions=True,
             )
             for (s, m), r in zip(plan, replies, strict=True):
@@ -210,36 +235,38 @@ class Members:
             m.steps += 1
         return results
 
-    async def _shard_step(
-        self,
-        m: Member,
-        shard: int,
-        params: dict[str, np.ndarray],
-        version: int,
-        step: int,
-        epoch: int,
-        step_in_epoch: int,
-    ) -> ShardResult:
-        for include in (m.params_version != version, True):
+    async def _shard_step(self, m: Member, shard: int, order: StepOrder) -> ShardResult:
+        for include in (m.params_version != order.version, True):
             header = worker_pb2.StepHeader(
                 job_id=self.job_id,
-                step=step,
-                epoch=epoch,
-                step_in_epoch=step_in_epoch,
-                params_version=version,
+                step=order.step,
+                epoch=order.epoch,
+                step_in_epoch=order.step_in_epoch,
+                params_version=order.version,
                 params_included=include,
                 shard_index=shard,
                 shard_count=self.shards,
+                loss_scale=order.loss_scale,
             )
             call = m.stub.ComputeGradients(
-                self._requests(header, params if include else None), timeout=self._step_timeout_s
+                self._requests(header, order.tensors if include else None),
+                timeout=self._step_timeout_s,
             )
-            result, grads = await read_gradients(call)
+            result, tensors = await read_gradients(call)
             if result.need_params:
                 continue
-            m.params_version = version
+            m.params_version = order.version
             m.samples += result.samples
-            return ShardResult(result.samples, result.loss_sum, result.correct, grads)
+            grads = {n: a for n, a in tensors.items() if n not in order.buffer_names}
+            buffers = {n: a for n, a in tensors.items() if n in order.buffer_names}
+            return ShardResult(
+                result.samples,
+                result.loss_sum,
+                result.correct,
+                grads,
+                buffers,
+                finite=not result.nonfinite,
+            )
         raise RuntimeError(f"worker {m.name} kept asking for parameters")
 
     async def _requests(
@@ -268,7 +295,7 @@ class Members:
 
 
 async def read_gradients(call: Any) -> tuple[worker_pb2.StepResult, dict[str, np.ndarray]]:
-    """Read a ComputeGradients response stream: the StepResult, then gradient chunks."""
+    """Read a ComputeGradients response stream: the StepResult, then gradient and buffer chunks."""
     result, grads = await read_header_and_tensors(call, "result", "grad")
     if result is None:
         raise RuntimeError("worker closed the gradient stream without a result")

@@ -41,6 +41,7 @@ class Registration:
         rpc_timeout_s: float,
         on_register: Callable[[coordinator_pb2.RegisterWorkerResponse], None] | None = None,
         epoch: Callable[[], int] = lambda: 0,
+        train_device: str = "cpu",
     ) -> None:
         """Prepare the registration (``run`` does it).
 
@@ -48,17 +49,19 @@ class Registration:
             stub: the coordinator's stub.
             name: this worker's name.
             address: the address peers and the coordinator reach this worker at.
-            device: "cpu" or "cuda", as reported.
+            device: the memory kernels' device, "cpu" or "cuda", as reported.
             memories: memories held as primary, reported in each heartbeat.
             rpc_timeout_s: deadline of a registration call, seconds.
             on_register: called with each registration reply (may raise
                 ``RegistrationRefused``, which ends ``run``).
             epoch: the slot-map epoch this worker is at, reported in each heartbeat.
+            train_device: where this worker trains models, "cpu" or "cuda:N", as reported.
         """
         self._on_register = on_register
         self.incarnation = uuid.uuid4().hex
         self.epoch = epoch
         self._stub, self.name, self.address, self.device = stub, name, address, device
+        self.train_device = train_device
         self._memories = memories
         self._timeout_s = rpc_timeout_s
         self.interval_s = 0.5
@@ -72,6 +75,7 @@ class Registration:
                 address=self.address,
                 device=self.device,
                 incarnation=self.incarnation,
+                train_device=self.train_device,
             ),
             timeout=self._timeout_s,
         )

@@ -23,6 +23,7 @@ from shared.rpc.limits import server_options
 from shared.rpc.peers import WorkerClients
 from shared.security.exposure import check_listen, start_probe_server
 from shared.security.transport import DaemonSecurity
+from shared.training.controls import resolve_device
 from worker import kernels
 from worker.allreduce import AllreduceSessions
 from worker.allreduce_servicer import AllreduceServicer
@@ -51,6 +52,8 @@ class WorkerServer:
         self.cfg = cfg
         self.name = cfg.name or socket.gethostname()
         _, self.device = kernels.get_xp(cfg.device)
+        # Where this worker trains (torch), independent of the memory kernels' ``device``.
+        self.train_device = str(resolve_device("auto"))
         self.metrics = Metrics()
         check_listen("worker", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure)
         self.health = health.aio.HealthServicer()
@@ -130,6 +133,7 @@ class WorkerServer:
             rpc_timeout_s=self.cfg.rpc_timeout_s,
             on_register=self._on_register,
             epoch=self._epoch,
+            train_device=self.train_device,
         )
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
         self._tasks.add_done_callback(self._registration_ended)
@@ -141,6 +145,7 @@ class WorkerServer:
             address=self.address,
             coordinator=self.cfg.coordinator,
             device=self.device,
+            train_device=self.train_device,
             transport=self.security.transport,
             auth=self.security.auth,
             probe_port=self.probe_port,

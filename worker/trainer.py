@@ -1,9 +1,13 @@
 """One worker's side of one synchronous (parameter server) training job.
 
-Each step the coordinator sends the current parameters (``set_params``), or only their version
-when this worker already holds them, and asks for the gradients of the mean cross-entropy over
-this shard's mini-batch (``compute_gradients``). Pure CPU torch, no networking: the worker
-daemon calls it in a thread, and fetches the rows of file data sets (``worker.shards``) before.
+Each step the coordinator sends the current parameters and buffers (``set_params``), or only
+their version when this worker already holds them, and asks for the gradients of the mean
+cross-entropy over this shard's rows of the step (``compute_gradients``): ``grad_accum_steps``
+micro-batches of ``batch_size`` rows, each forward pass under ``torch.autocast`` in the spec's
+precision, the loss multiplied by the coordinator's loss scale (fp16) and the gradients
+unscaled in float32. Model and batches live on ``resolve_device(spec.device)``; what goes back
+is float32 NumPy on the CPU. No networking: the worker daemon calls it in a thread, and fetches
+the rows of file data sets (``worker.shards``) before.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch
 from torch import nn
 
 from shared.config import TrainJobSpec
+from shared.training.controls import autocast, resolve_device
 from shared.training.data import batch_indices, shard_bounds
-from shared.training.models import build_model, check_param_arrays, param_shapes
+from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
 from worker.shards import TrainData
 
 
@@ -26,24 +31,34 @@ class TrainerError(RuntimeError):
     """A call arrived in a state that cannot serve it (FAILED_PRECONDITION)."""
 
 
+class DeviceUnavailable(RuntimeError):
+    """The job's device does not exist on this worker (FAILED_PRECONDITION)."""
+
+
 @dataclass
 class GradResult:
-    """Gradients of one shard's mini-batch.
+    """Gradients of one shard's rows of one step, and the buffers they left.
 
     Attributes:
         grads: name -> float32 array, the names and shapes of ``model.named_parameters()``;
-            gradients of the MEAN cross-entropy over the batch (zeros when samples == 0).
-        samples: rows in the batch (0 when the shard is exhausted at this step).
-        loss_sum: sum of the per-sample cross-entropy over the batch, nats.
+            gradients of the MEAN cross-entropy over the step's rows, unscaled (zeros when
+            samples == 0).
+        buffers: name -> array of ``model.named_buffers()`` after the step's forward passes
+            (BatchNorm running statistics), in each buffer's dtype; as set when samples == 0.
+        samples: rows of the step (0 when the shard is exhausted at this step).
+        loss_sum: sum of the per-sample cross-entropy over those rows, nats.
         correct: rows whose arg-max logit equals the label.
         compute_s: wall-clock seconds spent in forward and backward.
+        finite: every gradient element is finite (after unscaling).
     """
 
     grads: dict[str, np.ndarray]
+    buffers: dict[str, np.ndarray]
     samples: int
     loss_sum: float
     correct: int
     compute_s: float
+    finite: bool = True
 
 
 class Trainer:
@@ -59,10 +74,11 @@ class Trainer:
         daemon: str = "worker",
         data: TrainData | None = None,
     ) -> None:
-        """Load this worker's data and build the model and optimizer.
+        """Load this worker's data and build the model on the job's device.
 
         Args:
-            spec: the job.
+            spec: the job; its ``device`` was resolved by the coordinator (``auto`` is
+                resolved here again, for tests and direct use).
             shard_index: this worker's shard in [0, shard_count).
             shard_count: number of shards (workers) of the job.
             torch_threads: ``torch.set_num_threads`` value. Note: this setting is process-wide.
@@ -73,6 +89,8 @@ class Trainer:
 
         Raises:
             ImportNotAllowed: the model's module is not allowed here (PERMISSION_DENIED).
+            DeviceUnavailable: ``device: cuda`` where torch sees no CUDA device
+                (FAILED_PRECONDITION).
             DataError: the job's data cannot be loaded, or ``data`` is None for a file data set
                 (INVALID_ARGUMENT).
             ShardMissing: ``data`` does not hold this shard (FAILED_PRECONDITION).
@@ -81,7 +99,12 @@ class Trainer:
         """
         torch.set_num_threads(torch_threads)
         self.spec = spec
+        try:
+            self.device = resolve_device(spec.device)
+        except ValueError as exc:
+            raise DeviceUnavailable(f"{daemon}: {exc}") from None
         self.data = data if data is not None else TrainData.local(spec)
+        # Built on the CPU (the same seeded values as the coordinator's), then moved.
         self.model: nn.Module = build_model(
             spec.model,
             self.data.input_shape,
@@ -89,8 +112,10 @@ class Trainer:
             spec.seed,
             allowed_imports,
             daemon,
-        )
+        ).to(self.device)
         self._params = dict(self.model.named_parameters())
+        self._buffers = dict(self.model.named_buffers())
+        self._shapes = param_shapes(self.model) | buffer_shapes(self.model)
         self.params_version: int | None = None
         self.shard_index = 0
         self.shard_count = 1
@@ -118,59 +143,88 @@ class Trainer:
         self.shard_index, self.shard_count = shard_index, shard_count
 
     def set_params(self, params: dict[str, np.ndarray], version: int) -> None:
-        """Overwrite the replica's parameters with the coordinator's.
+        """Overwrite the replica's parameters and buffers with the coordinator's.
 
         Args:
-            params: name -> array with the names and shapes of ``model.named_parameters()``;
-                any float dtype (copied to float32), may be read-only.
+            params: name -> array with the names and shapes of ``model.named_parameters()``
+                and ``model.named_buffers()``; parameters in any float dtype (copied to
+                float32), buffers copied to their dtype; may be read-only.
             version: the coordinator's parameter version, kept in ``params_version``.
 
         Raises:
             ValueError: a name is missing or unknown, or a shape differs (INVALID_ARGUMENT);
                 the replica is left unchanged.
         """
-        check_param_arrays(params, param_shapes(self.model))
+        check_param_arrays(params, self._shapes)
         with torch.no_grad():
-            for name, p in self._params.items():
-                p.copy_(torch.tensor(np.asarray(params[name], dtype=np.float32)))
+            for name, t in (self._params | self._buffers).items():
+                t.copy_(torch.tensor(np.asarray(params[name]), dtype=t.dtype))
         self.params_version = version
 
-    def compute_gradients(self, epoch: int, step_in_epoch: int) -> GradResult:
-        """Gradients of the mean cross-entropy over this shard's batch at (epoch, step).
+    def compute_gradients(
+        self, epoch: int, step_in_epoch: int, loss_scale: float = 1.0
+    ) -> GradResult:
+        """Gradients of the mean cross-entropy over this shard's rows of (epoch, step).
+
+        The rows (``batch_indices`` with ``grad_accum_steps`` k) are run as k micro-batches
+        of ``batch_size``; each backward pass adds the gradient of its rows' loss sum divided
+        by the step's row count, so the total is the gradient of the mean over all of them
+        (sample-weighted), as one batch of k * batch_size would give.
+
+        Args:
+            epoch: the epoch, from 0.
+            step_in_epoch: the step within the epoch, from 0.
+            loss_scale: S > 0; the loss is multiplied by S before backward and the gradients
+                divided by S in float32 (fp16 loss scaling; 1.0 otherwise).
 
         Raises:
             TrainerError: no parameters were set yet (FAILED_PRECONDITION).
         """
         if self.params_version is None:
             raise TrainerError("no parameters set: call set_params before compute_gradients")
+        spec = self.spec
         rows = batch_indices(
             self.n_train,
             self.shard_index,
             self.shard_count,
-            self.spec.batch_size,
+            spec.batch_size,
             epoch,
             step_in_epoch,
-            self.spec.seed,
+            spec.seed,
+            spec.grad_accum_steps,
         )
         if len(rows) == 0:
             zeros = {n: np.zeros(tuple(p.shape), np.float32) for n, p in self._params.items()}
-            return GradResult(zeros, samples=0, loss_sum=0.0, correct=0, compute_s=0.0)
+            return GradResult(zeros, self._buffer_arrays(), 0, 0.0, 0, 0.0)
         t0 = time.perf_counter()
         shard = self.data.rows((self.shard_index, self.shard_count))
         local = rows - shard.start  # global row indices -> this shard's rows
-        x, y = torch.from_numpy(shard.x[local]), torch.from_numpy(shard.y[local])
         self.model.zero_grad(set_to_none=True)
-        logits = self.model(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-        grads = {n: _grad_array(p) for n, p in self._params.items()}
-        correct = int((logits.argmax(dim=1) == y).sum())
+        loss_sum, correct = 0.0, 0
+        for i in range(0, len(local), spec.batch_size):
+            part = local[i : i + spec.batch_size]
+            x = torch.from_numpy(shard.x[part]).to(self.device)
+            y = torch.from_numpy(shard.y[part]).to(self.device)
+            with autocast(spec.precision, self.device):
+                logits = self.model(x)
+                loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+            # torch leaves Tensor.backward unannotated
+            (loss * (loss_scale / len(rows))).backward()  # type: ignore[no-untyped-call]
+            loss_sum += float(loss.detach())
+            correct += int((logits.argmax(dim=1) == y).sum())
+        grads = {n: _grad_array(p, loss_scale) for n, p in self._params.items()}
+        finite = all(np.isfinite(g).all() for g in grads.values())
         compute_s = time.perf_counter() - t0
-        return GradResult(grads, len(rows), float(loss.detach()) * len(rows), correct, compute_s)
+        return GradResult(
+            grads, self._buffer_arrays(), len(rows), loss_sum, correct, compute_s, finite
+        )
+
+    def _buffer_arrays(self) -> dict[str, np.ndarray]:
+        return {n: b.detach().cpu().numpy().copy() for n, b in self._buffers.items()}
 
 
-def _grad_array(p: torch.Tensor) -> np.ndarray:
-    """A float32 copy of p.grad; zeros for a parameter the loss does not depend on."""
+def _grad_array(p: torch.Tensor, loss_scale: float) -> np.ndarray:
+    """p.grad / loss_scale as a float32 CPU copy; zeros for a parameter the loss ignores."""
     if p.grad is None:
         return np.zeros(tuple(p.shape), np.float32)
-    return p.grad.detach().to(torch.float32).numpy().copy()
+    return (p.grad.detach().to(torch.float32) / loss_scale).cpu().numpy()

@@ -61,6 +61,8 @@ class TrainingSessions:
             ConfigError: the spec is invalid or not a train spec (INVALID_ARGUMENT).
             ImportNotAllowed: the spec imports a module this worker's ``allowed_imports``
                 does not list (PERMISSION_DENIED); nothing is imported or loaded.
+            DeviceUnavailable: the job trains on cuda and this worker has none
+                (FAILED_PRECONDITION).
             DataError: the data set cannot be made, or the fetched shard is malformed
                 (INVALID_ARGUMENT).
             ShardFetchError: the coordinator did not deliver the shard (its status).
@@ -116,11 +118,12 @@ class TrainingSessions:
         epoch: int,
         step_in_epoch: int,
         shard: tuple[int, int],
+        loss_scale: float = 1.0,
     ) -> GradResult:
-        """Gradients of one step on the torch thread.
+        """Gradients of one step on the torch thread (``Trainer.compute_gradients``).
 
         The shard's rows are fetched first when they are not held here (a shard handed over
-        from another worker).
+        from another worker). ``loss_scale``: the coordinator's fp16 loss scale (1.0: none).
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
@@ -132,14 +135,14 @@ class TrainingSessions:
 
         def work() -> GradResult:
             trainer.set_shard(*shard)
-            return trainer.compute_gradients(epoch, step_in_epoch)
+            return trainer.compute_gradients(epoch, step_in_epoch, loss_scale)
 
         return await loop.run_in_executor(self._executor, work)
 
     async def set_params(
         self, trainer: Trainer, params: dict[str, np.ndarray], version: int
     ) -> None:
-        """Load parameters (name -> float32 array) of ``version`` on the torch thread."""
+        """Load parameters and buffers (name -> array) of ``version`` on the torch thread."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)
 

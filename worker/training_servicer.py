@@ -5,6 +5,7 @@ Each RPC validates, delegates to the training sessions, and maps their errors to
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from shared.rpc.codec import CodecError, read_header_and_tensors, tensors_to_chu
 from shared.security.confinement import ImportNotAllowed
 from shared.training.data import DataError
 from worker.shards import ShardFetchError, ShardMissing
+from worker.trainer import DeviceUnavailable
 from worker.training import TrainingSessions, UnknownTrainingJob
 
 __all__ = ["TrainingServicer"]
@@ -45,6 +47,7 @@ class TrainingServicer:
         Raises:
             INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
             PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
+            FAILED_PRECONDITION: the job trains on cuda and this worker has no CUDA device.
             FetchShard's status: fetching the shard failed (NOT_FOUND, PERMISSION_DENIED,
                 UNAVAILABLE, ...).
         """
@@ -61,6 +64,8 @@ class TrainingServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ImportNotAllowed as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except DeviceUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))
         return worker_pb2.StartTrainingResponse()
@@ -72,20 +77,23 @@ class TrainingServicer:
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
         """Compute one step's gradients on this worker's shard.
 
-        Receives a step header (and the parameters when included); streams back the step
-        result and one float32 gradient per parameter (of the mean loss over the
-        mini-batch). A shard not held here is fetched from the coordinator first.
+        Receives a step header (and the parameters and buffers when included); streams back
+        the step result, one float32 gradient per parameter (of the mean loss over the step's
+        rows, unscaled by the header's ``loss_scale``) and the model's buffers after the
+        step's forward passes. A shard not held here is fetched from the coordinator first.
 
         Raises:
             FAILED_PRECONDITION: unknown job, or a shard not held here.
-            INVALID_ARGUMENT: malformed stream or parameters, or a malformed shard from the
-                coordinator.
+            INVALID_ARGUMENT: malformed stream or parameters, a loss_scale that is negative or
+                not finite, or a malformed shard from the coordinator.
             FetchShard's status: fetching the shard failed.
         """
         try:
             header, params = await read_header_and_tensors(request_iterator, "header", "param")
             if header is None:
                 raise CodecError("the stream has no StepHeader")
+            if not (math.isfinite(header.loss_scale) and header.loss_scale >= 0):
+                raise CodecError(f"loss_scale: must be finite and >= 0, got {header.loss_scale}")
         except CodecError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
@@ -110,6 +118,7 @@ class TrainingServicer:
                 header.epoch,
                 header.step_in_epoch,
                 (header.shard_index, header.shard_count),
+                header.loss_scale or 1.0,
             )
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))
@@ -125,9 +134,11 @@ class TrainingServicer:
                 samples=res.samples,
                 loss_sum=res.loss_sum,
                 correct=res.correct,
+                nonfinite=not res.finite,
             )
         )
-        for chunk in tensors_to_chunks(res.grads.items(), self._chunk_bytes):
+        tensors = [*res.grads.items(), *res.buffers.items()]
+        for chunk in tensors_to_chunks(tensors, self._chunk_bytes):
             yield worker_pb2.GradientResponse(grad=chunk)
 
     async def StopTraining(

@@ -35,10 +35,47 @@ def _describe(progress: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+class HistoryTable:
+    """Prints a train job's history on stdout as its epochs end: a header, then a row each.
+
+    Rows are rich tables of one row with fixed column widths, so that they line up.
+    """
+
+    # (title, history key, width in characters, format)
+    COLUMNS = (
+        ("epoch", "epoch", 5, "{}"),
+        ("train_loss", "train_loss", 10, "{:.4f}"),
+        ("test_loss", "test_loss", 9, "{:.4f}"),
+        ("test_acc", "test_accuracy", 8, "{:.4f}"),
+        ("lr", "lr", 9, "{:.3g}"),
+        ("samples/s", "samples_per_s", 9, "{:,.0f}"),
+    )
+
+    def __init__(self) -> None:
+        """Nothing printed yet."""
+        self.last_epoch = 0
+
+    def update(self, history: list[dict[str, Any]]) -> None:
+        """Print the entries of epochs after the last one printed (in epoch order)."""
+        for entry in history:
+            if entry["epoch"] > self.last_epoch:
+                self._row(entry, header=self.last_epoch == 0)
+                self.last_epoch = entry["epoch"]
+
+    def _row(self, entry: dict[str, Any], header: bool) -> None:
+        table = Table(show_header=header, box=None, pad_edge=False)
+        for title, _, width, _ in self.COLUMNS:
+            table.add_column(title, justify="right", width=width, no_wrap=True)
+        table.add_row(*(fmt.format(entry[key]) for _, key, _, fmt in self.COLUMNS))
+        out_console.print(table)
+
+
 def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
     """Show a progress bar (on stderr, when it is a terminal) until the job ends.
 
-    Prints the final JSON document (``--json``) or a short summary on stdout.
+    A train job's history is printed on stdout as a table as its epochs end (not with
+    ``--json``, whose document holds it). Then prints the final JSON document (``--json``)
+    or a short summary on stdout.
 
     Args:
         client: the client the job was submitted with.
@@ -52,6 +89,7 @@ def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
         NeuroshardError: the job cannot be followed (NOT_FOUND, UNAVAILABLE).
     """
     final = job
+    history = HistoryTable()
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -71,22 +109,30 @@ def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
                 info=_describe(progress),
                 description=f"{final.job_id} {final.state}",
             )
+            if not as_json:
+                history.update(progress.get("history", []))
     if final.state not in TERMINAL_STATES:  # the stream ended early: ask for the final state
         final = client.get_job(job.job_id)
     if as_json:
         print(json.dumps(final.summary()))
     else:
+        history.update((final.result or {}).get("history", []))
         print_result(final)
     return final
 
 
 def print_result(job: JobInfo) -> None:
-    """Print a finished job for people: its state and error, or its result's fields."""
+    """Print a finished job for people: its state and error, or its result's fields.
+
+    A train job's ``history`` is left out: ``HistoryTable`` prints it.
+    """
     if job.state != "SUCCEEDED":
         print(f"{job.job_id} {job.state}: {job.error}")
         return
     print(f"{job.job_id} SUCCEEDED")
     for key, value in (job.result or {}).items():
+        if key == "history":
+            continue
         if isinstance(value, float):
             value = f"{value:.4g}"
         elif isinstance(value, dict | list):
@@ -97,7 +143,16 @@ def print_result(job: JobInfo) -> None:
 def print_status(status: dict[str, Any]) -> None:
     """Print ``Client.status()`` for people: a table of workers, job counts, slot figures."""
     table = Table(title="workers")
-    for col in ("name", "address", "state", "device", "memories", "primary", "replica"):
+    for col in (
+        "name",
+        "address",
+        "state",
+        "device",
+        "training",  # the training device; "device" is the memory kernels'
+        "memories",
+        "primary",
+        "replica",
+    ):
         table.add_column(col)
     for w in status["workers"]:
         table.add_row(
@@ -105,6 +160,7 @@ def print_status(status: dict[str, Any]) -> None:
             w["address"],
             w["state"],
             w["device"],
+            w["train_device"],
             str(w["memories"]),
             str(w["slots_primary"]),
             str(w["slots_replica"]),

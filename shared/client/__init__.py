@@ -343,10 +343,11 @@ class Client:
         """Return the cluster's status as ``neuroshard status --json`` prints it.
 
         Returns:
-            ``workers`` (name, address, state, device, heartbeat_age_s, memories,
-            slots_primary, slots_replica of each), ``jobs`` (count by state), ``slots``,
-            ``replication_factor``, ``under_replicated_slots``, ``slot_map_epoch`` and
-            ``memories`` (primary copies, as the alive workers last reported them).
+            ``workers`` (name, address, state, device (memory kernels), train_device
+            (training), heartbeat_age_s, memories, slots_primary, slots_replica of each),
+            ``jobs`` (count by state), ``slots``, ``replication_factor``,
+            ``under_replicated_slots``, ``slot_map_epoch`` and ``memories`` (primary copies,
+            as the alive workers last reported them).
 
         Raises:
             NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
@@ -361,6 +362,7 @@ class Client:
                     "address": w.address,
                     "state": common_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_"),
                     "device": w.device,
+                    "train_device": w.train_device,
                     "heartbeat_age_s": round(w.heartbeat_age_s, 3),
                     "memories": w.memories,
                     "slots_primary": w.slots_primary,

@@ -228,32 +228,37 @@ def shard_bounds(n: int, shard_index: int, shard_count: int) -> tuple[int, int]:
     return start, start + size + (shard_index < extra)
 
 
-def steps_per_epoch(n_train: int, shard_count: int, batch_size: int) -> int:
-    """Return the steps in one epoch: the largest shard's ceil(rows / batch_size).
+def steps_per_epoch(
+    n_train: int, shard_count: int, batch_size: int, grad_accum_steps: int = 1
+) -> int:
+    """Return the steps in one epoch: the largest shard's ceil(rows / (B * k)).
 
-    Shorter shards run out of rows first: their last batch is smaller or empty.
+    A step consumes ``grad_accum_steps`` (k) micro-batches of ``batch_size`` (B) rows per
+    shard. Shorter shards run out of rows first: their last step is smaller or empty.
 
     Args:
         n_train: training rows N.
         shard_count: shards (the job's workers).
-        batch_size: rows per worker per step.
+        batch_size: B, rows per worker per micro-batch.
+        grad_accum_steps: k, micro-batches per worker per optimizer step.
     """
-    return math.ceil(math.ceil(n_train / shard_count) / batch_size)
+    return math.ceil(math.ceil(n_train / shard_count) / (batch_size * grad_accum_steps))
 
 
 def total_steps(spec: TrainJobSpec, n_train: int) -> int:
-    """Return the steps a job runs: ``spec.steps`` if set, else epochs x steps_per_epoch.
+    """Return the optimizer steps a job runs: ``spec.steps`` if set, else epochs x steps_per_epoch.
 
     Global step g is (epoch, step_in_epoch) = divmod(g, steps_per_epoch(...)).
 
     Args:
-        spec: the job (its steps or epochs, workers and batch size).
+        spec: the job (its steps or epochs, workers, batch size and grad_accum_steps).
         n_train: training rows N of its data set.
     """
     if spec.steps is not None:
         return spec.steps
     epochs = spec.epochs if spec.epochs is not None else 1
-    return epochs * steps_per_epoch(n_train, spec.workers, spec.batch_size)
+    per_epoch = steps_per_epoch(n_train, spec.workers, spec.batch_size, spec.grad_accum_steps)
+    return epochs * per_epoch
 
 
 def batch_indices(
@@ -264,27 +269,32 @@ def batch_indices(
     epoch: int,
     step_in_epoch: int,
     seed: int,
+    grad_accum_steps: int = 1,
 ) -> npt.NDArray[np.int64]:
-    """Return the global training-row indices of one shard's mini-batch.
+    """Return the global training-row indices one shard consumes in one optimizer step.
 
     The shard's rows are permuted by ``np.random.default_rng((seed, epoch, shard_index))``
-    and the step takes the slice [step * B, (step + 1) * B). Any process computes the same
-    rows, so a shard can move to another worker, or a job resume, without changing them.
+    and the step takes the slice [step * B * k, (step + 1) * B * k), k micro-batches of B
+    rows in order. So ``grad_accum_steps`` k at ``batch_size`` B takes exactly the rows of
+    k = 1 at batch_size k * B. Any process computes the same rows, so a shard can move to
+    another worker, or a job resume, without changing them.
 
     Args:
         n_train: training rows N.
         shard_index: the shard, in [0, shard_count).
         shard_count: shards (the job's workers).
-        batch_size: B, rows per worker per step.
+        batch_size: B, rows per worker per micro-batch.
         epoch: the epoch, from 0.
         step_in_epoch: the step within the epoch, from 0.
         seed: the job's seed.
+        grad_accum_steps: k, micro-batches per optimizer step.
 
     Returns:
-        [B'] int64 row indices into x_train, B' <= batch_size; empty when the shard has no
-        rows left at this step (shorter shards run out before the longest one).
+        [R] int64 row indices into x_train, R <= B * k; empty when the shard has no rows
+        left at this step (shorter shards run out before the longest one).
     """
     start, stop = shard_bounds(n_train, shard_index, shard_count)
     perm = np.random.default_rng((seed, epoch, shard_index)).permutation(stop - start)
-    rows = perm[step_in_epoch * batch_size : (step_in_epoch + 1) * batch_size]
+    per_step = batch_size * grad_accum_steps
+    rows = perm[step_in_epoch * per_step : (step_in_epoch + 1) * per_step]
     return (rows + start).astype(np.int64)

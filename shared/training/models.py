@@ -164,14 +164,25 @@ def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def buffer_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Map the name of every buffer (e.g. BatchNorm running statistics) to its shape.
+
+    In ``model.named_buffers()`` order; names never collide with parameter names.
+    """
+    return {name: tuple(b.shape) for name, b in model.named_buffers()}
+
+
 def check_param_arrays(
-    arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]
+    arrays: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[int, ...]],
+    what: str = "parameter",
 ) -> None:
     """Check that received parameters or gradients have exactly the expected names and shapes.
 
     Args:
         arrays: name -> array, as decoded from the wire.
-        expected: name -> shape, from ``param_shapes`` of the job's model.
+        expected: name -> shape, from ``param_shapes`` (or ``buffer_shapes``) of the model.
+        what: ``parameter`` or ``buffer``, for the messages.
 
     Raises:
         ValueError: names missing or unknown, or a shape differs; the message names them.
@@ -179,8 +190,8 @@ def check_param_arrays(
     missing = sorted(expected.keys() - arrays.keys())
     unknown = sorted(arrays.keys() - expected.keys())
     if missing or unknown:
-        raise ValueError(f"parameter names differ: missing {missing}, unknown {unknown}")
+        raise ValueError(f"{what} names differ: missing {missing}, unknown {unknown}")
     for name, shape in expected.items():
         got = tuple(np.shape(arrays[name]))
         if got != shape:
-            raise ValueError(f"parameter {name!r}: expected shape {shape}, got {got}")
+            raise ValueError(f"{what} {name!r}: expected shape {shape}, got {got}")

@@ -101,6 +101,8 @@ async def test_kill9_coordinator_during_training_resumes_and_succeeds(tmp_path: 
     assert final.state == "SUCCEEDED", final.error
     assert final.result["resumed_from_step"] >= 40
     assert final.result["test_accuracy"] >= 0.95
+    # The epochs before the restart come back from the checkpoint with the model.
+    assert [e["epoch"] for e in final.result["history"]] == list(range(1, 16))
 
 
 async def test_kill9_worker_during_training_succeeds(tmp_path: Path) -> None:

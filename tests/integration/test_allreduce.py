@@ -132,7 +132,7 @@ async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster)
     assert [h["epoch"] for h in result["history"]] == list(range(1, result["epochs"] + 1))
 
 
-BN_MODEL = {"import": "tests.fixtures.models:bn_mlp"}
+BN_MODEL = {"import": "tests.fixtures.models:bn_hidden_mlp"}
 
 
 async def test_sync_batchnorm_equals_single_process_batchnorm(make_cluster) -> None:

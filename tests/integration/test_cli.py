@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.cli_helpers import run_cli as _cli
 
@@ -41,6 +42,7 @@ def test_status_json_lists_the_workers(up_cluster: tuple[str, Path]) -> None:
     assert [w["name"] for w in workers] == ["worker-0", "worker-1", "worker-2"]
     for w in workers:
         assert w["state"] == "ALIVE" and w["device"] == "cpu" and w["address"]
+        assert w["train_device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
 def test_invalid_spec_exits_2_with_one_line(up_cluster: tuple[str, Path], tmp_path: Path) -> None:

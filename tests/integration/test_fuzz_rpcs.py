@@ -600,6 +600,17 @@ def test_compute_gradients_with_parameters_of_another_model_is_invalid_argument(
     assert code is SC.INVALID_ARGUMENT
 
 
+def test_compute_gradients_with_a_non_finite_loss_scale_is_invalid_argument(
+    cluster: Cluster,
+) -> None:
+    header = worker_pb2.GradientRequest(
+        header=worker_pb2.StepHeader(job_id=JOB_ID, params_version=7, loss_scale=float("nan"))
+    )
+    method = next(m for m in METHODS if m.name == "ComputeGradients")
+    code = call(cluster, method, [header.SerializeToString()])
+    assert code is SC.INVALID_ARGUMENT
+
+
 def test_report_failure_of_a_slot_out_of_range_is_invalid_argument(cluster: Cluster) -> None:
     request = coordinator_pb2.ReportFailureRequest(reporter="w9", worker="w8", slots=[1, S])
     with pytest.raises(grpc.RpcError) as info:

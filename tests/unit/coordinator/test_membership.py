@@ -164,3 +164,21 @@ def test_a_draining_worker_leaves_the_alive_list_but_still_times_out() -> None:
     clock.now += TIMEOUT_S + 1
     assert {w.name for w in m.sweep()} == {"w0", "w1"}
     assert m.set_draining("w0") is False  # a dead worker cannot start draining
+
+
+def test_the_training_device_is_kept_apart_from_the_kernels_device(tmp_path) -> None:
+    from coordinator.persistence import StateStore
+
+    m = _membership(FakeClock())
+    rec, _, _ = m.register("w0", "h:1", "cpu", "p1", train_device="cuda:0")
+    assert (rec.device, rec.train_device) == ("cpu", "cuda:0")
+    assert m.register("w1", "h:2", "cpu")[0].train_device == "cpu"  # the default
+
+    store = StateStore(tmp_path)
+    store.save_worker("w0", "h:1", "cpu", "p1", "cuda:0")
+    # As an earlier version saved it: no training device recorded.
+    store._db.execute("INSERT INTO workers VALUES ('w1', 'h:2', 'cpu', 'p2')")
+    store.close()
+    saved = {w.name: w.train_device for w in StateStore(tmp_path).load_workers()}
+
+    assert saved == {"w0": "cuda:0", "w1": "cpu"}

@@ -166,6 +166,18 @@ def test_exhausted_shard_gives_an_empty_batch() -> None:
     assert len(batch_indices(10, 1, 3, 3, 0, 1, 0)) == 0
 
 
+def test_accumulation_steps_take_the_rows_of_one_k_times_larger_batch() -> None:
+    # k micro-batches of B rows consume the rows of one batch of k * B, step for step.
+    for step in range(4):
+        np.testing.assert_array_equal(
+            batch_indices(1437, 1, 3, 16, 1, step, 0, grad_accum_steps=4),
+            batch_indices(1437, 1, 3, 64, 1, step, 0),
+        )
+    assert steps_per_epoch(1437, 3, 16, 4) == steps_per_epoch(1437, 3, 64) == 8
+    spec = TrainJobSpec(kind="train", workers=3, epochs=2, batch_size=16, grad_accum_steps=4)
+    assert total_steps(spec, 1437) == 16
+
+
 def test_an_archive_claiming_a_giant_array_is_refused_before_allocation(tmp_path) -> None:
     import io
     import zipfile

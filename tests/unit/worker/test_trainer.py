@@ -10,7 +10,9 @@ from torch import nn
 from shared.config import TrainJobSpec
 from shared.training.data import batch_indices, load_dataset
 from shared.training.models import build_model
-from worker.trainer import Trainer, TrainerError
+from worker.trainer import DeviceUnavailable, Trainer, TrainerError
+
+BN_MODEL = {"import": "tests.fixtures.models:bn_mlp"}
 
 
 def make_spec(**overrides: object) -> TrainJobSpec:
@@ -100,3 +102,98 @@ def test_set_shard_takes_over_another_shard(trainer: Trainer) -> None:
     assert t.train_samples == trainer.train_samples and a.loss_sum == pytest.approx(b.loss_sum)
     with pytest.raises(ValueError, match="bad shard"):
         t.set_shard(3, 3)
+
+
+def params_of(t: Trainer) -> dict[str, np.ndarray]:
+    return {n: a.detach().cpu().numpy().copy() for n, a in t.model.state_dict().items()}
+
+
+def test_accumulated_micro_batches_equal_one_larger_batch() -> None:
+    big = Trainer(make_spec(batch_size=64), shard_index=1, shard_count=3)
+    small = Trainer(make_spec(batch_size=16, grad_accum_steps=4), shard_index=1, shard_count=3)
+    big.set_params(params_of(big), 0)
+    small.set_params(params_of(big), 0)
+
+    a, b = big.compute_gradients(1, 2), small.compute_gradients(1, 2)
+
+    assert a.samples == b.samples == 64 and b.loss_sum == pytest.approx(a.loss_sum, rel=1e-6)
+    for name, g in a.grads.items():
+        np.testing.assert_allclose(b.grads[name], g, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_a_short_last_step_weights_its_micro_batches_by_rows() -> None:
+    # 479 rows, 2 micro-batches of 32 per step: the 8th step has 31 rows, one micro-batch.
+    big = Trainer(make_spec(batch_size=64), shard_index=1, shard_count=3)
+    small = Trainer(make_spec(batch_size=32, grad_accum_steps=2), shard_index=1, shard_count=3)
+    big.set_params(params_of(big), 0)
+    small.set_params(params_of(big), 0)
+
+    a, b = big.compute_gradients(0, 7), small.compute_gradients(0, 7)
+
+    assert a.samples == b.samples == 479 - 7 * 64
+    for name, g in a.grads.items():
+        np.testing.assert_allclose(b.grads[name], g, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_loss_scaling_is_undone_in_float32_and_overflow_is_reported(trainer: Trainer) -> None:
+    plain = trainer.compute_gradients(0, 1)
+
+    scaled = trainer.compute_gradients(0, 1, loss_scale=2.0**16)
+    overflow = trainer.compute_gradients(0, 1, loss_scale=float("inf"))
+
+    assert plain.finite and scaled.finite and not overflow.finite
+    assert scaled.loss_sum == pytest.approx(plain.loss_sum)  # the loss is reported unscaled
+    for name, g in plain.grads.items():
+        np.testing.assert_allclose(scaled.grads[name], g, rtol=1e-5, atol=1e-8, err_msg=name)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_gradients_are_close_to_fp32(precision: str) -> None:
+    ref = Trainer(make_spec(), shard_index=0, shard_count=3)
+    low = Trainer(make_spec(precision=precision), shard_index=0, shard_count=3)
+    ref.set_params(params_of(ref), 0)
+    low.set_params(params_of(ref), 0)
+
+    a, b = ref.compute_gradients(0, 0), low.compute_gradients(0, 0, loss_scale=1024.0)
+
+    assert b.finite and b.loss_sum == pytest.approx(a.loss_sum, rel=0.02)
+    for name, g in a.grads.items():  # same direction within the precision's rounding
+        low_g = b.grads[name].ravel().astype(np.float64)
+        cosine = low_g @ g.ravel() / (np.linalg.norm(low_g) * np.linalg.norm(g))
+        assert b.grads[name].dtype == np.float32 and cosine > 0.99, (name, cosine)
+
+
+def test_buffers_come_back_with_the_running_statistics_of_the_batch() -> None:
+    t = Trainer(make_spec(model=BN_MODEL), 0, 3, allowed_imports=["tests.fixtures"])
+    t.set_params(params_of(t), 0)
+    rows = batch_indices(1437, 0, 3, 32, 0, 0, 0)
+    x = t.data.rows((0, 3)).x[rows].reshape(32, -1).astype(np.float64)
+
+    result = t.compute_gradients(0, 0)
+
+    assert set(result.buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    # torch's BatchNorm: r = (1 - 0.1) r + 0.1 * batch statistic (variance unbiased).
+    np.testing.assert_allclose(result.buffers["1.running_mean"], 0.1 * x.mean(0), atol=1e-6)
+    np.testing.assert_allclose(
+        result.buffers["1.running_var"], 0.9 + 0.1 * x.var(0, ddof=1), atol=1e-6
+    )
+    assert result.buffers["1.num_batches_tracked"] == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_without_a_cuda_device_is_refused() -> None:
+    with pytest.raises(DeviceUnavailable, match="device: cuda asked for"):
+        Trainer(make_spec(device="cuda"), 0, 3, daemon="worker w0")
+
+
+@pytest.mark.gpu
+def test_the_model_and_batches_live_on_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    t = Trainer(make_spec(device="cuda"), 0, 3)
+    t.set_params(params_of(t), 0)
+
+    result = t.compute_gradients(0, 0)
+
+    assert all(p.is_cuda for p in t.model.parameters())
+    assert result.samples == 32 and all(g.dtype == np.float32 for g in result.grads.values())

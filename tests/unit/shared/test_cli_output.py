@@ -1,0 +1,85 @@
+"""What the CLI prints: a train job's history as epochs end, the workers' training device."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from shared.cli.output import follow_job, print_status
+from shared.client import JobInfo
+
+
+def entry(epoch: int) -> dict[str, Any]:
+    return {
+        "epoch": epoch,
+        "train_loss": 1.0 / epoch,
+        "test_loss": 0.5 / epoch,
+        "test_accuracy": 0.9 + epoch / 100,
+        "lr": 0.001,
+        "samples_per_s": 12345.0,
+    }
+
+
+def job(state: str, result: dict[str, Any] | None = None) -> JobInfo:
+    return JobInfo("train-1", "train", state, {}, result, "")
+
+
+class FakeClient:
+    """Replays progress events as ``SyncClient.watch`` yields them."""
+
+    def __init__(self, events: list[tuple[JobInfo, dict[str, Any]]]) -> None:
+        self.events = events
+
+    def watch(self, job_id: str) -> Iterator[tuple[JobInfo, dict[str, Any]]]:
+        yield from self.events
+
+
+# Epoch 2's event was coalesced away (a slow watcher): its row comes with epoch 3's event.
+RESULT = {"test_accuracy": 0.93, "history": [entry(1), entry(2), entry(3)]}
+EVENTS = [
+    (job("RUNNING"), {"step": 1, "steps": 9, "history": []}),
+    (job("RUNNING"), {"step": 3, "steps": 9, "history": [entry(1)]}),
+    (job("RUNNING"), {"step": 4, "steps": 9, "history": [entry(1)]}),
+    (job("RUNNING"), {"step": 9, "steps": 9, "history": [entry(1), entry(2), entry(3)]}),
+    (job("SUCCEEDED", RESULT), {"step": 9, "steps": 9, "history": [entry(2), entry(3)]}),
+]
+
+
+def test_follow_prints_each_epoch_once_under_one_header(capsys: pytest.CaptureFixture) -> None:
+    follow_job(FakeClient(EVENTS), job("QUEUED"), as_json=False)  # type: ignore[arg-type]
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["epoch", "train_loss", "test_loss", "test_acc", "lr", "samples/s"]
+    assert lines[1].split() == ["1", "1.0000", "0.5000", "0.9100", "0.001", "12,345"]
+    assert [line.split()[0] for line in lines[2:4]] == ["2", "3"]
+    assert lines[4] == "train-1 SUCCEEDED"
+    assert not any("history" in line for line in lines)  # not repeated as a JSON field
+
+
+def test_follow_json_prints_only_the_document(capsys: pytest.CaptureFixture) -> None:
+    follow_job(FakeClient(EVENTS), job("QUEUED"), as_json=True)  # type: ignore[arg-type]
+
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["epoch"] for e in doc["result"]["history"]] == [1, 2, 3]
+
+
+def test_status_shows_the_training_device(capsys: pytest.CaptureFixture) -> None:
+    worker = {
+        "name": "w0",
+        "address": "h:1",
+        "state": "ALIVE",
+        "device": "cpu",
+        "train_device": "cuda:0",
+        "memories": 5,
+        "slots_primary": 3,
+        "slots_replica": 4,
+    }
+
+    print_status({"workers": [worker], "jobs": {}})
+
+    out = capsys.readouterr().out
+    assert "training" in out
+    assert "cuda:0" in out.split("w0", 1)[1].splitlines()[0]
