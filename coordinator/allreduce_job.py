@@ -375,7 +375,7 @@ class AllreduceJob:
     # -- state, evaluation, files -----------------------------------------------------------
 
     def _load(self, data: bytes) -> dict[str, Any]:
-        state: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+        state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         self._model.load_state_dict(state["model"])
         return state
 

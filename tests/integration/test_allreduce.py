@@ -74,11 +74,21 @@ def _max_diff(path: str, ref: dict[str, torch.Tensor]) -> float:
     return max(float((got[k] - v).abs().max()) for k, v in ref.items())
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-async def test_allreduce_equals_single_process_training(make_cluster, workers: int) -> None:
-    # Arrange
+def _cuda(n: int) -> Any:
+    return pytest.param(n, "cuda", marks=pytest.mark.gpu, id=f"{n}-cuda")
+
+
+@pytest.mark.parametrize(
+    ("workers", "device"), [(1, "cpu"), (2, "cpu"), (3, "cpu"), _cuda(1), _cuda(2)]
+)
+async def test_allreduce_equals_single_process_training(
+    make_cluster, workers: int, device: str
+) -> None:
+    # Arrange (on CUDA: nccl, the same tolerance)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
     cluster = await make_cluster(workers=workers)
-    spec = _spec(workers)
+    spec = _spec(workers, device=device)
     async with cluster.client() as client:
         # Act
         job = await client.submit(spec)
@@ -117,15 +127,18 @@ async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster)
             per_epoch = progress.get("steps", 0) // progress.get("epochs", 1)
             if progress and progress["step"] >= per_epoch + per_epoch // 2:
                 break
-        # Act
+        # Act: worker-1 dies; worker-3 turns up and is taken in at a later generation.
         await kill_abruptly(cluster.workers[1])
+        await cluster.add_worker("worker-3")
         final = await client.wait(job.job_id)
 
-    # Assert: a second generation of the survivors finished the job.
+    # Assert: new generations (survivors, then with the newcomer) finished the job.
     assert final.state == "SUCCEEDED", final.error
     result = final.result
     assert result["worker_failures"] == 1
-    assert result["generations"] == 2
+    assert result["generations"] in (2, 3)  # 2 when worker-3 registered before the 2nd
+    assert set(result["workers"]) == {"worker-0", "worker-1", "worker-2", "worker-3"}
+    assert result["workers"]["worker-3"]["generations"] == 1
     assert result["test_accuracy"] >= 0.95
     n_train = 1797 - int(np.ceil(1797 * 0.2))
     assert [h["samples"] for h in result["history"]] == [n_train] * result["epochs"]

@@ -378,6 +378,21 @@ def seeds(method: Method, c: Cluster) -> list[Any]:
         )
         chunks = [worker_pb2.GradientRequest(param=ch) for ch in tensors_to_chunks(_params(c), 256)]
         return [[header, *chunks], [header]]
+    if method.name == "RunAllreduce":
+        spec = json.dumps({**TINY_TRAIN, "strategy": "allreduce"})
+        head = worker_pb2.AllreduceHeader(job_id="fuzz-other", spec_json=spec, world_size=1)
+        with_state = worker_pb2.AllreduceHeader(
+            job_id="fuzz-other", spec_json=spec, world_size=2, rank=1, state_follows=True
+        )
+        return [
+            [worker_pb2.AllreduceInput(header=head)],
+            [worker_pb2.AllreduceInput(header=head), worker_pb2.AllreduceInput(rendezvous="")],
+            [
+                worker_pb2.AllreduceInput(header=with_state),
+                worker_pb2.AllreduceInput(state=b"\x80\x02"),
+                worker_pb2.AllreduceInput(state_done=True),
+            ],
+        ]
     if method.name == "PutDataset":
         import io
 
@@ -432,6 +447,11 @@ def _make_safe(method: Method, raw: bytes, c: Cluster) -> bytes | None:
             msg.job_id = "fuzz-other"
         if _valid_spec(msg.spec_json):  # keep training tiny
             msg.spec_json = json.dumps(TINY_TRAIN)
+    elif name == "RunAllreduce" and msg.HasField("header"):
+        if _valid_spec(msg.header.spec_json):  # no training process is started: refused
+            msg.header.spec_json = json.dumps(
+                {"kind": "train", "strategy": "allreduce", "steps": 0}
+            )
     elif name == "StopTraining" and msg.job_id == JOB_ID:
         msg.job_id = "fuzz-other"
     elif name == "Decay":
