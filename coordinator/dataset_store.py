@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from coordinator.dataset_check import ArrayInfo, DatasetTooLarge, check_dataset
+from shared.fsync import fsync_dir
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_NAME_CHARS = 128
@@ -163,7 +164,7 @@ class Upload:
             self.discard()
             raise
         self.committed = True
-        _fsync_dir(self.target.parent)
+        fsync_dir(self.target.parent)
         return StoredDataset(
             self.name, self.label, self.received, self._sha.hexdigest(), kind, arrays
         )
@@ -205,15 +206,6 @@ def remove_stale_uploads(root: Path) -> list[str]:
     for p in stale:
         p.unlink(missing_ok=True)
     return [p.name for p in stale]
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (POSIX: fsync the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)

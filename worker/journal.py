@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.fsync import fsync_dir
 from shared.logging import get_logger
 from shared.memory.slots import sort_key
 from shared.proto import worker_pb2
@@ -183,15 +184,6 @@ def _truncate(path: Path, size: int) -> None:
         f.truncate(size)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Fsync a directory, so that a file created or renamed in it survives a power cut."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def capture(store: SlotStore, recent: list[Request], gen: int) -> SnapshotState:

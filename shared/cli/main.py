@@ -9,8 +9,8 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -30,9 +30,42 @@ from shared.config import (
 )
 from shared.logging import configure_logging
 
+# The two daemons' configs; each daemon's ``serve`` takes its own.
+DaemonConfig = TypeVar("DaemonConfig", CoordinatorConfig, WorkerConfig)
 
-def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
-    """Run a daemon's ``serve`` coroutine on uvloop (asyncio's loop without it) to the end."""
+
+def _run_daemon(
+    model: type[DaemonConfig],
+    serve: Callable[[DaemonConfig, str | None], Coroutine[Any, Any, None]],
+    args: argparse.Namespace,
+    **own: Any,
+) -> int:
+    """Load a daemon's config, set up logging, and run its ``serve`` on uvloop to the end.
+
+    Flags override the YAML config, which overrides the defaults. Asyncio's own loop runs
+    ``serve`` where uvloop is missing.
+
+    Args:
+        model: the daemon's config class.
+        serve: the daemon's ``serve(cfg, ready_file)``.
+        args: the parsed command line (``--config``, the flags both daemons take).
+        **own: the overrides of the daemon's own flags (None keeps the config's).
+
+    Raises:
+        ConfigError: an invalid config or flag (exit code 2).
+    """
+    cfg = load_config(
+        model,
+        args.config,
+        listen=args.listen,
+        data_dir=args.data_dir,
+        metrics_port=args.metrics_port,
+        **own,
+        **exposure_overrides(args),
+        **daemon_overrides(args),
+    )
+    configure_logging(cfg.log)
+    main = serve(cfg, args.ready_file)
     try:
         import uvloop
 
@@ -53,17 +86,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     """
     from coordinator.server import serve
 
-    cfg = load_config(
-        CoordinatorConfig,
-        args.config,
-        listen=args.listen,
-        data_dir=args.data_dir,
-        metrics_port=args.metrics_port,
-        **exposure_overrides(args),
-        **daemon_overrides(args),
-    )
-    configure_logging(cfg.log)
-    return _run_daemon(serve(cfg, args.ready_file))
+    return _run_daemon(CoordinatorConfig, serve, args)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -76,21 +99,45 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """
     from worker.server import serve
 
-    cfg = load_config(
+    return _run_daemon(
         WorkerConfig,
-        args.config,
+        serve,
+        args,
         coordinator=args.coordinator,
-        listen=args.listen,
         name=args.name,
         advertise_host=args.advertise_host,
         device=args.device,
-        data_dir=args.data_dir,
-        metrics_port=args.metrics_port,
-        **exposure_overrides(args),
-        **daemon_overrides(args),
     )
-    configure_logging(cfg.log)
-    return _run_daemon(serve(cfg, args.ready_file))
+
+
+def _add_daemon_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    command: tuple[str, str, Callable[[argparse.Namespace], int]],
+    listen_default: str,
+    data_dir_help: str,
+) -> argparse.ArgumentParser:
+    """Add the command that runs a daemon, with the flags both daemons take (``_run_daemon``).
+
+    Args:
+        sub: the subcommands of ``neuroshard``.
+        command: the daemon's name (that of its example config too), help line and function.
+        listen_default: the ``--listen`` default, for the help.
+        data_dir_help: the help of ``--data-dir``.
+
+    Returns:
+        The command's parser, for the daemon's own flags.
+    """
+    name, help_line, func = command
+    p = sub.add_parser(name, help=help_line)
+    p.add_argument("--config", help=f"YAML config (configs/{name}.yaml)")
+    p.add_argument("--listen", help=f"HOST:PORT to serve on (default {listen_default})")
+    p.add_argument("--data-dir", help=data_dir_help)
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
+    p.add_argument("--ready-file", help=argparse.SUPPRESS)
+    add_exposure_flags(p)
+    add_daemon_flags(p)
+    p.set_defaults(func=func)
+    return p
 
 
 def add_exposure_flags(parser: argparse.ArgumentParser) -> None:
@@ -202,31 +249,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="neuroshard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("coordinator", help="run the coordinator daemon")
-    c.add_argument("--config", help="YAML config (configs/coordinator.yaml)")
-    c.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051)")
-    c.add_argument("--data-dir", help="directory for models and state")
-    c.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
-    c.add_argument("--ready-file", help=argparse.SUPPRESS)
-    add_exposure_flags(c)
-    add_daemon_flags(c)
-    c.set_defaults(func=cmd_coordinator)
-
-    w = sub.add_parser("worker", help="run a worker daemon")
+    _add_daemon_command(
+        sub,
+        ("coordinator", "run the coordinator daemon", cmd_coordinator),
+        listen_default="127.0.0.1:50051",
+        data_dir_help="directory for models and state",
+    )
+    w = _add_daemon_command(
+        sub,
+        ("worker", "run a worker daemon", cmd_worker),
+        listen_default="127.0.0.1:0",
+        data_dir_help="directory for slot data",
+    )
     w.add_argument("--coordinator", help="coordinator HOST:PORT (default localhost:50051)")
-    w.add_argument("--config", help="YAML config (configs/worker.yaml)")
-    w.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:0)")
     w.add_argument("--name", help="worker name (default: the hostname)")
     w.add_argument(
         "--advertise-host", help="host others reach this worker at, e.g. its pod DNS name"
     )
     w.add_argument("--device", choices=["auto", "cpu", "cuda"], help="memory kernels' device")
-    w.add_argument("--data-dir", help="directory for slot data")
-    w.add_argument("--metrics-port", type=int, help="Prometheus port (0: any free port)")
-    w.add_argument("--ready-file", help=argparse.SUPPRESS)
-    add_exposure_flags(w)
-    add_daemon_flags(w)
-    w.set_defaults(func=cmd_worker)
 
     u = sub.add_parser("up", help="run a local cluster in the foreground (Ctrl-C stops it)")
     u.add_argument("--workers", type=int, default=3, help="number of workers (default 3)")

@@ -178,9 +178,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def _print_stats(doc: dict[str, Any]) -> None:
     """Print ``memory stats`` for people: strength figures, histogram, slots, workers."""
-    from rich.table import Table
-
-    from shared.cli.output import out_console
+    from shared.cli.output import out_console, print_workers, slot_figures
 
     q = doc["quality"]
     out_console.print(
@@ -188,22 +186,17 @@ def _print_stats(doc: dict[str, Any]) -> None:
     )
     hist = "  ".join(f"{i / 10:.1f}+: {c}" for i, c in enumerate(q["histogram"]))
     out_console.print(f"histogram: {hist}")
-    out_console.print(
-        f"slots: {doc['slots']}  epoch {doc['slot_map_epoch']}  replication factor "
-        f"{doc['replication_factor']}  under-replicated {doc['under_replicated_slots']}"
+    out_console.print(slot_figures(doc))
+    print_workers(
+        doc["workers"],
+        [
+            ("worker", "name"),
+            ("state", "state"),
+            ("memories held", "memories"),
+            ("primary slots", "slots_primary"),
+            ("replica slots", "slots_replica"),
+        ],
     )
-    table = Table()
-    for col in ("worker", "state", "memories held", "primary slots", "replica slots"):
-        table.add_column(col)
-    for w in doc["workers"]:
-        table.add_row(
-            w["name"],
-            w["state"],
-            str(w["memories"]),
-            str(w["slots_primary"]),
-            str(w["slots_replica"]),
-        )
-    out_console.print(table)
 
 
 @_usage_errors

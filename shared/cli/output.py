@@ -142,37 +142,50 @@ def print_result(job: JobInfo) -> None:
 
 def print_status(status: dict[str, Any]) -> None:
     """Print ``Client.status()`` for people: a table of workers, job counts, slot figures."""
-    table = Table(title="workers")
-    for col in (
-        "name",
-        "address",
-        "state",
-        "device",
-        "training",  # the training device; "device" is the memory kernels'
-        "memories",
-        "primary",
-        "replica",
-    ):
-        table.add_column(col)
-    for w in status["workers"]:
-        table.add_row(
-            w["name"],
-            w["address"],
-            w["state"],
-            w["device"],
-            w["train_device"],
-            str(w["memories"]),
-            str(w["slots_primary"]),
-            str(w["slots_replica"]),
-        )
-    out_console.print(table)
+    print_workers(
+        status["workers"],
+        [
+            ("name", "name"),
+            ("address", "address"),
+            ("state", "state"),
+            ("device", "device"),
+            ("training", "train_device"),  # the training device; "device" is the memory kernels'
+            ("memories", "memories"),
+            ("primary", "slots_primary"),
+            ("replica", "slots_replica"),
+        ],
+        title="workers",
+    )
     jobs = ", ".join(f"{k.lower()} {v}" for k, v in status["jobs"].items() if v) or "none"
     out_console.print(f"jobs: {jobs}")
     if status.get("slots"):
-        out_console.print(
-            f"slots: {status['slots']}  epoch {status['slot_map_epoch']}  replication factor "
-            f"{status['replication_factor']}  under-replicated {status['under_replicated_slots']}"
-        )
+        out_console.print(slot_figures(status))
+
+
+def print_workers(
+    workers: list[dict[str, Any]], columns: list[tuple[str, str]], title: str | None = None
+) -> None:
+    """Print a table of workers, one row each.
+
+    Args:
+        workers: the workers of ``Client.status()`` (or a subset of each one's keys).
+        columns: ``(heading, key)`` of each column, in order; values are shown with ``str``.
+        title: the table's title, if any.
+    """
+    table = Table(title=title)
+    for heading, _ in columns:
+        table.add_column(heading)
+    for w in workers:
+        table.add_row(*(str(w[key]) for _, key in columns))
+    out_console.print(table)
+
+
+def slot_figures(status: dict[str, Any]) -> str:
+    """One line of a status's slot figures: slots, map epoch, replication, under-replicated."""
+    return (
+        f"slots: {status['slots']}  epoch {status['slot_map_epoch']}  replication factor "
+        f"{status['replication_factor']}  under-replicated {status['under_replicated_slots']}"
+    )
 
 
 def print_jobs(jobs: list[JobInfo]) -> None:

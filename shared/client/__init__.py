@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -66,6 +67,19 @@ class NeuroshardError(Exception):
         """Keep ``code`` beside the message."""
         super().__init__(message)
         self.code = code
+
+
+@contextmanager
+def _refused_input() -> Iterator[None]:
+    """Raise a ``MemoryInputError`` of the block as INVALID_ARGUMENT: nothing was sent.
+
+    Raises:
+        NeuroshardError: INVALID_ARGUMENT with the error's message (it names the field).
+    """
+    try:
+        yield
+    except MemoryInputError as exc:
+        raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
 
 
 def _error(
@@ -414,12 +428,9 @@ class Client:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
                 UNAVAILABLE when the batch could not be delivered.
         """
-        try:
-            ids, strengths, checked = validate_upsert(
-                ids, strengths, payloads, await self._payload_limit()
-            )
-        except MemoryInputError as exc:
-            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        limit = await self._payload_limit()
+        with _refused_input():
+            ids, strengths, checked = validate_upsert(ids, strengths, payloads, limit)
         if checked is not None and None in checked:
             # The wire has no "leave this payload alone" per item: b"" removes a payload.
             i = checked.index(None)
@@ -445,10 +456,8 @@ class Client:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
                 UNAVAILABLE when the batch could not be delivered.
         """
-        try:
+        with _refused_input():
             ids, boosts = validate_reinforce(ids, boosts)
-        except MemoryInputError as exc:
-            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         return int(await self._routed(self._router.reinforce(ids, boosts)))
 
     async def delete(self, ids: npt.ArrayLike) -> int:
@@ -460,10 +469,8 @@ class Client:
         Raises:
             NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); UNAVAILABLE.
         """
-        try:
+        with _refused_input():
             ids = as_ids(ids)
-        except MemoryInputError as exc:
-            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         return int(await self._routed(self._router.delete(ids)))
 
     async def get(
@@ -482,10 +489,8 @@ class Client:
         Raises:
             NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); UNAVAILABLE.
         """
-        try:
+        with _refused_input():
             ids = as_ids(ids)
-        except MemoryInputError as exc:
-            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         return await self._routed(self._router.get(ids, with_payloads))
 
     async def decay(self, rate: float) -> int:

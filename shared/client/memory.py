@@ -46,6 +46,10 @@ Reply = TypeVar("Reply")
 Positions: TypeAlias = npt.NDArray[np.int64]  # [n] positions in the batch
 # One keyed RPC: (worker's stub, map epoch, positions of the batch it carries) -> its reply
 Call: TypeAlias = Callable[[worker_pb2_grpc.WorkerStub, int, Positions], Awaitable[Reply]]
+# One keyed write: (worker's stub, map epoch, request id, positions it carries) -> its reply
+Send: TypeAlias = Callable[
+    [worker_pb2_grpc.WorkerStub, int, bytes, Positions], Awaitable[worker_pb2.WriteResponse]
+]
 # Where the router gets the current slot map from
 SlotMapSource: TypeAlias = Callable[[], Awaitable[common_pb2.SlotMap]]
 
@@ -217,6 +221,24 @@ class MemoryRouter:
 
     # -- keyed operations -------------------------------------------------------------------
 
+    async def _write(self, ids: npt.NDArray[np.uint64], send: Send) -> int:
+        """Route a keyed write of ``ids`` with ``send``; return the sum of ``applied``.
+
+        One request id serves every part and every retry of the batch: workers dedup by it,
+        so a part sent again after a lost reply is not applied twice.
+
+        Raises:
+            RoutingError: as ``route``.
+        """
+        rid = uuid.uuid4().bytes
+
+        async def call(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        ) -> worker_pb2.WriteResponse:
+            return await send(stub, epoch, rid, idx)
+
+        return sum(int(r.applied) for _, r in await self.route(ids, call))
+
     async def upsert(
         self,
         ids: npt.NDArray[np.uint64],
@@ -233,10 +255,9 @@ class MemoryRouter:
         Raises:
             RoutingError: as ``route``.
         """
-        rid = uuid.uuid4().bytes  # one id for every part and retry: workers dedup by it
 
-        async def call(
-            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        async def send(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
             return await stub.Upsert(
                 worker_pb2.UpsertRequest(
@@ -249,7 +270,7 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return sum(int(r.applied) for _, r in await self.route(ids, call))
+        return await self._write(ids, send)
 
     async def reinforce(self, ids: npt.NDArray[np.uint64], boosts: npt.NDArray[np.float32]) -> int:
         """Reinforce with a validated batch; return the ids found.
@@ -261,10 +282,9 @@ class MemoryRouter:
         Raises:
             RoutingError: as ``route``.
         """
-        rid = uuid.uuid4().bytes
 
-        async def call(
-            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        async def send(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
             return await stub.Reinforce(
                 worker_pb2.ReinforceRequest(
@@ -276,7 +296,7 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return sum(int(r.applied) for _, r in await self.route(ids, call))
+        return await self._write(ids, send)
 
     async def delete(self, ids: npt.NDArray[np.uint64]) -> int:
         """Delete memories; return how many existed.
@@ -287,17 +307,16 @@ class MemoryRouter:
         Raises:
             RoutingError: as ``route``.
         """
-        rid = uuid.uuid4().bytes
 
-        async def call(
-            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
+        async def send(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
             return await stub.Delete(
                 worker_pb2.DeleteRequest(epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx])),
                 timeout=self._timeout_s,
             )
 
-        return sum(int(r.applied) for _, r in await self.route(ids, call))
+        return await self._write(ids, send)
 
     async def get(
         self, ids: npt.NDArray[np.uint64], with_payloads: bool

@@ -231,9 +231,7 @@ def ids_from_bytes(data: bytes, field: str = "ids") -> npt.NDArray[np.uint64]:
     Raises:
         CodecError: the byte length is not a multiple of 8 (INVALID_ARGUMENT).
     """
-    if len(data) % 8:
-        raise CodecError(f"{field}: {len(data)} bytes is not a whole number of uint64 values")
-    return np.frombuffer(data, dtype="<u8").astype(np.uint64, copy=False)
+    return _from_le_bytes(data, field, "<u8", np.uint64)
 
 
 def f32_from_bytes(data: bytes, field: str = "values") -> npt.NDArray[np.float32]:
@@ -249,6 +247,18 @@ def f32_from_bytes(data: bytes, field: str = "values") -> npt.NDArray[np.float32
     Raises:
         CodecError: the byte length is not a multiple of 4 (INVALID_ARGUMENT).
     """
-    if len(data) % 4:
-        raise CodecError(f"{field}: {len(data)} bytes is not a whole number of float32 values")
-    return np.frombuffer(data, dtype="<f4").astype(np.float32, copy=False)
+    return _from_le_bytes(data, field, "<f4", np.float32)
+
+
+def _from_le_bytes(
+    data: bytes, field: str, wire: str, native: type[np.generic]
+) -> npt.NDArray[Any]:
+    """Decode ``data`` as ``wire`` values into ``native`` ones (a view on little-endian hosts).
+
+    Raises:
+        CodecError: the byte length is not a multiple of the item size, naming ``field``.
+    """
+    if len(data) % np.dtype(wire).itemsize:
+        name = np.dtype(native).name
+        raise CodecError(f"{field}: {len(data)} bytes is not a whole number of {name} values")
+    return np.frombuffer(data, dtype=wire).astype(native, copy=False)

@@ -22,8 +22,10 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import jwt
 from cryptography.hazmat.primitives import serialization
@@ -35,6 +37,7 @@ ALGORITHM = "EdDSA"
 PRIVATE_KEY_NAME, PUBLIC_KEY_NAME = "private.pem", "public.pem"
 _TTL = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+K = TypeVar("K", Ed25519PrivateKey, Ed25519PublicKey)
 
 
 class TokenError(Exception):
@@ -141,6 +144,25 @@ def _read_bytes(field: str, path: str | Path) -> bytes:
         raise KeyFileError(f"{field} {path}: {exc.strerror or exc}") from None
 
 
+def _read_ed25519(
+    field: str, path: str | Path, load: Callable[[bytes], object], kind: type[K], what: str
+) -> K:
+    """Read ``path``, parse it with ``load`` and check that the key is a ``kind``.
+
+    Raises:
+        KeyFileError: missing, unreadable, not ``what`` (``load`` refused it) or not
+            Ed25519 (names ``field`` and the file).
+    """
+    data = _read_bytes(field, path)
+    try:
+        key = load(data)
+    except (ValueError, TypeError):
+        raise KeyFileError(f"{field} {path}: is not {what} (neuroshard token keygen)") from None
+    if not isinstance(key, kind):
+        raise KeyFileError(f"{field} {path}: is not an Ed25519 key ({type(key).__name__})")
+    return key
+
+
 def read_private_key(path: str | Path, field: str = "private_key_file") -> Ed25519PrivateKey:
     """Load the Ed25519 private key that signs tokens from a PEM file.
 
@@ -152,16 +174,13 @@ def read_private_key(path: str | Path, field: str = "private_key_file") -> Ed255
         KeyFileError: missing, unreadable, encrypted, not PEM or not Ed25519 (names
             ``field`` and the file).
     """
-    data = _read_bytes(field, path)
-    try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError):
-        raise KeyFileError(
-            f"{field} {path}: is not an unencrypted PEM private key (neuroshard token keygen)"
-        ) from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise KeyFileError(f"{field} {path}: is not an Ed25519 key ({type(key).__name__})")
-    return key
+    return _read_ed25519(
+        field,
+        path,
+        lambda data: serialization.load_pem_private_key(data, password=None),
+        Ed25519PrivateKey,  # type: ignore[type-abstract]  # for isinstance only (mypy#4717)
+        "an unencrypted PEM private key",
+    )
 
 
 def read_public_key(path: str | Path, field: str = "public_key_file") -> Ed25519PublicKey:
@@ -175,16 +194,13 @@ def read_public_key(path: str | Path, field: str = "public_key_file") -> Ed25519
         KeyFileError: missing, unreadable, not PEM or not Ed25519 (names ``field`` and the
             file).
     """
-    data = _read_bytes(field, path)
-    try:
-        key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError):
-        raise KeyFileError(
-            f"{field} {path}: is not a PEM public key (neuroshard token keygen)"
-        ) from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise KeyFileError(f"{field} {path}: is not an Ed25519 key ({type(key).__name__})")
-    return key
+    return _read_ed25519(
+        field,
+        path,
+        serialization.load_pem_public_key,
+        Ed25519PublicKey,  # type: ignore[type-abstract]  # for isinstance only (mypy#4717)
+        "a PEM public key",
+    )
 
 
 def read_token_file(path: str | Path, field: str = "token_file") -> str:
