@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from coordinator.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
+from coordinator.checkpoints import read_checkpoint, write_checkpoint
 from coordinator.evaluation import evaluate
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
@@ -406,21 +406,14 @@ class AllreduceJob:
             _save(self._model, self.best_model_path)
 
     def _checkpoint(self, step: int, data: bytes) -> None:
-        """Write (step, state) to the checkpoint file: fsynced, then renamed over the old."""
-        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(step.to_bytes(8, "little") + data)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.checkpoint_path)
+        write_checkpoint(self.checkpoint_path, step, data)
 
     def _restore(self) -> int:
         """Load the checkpoint if one exists; return the step it holds (0: none)."""
-        if not self.checkpoint_path.exists():
+        saved = read_checkpoint(self.checkpoint_path)
+        if saved is None:
             return 0
-        raw = self.checkpoint_path.read_bytes()
-        self._state, self._state_step = raw[8:], int.from_bytes(raw[:8], "little")
+        self._state_step, self._state = saved
         self._advance(self._state_step)
         log.info("train_resumed", job_id=self.job.job_id, step=self._state_step)
         return self._state_step

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.aggregation import ParameterServer, average_buffers, weighted_average
+from coordinator.checkpoints import read_checkpoint, write_checkpoint
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
 from coordinator.train_history import TrainHistory
@@ -271,20 +272,16 @@ class TrainJob:
 
     def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
         """Atomically write (next step, parameter-server state, history) to the checkpoint."""
-        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        state = ps.state({"history": history.to_doc()})
-        tmp.write_bytes(next_step.to_bytes(8, "little") + state)
-        tmp.replace(self.checkpoint_path)
+        write_checkpoint(self.checkpoint_path, next_step, ps.state({"history": history.to_doc()}))
 
     def _restore(self, ps: ParameterServer, history: TrainHistory) -> int:
         """Load the checkpoint if one exists; return the step to start from."""
-        if not self.checkpoint_path.exists():
+        saved = read_checkpoint(self.checkpoint_path)
+        if saved is None:
             return 0
-        data = self.checkpoint_path.read_bytes()
-        run = ps.load_state(data[8:])
+        step, state = saved
+        run = ps.load_state(state)
         history.load_doc(run.get("history", {}))
-        step = int.from_bytes(data[:8], "little")
         log.info("train_resumed", job_id=self.job.job_id, step=step)
         return step
 

@@ -1,0 +1,44 @@
+"""Training checkpoints on the coordinator's disk: (next step, state bytes), durable.
+
+Both strategies write the same layout, ``DATA_DIR/checkpoints/JOB.ckpt``: 8 bytes of the
+step to resume from (little-endian), then the strategy's state (torch.save bytes). A write
+goes to a temporary file that is fsynced, renamed over the old checkpoint, and the directory
+fsynced, so a power cut leaves the old checkpoint or the new one, never a torn file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shared.fsync import fsync_dir
+
+
+def write_checkpoint(path: Path, step: int, state: bytes) -> None:
+    """Durably replace the checkpoint at ``path`` with (``step``, ``state``).
+
+    Args:
+        path: the checkpoint file; its directory is created if missing.
+        step: the step training resumes from (>= 0).
+        state: the strategy's state, bytes.
+
+    Raises:
+        OSError: the disk refused the write or the fsync.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(step.to_bytes(8, "little"))
+        f.write(state)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    fsync_dir(path.parent)
+
+
+def read_checkpoint(path: Path) -> tuple[int, bytes] | None:
+    """The (step, state) at ``path``, or None when there is no checkpoint."""
+    if not path.exists():
+        return None
+    data = path.read_bytes()
+    return int.from_bytes(data[:8], "little"), data[8:]
