@@ -303,16 +303,16 @@ class AllreduceJob:
         e.samples += int(p.samples)
         e.loss_sum += float(p.loss_sum)
         e.correct += int(p.correct)
-        steps = int(p.step) - prog.applied
-        e.seconds += float(p.step_s) * max(steps, 0)
+        e.seconds += float(p.seconds)
         self._advance(int(p.step))
         prog.samples += int(p.samples)
         prog.lr = float(p.lr)
-        prog.train_seconds += float(p.step_s) * max(steps, 0)
-        if steps > 0:
-            self._metrics.train_steps.inc(steps)
-            self._metrics.step_seconds.labels("allreduce").observe(float(p.step_s))
-        await self._publish(e, float(p.step_s))
+        prog.train_seconds += float(p.seconds)
+        step_s = float(p.seconds) / max(int(p.steps), 1)
+        if p.steps:
+            self._metrics.train_steps.inc(int(p.steps))
+            self._metrics.step_seconds.labels("allreduce").observe(step_s)
+        await self._publish(e, step_s)
 
     async def _publish(self, epoch: _EpochStats, step_s: float) -> None:
         prog = self._progress
@@ -342,14 +342,16 @@ class AllreduceJob:
         return -(-self._total // self._per_epoch)
 
     async def _on_state(self, step: int, reason: str, data: bytes) -> None:
+        """A state from rank 0: full (checkpoint, final) or the model alone (epoch)."""
         self._advance(step)
-        self._state, self._state_step = data, step
         if reason == "final":
             self._final = data
-        else:
+        if reason in ("checkpoint", "final"):
+            self._state, self._state_step = data, step
+        if reason == "checkpoint":
             await asyncio.to_thread(self._checkpoint, step, data)
-        evaluated = {h["step"] for h in self._progress.history}
-        if reason in ("epoch", "final") and step not in evaluated:
+        at_epoch_end = step % self._per_epoch == 0 or step >= self._total
+        if at_epoch_end and step not in {h["step"] for h in self._progress.history}:
             await asyncio.to_thread(self._evaluate, step, data)
 
     def _advance(self, step: int) -> None:
@@ -374,10 +376,11 @@ class AllreduceJob:
 
     # -- state, evaluation, files -----------------------------------------------------------
 
-    def _load(self, data: bytes) -> dict[str, Any]:
+    def _load(self, data: bytes) -> None:
+        """Load rank 0's model into the coordinator's copy (from a full state or the model's)."""
         state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        self._model.load_state_dict(state["model"])
-        return state
+        full = "model" in state and "optimizer" in state and "step" in state
+        self._model.load_state_dict(state["model"] if full else state)
 
     def _evaluate(self, step: int, data: bytes) -> None:
         """Evaluate rank 0's state at an epoch's end; keep the history and the best model."""

@@ -12,8 +12,9 @@ Frames, daemon to child:
     ``stop`` {}: end the generation at the next control point (a rescale)
 Frames, child to daemon:
     ``ready`` {port}: rank 0's store listens (the coordinator tells the other ranks)
-    ``progress`` {step, epoch, samples, loss_sum, correct, step_s, lr} (rank 0)
-    ``state`` {step, reason} + torch.save bytes (rank 0; reason checkpoint, epoch or final)
+    ``progress`` {step, epoch, samples, loss_sum, correct, steps, seconds, lr} (rank 0)
+    ``state`` {step, reason} + torch.save bytes (rank 0): the full state (reason checkpoint,
+    final) or the model's state_dict alone (epoch, for evaluation)
     ``ended`` {held_step, done, reason}: the generation is over; the replica holds held_step
     ``fatal`` {message}: the child cannot train this job, and exits
 
@@ -166,8 +167,7 @@ class _Generation:
         if self.rank == 0 and r.step > 0 and (r.step >= r.total_steps or r.step % r.per_epoch == 0):
             # The last generation may have ended between an epoch's (or the job's) last step
             # and the state it owed: send it again; the coordinator takes it once.
-            owed = "final" if r.step >= r.total_steps else "epoch"
-            self.pipe.write(Frame("state", {"step": r.step, "reason": owed}, r.state_bytes()))
+            self._send_state("final" if r.step >= r.total_steps else "epoch")
         sums, steps, t0 = StepStats(), 0, time.perf_counter()
         while r.step < r.total_steps:
             s = r.train_step(ddp, self.rank, self.world)
@@ -178,48 +178,60 @@ class _Generation:
             reason = self._boundary(r.step)
             if reason is None and r.step % CONTROL_EVERY:
                 continue
-            stop = self._control(sums, steps, time.perf_counter() - t0)
-            if self.rank == 0 and reason is not None:
-                self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, r.state_bytes()))
-            sums, steps, t0 = StepStats(), 0, time.perf_counter()
+            stop, totals = self._control(sums)
+            now = time.perf_counter()
+            if self.rank == 0:
+                self._progress(totals, steps, now - t0)
+                if reason is not None:  # its time counts in the next report's seconds
+                    self._send_state(reason)
+            sums, steps, t0 = StepStats(), 0, now
             if stop and r.step < r.total_steps:
                 return False, "stopped for a new generation"
         return True, ""
+
+    def _send_state(self, reason: str) -> None:
+        """Rank 0's state: the full state (checkpoint, final), the model alone (epoch)."""
+        r = self.replica
+        payload = r.model_bytes() if reason == "epoch" else r.state_bytes()
+        self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, payload))
 
     def _boundary(self, step: int) -> str | None:
         """Why rank 0 sends its state after ``step`` steps (None: it does not)."""
         r = self.replica
         if step >= r.total_steps:
             return "final"
-        if step % r.per_epoch == 0:
-            return "epoch"
         if step % self.checkpoint_every == 0:
             return "checkpoint"
+        if step % r.per_epoch == 0:
+            return "epoch"
         return None
 
-    def _control(self, sums: StepStats, steps: int, seconds: float) -> bool:
-        """All-reduce the stop flag and the progress sums; rank 0 reports progress."""
+    def _control(self, sums: StepStats) -> tuple[bool, StepStats]:
+        """All-reduce the stop flag and the progress sums: (stop, the sums of every rank)."""
         flag = 1.0 if self.inbox.stop.is_set() else 0.0
         t = torch.tensor([flag, sums.samples, sums.loss_sum, sums.correct], dtype=torch.float64)
         dist.all_reduce(t)
+        return bool(t[0] > 0), StepStats(int(t[1]), float(t[2]), int(t[3]))
+
+    def _progress(self, totals: StepStats, steps: int, seconds: float) -> None:
+        """Rank 0 reports the steps since the last report and their wall seconds.
+
+        The seconds run from the previous report to this one, so the time rank 0 spends
+        sending a state counts in the report after it.
+        """
         r = self.replica
-        if self.rank == 0:
-            epoch, _ = r.epoch_of(r.step - 1)
-            self.pipe.write(
-                Frame(
-                    "progress",
-                    {
-                        "step": r.step,
-                        "epoch": epoch,
-                        "samples": int(t[1]),
-                        "loss_sum": float(t[2]),
-                        "correct": int(t[3]),
-                        "step_s": seconds / max(steps, 1),
-                        "lr": r.lr,
-                    },
-                )
-            )
-        return bool(t[0] > 0)
+        epoch, _ = r.epoch_of(r.step - 1)
+        fields = {
+            "step": r.step,
+            "epoch": epoch,
+            "samples": totals.samples,
+            "loss_sum": totals.loss_sum,
+            "correct": totals.correct,
+            "steps": steps,
+            "seconds": seconds,
+            "lr": r.lr,
+        }
+        self.pipe.write(Frame("progress", fields))
 
 
 def _c10d() -> Any:

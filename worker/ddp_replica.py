@@ -177,6 +177,12 @@ class Replica:
         s.loss_sum += float(losses.detach())
         s.correct += int((logits.argmax(dim=1) == y).sum())
 
+    def model_bytes(self) -> bytes:
+        """torch.save bytes of the model's state_dict alone (parameters and buffers)."""
+        buf = io.BytesIO()
+        torch.save(self.model.state_dict(), buf)
+        return buf.getvalue()
+
     def state_bytes(self) -> bytes:
         """torch.save bytes of model, optimizer, lr schedule, grad scaler and step."""
         buf = io.BytesIO()

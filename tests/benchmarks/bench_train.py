@@ -30,8 +30,31 @@ from shared.training.data import Dataset, load_dataset
 from shared.training.models import build_model
 
 
-def _setup(spec: TrainJobSpec, rows: int, threads: int) -> tuple[nn.Module, Any, Any, Any]:
-    """Model, optimizer and one fixed batch of ``rows`` training rows (x, y)."""
+class _Batches:
+    """A plain training loop's data: each step the next rows of a per-epoch permutation.
+
+    Every runner indexes its step's rows out of the training split, as neuroshard's
+    processes do (and as a DataLoader over a shuffled data set would), rather than
+    re-using one fixed batch; ``rank``/``world`` take a contiguous part of each step's rows.
+    """
+
+    def __init__(self, x: Any, y: Any, global_batch: int, seed: int) -> None:
+        self.x, self.y, self.g, self.seed = x, y, global_batch, seed
+        self.epoch, self.pos = 0, len(y)
+        self.perm = np.empty(0, np.int64)
+
+    def next(self, rank: int = 0, world: int = 1) -> tuple[Any, Any]:
+        if self.pos + self.g > len(self.y):
+            self.perm = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.y))
+            self.epoch, self.pos = self.epoch + 1, 0
+        rows = self.perm[self.pos : self.pos + self.g]
+        self.pos += self.g
+        mine = torch.from_numpy(np.array_split(rows, world)[rank])
+        return self.x[mine], self.y[mine]
+
+
+def _setup(spec: TrainJobSpec, global_batch: int, threads: int) -> tuple[nn.Module, Any, _Batches]:
+    """Model, optimizer and the step batches of ``global_batch`` rows."""
     torch.set_num_threads(threads)
     ds: Dataset = load_dataset(spec.data, spec.seed, spec.test_fraction)
     model = build_model(spec.model, ds.input_shape, ds.num_classes, spec.seed)
@@ -41,12 +64,15 @@ def _setup(spec: TrainJobSpec, rows: int, threads: int) -> tuple[nn.Module, Any,
         if o.name == "sgd"
         else torch.optim.Adam(model.parameters(), lr=o.lr)
     )
-    idx = np.random.default_rng(spec.seed).integers(0, len(ds.y_train), size=rows)
-    return model, opt, torch.from_numpy(ds.x_train[idx]), torch.from_numpy(ds.y_train[idx])
+    x, y = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    return model, opt, _Batches(x, y, global_batch, spec.seed)
 
 
-def _train_steps(model: nn.Module, opt: Any, x: Any, y: Any, steps: int) -> None:
+def _train_steps(
+    model: nn.Module, opt: Any, data: _Batches, steps: int, rank: int = 0, world: int = 1
+) -> None:
     for _ in range(steps):
+        x, y = data.next(rank, world)
         opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -64,12 +90,12 @@ def run_single_process(
         repeats: timed repetitions.
         threads: torch intra-op threads.
     """
-    model, opt, x, y = _setup(spec, global_batch, threads)
-    _train_steps(model, opt, x, y, 1)
+    model, opt, data = _setup(spec, global_batch, threads)
+    _train_steps(model, opt, data, 1)
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        _train_steps(model, opt, x, y, steps)
+        _train_steps(model, opt, data, steps)
         rates.append(global_batch * steps / (time.perf_counter() - t0))
     return statistics.median(rates)
 
@@ -87,15 +113,14 @@ def _ddp_rank(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model, opt, x, y = _setup(spec, global_batch, threads)
-        local = slice(rank * global_batch // world, (rank + 1) * global_batch // world)
+        model, opt, data = _setup(spec, global_batch, threads)
         ddp = nn.parallel.DistributedDataParallel(model)
-        _train_steps(ddp, opt, x[local], y[local], 1)
+        _train_steps(ddp, opt, data, 1, rank, world)
         times = []
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
-            _train_steps(ddp, opt, x[local], y[local], steps)
+            _train_steps(ddp, opt, data, steps, rank, world)
             dist.barrier()
             times.append(time.perf_counter() - t0)
         if rank == 0:
