@@ -42,9 +42,10 @@ from shared.training.data import load_dataset
 from worker.child_pipe import BlockingPipe, Frame, PipeClosed
 from worker.ddp_replica import Replica, StepStats
 
-# Steps between control points (a small all-reduce of the stop flag and progress sums);
+# Steps between control points (a small all-reduce of the stop flag and progress sums: one
+# more latency-bound collective, so not every step);
 # epoch ends, checkpoints and the last step are control points too.
-CONTROL_EVERY = 8
+CONTROL_EVERY = 20
 
 
 class _Inbox:
