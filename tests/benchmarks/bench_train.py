@@ -1,9 +1,16 @@
-"""Training throughput: single process vs torch DDP (gloo) vs neuroshard allreduce and sync.
+"""``make bench-train``: single process vs torch DDP (gloo) vs neuroshard allreduce and sync.
 
-Every runner trains the same model on the same GLOBAL batch per step (split across processes
-where there are several) and reports the median samples/s over ``repeats`` timed runs of
-``steps`` optimizer steps, after one untimed warm-up step. Not collected by pytest; run with
-``python -m tests.benchmarks.bench_train`` (``make bench-train``).
+Three parts (``--parts``):
+
+- throughput: every runner trains the same model on the same GLOBAL batch per step (split
+  across processes where there are several), indexing each step's rows of a per-epoch
+  permutation; the runners take turns, one timed run of ``--steps`` steps each per round, for
+  ``--repeats`` rounds; medians of the rates and of the per-round ratios;
+- time: wall seconds from submit to test accuracy 0.95 on digits (allreduce, sync);
+- elastic: kill -9 of one of 3 allreduce workers to the next step, next to the start of a
+  fresh 2-process DDP group (what torchrun does on every membership change).
+
+Not collected by pytest; run with ``python -m tests.benchmarks.bench_train``.
 """
 
 from __future__ import annotations
@@ -156,31 +163,17 @@ def run_ddp_gloo(
     return statistics.median(global_batch * steps / t for t in times)
 
 
-def run_neuroshard(
-    strategy: str,
-    workers: int,
-    spec: TrainJobSpec,
-    global_batch: int,
-    steps: int,
-    repeats: int = 5,
+def neuroshard_rate(
+    client: Any, strategy: str, workers: int, spec: TrainJobSpec, b: int, s: int
 ) -> float:
-    """Median samples/s of neuroshard jobs on a local cluster of ``workers`` worker processes.
-
-    ``spec`` with the strategy, batch_size = global_batch // workers and ``steps`` steps is
-    submitted ``repeats + 1`` times (the first warms the cluster up); each job's own
-    samples/s covers its training steps (sync: its step loop after the workers loaded the
-    data; allreduce: rank 0's step time, after the DDP processes started), as the other
-    runners time steps after a warm-up.
-    """
-    doc = _job(spec, strategy, workers, global_batch, steps=steps)
-    rates = []
-    with _cluster(workers) as (_cluster_, client):
-        for _ in range(repeats + 1):
-            final = client.wait(client.submit(doc).job_id)
-            if final.state != "SUCCEEDED":
-                raise RuntimeError(f"benchmark job {final.state}: {final.error}")
-            rates.append(float(final.result["samples_per_s"]))
-    return statistics.median(rates[1:])
+    """samples/s of one neuroshard job of ``s`` steps at global batch ``b`` on ``client``'s
+    cluster: the job's own figure, which covers its training steps (sync: its step loop after
+    the workers loaded the data; allreduce: rank 0's steps, after the DDP processes started),
+    as the other runners time steps after a warm-up."""
+    final = client.wait(client.submit(_job(spec, strategy, workers, b, steps=s)).job_id)
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"benchmark job {final.state}: {final.error}")
+    return float(final.result["samples_per_s"])
 
 
 def _job(spec: TrainJobSpec, strategy: str, workers: int, global_batch: int, **kw: Any) -> dict:
@@ -303,23 +296,42 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _throughput(spec: TrainJobSpec, model: str, b: int, s: int, r: int) -> None:
-    rows: list[tuple[str, Callable[[], float]]] = [
-        ("single-process, 1 thread", lambda: run_single_process(spec, b, s, r, threads=1)),
-        ("torch DDP gloo, 2 procs x 1 thread", lambda: run_ddp_gloo(spec, b, s, r)),
-        ("neuroshard allreduce, 1 worker", lambda: run_neuroshard("allreduce", 1, spec, b, s, r)),
-        ("neuroshard allreduce, 2 workers", lambda: run_neuroshard("allreduce", 2, spec, b, s, r)),
-        ("neuroshard sync, 1 worker", lambda: run_neuroshard("sync", 1, spec, b, s, r)),
-        ("neuroshard sync, 2 workers", lambda: run_neuroshard("sync", 2, spec, b, s, r)),
-    ]
-    print(f"{model}, global batch {b}, {s} steps x {r} repeats, median samples/s")
+    """Every runner once per round, ``r`` rounds; medians, and medians of per-round ratios.
+
+    Interleaving the runners round by round makes them share the machine's drifts (on a
+    shared 2-core VM their rates move by tens of percent within minutes), and a per-round
+    ratio compares runs taken a few seconds apart. The neuroshard jobs run on one local
+    cluster of 2 worker processes (a 1-worker job uses one of them), warmed up first.
+    """
+    with _cluster(2) as (_c, client):
+        runners: list[tuple[str, Callable[[], float]]] = [
+            ("single-process, 1 thread", lambda: run_single_process(spec, b, s, 1, threads=1)),
+            ("torch DDP gloo, 2 procs x 1 thread", lambda: run_ddp_gloo(spec, b, s, 1)),
+            *(
+                (f"neuroshard {st}, {w} worker{'s' * (w > 1)}", _ns(client, st, w, spec, b, s))
+                for st in ("allreduce", "sync")
+                for w in (1, 2)
+            ),
+        ]
+        for _, run in runners[2:]:
+            run()  # warm-up: imports, data, first connections
+        rates: dict[str, list[float]] = {name: [] for name, _ in runners}
+        for _ in range(r):
+            for name, run in runners:
+                rates[name].append(run())
+    single, ddp = rates[runners[0][0]], rates[runners[1][0]]
+    print(f"{model}, global batch {b}, {s} steps, {r} interleaved rounds, medians")
     print(f"{'runner':<36} {'samples/s':>12} {'vs 1 proc':>10} {'vs DDP':>8}")
-    single = ddp = None
-    for name, run in rows:
-        rate = run()
-        single = single or rate
-        ddp = rate if name.startswith("torch DDP") else ddp
-        vs_ddp = f"{rate / ddp:>8.2f}" if ddp else f"{'':>8}"
-        print(f"{name:<36} {rate:>12,.0f} {rate / single:>10.2f} {vs_ddp}", flush=True)
+    for name, xs in rates.items():
+        vs1 = statistics.median(x / y for x, y in zip(xs, single, strict=True))
+        vsd = statistics.median(x / y for x, y in zip(xs, ddp, strict=True))
+        print(f"{name:<36} {statistics.median(xs):>12,.0f} {vs1:>10.2f} {vsd:>8.2f}", flush=True)
+
+
+def _ns(
+    client: Any, strategy: str, workers: int, spec: TrainJobSpec, b: int, s: int
+) -> Callable[[], float]:
+    return lambda: neuroshard_rate(client, strategy, workers, spec, b, s)
 
 
 if __name__ == "__main__":
