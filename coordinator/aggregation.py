@@ -11,7 +11,6 @@ num_batches_tracked) to an array of that buffer's shape and dtype.
 from __future__ import annotations
 
 import io
-import pickle
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import nn
 from coordinator.evaluation import evaluate
 from coordinator.loss_scale import LossScale
 from shared.config import TrainJobSpec
-from shared.training.controls import make_lr_scheduler, make_optimizer
+from shared.training.controls import UNLOADABLE, make_lr_scheduler, make_optimizer
 from shared.training.data import Dataset
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
 
@@ -254,12 +253,5 @@ class ParameterServer:
             self.loss_scale.load_state_dict(state["loss_scale"])
             self.version = int(state["version"])
             return dict(state["run"])
-        except (
-            pickle.UnpicklingError,
-            RuntimeError,
-            KeyError,
-            TypeError,
-            ValueError,
-            EOFError,
-        ) as exc:
+        except UNLOADABLE as exc:
             raise ValueError(f"not a checkpoint of this job's model: {exc}") from None

@@ -228,18 +228,8 @@ class Cluster:
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         assert isinstance(job.spec, TrainJobSpec)
-        if job.spec.strategy == "allreduce":
-            return await AllreduceJob(
-                job,
-                workers,
-                self.cfg,
-                self.clients,
-                self.jobs,
-                self.metrics,
-                alive=self.membership.alive,
-                train_sets=self.train_sets,
-            ).run()
-        return await TrainJob(
+        strategy = AllreduceJob if job.spec.strategy == "allreduce" else TrainJob
+        return await strategy(
             job,
             workers,
             self.cfg,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shared.config import TrainJobSpec
 from shared.training.controls import (
+    UNLOADABLE,
     autocast,
     current_lr,
     make_grad_scaler,
@@ -215,13 +215,6 @@ class Replica:
             self.scheduler.load_state_dict(state["scheduler"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
-        except (
-            pickle.UnpicklingError,
-            RuntimeError,
-            KeyError,
-            TypeError,
-            ValueError,
-            EOFError,
-        ) as exc:
+        except UNLOADABLE as exc:
             raise StateError(f"not a checkpoint of this job: {exc}") from None
         self.step = step

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -17,6 +18,17 @@ from torch import nn
 from shared.config import TrainJobSpec
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# What ``torch.load(weights_only=True)`` and the ``load_state_dict`` methods raise on bytes
+# that are not a checkpoint of the job's model: truncated, foreign, or of other shapes.
+UNLOADABLE: tuple[type[Exception], ...] = (
+    pickle.UnpicklingError,
+    RuntimeError,
+    KeyError,
+    TypeError,
+    ValueError,
+    EOFError,
+)
 
 
 def make_optimizer(spec: TrainJobSpec, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
