@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +143,7 @@ class AllreduceJob:
         self.failures = 0
         data_dir = Path(cfg.data_dir)
         self.checkpoint_path = data_dir / "checkpoints" / f"{job.job_id}.ckpt"
+        self.run_path = data_dir / "checkpoints" / f"{job.job_id}.run"  # history, best
         self.model_path = data_dir / "models" / f"{job.job_id}.pt"
         self.best_model_path = data_dir / "models" / f"{job.job_id}.best.pt"
 
@@ -409,6 +411,10 @@ class AllreduceJob:
             _save(self._model, self.best_model_path)
 
     def _checkpoint(self, step: int, data: bytes) -> None:
+        """Rank 0's state, and beside it the job's history and best accuracy (JSON)."""
+        prog = self._progress
+        run = {"history": prog.history, "best_acc": prog.best_acc}
+        write_checkpoint(self.run_path, step, json.dumps(run).encode())
         write_checkpoint(self.checkpoint_path, step, data)
 
     def _restore(self) -> int:
@@ -418,6 +424,15 @@ class AllreduceJob:
             return 0
         self._state_step, self._state = saved
         self._advance(self._state_step)
+        run = read_checkpoint(self.run_path)
+        if run is not None:
+            doc = json.loads(run[1])
+            prog = self._progress
+            prog.history = [h for h in doc["history"] if h["step"] <= self._state_step]
+            prog.best_acc = float(doc["best_acc"])
+            if prog.history:
+                prog.test_loss = prog.history[-1]["test_loss"]
+                prog.test_acc = prog.history[-1]["test_accuracy"]
         log.info("train_resumed", job_id=self.job.job_id, step=self._state_step)
         return self._state_step
 
@@ -425,6 +440,7 @@ class AllreduceJob:
         self._load(self._final)
         _save(self._model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
+        self.run_path.unlink(missing_ok=True)
         prog = self._progress
         return {
             "strategy": "allreduce",
