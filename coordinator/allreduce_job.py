@@ -141,6 +141,7 @@ class AllreduceJob:
         self._progress = _Progress()
         self.generations = 0
         self.failures = 0
+        self._device = "cpu"  # where the last generation trained
         data_dir = Path(cfg.data_dir)
         self.checkpoint_path = data_dir / "checkpoints" / f"{job.job_id}.ckpt"
         self.run_path = data_dir / "checkpoints" / f"{job.job_id}.run"  # history, best
@@ -254,7 +255,7 @@ class AllreduceJob:
 
     def _spec_json(self, ranks: list[WorkerRecord]) -> str:
         """The spec with ``device`` resolved for this generation's ranks (``job_device``)."""
-        device = job_device(self.spec.device, ranks)
+        device = self._device = job_device(self.spec.device, ranks)
         return self.spec.model_copy(update={"device": device}).model_dump_json(by_alias=True)
 
     async def _fill(self, members: list[WorkerRecord], failed: set[str]) -> list[WorkerRecord]:
@@ -444,6 +445,7 @@ class AllreduceJob:
         prog = self._progress
         return {
             "strategy": "allreduce",
+            "device": self._device,
             "test_accuracy": prog.test_acc,
             "test_loss": prog.test_loss,
             "best_test_accuracy": prog.best_acc,

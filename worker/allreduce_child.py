@@ -230,7 +230,7 @@ class _Generation:
             "correct": totals.correct,
             "steps": steps,
             "seconds": seconds,
-            "lr": r.lr,
+            "lr": r.last_lr,
         }
         self.pipe.write(Frame("progress", fields))
 

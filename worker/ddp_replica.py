@@ -101,6 +101,7 @@ class Replica:
         self.scheduler = make_lr_scheduler(spec, self.optimizer, self.total_steps)
         self.scaler = make_grad_scaler(spec.precision, device)
         self.step = 0
+        self.last_lr = self.lr  # the learning rate of the last step taken
         self._perm_epoch = -1
         self._perm = np.empty(0, np.int64)
 
@@ -141,6 +142,7 @@ class Replica:
             RuntimeError (torch.distributed.DistBackendError among them): a collective
                 failed or timed out; the replica keeps the state of ``self.step``.
         """
+        self.last_lr = self.lr
         rows = self._rows(self.step)
         mine = rank_rows(rows, rank, world_size)
         scale = world_size / max(len(rows), 1)

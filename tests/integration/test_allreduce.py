@@ -236,6 +236,6 @@ async def test_history_follows_the_lr_schedule(make_cluster) -> None:
     history, total = final.result["history"], final.result["steps"]
     assert [h["epoch"] for h in history] == [1, 2, 3]
     parsed = TrainJobSpec(**spec)
-    for h in history:  # the lr of the step after the epoch's last
-        assert h["lr"] == pytest.approx(0.2 * lr_factor(parsed, h["step"], total), rel=1e-6)
+    for h in history:  # the lr of the epoch's last step
+        assert h["lr"] == pytest.approx(0.2 * lr_factor(parsed, h["step"] - 1, total), rel=1e-6)
     assert history[-1]["lr"] < history[0]["lr"]
