@@ -2,7 +2,8 @@
 
 The child (``worker.allreduce_child``) holds the job's replica across generations; this
 module starts it, hands it the training rows (a file data set is fetched from the
-coordinator once, whole, and written to a private temporary ``.npz``), relays one
+coordinator once, whole, and written to a private temporary ``.npz`` that is removed once
+the child has loaded it), relays one
 generation at a time, and kills it when the job ends, the coordinator goes away, or it stops
 answering.
 """
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
@@ -59,9 +61,9 @@ class GenerationOrder:
 class AllreduceChild:
     """One job's child process and the pipe to it."""
 
-    def __init__(self, job_id: str, proc: asyncio.subprocess.Process, tmp: Path) -> None:
+    def __init__(self, job_id: str, proc: asyncio.subprocess.Process) -> None:
         """Wrap a started child; use :meth:`start`."""
-        self.job_id, self._proc, self._tmp = job_id, proc, tmp
+        self.job_id, self._proc = job_id, proc
         assert proc.stdout is not None and proc.stdin is not None
         self.pipe = AsyncPipe(proc.stdout, proc.stdin)
         self.total_steps = 0
@@ -69,7 +71,7 @@ class AllreduceChild:
 
     @classmethod
     async def start(
-        cls, job_id: str, init: dict[str, object], tmp: Path, env: dict[str, str]
+        cls, job_id: str, init: dict[str, object], env: dict[str, str]
     ) -> AllreduceChild:
         """Start the child and send it ``init``; return once it has built its replica.
 
@@ -85,7 +87,7 @@ class AllreduceChild:
             env=env,
             limit=MAX_LINE_BYTES,
         )
-        child = cls(job_id, proc, tmp)
+        child = cls(job_id, proc)
         try:
             await child.pipe.write(Frame("init", dict(init)))
             first = await child.pipe.read()
@@ -139,14 +141,10 @@ class AllreduceChild:
             await self.pipe.write(Frame("stop"))
 
     def kill(self) -> None:
-        """Kill the process (idempotent) and remove its temporary files."""
+        """Kill the process (idempotent)."""
         if self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.kill()
-        for f in self._tmp.glob("*"):
-            f.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self._tmp.rmdir()
 
     async def wait(self) -> None:
         """Wait for the process to exit."""
@@ -203,8 +201,11 @@ class AllreduceSessions:
                 raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
             check_imports(spec, self._allowed_imports, self._daemon)
             tmp = Path(tempfile.mkdtemp(prefix=f"neuroshard-{job_id[:16]}-"))
-            init = await self._init(job_id, spec, spec_json, tmp)
-            child = await AllreduceChild.start(job_id, init, tmp, self._env())
+            try:
+                init = await self._init(job_id, spec, spec_json, tmp)
+                child = await AllreduceChild.start(job_id, init, self._env())
+            finally:  # the child has loaded its rows (or failed): the file has served
+                shutil.rmtree(tmp, ignore_errors=True)
             self._children[job_id] = child
             log.info("allreduce_child_started", job_id=job_id, steps=child.total_steps)
             return child

@@ -239,3 +239,30 @@ async def test_history_follows_the_lr_schedule(make_cluster) -> None:
     for h in history:  # the lr of the epoch's last step
         assert h["lr"] == pytest.approx(0.2 * lr_factor(parsed, h["step"] - 1, total), rel=1e-6)
     assert history[-1]["lr"] < history[0]["lr"]
+
+
+async def test_file_data_set_is_fetched_whole_and_its_temporary_copy_removed(
+    make_cluster, tmp_path: Path
+) -> None:
+    # Arrange: a user's .npz in the coordinator's data root (no shared disk with workers).
+    import tempfile
+
+    from sklearn.datasets import load_digits
+
+    cluster = await make_cluster(workers=2)
+    digits = load_digits()
+    root = tmp_path / "coord" / "datasets"
+    root.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (set-up, before any job)
+    np.savez(root / "mine.npz", x=(digits.images / 16).astype(np.float32), y=digits.target)
+    before = set(Path(tempfile.gettempdir()).glob("neuroshard-train-*"))  # noqa: ASYNC240
+    spec = _spec(2, data={"path": "mine.npz"})
+    async with cluster.client() as client:
+        # Act
+        job = await client.submit(spec)
+        final = await client.wait(job.job_id)
+
+    # Assert: trained on the fetched rows; no copy of them left in the temporary directory.
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["history"][-1]["samples"] == STEPS * 32  # 20 steps of 2 x 16 rows
+    left = set(Path(tempfile.gettempdir()).glob(f"neuroshard-{job.job_id[:16]}-*"))  # noqa: ASYNC240
+    assert left - before == set()
