@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -213,10 +212,6 @@ class ParameterServer:
     def evaluate(self) -> tuple[float, float]:
         """Mean cross-entropy (nats) and accuracy in [0, 1] on the test split (eval mode)."""
         return evaluate(self.model, self.dataset.x_test, self.dataset.y_test)
-
-    def save(self, path: str | Path) -> None:
-        """Write the model's ``state_dict`` with ``torch.save`` (load with weights_only)."""
-        torch.save(self.model.state_dict(), Path(path))
 
     def state(self, run: dict[str, Any] | None = None) -> bytes:
         """Serialize model, optimizer, schedule, loss scale and version, for a checkpoint.

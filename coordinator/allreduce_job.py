@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from coordinator.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
-from coordinator.checkpoints import read_checkpoint, write_checkpoint
+from coordinator.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.evaluation import evaluate
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
@@ -409,7 +408,7 @@ class AllreduceJob:
         )
         if prog.test_acc > prog.best_acc:
             prog.best_acc = prog.test_acc
-            _save(self._model, self.best_model_path)
+            save_model(self._model, self.best_model_path)
 
     def _checkpoint(self, step: int, data: bytes) -> None:
         """Rank 0's state, and beside it the job's history and best accuracy (JSON)."""
@@ -439,7 +438,7 @@ class AllreduceJob:
 
     def _result(self, resumed: int, seconds: float) -> dict[str, Any]:
         self._load(self._final)
-        _save(self._model, self.model_path)
+        save_model(self._model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
         self.run_path.unlink(missing_ok=True)
         prog = self._progress
@@ -476,8 +475,3 @@ class AllreduceJob:
             ),
             return_exceptions=True,
         )
-
-
-def _save(model: nn.Module, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), path)

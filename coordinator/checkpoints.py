@@ -1,4 +1,6 @@
-"""Training checkpoints on the coordinator's disk: (next step, state bytes), durable.
+"""Training files on the coordinator's disk: checkpoints and saved models.
+
+Checkpoints are (next step, state bytes), written durably.
 
 Both strategies write the same layout, ``DATA_DIR/checkpoints/JOB.ckpt``: 8 bytes of the
 step to resume from (little-endian), then the strategy's state (torch.save bytes). A write
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import torch
+from torch import nn
 
 from shared.fsync import fsync_dir
 
@@ -42,3 +47,13 @@ def read_checkpoint(path: Path) -> tuple[int, bytes] | None:
         return None
     data = path.read_bytes()
     return int.from_bytes(data[:8], "little"), data[8:]
+
+
+def save_model(model: nn.Module, path: Path) -> None:
+    """Write ``model.state_dict()`` with ``torch.save`` (load it with ``weights_only=True``).
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)

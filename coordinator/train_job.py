@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.aggregation import ParameterServer, average_buffers, weighted_average
-from coordinator.checkpoints import read_checkpoint, write_checkpoint
+from coordinator.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
 from coordinator.train_history import TrainHistory
@@ -162,7 +162,7 @@ class TrainJob:
                 await self._train_step(ps, step, run)
         finally:
             await self.members.stop()
-        await asyncio.to_thread(_save_model, ps, self.model_path)
+        await asyncio.to_thread(save_model, ps.model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
         return self._result(ps, run, start_step, device)
 
@@ -242,7 +242,7 @@ class TrainJob:
         """Evaluate, add the epoch's history entry, save the model if it is the best yet."""
         run.test_loss, run.test_acc = await asyncio.to_thread(ps.evaluate)
         if run.history.end_epoch(epoch + 1, run.test_loss, run.test_acc, lr):
-            await asyncio.to_thread(_save_model, ps, self.best_model_path)
+            await asyncio.to_thread(save_model, ps.model, self.best_model_path)
 
     async def _apply(
         self, ps: ParameterServer, results: dict[int, ShardResult], step: int
@@ -306,8 +306,3 @@ def job_device(spec_device: str, workers: list[WorkerRecord]) -> str:
     if spec_device == "auto":
         return "cuda" if workers and not without else "cpu"
     return spec_device
-
-
-def _save_model(ps: ParameterServer, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ps.save(path)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import os
 import shutil
 import sys
@@ -26,6 +25,7 @@ import numpy as np
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.logging import get_logger
 from shared.security.confinement import check_imports
+from shared.security.exposure import is_loopback
 from shared.training.data import DataError
 from worker.child_pipe import MAX_LINE_BYTES, AsyncPipe, Frame, PipeClosed
 from worker.shards import ShardFetcher
@@ -231,7 +231,7 @@ class AllreduceSessions:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        if "GLOO_SOCKET_IFNAME" not in env and _is_loopback(self._advertise_host):
+        if "GLOO_SOCKET_IFNAME" not in env and is_loopback(self._advertise_host):
             env["GLOO_SOCKET_IFNAME"] = "lo"
         return env
 
@@ -251,11 +251,3 @@ class AllreduceSessions:
         for job_id in list(self._children):
             self.stop(job_id)
         await asyncio.gather(*self._exiting, return_exceptions=True)
-
-
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    with contextlib.suppress(ValueError):
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    return False

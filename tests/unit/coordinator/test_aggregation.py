@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from coordinator.aggregation import ParameterServer, weighted_average
+from coordinator.checkpoints import save_model
 from shared.config import TrainJobSpec
 from shared.training.data import Dataset, load_dataset, steps_per_epoch
 from tests.training_reference import train_single_process
@@ -157,7 +158,7 @@ def test_load_state_rejects_garbage(digits: Dataset) -> None:
 def test_save_writes_a_loadable_state_dict(digits: Dataset, tmp_path: Path) -> None:
     ps = ParameterServer(make_spec(), digits)
 
-    ps.save(tmp_path / "model.pt")
+    save_model(ps.model, tmp_path / "model.pt")
 
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     assert set(state) == set(ps.params())
