@@ -51,6 +51,7 @@ from shared.training.partition import (
     allreduce_steps_per_epoch,
     allreduce_total_steps,
     global_batch_size,
+    step_rows,
 )
 
 log = get_logger("coordinator.allreduce_job")
@@ -84,8 +85,6 @@ class _Progress:
     applied: int = 0
     rows: dict[int, int] = field(default_factory=dict)
     epochs: dict[int, _EpochStats] = field(default_factory=dict)
-    samples: int = 0
-    train_seconds: float = 0.0  # rank 0's seconds in training steps (from progress)
     lr: float = float("nan")
     test_loss: float = float("nan")
     test_acc: float = float("nan")
@@ -307,9 +306,7 @@ class AllreduceJob:
         e.correct += int(p.correct)
         e.seconds += float(p.seconds)
         self._advance(int(p.step))
-        prog.samples += int(p.samples)
         prog.lr = float(p.lr)
-        prog.train_seconds += float(p.seconds)
         step_s = float(p.seconds) / max(int(p.steps), 1)
         if p.steps:
             self._metrics.train_steps.inc(int(p.steps))
@@ -373,8 +370,7 @@ class AllreduceJob:
         prog.applied = min(prog.applied, step)
 
     def _rows_of(self, step_in_epoch: int) -> int:
-        n = len(self._dataset.y_train)
-        return max(0, min(self._global_batch, n - step_in_epoch * self._global_batch))
+        return step_rows(len(self._dataset.y_train), self._global_batch, step_in_epoch)
 
     # -- state, evaluation, files -----------------------------------------------------------
 
@@ -442,6 +438,8 @@ class AllreduceJob:
         self.checkpoint_path.unlink(missing_ok=True)
         self.run_path.unlink(missing_ok=True)
         prog = self._progress
+        samples = sum(e.samples for e in prog.epochs.values())
+        training_s = sum(e.seconds for e in prog.epochs.values())  # rank 0's steps
         return {
             "strategy": "allreduce",
             "device": self._device,
@@ -450,9 +448,9 @@ class AllreduceJob:
             "best_test_accuracy": prog.best_acc,
             "steps": self._total,
             "epochs": self._epochs,
-            "samples": prog.samples,
+            "samples": samples,
             # Throughput of the training steps (rank 0's clock; not the processes' start-up).
-            "samples_per_s": prog.samples / max(prog.train_seconds, 1e-9),
+            "samples_per_s": samples / max(training_s, 1e-9),
             "seconds": seconds,
             "model_path": str(self.model_path.resolve()),
             "best_model_path": str(self.best_model_path.resolve()),

@@ -37,8 +37,8 @@ from shared.training.models import build_model
 from shared.training.partition import (
     allreduce_steps_per_epoch,
     allreduce_total_steps,
+    epoch_permutation,
     global_batch_size,
-    global_rows,
     micro_batches,
     rank_rows,
 )
@@ -115,10 +115,10 @@ class Replica:
         return divmod(step, self.per_epoch)
 
     def _rows(self, step: int) -> npt.NDArray[np.int64]:
-        """The global batch of ``step`` (``global_rows``, its epoch's permutation cached)."""
+        """The global batch of ``step`` (as ``global_rows``, its epoch's permutation cached)."""
         epoch, in_epoch = self.epoch_of(step)
         if self._perm_epoch != epoch:
-            self._perm = global_rows(self.n_train, self.n_train, self.spec.seed, epoch, 0)
+            self._perm = epoch_permutation(self.n_train, self.spec.seed, epoch)
             self._perm_epoch = epoch
         g = self.global_batch
         return self._perm[in_epoch * g : (in_epoch + 1) * g]

@@ -23,6 +23,7 @@ from sklearn.model_selection import train_test_split
 
 from shared.config import BuiltinData, FileData, TrainJobSpec
 from shared.npz import UNREADABLE, npz_members
+from shared.training.partition import allreduce_total_steps
 
 # A class centre is this many noise standard deviations from the origin per feature, so that
 # the synthetic blobs are learnable to high accuracy but not trivially by one feature.
@@ -248,6 +249,8 @@ def steps_per_epoch(
 def total_steps(spec: TrainJobSpec, n_train: int) -> int:
     """Return the optimizer steps a job runs: ``spec.steps`` if set, else epochs x steps_per_epoch.
 
+    With ``strategy: allreduce`` an epoch is ``partition.allreduce_steps_per_epoch`` steps.
+
     Global step g is (epoch, step_in_epoch) = divmod(g, steps_per_epoch(...)).
 
     Args:
@@ -256,6 +259,8 @@ def total_steps(spec: TrainJobSpec, n_train: int) -> int:
     """
     if spec.steps is not None:
         return spec.steps
+    if spec.strategy == "allreduce":  # epochs of global batches, whatever the world size
+        return allreduce_total_steps(spec, n_train)
     epochs = spec.epochs if spec.epochs is not None else 1
     per_epoch = steps_per_epoch(n_train, spec.workers, spec.batch_size, spec.grad_accum_steps)
     return epochs * per_epoch

@@ -44,13 +44,26 @@ def allreduce_total_steps(spec: TrainJobSpec, n_train: int) -> int:
     return (spec.epochs if spec.epochs is not None else 1) * per_epoch
 
 
+def epoch_permutation(n_train: int, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+    """The order of an epoch's rows: ``np.random.default_rng((seed, epoch, 7)).permutation(N)``.
+
+    The 7 keeps this stream apart from the sync strategy's per-shard permutations.
+
+    Returns:
+        [N] int64, a permutation of 0..N-1.
+    """
+    return np.random.default_rng((seed, epoch, 7)).permutation(n_train).astype(np.int64)
+
+
+def step_rows(n_train: int, global_batch: int, step_in_epoch: int) -> int:
+    """How many rows step ``step_in_epoch`` of an epoch takes: G, fewer at the end, then 0."""
+    return max(0, min(global_batch, n_train - step_in_epoch * global_batch))
+
+
 def global_rows(
     n_train: int, global_batch: int, seed: int, epoch: int, step_in_epoch: int
 ) -> npt.NDArray[np.int64]:
     """The training rows of one global step: ``perm_e[s * G : (s + 1) * G]``.
-
-    ``perm_e = np.random.default_rng((seed, epoch, 7)).permutation(N)`` (the 7 keeps this
-    stream apart from the sync strategy's per-shard permutations).
 
     Args:
         n_train: training rows N.
@@ -60,11 +73,11 @@ def global_rows(
         step_in_epoch: the step within the epoch, from 0.
 
     Returns:
-        [G'] int64 row indices into the training split, G' <= G (short at an epoch's end,
-        empty past it).
+        [G'] int64 row indices into the training split, G' = ``step_rows(...)`` <= G (short
+        at an epoch's end, empty past it); ``perm_e`` is ``epoch_permutation``.
     """
-    perm = np.random.default_rng((seed, epoch, 7)).permutation(n_train)
-    return perm[step_in_epoch * global_batch : (step_in_epoch + 1) * global_batch].astype(np.int64)
+    perm = epoch_permutation(n_train, seed, epoch)
+    return perm[step_in_epoch * global_batch : (step_in_epoch + 1) * global_batch]
 
 
 def rank_rows(rows: npt.NDArray[np.int64], rank: int, world_size: int) -> npt.NDArray[np.int64]:
