@@ -113,6 +113,11 @@ async def test_refused_model_fails_the_job_with_the_workers_reason(make_cluster)
         final = await client.wait(job.job_id)
     assert final.state == "FAILED"
     assert "refused the job" in final.error and "allowed_imports" in final.error
+    # Refused before any training process started (nothing imported the module there).
+    import subprocess
+
+    procs = subprocess.run(["pgrep", "-f", "worker.allreduce_child"], capture_output=True)  # noqa: ASYNC221
+    assert procs.stdout == b""
 
 
 async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster) -> None:
