@@ -120,7 +120,26 @@ def _data_bytes(key: str, path: Path) -> int:
     return max(size, sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays))
 
 
+def _not_built_yet(spec: TrainJobSpec) -> None:
+    """Refuse the network-aware keys whose training code has not landed yet (INVALID_ARGUMENT).
+
+    Raises:
+        ConfigError: the key and why.
+    """
+    if spec.strategy == "diloco":
+        raise ConfigError("strategy: diloco is not available yet")
+    if spec.straggler.mode != "wait":
+        raise ConfigError(f"straggler.mode: {spec.straggler.mode} is not available yet")
+    if spec.batch_policy != "fixed":
+        raise ConfigError(f"batch_policy: {spec.batch_policy} is not available yet")
+    if spec.compression.name != "none":
+        raise ConfigError(f"compression.name: {spec.compression.name} is not available yet")
+    if spec.aggregation != "mean" or spec.max_grad_norm_ratio is not None:
+        raise ConfigError(f"aggregation: {spec.aggregation} is not available yet")
+
+
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
+    _not_built_yet(spec)
     shape = data_shape(spec.data, path, cfg.max_dataset_bytes)
     try:
         model = build_model(

@@ -470,6 +470,56 @@ class LrScheduleSpec(_Model):
     gamma: float = Field(0.1, gt=0, le=1, description="step: factor applied every step_size.")
 
 
+class StragglerSpec(_Model):
+    """What a ``sync`` step does about workers slower than the others.
+
+    The step deadline adapts: ``max(deadline_factor x median, median + 3 x 1.4826 x MAD)`` of
+    the recent step times of the job's healthy workers, at most the coordinator's
+    ``step_timeout_s`` (``coordinator.straggler.step_deadline_s``).
+    """
+
+    mode: Literal["wait", "backup", "drop"] = Field(
+        "wait",
+        description="wait: every piece of the step is waited for (up to step_timeout_s); "
+        "backup: pieces still missing at the deadline are recomputed by workers that "
+        "finished, the first answer wins (the step stays the full global batch); drop: at "
+        "the deadline the step goes on with the pieces that arrived, reweighted by samples.",
+    )
+    deadline_factor: float = Field(
+        2.0, gt=1, le=100, description="The deadline as a multiple of the median step time."
+    )
+    min_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="drop: the step goes on at the deadline only with at least this share "
+        "of its samples (else it waits for more, up to step_timeout_s).",
+    )
+
+
+class CompressionSpec(_Model):
+    """Compression of the tensors a training step sends.
+
+    ``sync`` and ``diloco``: gradients (pseudo-gradients) up and parameter deltas down are
+    compressed with error feedback (``shared.training.compression``): ``fp16``, ``int8``
+    (per-tensor scale), ``topk`` (the ``ratio`` largest magnitudes). ``allreduce``: torch's
+    DDP communication hooks: ``fp16``, ``bf16`` (NCCL only), ``powersgd`` (rank ``rank``).
+    """
+
+    name: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = "none"
+    ratio: float = Field(
+        0.01, gt=0, le=1, description="topk: the fraction of each tensor's elements sent."
+    )
+    rank: int = Field(2, ge=1, le=64, description="powersgd: the low-rank approximation's rank.")
+
+
+_COMPRESSION_BY_STRATEGY = {
+    "sync": ("none", "fp16", "int8", "topk"),
+    "diloco": ("none", "fp16", "int8", "topk"),
+    "allreduce": ("none", "fp16", "bf16", "powersgd"),
+}
+
+
 def _tag_by_name(default: str, alt_key: str) -> Discriminator:
     """A discriminator: a dict is tagged by its ``name`` key, or ``alt_key`` when present."""
 
@@ -532,10 +582,61 @@ class TrainJobSpec(_Model):
         description="{name: constant|cosine|linear|step, warmup_steps, min_lr_factor, "
         "step_size, gamma}.",
     )
-    strategy: Literal["sync", "allreduce"] = Field(
+    strategy: Literal["sync", "allreduce", "diloco"] = Field(
         "sync",
         description="sync: parameter server on the coordinator, gradients averaged every "
-        "step. allreduce: the workers form a torch.distributed group and train with DDP.",
+        "step. allreduce: the workers form a torch.distributed group and train with DDP. "
+        "diloco: inner_steps local steps per worker, pseudo-gradients averaged, outer "
+        "Nesterov step on the coordinator (Douillard et al. 2023).",
+    )
+    straggler: StragglerSpec = Field(
+        default_factory=StragglerSpec,
+        description="sync: {mode: wait|backup|drop, deadline_factor, min_fraction}.",
+    )
+    batch_policy: Literal["fixed", "proportional"] = Field(
+        "fixed",
+        description="sync: fixed: every worker computes batch_size rows a step; "
+        "proportional: the global batch (workers x batch_size) is split by each worker's "
+        "measured samples/s (transfer included).",
+    )
+    compression: CompressionSpec = Field(
+        default_factory=CompressionSpec,
+        description="{name: none|fp16|int8|topk (sync, diloco) or none|fp16|bf16|powersgd "
+        "(allreduce), ratio, rank}.",
+    )
+    aggregation: Literal["mean", "trimmed_mean", "median"] = Field(
+        "mean",
+        description="sync, diloco: how the workers' gradients are combined: the "
+        "sample-weighted mean, a coordinate-wise trimmed mean, or the coordinate-wise median.",
+    )
+    trim: float = Field(
+        0.1,
+        ge=0,
+        lt=0.5,
+        description="trimmed_mean: the share of values dropped at each end of every coordinate.",
+    )
+    max_grad_norm_ratio: float | None = Field(
+        None,
+        gt=1,
+        description="sync, diloco: reject a worker's gradient whose L2 norm is more than this "
+        "times the median of the step's norms, or less than the median over this; null: off.",
+    )
+    health_threshold: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="sync: a worker whose health score falls below this is excluded for "
+        "probation_steps steps (0: never excluded); see the README for the formula.",
+    )
+    probation_steps: int = Field(
+        20, ge=1, le=1_000_000, description="Steps an excluded worker sits out before a trial."
+    )
+    inner_steps: int = Field(
+        10, ge=1, le=100_000, description="diloco: local optimizer steps per outer step."
+    )
+    outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer Nesterov SGD lr.")
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="diloco: the outer Nesterov SGD momentum."
     )
     min_workers: int | None = Field(
         None,
@@ -612,6 +713,12 @@ class TrainJobSpec(_Model):
             )
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend: nccl needs device cuda (or auto), not cpu")
+        allowed = _COMPRESSION_BY_STRATEGY[self.strategy]
+        if self.compression.name not in allowed:
+            raise ValueError(
+                f"compression.name: {self.compression.name!r} is not available with strategy "
+                f"{self.strategy} (expected one of {', '.join(allowed)})"
+            )
         return self
 
 

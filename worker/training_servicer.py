@@ -135,6 +135,7 @@ class TrainingServicer:
                 loss_sum=res.loss_sum,
                 correct=res.correct,
                 nonfinite=not res.finite,
+                compute_s=res.compute_s,
             )
         )
         tensors = [*res.grads.items(), *res.buffers.items()]
