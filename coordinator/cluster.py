@@ -27,6 +27,8 @@ from coordinator.train_sets import TrainSets
 from shared.config import CoordinatorConfig, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
+from coordinator.link_probe import LinkProbe
+from coordinator.link_stats import LinkStats
 from shared.rpc.peers import WorkerClients
 from shared.security.transport import ChannelSecurity
 
@@ -55,6 +57,15 @@ class Cluster:
         if stale:
             log.info("stale_uploads_removed", files=len(stale))
         self.clients = WorkerClients(cfg.max_message_bytes, security)
+        self.links = LinkStats()  # per-worker RTT, step times, health (train jobs, probes)
+        self.link_probe = LinkProbe(
+            self.links,
+            self.membership.alive,
+            self.clients,
+            metrics,
+            cfg.heartbeat_interval_s,
+            cfg.probe_timeout_s,
+        )
         self.scheduler = Scheduler(
             self.jobs,
             self.membership,
@@ -228,8 +239,18 @@ class Cluster:
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         assert isinstance(job.spec, TrainJobSpec)
-        strategy = AllreduceJob if job.spec.strategy == "allreduce" else TrainJob
-        return await strategy(
+        if job.spec.strategy == "allreduce":
+            return await AllreduceJob(
+                job,
+                workers,
+                self.cfg,
+                self.clients,
+                self.jobs,
+                self.metrics,
+                alive=self.membership.alive,
+                train_sets=self.train_sets,
+            ).run()
+        return await TrainJob(
             job,
             workers,
             self.cfg,
@@ -238,9 +259,30 @@ class Cluster:
             self.metrics,
             alive=self.membership.alive,
             train_sets=self.train_sets,
+            links=self.links,
         ).run()
 
     # -- status ---------------------------------------------------------------------------
+
+    def link_figures(self, name: str) -> dict[str, Any]:
+        """A worker's link figures for ``WorkerInfo`` (0 where not measured yet).
+
+        rtt_ms, bandwidth_mbit (megabits/s), step_ms: EWMAs of ``LinkStats``; health in
+        [0, 1] among the ALIVE workers; excluded and excluded_reason from the running train
+        jobs' probation.
+        """
+        doc = self.links.get(name).to_doc(
+            self.links.median_step_s([w.name for w in self.membership.alive()])
+        )
+        reason = self.links.excluded.get(name)
+        return {
+            "rtt_ms": doc["rtt_ms"] or 0.0,
+            "bandwidth_mbit": doc["bandwidth_mbit"] or 0.0,
+            "step_ms": doc["step_ms"] or 0.0,
+            "health": doc["health"],
+            "excluded": reason is not None,
+            "excluded_reason": reason or "",
+        }
 
     def slot_summary(self) -> dict[str, Any]:
         """Cluster-wide slot figures and per-worker slot counts (``Rebalancer.slot_summary``)."""
@@ -256,6 +298,7 @@ class Cluster:
         """Failure detection, scheduling and gauges; runs until cancelled."""
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.failures.run(), name="failure-detector")
+            tg.create_task(self.link_probe.run(), name="link-probe")
             tg.create_task(self.scheduler.run(), name="scheduler")
             tg.create_task(self.rebalancer.run(), name="rebalancer")
             tg.create_task(self._refresh_gauges(), name="gauges")

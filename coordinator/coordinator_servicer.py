@@ -106,6 +106,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 memories=w.memories,
                 slots_primary=slots["per_worker"].get(w.name, (0, 0))[0],
                 slots_replica=slots["per_worker"].get(w.name, (0, 0))[1],
+                **c.link_figures(w.name),
             )
             for w in c.membership.all()
         ]

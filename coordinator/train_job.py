@@ -22,12 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.aggregation import ParameterServer, average_buffers, weighted_average
+from coordinator.aggregation import ParameterServer, average_buffers
+from coordinator.link_stats import LinkStats
+from coordinator.robust_aggregation import aggregate, global_norm, norm_outliers
+from coordinator.step_plan import plan_pieces
+from coordinator.straggler import Exclusion, StepTimes, step_deadline_s
 from coordinator.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.membership import WorkerRecord
 from coordinator.train_history import TrainHistory
-from coordinator.train_members import Members, ShardResult, StepOrder
+from coordinator.train_members import Members, Piece, StepOrder, StepOutcome, StepPolicy
 from coordinator.train_sets import TrainSets
 from shared.config import CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
@@ -37,6 +41,8 @@ from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.training.data import load_dataset, steps_per_epoch, total_steps
 
 log = get_logger("coordinator.train_job")
+# The shortest step deadline, seconds: below it timer noise would launch needless backups.
+_DEADLINE_FLOOR_S = 0.02
 
 
 @dataclass
@@ -51,11 +57,13 @@ class _Run:
         samples: training samples whose gradients were applied by this process.
         test_loss: mean loss on the test split at the last evaluation (NaN before one).
         test_acc: accuracy on the test split at the last evaluation (NaN before one).
+        n_train: training rows of the data set.
     """
 
     per_epoch: int
     total: int
     t_start: float
+    n_train: int
     history: TrainHistory
     samples: int = 0
     test_loss: float = float("nan")
@@ -81,6 +89,7 @@ class TrainJob:
         alive: Callable[[], list[WorkerRecord]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         train_sets: TrainSets | None = None,
+        links: LinkStats | None = None,
     ) -> None:
         """Prepare the job; nothing runs until ``run``.
 
@@ -95,6 +104,8 @@ class TrainJob:
             alive: the ALIVE workers now (replacements for failed members); None: none.
             clock: seconds for step timings and throughput (injected by tests).
             train_sets: where the job's workers fetch their shards' rows; None: a private one.
+            links: the cluster's per-worker link telemetry (RTT, step times, health), updated
+                by the job; None: a private one.
         """
         assert isinstance(job.spec, TrainJobSpec)
         self.job, self.spec, self.cfg = job, job.spec, cfg
@@ -112,6 +123,11 @@ class TrainJob:
             cfg.step_timeout_s,
             cfg.chunk_bytes,
         )
+        self.links = links if links is not None else LinkStats()
+        self.exclusion = Exclusion(job.spec.health_threshold, job.spec.probation_steps)
+        self._step_times = StepTimes()
+        self._bytes = {"to_workers": 0, "from_workers": 0}
+        self.rejected = self.backups = self.dropped_pieces = 0
         self.checkpoint_path = Path(cfg.data_dir) / "checkpoints" / f"{job.job_id}.ckpt"
         self.model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.pt"
         self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
@@ -141,6 +157,7 @@ class TrainJob:
         dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
         n_train = len(dataset.y_train)
         run = _Run(
+            n_train=n_train,
             per_epoch=steps_per_epoch(
                 n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
             ),
@@ -161,6 +178,8 @@ class TrainJob:
             for step in range(start_step, run.total):
                 await self._train_step(ps, step, run)
         finally:
+            for name in self.members.history:
+                self.links.excluded.pop(name, None)
             await self.members.stop()
         await asyncio.to_thread(save_model, ps.model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
@@ -186,8 +205,26 @@ class TrainJob:
             "history": run.history.entries,
             "resumed_from_step": start_step,
             "worker_failures": self.members.failures,
-            "workers": self.members.summary(),
+            "rejected_gradients": self.rejected,
+            "backup_pieces": self.backups,
+            "dropped_pieces": self.dropped_pieces,
+            "bytes_to_workers": self._bytes["to_workers"],
+            "bytes_from_workers": self._bytes["from_workers"],
+            "workers": self._worker_docs(),
         }
+
+    def _worker_docs(self) -> dict[str, dict[str, Any]]:
+        """Per worker: samples and steps it contributed, and its link figures and health."""
+        healthy = [n for n in self.members.live if n not in self.members.excluded]
+        docs = self.members.summary()
+        median = self.links.median_step_s(healthy)
+        for name, doc in docs.items():
+            doc.update(
+                self.links.get(name).to_doc(
+                    median, self.exclusion.excluded(name), self.exclusion.reason(name)
+                )
+            )
+        return docs
 
     async def _train_step(self, ps: ParameterServer, step: int, run: _Run) -> None:
         """One global step of the job, with its progress event.
@@ -195,9 +232,16 @@ class TrainJob:
         Gradients from the workers, an optimizer step, evaluation (a history entry, the best
         model) at the end of an epoch, a checkpoint every ``checkpoint_every_steps``.
         """
+        spec = self.spec
         epoch, step_in_epoch = divmod(step, run.per_epoch)
         t0 = self._clock()
         self.members.admit()
+        policy = StepPolicy(
+            spec.straggler.mode,
+            self._deadline_s(),
+            spec.straggler.min_fraction,
+            reject_nonfinite=spec.precision != "fp16",
+        )
         lr = ps.lr  # the rate this step applies
         buffers = ps.buffers()
         order = StepOrder(
@@ -209,8 +253,9 @@ class TrainJob:
             frozenset(buffers),
             ps.loss_scale.scale,
         )
-        results = await self.members.step(order)
-        n, loss_sum, correct = await self._apply(ps, results, step)
+        outcome = await self.members.step(order, self._pieces(run, epoch, step_in_epoch), policy)
+        self._observe(outcome, step)
+        n, loss_sum, correct = await self._apply(ps, outcome, step)
         run.samples += n
         run.history.add_step(n, loss_sum)
         self._metrics.train_steps.inc()
@@ -245,21 +290,42 @@ class TrainJob:
             await asyncio.to_thread(save_model, ps.model, self.best_model_path)
 
     async def _apply(
-        self, ps: ParameterServer, results: dict[int, ShardResult], step: int
+        self, ps: ParameterServer, outcome: StepOutcome, step: int
     ) -> tuple[int, float, int]:
-        """Average the shards' gradients and buffers into the parameter server.
+        """Combine the pieces' gradients and buffers into the parameter server.
 
-        With fp16, a step where a shard's gradients are not finite is skipped (the buffers
-        are still merged: the forward passes ran, as in single-process AMP training).
+        Gradients whose L2 norm is an outlier (``max_grad_norm_ratio``) are rejected first;
+        the rest are combined by ``aggregation`` (``coordinator.robust_aggregation``). With
+        fp16, a step where a piece's gradients are not finite is skipped (the buffers are
+        still merged: the forward passes ran, as in single-process AMP training).
+
+        Raises:
+            JobFailed: no piece of the step had samples (FAILED).
         """
+        results = dict(outcome.results)
+        spec = self.spec
+        if spec.max_grad_norm_ratio is not None and len(results) >= 3:
+            keys = sorted(results)
+            norms = [global_norm(results[k].grads) for k in keys]
+            for i in norm_outliers(norms, spec.max_grad_norm_ratio):
+                r = results.pop(keys[i])
+                self._reject(r.worker, step, f"gradient norm {norms[i]:.3g} is an outlier")
         counts = [r.samples for r in results.values()]
         if sum(counts) == 0:
-            raise JobFailed(f"step {step}: no shard had samples")
+            raise JobFailed(f"step {step}: no piece of the step had samples")
         finite = all(r.finite for r in results.values())
         skip = ps.loss_scale.enabled and not finite
 
         def apply() -> None:
-            grads = None if skip else weighted_average([r.grads for r in results.values()], counts)
+            grads = None
+            if not skip:
+                with_rows = [(r.grads, r.samples) for r in results.values() if r.samples]
+                grads = aggregate(
+                    [g for g, _ in with_rows],
+                    [n for _, n in with_rows],
+                    spec.aggregation,
+                    spec.trim,
+                )
             ps.set_buffers(average_buffers([r.buffers for r in results.values()], counts))
             ps.step(grads)
 
@@ -269,6 +335,69 @@ class TrainJob:
             sum(r.loss_sum for r in results.values()),
             sum(r.correct for r in results.values()),
         )
+
+    def _pieces(self, run: _Run, epoch: int, step_in_epoch: int) -> list[Piece]:
+        """The step's pieces under ``batch_policy`` (``coordinator.step_plan``)."""
+        active = [m.name for m in self.members.active()]
+        rates = {n: self.links.get(n).samples_per_s for n in active}
+        return plan_pieces(self.spec, run.n_train, epoch, step_in_epoch, active, rates)
+
+    def _deadline_s(self) -> float:
+        """Seconds a step waits before backups (``backup``) or going on (``drop``)."""
+        return step_deadline_s(
+            self._step_times.values(),
+            self.spec.straggler.deadline_factor,
+            _DEADLINE_FLOOR_S,
+            self.cfg.step_timeout_s,
+        )
+
+    def _observe(self, outcome: StepOutcome, step: int) -> None:
+        """Telemetry of the step's calls, rejections and late members; health and exclusion."""
+        healthy = [n for n in self.members.live if n not in self.members.excluded]
+        for r in outcome.results.values():
+            self.links.get(r.worker).observe_step(
+                r.wall_s, r.compute_s, r.bytes_from_worker, r.bytes_to_worker, r.samples
+            )
+            if r.worker in healthy:
+                self._step_times.add(r.wall_s)
+            self._bytes["to_workers"] += r.bytes_to_worker
+            self._bytes["from_workers"] += r.bytes_from_worker
+            self._metrics.train_transfer_bytes.labels("to_workers").inc(r.bytes_to_worker)
+            self._metrics.train_transfer_bytes.labels("from_workers").inc(r.bytes_from_worker)
+        self._metrics.train_pieces.labels("accepted").inc(len(outcome.results))
+        if outcome.backups:
+            self._metrics.train_pieces.labels("backup").inc(outcome.backups)
+        if outcome.dropped:
+            self._metrics.train_pieces.labels("dropped").inc(len(outcome.dropped))
+        for name, _piece, reason in outcome.rejected:
+            self._reject(name, step, reason)
+        for name, seconds in outcome.late.items():
+            # A lower bound of its step time: enough for its health and share to fall.
+            self.links.get(name).observe_step(seconds, 0.0, 0, 0, 0)
+        self.backups += outcome.backups
+        self.dropped_pieces += len(outcome.dropped)
+        for name in sorted(self.members.live):
+            score = self.links.health(name, healthy)
+            others = len([n for n in self.members.live if n != name and not self.exclusion.excluded(n)])
+            event = self.exclusion.update(name, score, step, others, self.links.get(name).describe())
+            if event is not None:
+                log.warning(f"train_worker_{event}", job_id=self.job.job_id, worker=name,
+                            health=round(score, 3), reason=self.exclusion.reason(name))
+        self.members.excluded = {n for n in self.members.live if self.exclusion.excluded(n)}
+        for name in self.members.history:
+            reason = self.exclusion.reason(name) if name in self.members.excluded else None
+            if reason is not None:
+                self.links.excluded[name] = reason
+            else:
+                self.links.excluded.pop(name, None)
+
+    def _reject(self, worker: str, step: int, reason: str) -> None:
+        """Count a rejected gradient against its worker (its health falls)."""
+        self.links.get(worker).observe_rejected()
+        self.rejected += 1
+        self._metrics.train_pieces.labels("rejected").inc()
+        log.warning("train_gradient_rejected", job_id=self.job.job_id, worker=worker,
+                    step=step, reason=reason)
 
     def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
         """Atomically write (next step, parameter-server state, history) to the checkpoint."""

@@ -10,7 +10,8 @@ takes shards from the next step on, receiving the current parameters with its fi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +64,49 @@ class StepOrder:
     loss_scale: float = 1.0
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Rows of one step that one ComputeGradients call computes.
+
+    With ``batch_policy: fixed`` a step has one piece per shard (its rows of the step); with
+    ``proportional`` one piece per active member, slices of the step's global batch sized
+    by the members' measured samples/s.
+
+    Attributes:
+        index: the piece's place in the step, from 0.
+        rows: [R] int64 global training rows (R >= 0).
+        shard: the shard all the rows belong to, or -1 when they span shards.
+        member: the member the piece was sized for (proportional), None: round-robin.
+    """
+
+    index: int
+    rows: np.ndarray = field(repr=False)
+    shard: int = -1
+    member: str | None = None
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """How one step treats late and bad answers (``spec.straggler`` and precision).
+
+    Attributes:
+        mode: ``wait``, ``backup`` or ``drop`` (``StragglerSpec.mode``).
+        deadline_s: seconds after the step's start when ``backup`` launches copies of the
+            missing pieces and ``drop`` goes on without them.
+        min_fraction: ``drop``: the share of the step's samples that must have arrived.
+        reject_nonfinite: a piece whose gradient is not finite is rejected (False with fp16,
+            where it means a loss-scale overflow and the step is skipped instead).
+    """
+
+    mode: str = "wait"
+    deadline_s: float = float("inf")
+    min_fraction: float = 1.0
+    reject_nonfinite: bool = True
+
+
 @dataclass
 class ShardResult:
-    """One shard's answer to a step: what its rows contributed.
+    """One piece's answer to a step: what its rows contributed, and how the call went.
 
     Attributes:
         samples: rows of the step (0 when the shard ran out this epoch).
@@ -76,6 +117,11 @@ class ShardResult:
         buffers: buffer name -> the worker's buffer after the step (e.g. BatchNorm running
             statistics), in the buffer's dtype.
         finite: every gradient element is finite.
+        worker: the member that computed it.
+        wall_s: seconds of the call as the coordinator saw it (transfer, queueing, compute).
+        compute_s: seconds of forward and backward on the worker.
+        bytes_to_worker: bytes sent to the worker (header and parameters).
+        bytes_from_worker: bytes received from it (result, gradients, buffers).
     """
 
     samples: int
@@ -84,6 +130,31 @@ class ShardResult:
     grads: dict[str, np.ndarray] = field(repr=False)
     buffers: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
     finite: bool = True
+    worker: str = ""
+    wall_s: float = 0.0
+    compute_s: float = 0.0
+    bytes_to_worker: int = 0
+    bytes_from_worker: int = 0
+
+
+@dataclass
+class StepOutcome:
+    """What one step gathered.
+
+    Attributes:
+        results: piece index -> its accepted answer.
+        rejected: (worker, piece index, reason) of answers refused (non-finite gradients).
+        dropped: piece indices left out at the deadline (``drop``), rejected ones aside.
+        backups: copies of pieces launched on other workers (``backup``).
+        late: members whose call was cancelled when the step went on without them, with
+            the seconds they had run.
+    """
+
+    results: dict[int, ShardResult] = field(default_factory=dict)
+    rejected: list[tuple[str, int, str]] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    backups: int = 0
+    late: dict[str, float] = field(default_factory=dict)
 
 
 class Members:
@@ -120,6 +191,7 @@ class Members:
         self.history: dict[str, Member] = {}  # every member ever, for the result
         self._joining: dict[str, asyncio.Task[BaseException | None]] = {}
         self.invited: set[str] = set()  # every worker asked to train: may fetch shards
+        self.excluded: set[str] = set()  # live members sitting out (health, probation)
         self.failures = 0
 
     async def start(self, workers: list[WorkerRecord]) -> None:
@@ -194,48 +266,74 @@ class Members:
 
         return done
 
-    def assign(self, shards: list[int]) -> list[tuple[int, Member]]:
-        """Spread shards over live members round-robin (stable by name)."""
+    def active(self) -> list[Member]:
+        """Live members not excluded, by name; every live one when all are excluded."""
+        members = [self.live[n] for n in sorted(self.live) if n not in self.excluded]
+        return members or [self.live[n] for n in sorted(self.live)]
+
+    def assign(self, pieces: list[Piece]) -> list[tuple[Piece, Member]]:
+        """Give each piece its sized-for member if active, else spread round-robin by name.
+
+        Raises:
+            JobFailed: no live member is left (FAILED).
+        """
         if not self.live:
             raise JobFailed("every worker of the job failed")
-        members = [self.live[n] for n in sorted(self.live)]
-        return [(s, members[i % len(members)]) for i, s in enumerate(shards)]
+        members = self.active()
+        by_name = {m.name: m for m in members}
+        plan = []
+        for i, p in enumerate(pieces):
+            owner = by_name.get(p.member) if p.member is not None else None
+            plan.append((p, owner or members[i % len(members)]))
+        return plan
 
-    def fail(self, member: Member, shard: int, exc: BaseException) -> None:
-        """Remove a member whose step failed; its shards go to the survivors."""
+    def fail(self, member: Member, piece: int, exc: BaseException) -> None:
+        """Remove a member whose step failed; its pieces go to the survivors."""
         if self.live.pop(member.name, None) is not None:
             self.failures += 1
             log.warning(
                 "train_member_failed",
                 job_id=self.job_id,
                 worker=member.name,
-                shard=shard,
+                piece=piece,
                 error=error_message(exc),
             )
 
-    async def step(self, order: StepOrder) -> dict[int, ShardResult]:
-        """Compute every shard of one step, re-assigning the shards of failed members."""
-        results: dict[int, ShardResult] = {}
-        pending = list(range(self.shards))
-        while pending:
-            plan = self.assign(pending)
-            replies = await asyncio.gather(
-                *(self._shard_step(m, s, order) for s, m in plan),
-                return_exceptions=True,
-            )
-            for (s, m), r in zip(plan, replies, strict=True):
-                if isinstance(r, JobFailed):
-                    raise r
-                if isinstance(r, BaseException):
-                    self.fail(m, s, r)
-                else:
-                    results[s] = r
-            pending = [s for s in pending if s not in results]
-        for m in self.live.values():
-            m.steps += 1
-        return results
+    async def step(
+        self, order: StepOrder, pieces: list[Piece], policy: StepPolicy | None = None
+    ) -> StepOutcome:
+        """Compute the pieces of one step under ``policy``; see ``StepPolicy``.
 
-    async def _shard_step(self, m: Member, shard: int, order: StepOrder) -> ShardResult:
+        A failed member leaves the job and its pieces are recomputed by the others (every
+        mode). ``backup``: at the deadline each missing piece is also launched on a member
+        that has finished; the first answer wins and the other call is cancelled. ``drop``:
+        at the deadline, once ``min_fraction`` of the step's samples arrived, the calls still
+        running are cancelled and their pieces left out. A rejected (non-finite) answer is
+        recomputed elsewhere in ``backup`` mode and left out otherwise.
+
+        Raises:
+            JobFailed: every member failed, or a worker refused the job (FAILED).
+        """
+        return await _StepRun(self, order, pieces, policy or StepPolicy()).run()
+
+    def spare(self, avoid: set[str], idle_only: bool, busy: set[str]) -> Member | None:
+        """An active member not in ``avoid`` for another copy of a piece: idle ones first.
+
+        Args:
+            avoid: members that must not take it (already computing or refused it).
+            idle_only: only members with no call running (``busy``) qualify.
+            busy: members with a call running in this step.
+        """
+        candidates = [m for m in self.active() if m.name not in avoid]
+        if idle_only:
+            candidates = [m for m in candidates if m.name not in busy]
+        candidates.sort(key=lambda m: (m.name in busy, m.name))
+        return candidates[0] if candidates else None
+
+    async def piece_step(self, m: Member, piece: Piece, order: StepOrder) -> ShardResult:
+        """One ComputeGradients call: ``piece``'s rows on member ``m``, with telemetry."""
+        t0 = time.perf_counter()
+        bytes_up = bytes_down = 0
         for include in (m.params_version != order.version, True):
             header = worker_pb2.StepHeader(
                 job_id=self.job_id,
@@ -244,15 +342,19 @@ class Members:
                 step_in_epoch=order.step_in_epoch,
                 params_version=order.version,
                 params_included=include,
-                shard_index=shard,
+                shard_index=max(piece.shard, 0),
                 shard_count=self.shards,
                 loss_scale=order.loss_scale,
+                explicit_rows=True,
+                rows=np.ascontiguousarray(piece.rows, dtype="<i8").tobytes(),
             )
-            call = m.stub.ComputeGradients(
-                self._requests(header, order.tensors if include else None),
-                timeout=self._step_timeout_s,
-            )
-            result, tensors = await read_gradients(call)
+            requests = list(self._requests(header, order.tensors if include else None))
+            bytes_up += sum(r.ByteSize() for r in requests)
+            m.params_version = -1  # unknown until the call answers
+            call = m.stub.ComputeGradients(_aiter(requests), timeout=self._step_timeout_s)
+            counted = _Counted(call)
+            result, tensors = await read_gradients(counted)
+            bytes_down += counted.bytes
             if result.need_params:
                 continue
             m.params_version = order.version
@@ -266,12 +368,17 @@ class Members:
                 grads,
                 buffers,
                 finite=not result.nonfinite,
+                worker=m.name,
+                wall_s=time.perf_counter() - t0,
+                compute_s=result.compute_s,
+                bytes_to_worker=bytes_up,
+                bytes_from_worker=bytes_down,
             )
         raise RuntimeError(f"worker {m.name} kept asking for parameters")
 
-    async def _requests(
+    def _requests(
         self, header: worker_pb2.StepHeader, params: dict[str, np.ndarray] | None
-    ) -> AsyncIterator[worker_pb2.GradientRequest]:
+    ) -> Iterator[worker_pb2.GradientRequest]:
         yield worker_pb2.GradientRequest(header=header)
         if params is not None:
             for chunk in tensors_to_chunks(params.items(), self._chunk_bytes):
@@ -300,3 +407,154 @@ async def read_gradients(call: Any) -> tuple[worker_pb2.StepResult, dict[str, np
     if result is None:
         raise RuntimeError("worker closed the gradient stream without a result")
     return result, grads
+
+
+async def _aiter(items: Sequence[worker_pb2.GradientRequest]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
+class _Counted:
+    """An async iterator over a response stream that counts the bytes of its messages."""
+
+    def __init__(self, call: Any) -> None:
+        self._it = call.__aiter__()
+        self.bytes = 0
+
+    def __aiter__(self) -> _Counted:
+        return self
+
+    async def __anext__(self) -> Any:
+        msg = await self._it.__anext__()
+        self.bytes += msg.ByteSize()
+        return msg
+
+
+class _StepRun:
+    """The calls of one step and their bookkeeping (``Members.step``)."""
+
+    def __init__(
+        self, members: Members, order: StepOrder, pieces: list[Piece], policy: StepPolicy
+    ) -> None:
+        self.m, self.order, self.pieces, self.policy = members, order, pieces, policy
+        self.out = StepOutcome()
+        self.calls: dict[asyncio.Task[ShardResult], tuple[Piece, Member]] = {}
+        self.tried: dict[int, set[str]] = {p.index: set() for p in pieces}
+        self.settled: set[int] = set()
+        self.backed_up: set[int] = set()
+        self.expected = sum(len(p.rows) for p in pieces)
+        self.arrived = 0
+        self.t0 = 0.0
+
+    def launch(self, piece: Piece, member: Member) -> None:
+        task = asyncio.create_task(self.m.piece_step(member, piece, self.order))
+        self.calls[task] = (piece, member)
+        self.tried[piece.index].add(member.name)
+
+    def running(self, index: int) -> bool:
+        return any(p.index == index for p, _ in self.calls.values())
+
+    def busy(self) -> set[str]:
+        return {m.name for _, m in self.calls.values()}
+
+    async def run(self) -> StepOutcome:
+        loop = asyncio.get_running_loop()
+        self.t0 = loop.time()
+        deadline = self.t0 + self.policy.deadline_s
+        for piece, member in self.m.assign(self.pieces):
+            self.launch(piece, member)
+        try:
+            while len(self.settled) < len(self.pieces):
+                self._relaunch_orphans()
+                past = loop.time() >= deadline
+                timeout = None if past or self.policy.mode == "wait" else deadline - loop.time()
+                done, _ = await asyncio.wait(
+                    self.calls, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in done:
+                    self._settle(task)
+                if loop.time() >= deadline and len(self.settled) < len(self.pieces):
+                    if self.policy.mode == "backup":
+                        self._backups()
+                    elif self.policy.mode == "drop" and self._enough():
+                        break
+        finally:
+            await self._cancel_rest(loop.time())
+        rejected = {i for _, i, _ in self.out.rejected}
+        self.out.dropped = sorted({p.index for p in self.pieces} - set(self.out.results) - rejected)
+        return self.out
+
+    def _enough(self) -> bool:
+        return self.arrived >= self.policy.min_fraction * self.expected
+
+    def _relaunch_orphans(self) -> None:
+        """Pieces with no answer and no call running (their member failed) go elsewhere."""
+        for p in self.pieces:
+            if p.index in self.settled or self.running(p.index):
+                continue
+            member = self.m.spare(set(), False, self.busy())
+            if member is None:
+                raise JobFailed("every worker of the job failed")
+            self.launch(p, member)
+
+    def _backups(self) -> None:
+        """Launch one copy of each missing piece on an idle member (``backup`` mode)."""
+        for p in self.pieces:
+            if p.index in self.settled or p.index in self.backed_up:
+                continue
+            member = self.m.spare(self.tried[p.index], True, self.busy())
+            if member is None:
+                return
+            self.backed_up.add(p.index)
+            self.out.backups += 1
+            log.info("train_backup", job_id=self.m.job_id, piece=p.index, worker=member.name)
+            self.launch(p, member)
+
+    def _settle(self, task: asyncio.Task[ShardResult]) -> None:
+        piece, member = self.calls.pop(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, JobFailed):
+            raise exc
+        if exc is not None:
+            self.m.fail(member, piece.index, exc)
+            return
+        r = task.result()
+        if piece.index in self.settled:
+            return
+        if self.policy.reject_nonfinite and not r.finite:
+            reason = "non-finite gradient"
+            self.out.rejected.append((member.name, piece.index, reason))
+            log.warning(
+                "train_gradient_rejected",
+                job_id=self.m.job_id,
+                worker=member.name,
+                piece=piece.index,
+                reason=reason,
+            )
+            other = None
+            if self.policy.mode == "backup":
+                other = self.m.spare(self.tried[piece.index], False, self.busy())
+            if other is not None:
+                self.launch(piece, other)
+            elif not self.running(piece.index):
+                self.settled.add(piece.index)
+            return
+        self.out.results[piece.index] = r
+        self.settled.add(piece.index)
+        self.arrived += r.samples
+        member.steps += 1
+        for t, (p, _m) in self.calls.items():
+            if p.index == piece.index:
+                t.cancel()
+
+    async def _cancel_rest(self, now: float) -> None:
+        """Cancel the calls still running; their members' parameters are then unknown."""
+        for task, (piece, member) in self.calls.items():
+            task.cancel()
+            member.params_version = -1
+            if piece.index not in self.settled:
+                self.out.late[member.name] = now - self.t0
+        await asyncio.gather(*self.calls, return_exceptions=True)
+        self.calls.clear()

@@ -32,6 +32,17 @@ class Metrics:
         memory_ops: ``neuroshard_memory_ops_total{op}``, store operations applied.
         memory_op_seconds: ``neuroshard_memory_op_seconds{op}``, their durations.
         slot_map_epoch: ``neuroshard_slot_map_epoch``, the current slot-map epoch.
+        train_pieces: ``neuroshard_train_pieces_total{outcome}``, pieces of sync steps by
+            outcome: accepted, rejected (non-finite or outlier gradient), dropped (late,
+            ``straggler.mode: drop``), backup (copies launched, ``backup``).
+        train_transfer_bytes: ``neuroshard_train_transfer_bytes_total{direction}``, bytes of
+            training calls to and from the workers.
+        worker_rtt_seconds: ``neuroshard_worker_rtt_seconds{worker}``, EWMA round trip.
+        worker_bandwidth: ``neuroshard_worker_bandwidth_bytes_per_second{worker}``, EWMA of
+            observed transfer rates.
+        worker_step_seconds: ``neuroshard_worker_step_seconds{worker}``, EWMA of a training
+            call's wall time.
+        worker_health: ``neuroshard_worker_health{worker}``, health score in [0, 1].
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -89,6 +100,42 @@ class Metrics:
         )
         self.slot_map_epoch = Gauge(
             "neuroshard_slot_map_epoch", "Current slot-map epoch.", registry=r
+        )
+        self.train_pieces = Counter(
+            "neuroshard_train_pieces_total",
+            "Pieces of sync training steps, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.train_transfer_bytes = Counter(
+            "neuroshard_train_transfer_bytes_total",
+            "Bytes of training calls, by direction (to_workers, from_workers).",
+            ["direction"],
+            registry=r,
+        )
+        self.worker_rtt_seconds = Gauge(
+            "neuroshard_worker_rtt_seconds",
+            "EWMA round trip to a worker, seconds.",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_bandwidth = Gauge(
+            "neuroshard_worker_bandwidth_bytes_per_second",
+            "EWMA of a worker's observed transfer rate, bytes per second.",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_step_seconds = Gauge(
+            "neuroshard_worker_step_seconds",
+            "EWMA wall time of a worker's training call, seconds.",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_health = Gauge(
+            "neuroshard_worker_health",
+            "A worker's health score in [0, 1] (see the README's formula).",
+            ["worker"],
+            registry=r,
         )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

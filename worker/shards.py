@@ -117,6 +117,46 @@ class TrainData:
         except KeyError:
             raise ShardMissing(f"shard {shard[0]} of {shard[1]} is not held here") from None
 
+    def shards_of(self, rows: np.ndarray, shard_count: int) -> list[Shard]:
+        """The shards of ``shard_count`` that hold some of ``rows`` (global row indices).
+
+        Raises:
+            ValueError: a row outside [0, n_train) (INVALID_ARGUMENT).
+        """
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.n_train):
+            raise ValueError(f"rows: indices must be in [0, {self.n_train})")
+        starts = [shard_bounds(self.n_train, s, shard_count)[0] for s in range(shard_count)]
+        held = np.searchsorted(np.asarray(starts), rows, side="right") - 1
+        return [(int(s), shard_count) for s in np.unique(held)]
+
+    def gather(self, rows: np.ndarray, shard_count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The samples and labels of global ``rows``, in their order.
+
+        Args:
+            rows: [R] int64 global training row indices.
+            shard_count: the job's shard count, to find the shards that hold them.
+
+        Returns:
+            x: [R, *S] float32; y: [R] int64.
+
+        Raises:
+            ValueError: a row outside [0, n_train) (INVALID_ARGUMENT).
+            ShardMissing: a shard holding some of the rows is not held here
+                (FAILED_PRECONDITION).
+        """
+        if self._full is not None:
+            if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.n_train):
+                raise ValueError(f"rows: indices must be in [0, {self.n_train})")
+            return self._full.x_train[rows], self._full.y_train[rows]
+        x = np.empty((len(rows), *self.input_shape), np.float32)
+        y = np.empty(len(rows), np.int64)
+        for shard in self.shards_of(rows, shard_count):
+            part = self.rows(shard)
+            mask = (rows >= part.start) & (rows < part.stop)
+            x[mask] = part.x[rows[mask] - part.start]
+            y[mask] = part.y[rows[mask] - part.start]
+        return x, y
+
     def add(self, shard: Shard, rows: ShardRows) -> None:
         """Keep fetched rows of ``shard``.
 

@@ -180,8 +180,6 @@ class Trainer:
         Raises:
             TrainerError: no parameters were set yet (FAILED_PRECONDITION).
         """
-        if self.params_version is None:
-            raise TrainerError("no parameters set: call set_params before compute_gradients")
         spec = self.spec
         rows = batch_indices(
             self.n_train,
@@ -193,18 +191,39 @@ class Trainer:
             spec.seed,
             spec.grad_accum_steps,
         )
+        return self.compute_rows(rows, loss_scale)
+
+    def compute_rows(self, rows: np.ndarray, loss_scale: float = 1.0) -> GradResult:
+        """Gradients of the mean cross-entropy over the given global training rows.
+
+        The rows are run in micro-batches of ``batch_size`` in their order; each backward
+        pass adds the gradient of its rows' loss sum divided by ``len(rows)``, so the total
+        is the gradient of the mean over all of them (sample-weighted).
+
+        Args:
+            rows: [R] int64 global row indices into the training split (any shards held
+                here; R may be any size, 0 gives zero gradients).
+            loss_scale: as ``compute_gradients``.
+
+        Raises:
+            TrainerError: no parameters were set yet (FAILED_PRECONDITION).
+            ShardMissing: a shard holding some of the rows is not held here
+                (FAILED_PRECONDITION).
+            ValueError: a row outside the training split (INVALID_ARGUMENT).
+        """
+        if self.params_version is None:
+            raise TrainerError("no parameters set: call set_params before compute_gradients")
+        spec = self.spec
         if len(rows) == 0:
             zeros = {n: np.zeros(tuple(p.shape), np.float32) for n, p in self._params.items()}
             return GradResult(zeros, self._buffer_arrays(), 0, 0.0, 0, 0.0)
         t0 = time.perf_counter()
-        shard = self.data.rows((self.shard_index, self.shard_count))
-        local = rows - shard.start  # global row indices -> this shard's rows
+        x_all, y_all = self.data.gather(rows, self.shard_count)
         self.model.zero_grad(set_to_none=True)
         loss_sum, correct = 0.0, 0
-        for i in range(0, len(local), spec.batch_size):
-            part = local[i : i + spec.batch_size]
-            x = torch.from_numpy(shard.x[part]).to(self.device)
-            y = torch.from_numpy(shard.y[part]).to(self.device)
+        for i in range(0, len(rows), spec.batch_size):
+            x = torch.from_numpy(x_all[i : i + spec.batch_size]).to(self.device)
+            y = torch.from_numpy(y_all[i : i + spec.batch_size]).to(self.device)
             with autocast(spec.precision, self.device):
                 logits = self.model(x)
                 loss = nn.functional.cross_entropy(logits, y, reduction="sum")

@@ -119,22 +119,30 @@ class TrainingSessions:
         step_in_epoch: int,
         shard: tuple[int, int],
         loss_scale: float = 1.0,
+        rows: np.ndarray | None = None,
     ) -> GradResult:
         """Gradients of one step on the torch thread (``Trainer.compute_gradients``).
 
         The shard's rows are fetched first when they are not held here (a shard handed over
         from another worker). ``loss_scale``: the coordinator's fp16 loss scale (1.0: none).
+        ``rows``: [R] int64 global rows to compute on instead of the shard's rows of the step
+        (the coordinator's piece of the step); the shards holding them are fetched as needed.
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
+            ValueError: a row outside the training split (INVALID_ARGUMENT).
         """
-        if not trainer.data.has(shard):
-            _data, rows = await self._fetch(job_id, shard)
-            await asyncio.to_thread(trainer.data.add, shard, rows)  # checks the rows
+        needed = [shard] if rows is None else trainer.data.shards_of(rows, shard[1])
+        for s in needed:
+            if not trainer.data.has(s):
+                _data, got = await self._fetch(job_id, s)
+                await asyncio.to_thread(trainer.data.add, s, got)  # checks the rows
         loop = asyncio.get_running_loop()
 
         def work() -> GradResult:
             trainer.set_shard(*shard)
+            if rows is not None:
+                return trainer.compute_rows(rows, loss_scale)
             return trainer.compute_gradients(epoch, step_in_epoch, loss_scale)
 
         return await loop.run_in_executor(self._executor, work)

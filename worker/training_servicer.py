@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc import aio
 
 from shared.config import ConfigError
@@ -111,6 +112,15 @@ class TrainingServicer:
         elif trainer.params_version != header.params_version:
             yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
             return
+        rows = None
+        if header.explicit_rows:
+            if len(header.rows) % 8:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"rows: {len(header.rows)} bytes is not a whole number of int64 indices",
+                )
+                return
+            rows = np.frombuffer(header.rows, dtype="<i8").astype(np.int64)
         try:
             res = await self._sessions.compute(
                 header.job_id,
@@ -119,11 +129,12 @@ class TrainingServicer:
                 header.step_in_epoch,
                 (header.shard_index, header.shard_count),
                 header.loss_scale or 1.0,
+                rows,
             )
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))
             return
-        except DataError as exc:
+        except (DataError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
         except ShardMissing as exc:

@@ -153,9 +153,17 @@ def print_status(status: dict[str, Any]) -> None:
             ("memories", "memories"),
             ("primary", "slots_primary"),
             ("replica", "slots_replica"),
+            ("rtt_ms", "rtt_ms"),
+            ("bandwidth_mbit", "bandwidth_mbit"),
+            ("step_ms", "step_ms"),
+            ("health", "health"),
+            ("excluded", "excluded"),
         ],
         title="workers",
     )
+    for w in status["workers"]:
+        if w.get("excluded_reason"):
+            out_console.print(f"{w['name']} excluded: {w['excluded_reason']}")
     jobs = ", ".join(f"{k.lower()} {v}" for k, v in status["jobs"].items() if v) or "none"
     out_console.print(f"jobs: {jobs}")
     if status.get("slots"):

@@ -358,7 +358,9 @@ class Client:
 
         Returns:
             ``workers`` (name, address, state, device (memory kernels), train_device
-            (training), heartbeat_age_s, memories, slots_primary, slots_replica of each),
+            (training), heartbeat_age_s, memories, slots_primary, slots_replica, and the
+            coordinator's link figures rtt_ms, bandwidth_mbit, step_ms (None until measured),
+            health in [0, 1], excluded and excluded_reason of each),
             ``jobs`` (count by state), ``slots``, ``replication_factor``,
             ``under_replicated_slots``, ``slot_map_epoch`` and ``memories`` (primary copies,
             as the alive workers last reported them).
@@ -381,6 +383,12 @@ class Client:
                     "memories": w.memories,
                     "slots_primary": w.slots_primary,
                     "slots_replica": w.slots_replica,
+                    "rtt_ms": _measured(w.rtt_ms),
+                    "bandwidth_mbit": _measured(w.bandwidth_mbit),
+                    "step_ms": _measured(w.step_ms),
+                    "health": round(w.health, 3),
+                    "excluded": w.excluded,
+                    "excluded_reason": w.excluded_reason or None,
                 }
                 for w in s.workers
             ],
@@ -717,3 +725,8 @@ class SyncClient:
 async def _next(agen: AsyncIterator[T]) -> T:
     """``anext`` as a coroutine (``asyncio.Runner.run`` takes coroutines only)."""
     return await agen.__anext__()
+
+
+def _measured(value: float) -> float | None:
+    """A link figure of ``WorkerInfo`` rounded for people; None for 0 (not measured yet)."""
+    return round(value, 3) if value > 0 else None

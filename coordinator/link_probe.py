@@ -1,0 +1,90 @@
+"""Round-trip times to the workers, measured by the coordinator through their addresses.
+
+Every ``interval_s`` the coordinator sends each ALIVE worker one gRPC health check (the
+standard ``grpc.health.v1.Health/Check``, a few bytes each way) on the channel it trains and
+routes with, so the time includes the worker's link as the coordinator sees it (a
+``neuroshard link`` proxy in front of the worker included). The round trip feeds the worker's
+EWMA in ``LinkStats``; the per-worker gauges are published from there on the same beat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.link_stats import LinkStats
+from coordinator.membership import WorkerRecord
+from shared.logging import get_logger
+from shared.metrics import Metrics
+from shared.rpc.peers import WorkerClients
+
+log = get_logger("coordinator.link_probe")
+
+
+class LinkProbe:
+    """Measures RTTs to the ALIVE workers and publishes the link gauges."""
+
+    def __init__(
+        self,
+        links: LinkStats,
+        alive: Callable[[], list[WorkerRecord]],
+        clients: WorkerClients,
+        metrics: Metrics,
+        interval_s: float,
+        timeout_s: float,
+    ) -> None:
+        """Probe nothing until ``run``.
+
+        Args:
+            links: where round trips are recorded (the cluster's telemetry).
+            alive: the ALIVE workers now.
+            clients: channels to the workers.
+            metrics: the ``neuroshard_worker_*`` gauges.
+            interval_s: seconds between rounds (the heartbeat interval).
+            timeout_s: deadline of one health check, seconds; a check that misses it
+                records nothing (the failure detector judges liveness).
+        """
+        self._links, self._alive, self._clients = links, alive, clients
+        self._metrics = metrics
+        self._interval_s, self._timeout_s = interval_s, timeout_s
+
+    async def probe(self, w: WorkerRecord) -> float | None:
+        """One round trip to ``w``, seconds; None when the check failed or timed out."""
+        stub = health_pb2_grpc.HealthStub(self._clients.channel(w.name, w.address))
+        t0 = time.perf_counter()
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._timeout_s)
+        except Exception:  # any failure: no sample; liveness is the failure detector's
+            return None
+        rtt_s = time.perf_counter() - t0
+        self._links.get(w.name).observe_rtt(rtt_s)
+        return rtt_s
+
+    async def probe_all(self) -> None:
+        """Probe every ALIVE worker concurrently, then publish the gauges."""
+        workers = self._alive()
+        await asyncio.gather(*(self.probe(w) for w in workers))
+        self.publish([w.name for w in workers])
+
+    def publish(self, names: list[str]) -> None:
+        """Set the per-worker gauges from the telemetry (unmeasured figures are left out)."""
+        m = self._metrics
+        for name in names:
+            link = self._links.get(name)
+            m.worker_health.labels(name).set(self._links.health(name, names))
+            for gauge, value in (
+                (m.worker_rtt_seconds, link.rtt_s),
+                (m.worker_bandwidth, link.bandwidth_bps),
+                (m.worker_step_seconds, link.step_s),
+            ):
+                if value is not None:
+                    gauge.labels(name).set(value)
+
+    async def run(self) -> None:
+        """Probe every ``interval_s`` until cancelled."""
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self._interval_s)
