@@ -15,6 +15,8 @@ from coordinator.allreduce_job import AllreduceJob
 from coordinator.dataset_store import remove_stale_uploads
 from coordinator.failure_detector import FailureDetector
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
+from coordinator.link_probe import LinkProbe
+from coordinator.link_stats import LinkStats
 from coordinator.membership import Membership, WorkerRecord
 from coordinator.memory_job import MemoryJob
 from coordinator.memory_ops import MemoryOps
@@ -27,8 +29,6 @@ from coordinator.train_sets import TrainSets
 from shared.config import CoordinatorConfig, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
-from coordinator.link_probe import LinkProbe
-from coordinator.link_stats import LinkStats
 from shared.rpc.peers import WorkerClients
 from shared.security.transport import ChannelSecurity
 

@@ -70,21 +70,28 @@ class LinkProbe:
         self.publish([w.name for w in workers])
 
     def publish(self, names: list[str]) -> None:
-        """Set the per-worker gauges from the telemetry (unmeasured figures are left out)."""
-        m = self._metrics
-        for name in names:
-            link = self._links.get(name)
-            m.worker_health.labels(name).set(self._links.health(name, names))
-            for gauge, value in (
-                (m.worker_rtt_seconds, link.rtt_s),
-                (m.worker_bandwidth, link.bandwidth_bps),
-                (m.worker_step_seconds, link.step_s),
-            ):
-                if value is not None:
-                    gauge.labels(name).set(value)
+        """Set the per-worker gauges of ``names`` (``publish_link_gauges``)."""
+        publish_link_gauges(self._links, self._metrics, names)
 
     async def run(self) -> None:
         """Probe every ``interval_s`` until cancelled."""
         while True:
             await self.probe_all()
             await asyncio.sleep(self._interval_s)
+
+
+def publish_link_gauges(links: LinkStats, metrics: Metrics, names: list[str]) -> None:
+    """Set the ``neuroshard_worker_*`` gauges of ``names`` from the telemetry.
+
+    Health is against the median step time of ``names``; unmeasured figures are left out.
+    """
+    for name in names:
+        link = links.get(name)
+        metrics.worker_health.labels(name).set(links.health(name, names))
+        for gauge, value in (
+            (metrics.worker_rtt_seconds, link.rtt_s),
+            (metrics.worker_bandwidth, link.bandwidth_bps),
+            (metrics.worker_step_seconds, link.step_s),
+        ):
+            if value is not None:
+                gauge.labels(name).set(value)

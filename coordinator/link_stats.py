@@ -230,6 +230,8 @@ class LinkStats:
         self.alpha = alpha
         self.decay = decay
         self._links: dict[str, WorkerLink] = {}
+        # name -> reason, for the workers a running train job excludes now (status shows it)
+        self.excluded: dict[str, str] = {}
 
     def get(self, name: str) -> WorkerLink:
         """The worker's link, created empty the first time."""

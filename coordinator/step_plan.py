@@ -70,7 +70,8 @@ def plan_pieces(
     global_rows = np.concatenate(per_shard) if per_shard else np.empty(0, np.int64)
     names = sorted(members)
     sizes = proportional_shares(len(global_rows), {n: rates.get(n) for n in names})
-    pieces, start = [], 0
+    pieces: list[Piece] = []
+    start = 0
     for name in names:
         size = sizes.get(name, 0)
         if size:

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.aggregation import ParameterServer, average_buffers
+from coordinator.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.jobs import JobFailed, JobRecord, JobStore
+from coordinator.link_probe import publish_link_gauges
 from coordinator.link_stats import LinkStats
+from coordinator.membership import WorkerRecord
 from coordinator.robust_aggregation import aggregate, global_norm, norm_outliers
 from coordinator.step_plan import plan_pieces
 from coordinator.straggler import Exclusion, StepTimes, step_deadline_s
-from coordinator.checkpoints import read_checkpoint, save_model, write_checkpoint
-from coordinator.jobs import JobFailed, JobRecord, JobStore
-from coordinator.membership import WorkerRecord
 from coordinator.train_history import TrainHistory
 from coordinator.train_members import Members, Piece, StepOrder, StepOutcome, StepPolicy
 from coordinator.train_sets import TrainSets
@@ -219,11 +220,11 @@ class TrainJob:
         docs = self.members.summary()
         median = self.links.median_step_s(healthy)
         for name, doc in docs.items():
-            doc.update(
-                self.links.get(name).to_doc(
-                    median, self.exclusion.excluded(name), self.exclusion.reason(name)
-                )
+            link = self.links.get(name).to_doc(
+                median, self.exclusion.excluded(name), self.exclusion.reason(name)
             )
+            link["calls"] = link.pop("steps")  # training calls observed, all jobs
+            doc.update(link)
         return docs
 
     async def _train_step(self, ps: ParameterServer, step: int, run: _Run) -> None:
@@ -378,16 +379,26 @@ class TrainJob:
         self.dropped_pieces += len(outcome.dropped)
         for name in sorted(self.members.live):
             score = self.links.health(name, healthy)
-            others = len([n for n in self.members.live if n != name and not self.exclusion.excluded(n)])
-            event = self.exclusion.update(name, score, step, others, self.links.get(name).describe())
+            others = len(
+                [n for n in self.members.live if n != name and not self.exclusion.excluded(n)]
+            )
+            event = self.exclusion.update(
+                name, score, step, others, self.links.get(name).describe()
+            )
             if event is not None:
-                log.warning(f"train_worker_{event}", job_id=self.job.job_id, worker=name,
-                            health=round(score, 3), reason=self.exclusion.reason(name))
+                log.warning(
+                    f"train_worker_{event}",
+                    job_id=self.job.job_id,
+                    worker=name,
+                    health=round(score, 3),
+                    reason=self.exclusion.reason(name),
+                )
         self.members.excluded = {n for n in self.members.live if self.exclusion.excluded(n)}
+        publish_link_gauges(self.links, self._metrics, healthy)
         for name in self.members.history:
-            reason = self.exclusion.reason(name) if name in self.members.excluded else None
-            if reason is not None:
-                self.links.excluded[name] = reason
+            why = self.exclusion.reason(name) if name in self.members.excluded else None
+            if why is not None:
+                self.links.excluded[name] = why
             else:
                 self.links.excluded.pop(name, None)
 
@@ -396,8 +407,13 @@ class TrainJob:
         self.links.get(worker).observe_rejected()
         self.rejected += 1
         self._metrics.train_pieces.labels("rejected").inc()
-        log.warning("train_gradient_rejected", job_id=self.job.job_id, worker=worker,
-                    step=step, reason=reason)
+        log.warning(
+            "train_gradient_rejected",
+            job_id=self.job.job_id,
+            worker=worker,
+            step=step,
+            reason=reason,
+        )
 
     def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
         """Atomically write (next step, parameter-server state, history) to the checkpoint."""

@@ -394,7 +394,7 @@ class Members:
             return_exceptions=True,
         )
 
-    def summary(self) -> dict[str, dict[str, int]]:
+    def summary(self) -> dict[str, dict[str, Any]]:
         """Per worker: samples (count) and steps it contributed."""
         return {
             n: {"samples": m.samples, "steps": m.steps} for n, m in sorted(self.history.items())
@@ -480,6 +480,8 @@ class _StepRun:
                         break
         finally:
             await self._cancel_rest(loop.time())
+        for name in {r.worker for r in self.out.results.values()}:
+            self.m.history[name].steps += 1  # steps it contributed to, once per step
         rejected = {i for _, i, _ in self.out.rejected}
         self.out.dropped = sorted({p.index for p in self.pieces} - set(self.out.results) - rejected)
         return self.out
@@ -544,7 +546,6 @@ class _StepRun:
         self.out.results[piece.index] = r
         self.settled.add(piece.index)
         self.arrived += r.samples
-        member.steps += 1
         for t, (p, _m) in self.calls.items():
             if p.index == piece.index:
                 t.cancel()

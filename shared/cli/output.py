@@ -141,7 +141,7 @@ def print_result(job: JobInfo) -> None:
 
 
 def print_status(status: dict[str, Any]) -> None:
-    """Print ``Client.status()`` for people: a table of workers, job counts, slot figures."""
+    """Print ``Client.status()`` for people: workers, their links, job counts, slot figures."""
     print_workers(
         status["workers"],
         [
@@ -153,13 +153,20 @@ def print_status(status: dict[str, Any]) -> None:
             ("memories", "memories"),
             ("primary", "slots_primary"),
             ("replica", "slots_replica"),
+        ],
+        title="workers",
+    )
+    print_workers(
+        status["workers"],
+        [
+            ("name", "name"),
             ("rtt_ms", "rtt_ms"),
             ("bandwidth_mbit", "bandwidth_mbit"),
             ("step_ms", "step_ms"),
             ("health", "health"),
             ("excluded", "excluded"),
         ],
-        title="workers",
+        title="links (measured by the coordinator; - not yet)",
     )
     for w in status["workers"]:
         if w.get("excluded_reason"):
@@ -177,15 +184,25 @@ def print_workers(
 
     Args:
         workers: the workers of ``Client.status()`` (or a subset of each one's keys).
-        columns: ``(heading, key)`` of each column, in order; values are shown with ``str``.
+        columns: ``(heading, key)`` of each column, in order; values are shown with ``str``
+            (floats to 4 significant digits; ``-`` for None or a missing key).
         title: the table's title, if any.
     """
     table = Table(title=title)
     for heading, _ in columns:
         table.add_column(heading)
     for w in workers:
-        table.add_row(*(str(w[key]) for _, key in columns))
+        table.add_row(*(_cell(w.get(key)) for _, key in columns))
     out_console.print(table)
+
+
+def _cell(value: Any) -> str:
+    """A table cell: ``-`` for a figure not measured (None), floats to 4 digits."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 def slot_figures(status: dict[str, Any]) -> str:

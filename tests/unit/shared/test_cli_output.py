@@ -83,3 +83,29 @@ def test_status_shows_the_training_device(capsys: pytest.CaptureFixture) -> None
     out = capsys.readouterr().out
     assert "training" in out
     assert "cuda:0" in out.split("w0", 1)[1].splitlines()[0]
+
+
+def test_status_shows_the_link_figures_and_why_a_worker_is_excluded(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    base = {"state": "ALIVE", "device": "cpu", "train_device": "cpu", "memories": 0}
+    fast = base | {"name": "w0", "address": "h:1", "rtt_ms": 1.234, "bandwidth_mbit": 950.0}
+    slow = base | {
+        "name": "w1",
+        "address": "h:2",
+        "rtt_ms": 201.5,
+        "step_ms": 880.0,
+        "health": 0.12,
+        "excluded": True,
+        "excluded_reason": "health 0.12 < 0.25 at step 40 (rtt 202 ms)",
+    }
+
+    print_status({"workers": [fast, slow], "jobs": {}})
+
+    out = capsys.readouterr().out
+    for heading in ("rtt_ms", "bandwidth_mbit", "step_ms", "health", "excluded"):
+        assert heading in out
+    links = out.split("links", 1)[1]
+    row_w1 = links.split("w1", 1)[1].splitlines()[0]
+    assert "201.5" in row_w1 and "0.12" in row_w1 and "True" in row_w1
+    assert "w1 excluded: health 0.12 < 0.25 at step 40 (rtt 202 ms)" in out
