@@ -6,8 +6,10 @@ to run its reducer, so each hook really runs on every backward pass.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,12 +18,15 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from shared.config import TrainJobSpec
+from shared.training.data import load_dataset
 from worker.ddp_hooks import (
     POWERSGD_START_ITER,
     CompressionNotSupported,
     check_allreduce_compression,
     register_compression_hook,
 )
+from worker.ddp_replica import Replica
 
 
 @pytest.fixture
@@ -133,3 +138,23 @@ def test_bf16_is_accepted_on_nccl() -> None:
 def test_powersgd_start_step_under_two_is_refused_by_torch() -> None:
     with pytest.raises(ValueError, match="start_powerSGD_iter"):
         register_compression_hook(_ddp(_model()), "powersgd", 0.01, 2, "gloo", start_iter=1)
+
+
+@pytest.mark.usefixtures("gloo_world_of_one")
+def test_the_replica_registers_the_specs_hook_when_the_spec_has_one() -> None:
+    # Arrange: a replica whose spec carries a compression (the field TrainJobSpec gains in
+    # issue 11; set here by hand so the test holds before and after it lands).
+    spec = TrainJobSpec(kind="train", strategy="allreduce", steps=2, batch_size=16)
+    ds = load_dataset(spec.data, spec.seed, spec.test_fraction)
+    replica = Replica(spec, ds.x_train, ds.y_train, ds.num_classes, torch.device("cpu"))
+    replica.spec = copy.copy(spec)
+    object.__setattr__(
+        replica.spec, "compression", SimpleNamespace(name="fp16", ratio=0.01, rank=2)
+    )
+    # Act: a "world of 2" makes wrap build DDP (over this group of one rank).
+    ddp = replica.wrap(2)
+    replica.train_step(ddp, 0, 1)
+    # Assert
+    assert isinstance(ddp, DistributedDataParallel)
+    assert [h for h, _ in ddp._comm_hooks] == [default_hooks.fp16_compress_hook]
+    assert replica.step == 1
