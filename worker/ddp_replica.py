@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +43,7 @@ from shared.training.partition import (
     micro_batches,
     rank_rows,
 )
+from worker.ddp_hooks import register_compression_hook
 from worker.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -126,14 +128,26 @@ class Replica:
     def wrap(self, world_size: int) -> nn.Module:
         """The model as a generation trains it: DDP, or the model itself for one rank.
 
-        With one rank there is nothing to all-reduce (and no buffer to broadcast).
+        With one rank there is nothing to all-reduce (and no buffer to broadcast). DDP gets
+        the communication hook of the spec's compression (``worker.ddp_hooks``).
+
+        Raises:
+            CompressionNotSupported: a compression the group's backend cannot run.
         """
         if world_size == 1:
             return self.model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             self.model, device_ids=device_ids, gradient_as_bucket_view=True
         )
+        # The spec's compression (issue 11) as one of torch's comm hooks; getattr until the
+        # field lands in TrainJobSpec.
+        compression = getattr(self.spec, "compression", None)
+        if compression is not None:
+            register_compression_hook(
+                ddp, compression.name, compression.ratio, compression.rank, dist.get_backend()
+            )
+        return ddp
 
     def train_step(self, ddp: nn.Module, rank: int, world_size: int) -> StepStats:
         """Train one optimizer step (``self.step``) on this rank's rows, then advance.
