@@ -128,14 +128,6 @@ def _not_built_yet(spec: TrainJobSpec) -> None:
     """
     if spec.strategy == "diloco":
         raise ConfigError("strategy: diloco is not available yet")
-    if spec.straggler.mode != "wait":
-        raise ConfigError(f"straggler.mode: {spec.straggler.mode} is not available yet")
-    if spec.batch_policy != "fixed":
-        raise ConfigError(f"batch_policy: {spec.batch_policy} is not available yet")
-    if spec.compression.name != "none":
-        raise ConfigError(f"compression.name: {spec.compression.name} is not available yet")
-    if spec.aggregation != "mean" or spec.max_grad_norm_ratio is not None:
-        raise ConfigError(f"aggregation: {spec.aggregation} is not available yet")
 
 
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:

@@ -39,6 +39,7 @@ from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.confinement import PathRefused, with_resolved_paths
+from shared.training.compression import sync_compressor
 from shared.training.data import load_dataset, steps_per_epoch, total_steps
 
 log = get_logger("coordinator.train_job")
@@ -123,6 +124,9 @@ class TrainJob:
             cfg.rpc_timeout_s,
             cfg.step_timeout_s,
             cfg.chunk_bytes,
+        )
+        self.members.compressor = sync_compressor(
+            job.spec.compression.name, job.spec.compression.ratio
         )
         self.links = links if links is not None else LinkStats()
         self.exclusion = Exclusion(job.spec.health_threshold, job.spec.probation_steps)

@@ -25,6 +25,8 @@ from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc import error_message
 from shared.rpc.codec import read_header_and_tensors, tensors_to_chunks
 from shared.rpc.peers import WorkerClients
+from shared.training.compression import Compressor, downlink_compressor
+from shared.training.error_feedback import DeltaSender
 
 log = get_logger("coordinator.train_members")
 
@@ -36,6 +38,7 @@ class Member:
     name: str
     stub: worker_pb2_grpc.WorkerStub
     params_version: int = -1  # the parameter version this worker holds
+    sender: DeltaSender | None = None  # compression: what this worker holds, as deltas
     samples: int = 0
     steps: int = 0
 
@@ -192,6 +195,8 @@ class Members:
         self._joining: dict[str, asyncio.Task[BaseException | None]] = {}
         self.invited: set[str] = set()  # every worker asked to train: may fetch shards
         self.excluded: set[str] = set()  # live members sitting out (health, probation)
+        # The spec's compression of parameters (as deltas) and gradients; None: float32.
+        self.compressor: Compressor | None = None
         self.failures = 0
 
     async def start(self, workers: list[WorkerRecord]) -> None:
@@ -331,7 +336,16 @@ class Members:
         return candidates[0] if candidates else None
 
     async def piece_step(self, m: Member, piece: Piece, order: StepOrder) -> ShardResult:
-        """One ComputeGradients call: ``piece``'s rows on member ``m``, with telemetry."""
+        """One ComputeGradients call: ``piece``'s rows on member ``m``, with telemetry.
+
+        With compression the parameters go as a delta against what ``m`` holds (in full
+        the first time, and after any call whose outcome is unknown) and the gradients come
+        back in the compressed wire form, decoded here.
+
+        Raises:
+            CompressionError: a malformed compressed answer (the member fails).
+            RuntimeError: the worker kept asking for parameters.
+        """
         t0 = time.perf_counter()
         bytes_up = bytes_down = 0
         for include in (m.params_version != order.version, True):
@@ -348,19 +362,26 @@ class Members:
                 explicit_rows=True,
                 rows=np.ascontiguousarray(piece.rows, dtype="<i8").tobytes(),
             )
-            requests = list(self._requests(header, order.tensors if include else None))
+            tensors = self._outgoing(m, order, header) if include else None
+            requests = list(self._requests(header, tensors))
             bytes_up += sum(r.ByteSize() for r in requests)
             m.params_version = -1  # unknown until the call answers
             call = m.stub.ComputeGradients(_aiter(requests), timeout=self._step_timeout_s)
             counted = _Counted(call)
-            result, tensors = await read_gradients(counted)
+            result, tensors_in = await read_gradients(counted)
             bytes_down += counted.bytes
             if result.need_params:
+                m.sender = None  # the worker holds no usable base: send in full
                 continue
             m.params_version = order.version
             m.samples += result.samples
-            grads = {n: a for n, a in tensors.items() if n not in order.buffer_names}
-            buffers = {n: a for n, a in tensors.items() if n in order.buffer_names}
+            buffers = {n: a for n, a in tensors_in.items() if n in order.buffer_names}
+            grads = {n: a for n, a in tensors_in.items() if n not in order.buffer_names}
+            if self.compressor is not None and not result.nonfinite:
+                shapes = {
+                    n: a.shape for n, a in order.tensors.items() if n not in order.buffer_names
+                }
+                grads = self.compressor.decode(grads, shapes)
             return ShardResult(
                 result.samples,
                 result.loss_sum,
@@ -375,6 +396,20 @@ class Members:
                 bytes_from_worker=bytes_down,
             )
         raise RuntimeError(f"worker {m.name} kept asking for parameters")
+
+    def _outgoing(
+        self, m: Member, order: StepOrder, header: worker_pb2.StepHeader
+    ) -> dict[str, np.ndarray]:
+        """The tensors a step sends ``m``: values, or with compression a parameter delta."""
+        if self.compressor is None:
+            return order.tensors
+        if m.params_version < 0 or m.sender is None:
+            m.sender = DeltaSender(downlink_compressor(self.compressor))  # first send: full
+        header.params_delta = True
+        header.base_version = max(m.params_version, 0)
+        params = {n: a for n, a in order.tensors.items() if n not in order.buffer_names}
+        buffers = {n: a for n, a in order.tensors.items() if n in order.buffer_names}
+        return {**m.sender.send(params), **buffers}
 
     def _requests(
         self, header: worker_pb2.StepHeader, params: dict[str, np.ndarray] | None

