@@ -155,6 +155,7 @@ class Cluster:
             self.rebalancer.worker_restarted(name)
         if changed:
             self._on_membership_change()
+        self.link_probe.soon(rec)  # its RTT from the start, not from the next round
         return rec
 
     def heartbeat(self, name: str, memories: int, epoch: int = 0) -> bool:

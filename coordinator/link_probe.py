@@ -50,6 +50,7 @@ class LinkProbe:
         self._links, self._alive, self._clients = links, alive, clients
         self._metrics = metrics
         self._interval_s, self._timeout_s = interval_s, timeout_s
+        self._pending: set[asyncio.Task[None]] = set()
 
     async def probe(self, w: WorkerRecord) -> float | None:
         """One round trip to ``w``, seconds; None when the check failed or timed out."""
@@ -63,6 +64,25 @@ class LinkProbe:
         self._links.get(w.name).observe_rtt(rtt_s)
         return rtt_s
 
+    def soon(self, w: WorkerRecord) -> None:
+        """Probe ``w`` in the background now (a worker that just registered), then publish.
+
+        Needs a running event loop; without one (a synchronous caller) nothing happens and
+        the next round measures it.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+
+        async def probe_one() -> None:
+            await self.probe(w)
+            self.publish([w.name])
+
+        task = loop.create_task(probe_one())
+        self._pending.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._pending.discard)
+
     async def probe_all(self) -> None:
         """Probe every ALIVE worker concurrently, then publish the gauges."""
         workers = self._alive()
@@ -74,10 +94,14 @@ class LinkProbe:
         publish_link_gauges(self._links, self._metrics, names)
 
     async def run(self) -> None:
-        """Probe every ``interval_s`` until cancelled."""
-        while True:
-            await self.probe_all()
-            await asyncio.sleep(self._interval_s)
+        """Probe every ``interval_s`` until cancelled (then cancel the probes of ``soon``)."""
+        try:
+            while True:
+                await self.probe_all()
+                await asyncio.sleep(self._interval_s)
+        finally:
+            for task in list(self._pending):
+                task.cancel()
 
 
 def publish_link_gauges(links: LinkStats, metrics: Metrics, names: list[str]) -> None:
