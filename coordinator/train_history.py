@@ -4,7 +4,9 @@ One entry per epoch (the last one possibly partial, when ``steps`` ends the job 
 ``epoch`` (from 1), ``train_loss`` (mean cross-entropy of the epoch's training rows, nats, as
 the workers computed it during the epoch's steps), ``test_loss`` and ``test_accuracy`` (the
 model at the epoch's end on the held-out split), ``lr`` (the learning rate of the epoch's last
-optimizer step) and ``samples_per_s`` (the epoch's training rows over its wall-clock seconds).
+optimizer step), ``samples_per_s`` (the epoch's training rows over its wall-clock seconds) and
+``seconds`` (wall-clock seconds of training from the job's first step to the epoch's end, for
+time-to-accuracy).
 Kept in the job's checkpoints, so a resumed job's history starts with the epochs already run.
 """
 
@@ -67,6 +69,7 @@ class TrainHistory:
             True when ``test_accuracy`` beats every earlier epoch's (the first epoch does).
         """
         now = self._clock()
+        before = self.entries[-1].get("seconds", 0.0) if self.entries else 0.0
         self.entries.append(
             {
                 "epoch": epoch,
@@ -75,6 +78,7 @@ class TrainHistory:
                 "test_accuracy": test_accuracy,
                 "lr": lr,
                 "samples_per_s": self._samples / max(now - self._t0, 1e-9),
+                "seconds": before + (now - self._t0),
             }
         )
         self._samples, self._loss_sum, self._t0, self._carried_s = 0, 0.0, now, 0.0

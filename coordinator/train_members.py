@@ -41,6 +41,7 @@ class Member:
     sender: DeltaSender | None = None  # compression: what this worker holds, as deltas
     samples: int = 0
     steps: int = 0
+    compute_s: float = 0.0  # seconds of forward/backward it reported for this job
 
 
 @dataclass(frozen=True)
@@ -430,9 +431,10 @@ class Members:
         )
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per worker: samples (count) and steps it contributed."""
+        """Per worker: samples (count) and steps it contributed, seconds it computed."""
         return {
-            n: {"samples": m.samples, "steps": m.steps} for n, m in sorted(self.history.items())
+            n: {"samples": m.samples, "steps": m.steps, "compute_s": round(m.compute_s, 6)}
+            for n, m in sorted(self.history.items())
         }
 
 
@@ -558,6 +560,7 @@ class _StepRun:
             self.m.fail(member, piece.index, exc)
             return
         r = task.result()
+        member.compute_s += r.compute_s  # its work counts, also when a copy won
         if piece.index in self.settled:
             return
         if self.policy.reject_nonfinite and not r.finite:

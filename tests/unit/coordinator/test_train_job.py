@@ -55,8 +55,10 @@ def test_an_epoch_entry_averages_its_steps_and_tracks_the_best() -> None:
         "test_accuracy": 0.8,
         "lr": 0.01,
         "samples_per_s": 50.0,
+        "seconds": 2.0,
     }
     assert history.entries[1]["samples_per_s"] == 100.0
+    assert history.entries[1]["seconds"] == 3.0  # training seconds up to the epoch's end
     assert (first, second, history.best_test_accuracy) == (True, False, 0.8)
 
 
@@ -80,6 +82,7 @@ def test_history_continues_from_a_checkpoint() -> None:
     assert [e["epoch"] for e in after.entries] == [1, 2]
     assert after.entries[1]["train_loss"] == 1.0  # both halves of epoch 2
     assert after.entries[1]["samples_per_s"] == 20 / 5.0  # 4 s before, 1 s after
+    assert after.entries[1]["seconds"] == 0.0 + 5.0  # epoch 1 took 0 s; the restart is not counted
     assert after.best_test_accuracy == 0.85
     fresh = TrainHistory(clock)
     fresh.load_doc({})
