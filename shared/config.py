@@ -698,7 +698,7 @@ _UNION_FIELDS = {"model", "data", "access"}
 _UNION_TAGS = {"mlp", "cnn", "import", "digits", "synthetic", "path", "zipf", "trace"}
 
 
-def _format_error(exc: ValidationError, prefix: str = "") -> str:
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     """The first error as ``dotted.key: message``, counting the others."""
     err = exc.errors()[0]
     parts: list[str] = []
@@ -736,7 +736,7 @@ def parse_job_spec(data: object) -> JobSpec:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(format_validation_error(exc)) from None
 
 
 def job_spec_from_json(text: str) -> JobSpec:
@@ -795,4 +795,4 @@ def load_config(model: type[T], path: str | Path | None, **overrides: Any) -> T:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc, f"{path}: " if path else "")) from None
+        raise ConfigError(format_validation_error(exc, f"{path}: " if path else "")) from None
