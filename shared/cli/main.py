@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from shared.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, REPO_ROOT, CliError, read_job_spec
+from shared.cli.link import add_link_command
 from shared.cli.security import (
     add_client_flags,
     add_daemon_flags,
@@ -296,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     add_security_commands(sub)
+    add_link_command(sub)
 
     s = client_parser("submit", "submit a job spec")
     s.add_argument("spec", help="job YAML, e.g. configs/jobs/digits-mlp.yaml")
