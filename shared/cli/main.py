@@ -107,6 +107,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         coordinator=args.coordinator,
         name=args.name,
         advertise_host=args.advertise_host,
+        advertise_address=args.advertise_address,
         device=args.device,
     )
 
@@ -266,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--name", help="worker name (default: the hostname)")
     w.add_argument(
         "--advertise-host", help="host others reach this worker at, e.g. its pod DNS name"
+    )
+    w.add_argument(
+        "--advertise-address",
+        help="HOST:PORT registered with the coordinator, verbatim (e.g. a neuroshard link proxy)",
     )
     w.add_argument("--device", choices=["auto", "cpu", "cuda"], help="memory kernels' device")
 
