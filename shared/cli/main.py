@@ -229,10 +229,24 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Run ``neuroshard up``: a local cluster in the foreground (see ``local.run_up``)."""
-    from shared.cli.local import run_up
+    """Run ``neuroshard up``: a local cluster in the foreground (see ``local.run_up``).
 
-    return run_up(args.workers, args.port, args.data_dir, secure=args.secure)
+    Raises:
+        ConfigError: the ``--links`` file is invalid (exit code 2).
+        CliError: its number of entries is not ``--workers`` (exit code 2).
+    """
+    from shared.cli.local import run_up
+    from shared.net.link_settings import load_links
+
+    links = load_links(args.links) if args.links else None
+    workers = args.workers if args.workers is not None else len(links) if links else 3
+    if links is not None and len(links) != workers:
+        raise CliError(
+            f"--links {args.links}: {len(links)} entries for {workers} workers; give one per "
+            "worker (null for a direct link)",
+            EXIT_USAGE,
+        )
+    return run_up(workers, args.port, args.data_dir, secure=args.secure, links=links)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -275,13 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", choices=["auto", "cpu", "cuda"], help="memory kernels' device")
 
     u = sub.add_parser("up", help="run a local cluster in the foreground (Ctrl-C stops it)")
-    u.add_argument("--workers", type=int, default=3, help="number of workers (default 3)")
+    u.add_argument(
+        "--workers", type=int, help="number of workers (default: one per --links entry, or 3)"
+    )
     u.add_argument("--port", type=int, default=50051, help="coordinator port (default 50051)")
     u.add_argument("--data-dir", help="data dir (default: a temporary directory)")
     u.add_argument(
         "--secure",
         action="store_true",
         help="mutual TLS and token auth (certificates and tokens in the data dir)",
+    )
+    u.add_argument(
+        "--links",
+        help="YAML list of link settings, one per worker (null: direct), e.g. "
+        "configs/links-wan.yaml; each worker sits behind a neuroshard link",
     )
     u.set_defaults(func=cmd_up)
 

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shared.cli.local_cluster import LocalCluster
+from shared.client import SyncClient
 from shared.net.link_proxy import LinkProxy, LinkSettings
-from tests.integration.cli_helpers import CLI, REPO
+from tests.integration.cli_helpers import CLI, REPO, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -91,3 +96,43 @@ async def test_link_command_prints_its_port_relays_and_stops_on_sigterm(
         _, stderr = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 0, stderr
     assert b'"event": "link_stopped"' in stderr and b'"connections": 1' in stderr
+
+
+def test_local_cluster_workers_register_their_links_address(tmp_path: Path) -> None:
+    links: list[LinkSettings | None] = [LinkSettings(latency_ms=5), None]
+    with LocalCluster(2, data_dir=tmp_path / "data", log_dir=tmp_path / "logs", links=links) as c:
+        with SyncClient(c.address, timeout_s=10) as client:
+            workers = {w["name"]: w["address"] for w in client.status()["workers"]}
+            # Memories land on both workers: the data plane goes through worker-0's link.
+            ids = np.arange(1, 201, dtype=np.uint64)
+            assert client.upsert(ids, np.full(200, 0.5, dtype=np.float32)) == 200
+            found, strengths, _ = client.get(ids)
+        worker_port, proxy = c.link_addresses["worker-0"]
+    assert workers["worker-0"] == proxy != f"127.0.0.1:{worker_port}"
+    assert "worker-1" not in c.link_addresses and workers["worker-1"] != proxy
+    assert found.all() and (strengths == 0.5).all()
+    log = (tmp_path / "logs" / "link-worker-0.log").read_text()
+    stopped = json.loads(next(ln for ln in log.splitlines() if "link_stopped" in ln))
+    assert stopped["connections"] >= 1 and stopped["bytes_to_target"] > 0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("- {latency_ms: 1}\n- {latency_ms: -1}\n", "links[1].latency_ms: Input should be"),
+        ("- null\n- {bandwidth: 5}\n", "links[1].bandwidth: Extra inputs are not permitted"),
+        ("latency_ms: 5\n", "links: expected a list"),
+    ],
+)
+def test_up_refuses_an_invalid_links_file(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "links.yaml"
+    path.write_text(text)
+    result = run_cli("up", "--links", str(path), "--port", "0", timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {message}" or message in result.stderr
+
+
+def test_up_wants_one_link_per_worker(tmp_path: Path) -> None:
+    result = run_cli("up", "--workers", "2", "--links", str(REPO / "configs/links-wan.yaml"))
+    assert result.returncode == 2
+    assert "4 entries for 2 workers" in result.stderr
