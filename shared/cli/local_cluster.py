@@ -97,8 +97,15 @@ class LocalCluster:
         self._names: dict[int, str] = {}  # pid -> the process's name, for messages
         self.address = ""
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        """Start ``python -m shared.cli ARGS`` as ``name``, its output in ``NAME.log``."""
+    def _spawn(
+        self, name: str, args: list[str], share_stdout: bool = True
+    ) -> subprocess.Popen[bytes]:
+        """Start ``python -m shared.cli ARGS`` as ``name``, its output in ``NAME.log``.
+
+        Without a log dir its output goes to ours, but for ``share_stdout=False``: its
+        stdout is dropped (a link prints its address there, which would pass for the
+        coordinator's that ``up`` prints for scripts).
+        """
         out: IO[Any] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +113,8 @@ class LocalCluster:
             self._logs.append(out)
         cmd = [sys.executable, "-m", "shared.cli", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, stdin=subprocess.DEVNULL)
+        stdout = out if out is not None or share_stdout else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=out, env=env, stdin=subprocess.DEVNULL)
         self._names[proc.pid] = name
         return proc
 
@@ -179,6 +187,7 @@ class LocalCluster:
                     str(ready),
                     *link.cli_args(),
                 ],
+                share_stdout=False,
             )
         )
         return worker_port, self._wait_ready(ready, deadline)

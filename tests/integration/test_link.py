@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shared.cli.local_cluster import LocalCluster
 from shared.client import SyncClient
 from shared.net.link_proxy import LinkProxy, LinkSettings
-from tests.integration.cli_helpers import CLI, REPO, run_cli
+from tests.integration.cli_helpers import CLI, REPO, processes_mentioning, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +137,27 @@ def test_up_wants_one_link_per_worker(tmp_path: Path) -> None:
     result = run_cli("up", "--workers", "2", "--links", str(REPO / "configs/links-wan.yaml"))
     assert result.returncode == 2
     assert "4 entries for 2 workers" in result.stderr
+
+
+def test_up_with_links_prints_the_coordinator_and_each_link(tmp_path: Path) -> None:
+    links = tmp_path / "links.yaml"
+    links.write_text("- {latency_ms: 2, bandwidth_mbit: 100}\n")
+    proc = subprocess.Popen(
+        [*CLI, "up", "--links", str(links), "--port", "0", "--data-dir", str(tmp_path / "d")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()  # once every worker is ALIVE
+        with SyncClient(address, timeout_s=10) as client:
+            (worker,) = client.status()["workers"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert f"worker-0: advertised at {worker['address']} -> 127.0.0.1:" in stderr
+    assert "(2 ms, 100 Mbit/s)" in stderr
+    assert processes_mentioning(str(tmp_path / "d")) == []
