@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -316,6 +317,12 @@ class WorkerConfig(_DaemonConfig):
         description="Host other daemons use to reach this worker (default: listen host, "
         "or 127.0.0.1 when listening on all interfaces).",
     )
+    advertise_address: str | None = Field(
+        None,
+        description="HOST:PORT registered with the coordinator instead of advertise_host and "
+        "the bound port, verbatim: the address the coordinator and peers dial, e.g. a "
+        "`neuroshard link` proxy in front of this worker. Exclusive with advertise_host.",
+    )
     name: str | None = Field(
         None, min_length=1, max_length=128, description="Worker name; default: the hostname."
     )
@@ -370,6 +377,20 @@ class WorkerConfig(_DaemonConfig):
     _check_addr = field_validator("coordinator", "listen")(
         classmethod(lambda cls, v: _host_port(v))
     )
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _dialable(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None:
+            return v
+        if info.data.get("advertise_host") is not None:  # declared, so validated, before
+            raise ValueError(
+                "advertise_host and advertise_address are exclusive: advertise_address is the "
+                f"whole HOST:PORT (got advertise_host={info.data['advertise_host']!r})"
+            )
+        if int(_host_port(v).rpartition(":")[2]) == 0:
+            raise ValueError(f"port 0 cannot be dialed; give the port others connect to ({v!r})")
+        return v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -805,7 +826,7 @@ _UNION_FIELDS = {"model", "data", "access"}
 _UNION_TAGS = {"mlp", "cnn", "import", "digits", "synthetic", "path", "zipf", "trace"}
 
 
-def _format_error(exc: ValidationError, prefix: str = "") -> str:
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     """The first error as ``dotted.key: message``, counting the others."""
     err = exc.errors()[0]
     parts: list[str] = []
@@ -843,7 +864,7 @@ def parse_job_spec(data: object) -> JobSpec:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(format_validation_error(exc)) from None
 
 
 def job_spec_from_json(text: str) -> JobSpec:
@@ -902,4 +923,4 @@ def load_config(model: type[T], path: str | Path | None, **overrides: Any) -> T:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc, f"{path}: " if path else "")) from None
+        raise ConfigError(format_validation_error(exc, f"{path}: " if path else "")) from None

@@ -70,6 +70,7 @@ class WorkerServer:
             "127.0.0.1" if listen_host in ("0.0.0.0", "[::]") else listen_host
         )
         # strategy allreduce: one child process per job, which joins the job's process group
+        # (its gloo traffic goes to this host directly, never through advertise_address)
         self.allreduce = AllreduceSessions(
             cfg.torch_threads, cfg.allowed_imports, self.name, fetcher, self.advertise_host
         )
@@ -116,7 +117,8 @@ class WorkerServer:
             raise
         host, _, _ = self.cfg.listen.rpartition(":")
         port = self.security.add_port(self.server, self.cfg.listen)
-        self.address = f"{self.advertise_host}:{port}"
+        # advertise_address (e.g. a link proxy in front of us) is registered verbatim.
+        self.address = self.cfg.advertise_address or f"{self.advertise_host}:{port}"
         await self.server.start()
         if self.cfg.probe_port is not None:
             self.probe_server, self.probe_port = await start_probe_server(

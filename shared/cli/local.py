@@ -13,10 +13,17 @@ from shared.cli.common import read_job_spec
 from shared.cli.local_cluster import LocalCluster
 from shared.cli.output import err_console, follow_job
 from shared.client import SyncClient
+from shared.net.link_settings import LinkSettings
 from shared.security.dev import SecureSetup
 
 
-def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) -> int:
+def run_up(
+    workers: int,
+    port: int,
+    data_dir: str | None,
+    secure: bool = False,
+    links: list[LinkSettings | None] | None = None,
+) -> int:
     """Run ``neuroshard up``: a local cluster in the foreground until Ctrl-C or SIGTERM.
 
     Prints the coordinator's address on stdout (for scripts) once every worker is ALIVE.
@@ -27,6 +34,8 @@ def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) 
         data_dir: the cluster's data dir; None uses a temporary one, removed at the end.
         secure: mutual TLS and tokens, with files under the data dir; the settings a client
             needs are printed on stderr.
+        links: worker i's emulated link, or None for a direct one (``LocalCluster``); each
+            worker's link is printed on stderr.
 
     Returns:
         The exit code: 0 after Ctrl-C or SIGTERM, 1 when a daemon exited by itself.
@@ -36,7 +45,7 @@ def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) 
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    cluster = LocalCluster(workers, port=port, data_dir=data_dir, secure=secure)
+    cluster = LocalCluster(workers, port=port, data_dir=data_dir, secure=secure, links=links)
     try:
         address = cluster.start()
         err_console.print(
@@ -46,9 +55,11 @@ def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) 
         )
         if cluster.secure is not None:
             print_secure_settings(cluster.secure, address)
+        if links:
+            print_links(cluster)
         print(address, flush=True)
         while True:
-            for p in [cluster.coordinator, *cluster.workers]:
+            for p in [cluster.coordinator, *cluster.workers, *cluster.proxies]:
                 if p is not None and p.poll() is not None:
                     err_console.print(f"neuroshard: a daemon exited with code {p.returncode}")
                     return 1
@@ -58,6 +69,21 @@ def run_up(workers: int, port: int, data_dir: str | None, secure: bool = False) 
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         cluster.stop()
+
+
+def print_links(cluster: LocalCluster) -> None:
+    """Tell people, on stderr, which link each worker of the cluster is behind."""
+    for i in range(cluster.n_workers):
+        name = f"worker-{i}"
+        link = cluster.links[i] if i < len(cluster.links) else None
+        if link is None or name not in cluster.link_addresses:
+            err_console.print(f"  {name}: direct link", highlight=False)
+            continue
+        worker_port, proxy = cluster.link_addresses[name]
+        err_console.print(
+            f"  {name}: advertised at {proxy} -> 127.0.0.1:{worker_port} ({link.describe()})",
+            highlight=False,
+        )
 
 
 def print_secure_settings(setup: SecureSetup, address: str) -> None:

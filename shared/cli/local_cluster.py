@@ -1,13 +1,16 @@
 """A local cluster of real processes: one coordinator and N workers on loopback.
 
 Used by ``neuroshard up`` and ``neuroshard demo``, and by tests and benchmarks. Every process
-is stopped (SIGTERM, then SIGKILL after a grace period) when the cluster stops.
+is stopped (SIGTERM, then SIGKILL after a grace period) when the cluster stops. A worker
+may sit behind an emulated link: a ``neuroshard link`` process in front of it, whose address
+the worker advertises, so the coordinator and peers reach it through the link.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.client import NeuroshardError, SyncClient
+from shared.net.link_settings import LinkSettings
 from shared.security.dev import SecureSetup, prepare
 from shared.security.transport import ChannelSecurity
 
@@ -41,6 +45,7 @@ class LocalCluster:
         coordinator_args: list[str] | None = None,
         worker_args: list[str] | None = None,
         secure: bool = False,
+        links: list[LinkSettings | None] | None = None,
     ) -> None:
         """Describe the cluster; nothing starts before ``start()``.
 
@@ -56,8 +61,18 @@ class LocalCluster:
             secure: mutual TLS and token auth with material generated under the data dir
                 (``shared.security.dev``; each worker gets a worker token for its name);
                 ``self.security`` is then the admin's client security.
+            links: the link of worker i is ``links[i]`` (None, or past the list's end: a
+                direct link). A worker with a link listens on a free port picked up front,
+                behind a ``neuroshard link`` process on another; it advertises the proxy's
+                address (``link_addresses``).
+
+        Raises:
+            ValueError: more links than workers.
         """
+        if links is not None and len(links) > workers:
+            raise ValueError(f"{len(links)} links for {workers} workers")
         self.n_workers = workers
+        self.links = list(links or [])
         self.port = port
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if data_dir is None:
@@ -75,12 +90,22 @@ class LocalCluster:
             self._coordinator_args += self.secure.coordinator_args()
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.proxies: list[subprocess.Popen[bytes]] = []
+        # worker name -> (its listen port, its proxy's address), kept across restarts
+        self.link_addresses: dict[str, tuple[int, str]] = {}
         self._logs: list[IO[Any]] = []
         self._names: dict[int, str] = {}  # pid -> the process's name, for messages
         self.address = ""
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        """Start ``python -m shared.cli ARGS`` as ``name``, its output in ``NAME.log``."""
+    def _spawn(
+        self, name: str, args: list[str], share_stdout: bool = True
+    ) -> subprocess.Popen[bytes]:
+        """Start ``python -m shared.cli ARGS`` as ``name``, its output in ``NAME.log``.
+
+        Without a log dir its output goes to ours, but for ``share_stdout=False``: its
+        stdout is dropped (a link prints its address there, which would pass for the
+        coordinator's that ``up`` prints for scripts).
+        """
         out: IO[Any] | None = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +113,8 @@ class LocalCluster:
             self._logs.append(out)
         cmd = [sys.executable, "-m", "shared.cli", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, stdin=subprocess.DEVNULL)
+        stdout = out if out is not None or share_stdout else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=out, env=env, stdin=subprocess.DEVNULL)
         self._names[proc.pid] = name
         return proc
 
@@ -101,7 +127,8 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         self.address = self._start_coordinator(self.port, deadline)
         for i in range(self.n_workers):
-            self.add_worker(f"worker-{i}")
+            link = self.links[i] if i < len(self.links) else None
+            self.add_worker(f"worker-{i}", link=link)
         self.wait_workers(self.n_workers, deadline)
         if self.secure is not None:
             self.secure.write_env(self.address)
@@ -126,10 +153,44 @@ class LocalCluster:
                 *self._coordinator_args,
             ],
         )
+        return self._wait_ready(ready, deadline)
+
+    def _wait_ready(self, ready: Path, deadline: float) -> str:
+        """Poll every 0.05 s until a daemon wrote its address to ``ready``; return it."""
         while not ready.exists() or not ready.read_text():
             self._check_alive(deadline)
             time.sleep(0.05)
         return ready.read_text().strip()
+
+    def _start_link(self, name: str, link: LinkSettings, deadline: float) -> tuple[int, str]:
+        """Start a ``neuroshard link`` in front of worker ``name``; return its ports' record.
+
+        Returns:
+            The port the worker must listen on (free when picked; the window until the
+            worker binds it is short) and the proxy's ``host:port``, which it advertises.
+        """
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            worker_port = int(s.getsockname()[1])
+        ready = self.data_dir / f"link-{name}.addr"
+        ready.unlink(missing_ok=True)
+        self.proxies.append(
+            self._spawn(
+                f"link-{name}",
+                [
+                    "link",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--target",
+                    f"127.0.0.1:{worker_port}",
+                    "--ready-file",
+                    str(ready),
+                    *link.cli_args(),
+                ],
+                share_stdout=False,
+            )
+        )
+        return worker_port, self._wait_ready(ready, deadline)
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator (no shutdown at all) and wait for it."""
@@ -175,16 +236,35 @@ class LocalCluster:
         proc.wait()
         return proc
 
-    def add_worker(self, name: str, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+    def add_worker(
+        self,
+        name: str,
+        extra: list[str] | None = None,
+        link: LinkSettings | None = None,
+        timeout_s: float = 30.0,
+    ) -> subprocess.Popen[bytes]:
         """Start one more worker process named ``name``, without waiting for it.
 
         Args:
             name: the worker's name; its data dir is ``DATA_DIR/NAME``.
             extra: flags added after the cluster's own.
+            link: put the worker behind a new link proxy with these settings (waiting up to
+                ``timeout_s`` for the proxy); a worker restarted under the same name keeps
+                its proxy and port whatever ``link`` says.
+            timeout_s: seconds to wait for a new proxy's address.
 
         Returns:
             The process.
+
+        Raises:
+            ClusterStartError: the proxy exited or wrote no address in time.
         """
+        listen, advertise = "127.0.0.1:0", []
+        if link is not None and name not in self.link_addresses:
+            self.link_addresses[name] = self._start_link(name, link, time.monotonic() + timeout_s)
+        if name in self.link_addresses:
+            port, proxy_address = self.link_addresses[name]
+            listen, advertise = f"127.0.0.1:{port}", ["--advertise-address", proxy_address]
         proc = self._spawn(
             name,
             [
@@ -192,7 +272,8 @@ class LocalCluster:
                 "--coordinator",
                 self.address,
                 "--listen",
-                "127.0.0.1:0",
+                listen,
+                *advertise,
                 "--name",
                 name,
                 "--data-dir",
@@ -228,7 +309,7 @@ class LocalCluster:
 
     def _check_alive(self, deadline: float) -> None:
         """Raise ClusterStartError if a process exited (not by SIGKILL) or time is up."""
-        for proc in [self.coordinator, *self.workers]:
+        for proc in [self.coordinator, *self.workers, *self.proxies]:
             if proc is not None and proc.poll() is not None and proc.returncode != -9:
                 name = self._names.get(proc.pid, "a daemon")
                 raise ClusterStartError(f"{name} exited with code {proc.returncode}")
@@ -246,16 +327,9 @@ class LocalCluster:
                 self.coordinator.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self.coordinator.kill()
-        procs = [p for p in [*self.workers, self.coordinator] if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _terminate([p for p in [*self.workers, self.coordinator] if p is not None], deadline)
+        # The links last: a worker still stopping may be sending to a peer through one.
+        _terminate(self.proxies, time.monotonic() + grace_s)
         for f in self._logs:
             f.close()
         self._logs.clear()
@@ -275,3 +349,16 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         """Stop the cluster."""
         self.stop()
+
+
+def _terminate(procs: list[subprocess.Popen[bytes]], deadline: float) -> None:
+    """SIGTERM the processes still running, wait for all until ``deadline``, SIGKILL the rest."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

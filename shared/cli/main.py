@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from shared.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, REPO_ROOT, CliError, read_job_spec
+from shared.cli.link import add_link_command
 from shared.cli.security import (
     add_client_flags,
     add_daemon_flags,
@@ -106,6 +107,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         coordinator=args.coordinator,
         name=args.name,
         advertise_host=args.advertise_host,
+        advertise_address=args.advertise_address,
         device=args.device,
     )
 
@@ -227,10 +229,24 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Run ``neuroshard up``: a local cluster in the foreground (see ``local.run_up``)."""
-    from shared.cli.local import run_up
+    """Run ``neuroshard up``: a local cluster in the foreground (see ``local.run_up``).
 
-    return run_up(args.workers, args.port, args.data_dir, secure=args.secure)
+    Raises:
+        ConfigError: the ``--links`` file is invalid (exit code 2).
+        CliError: its number of entries is not ``--workers`` (exit code 2).
+    """
+    from shared.cli.local import run_up
+    from shared.net.link_settings import load_links
+
+    links = load_links(args.links) if args.links else None
+    workers = args.workers if args.workers is not None else len(links) if links else 3
+    if links is not None and len(links) != workers:
+        raise CliError(
+            f"--links {args.links}: {len(links)} entries for {workers} workers; give one per "
+            "worker (null for a direct link)",
+            EXIT_USAGE,
+        )
+    return run_up(workers, args.port, args.data_dir, secure=args.secure, links=links)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -266,16 +282,27 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--advertise-host", help="host others reach this worker at, e.g. its pod DNS name"
     )
+    w.add_argument(
+        "--advertise-address",
+        help="HOST:PORT registered with the coordinator, verbatim (e.g. a neuroshard link proxy)",
+    )
     w.add_argument("--device", choices=["auto", "cpu", "cuda"], help="memory kernels' device")
 
     u = sub.add_parser("up", help="run a local cluster in the foreground (Ctrl-C stops it)")
-    u.add_argument("--workers", type=int, default=3, help="number of workers (default 3)")
+    u.add_argument(
+        "--workers", type=int, help="number of workers (default: one per --links entry, or 3)"
+    )
     u.add_argument("--port", type=int, default=50051, help="coordinator port (default 50051)")
     u.add_argument("--data-dir", help="data dir (default: a temporary directory)")
     u.add_argument(
         "--secure",
         action="store_true",
         help="mutual TLS and token auth (certificates and tokens in the data dir)",
+    )
+    u.add_argument(
+        "--links",
+        help="YAML list of link settings, one per worker (null: direct), e.g. "
+        "configs/links-wan.yaml; each worker sits behind a neuroshard link",
     )
     u.set_defaults(func=cmd_up)
 
@@ -296,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     add_security_commands(sub)
+    add_link_command(sub)
 
     s = client_parser("submit", "submit a job spec")
     s.add_argument("spec", help="job YAML, e.g. configs/jobs/digits-mlp.yaml")

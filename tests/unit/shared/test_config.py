@@ -55,6 +55,18 @@ BAD_WORKER_YAML = [
     ("coordinator: localhost\n", "coordinator: expected HOST:PORT with a port in 0..65535, got"),
     ("name: ''\n", "name: String should have at least 1 character"),
     ("device: tpu\n", "device: Input should be 'auto', 'cpu' or 'cuda'"),
+    (
+        "advertise_address: proxy-host\n",
+        "advertise_address: expected HOST:PORT with a port in 0..65535, got 'proxy-host'",
+    ),
+    (
+        "advertise_address: 127.0.0.1:0\n",
+        "advertise_address: port 0 cannot be dialed; give the port others connect to",
+    ),
+    (
+        "advertise_host: w0\nadvertise_address: 127.0.0.1:7000\n",
+        "advertise_address: advertise_host and advertise_address are exclusive",
+    ),
 ]
 
 
@@ -197,3 +209,18 @@ def test_bad_job_spec_names_the_field(spec, message) -> None:
 def test_job_spec_json_that_does_not_parse_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^spec_json: not valid JSON \("):
         job_spec_from_json("{")
+
+
+def test_advertise_address_is_kept_verbatim_and_by_flag() -> None:
+    cfg = load_config(WorkerConfig, None, advertise_address="127.0.0.1:7000")
+    assert cfg.advertise_address == "127.0.0.1:7000" and cfg.advertise_host is None
+    assert load_config(WorkerConfig, None).advertise_address is None
+
+
+def test_advertise_host_and_address_together_name_both_fields() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(WorkerConfig, None, advertise_host="w0", advertise_address="proxy:7000")
+
+    assert str(info.value).startswith(
+        "advertise_address: advertise_host and advertise_address are exclusive"
+    )

@@ -1,0 +1,122 @@
+"""``neuroshard link``: an emulated network link (``shared.net.link_proxy``) in the foreground.
+
+It prints the address it listens on as one line on stdout (``HOST:PORT``, the real port
+when ``--listen`` asks for port 0), logs to stderr, and runs until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from pydantic import ValidationError
+
+from shared import rpc
+from shared.cli.common import EXIT_OK, EXIT_USAGE, CliError
+from shared.config import ConfigError, format_validation_error
+from shared.logging import configure_logging, get_logger
+from shared.net.link_proxy import LinkProxy, LinkSettings
+
+log = get_logger("link")
+
+
+def add_link_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``neuroshard link`` to the subcommands of ``neuroshard``."""
+    p = sub.add_parser(
+        "link",
+        help="relay TCP from --listen to --target through an emulated link (Ctrl-C stops it)",
+    )
+    p.add_argument("--listen", required=True, help="HOST:PORT to accept on (port 0: any free)")
+    p.add_argument("--target", required=True, help="HOST:PORT each connection is relayed to")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay of each direction, ms (a round trip grows by twice it)",
+    )
+    p.add_argument(
+        "--jitter-ms", type=float, default=0.0, help="uniform +-jitter on each delay, ms"
+    )
+    p.add_argument("--bandwidth-mbit", type=float, help="cap of each direction, Mbit/s")
+    p.add_argument(
+        "--reset-every-mb", type=float, help="reset a connection after this many MB (both ways)"
+    )
+    p.add_argument("--ready-file", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_link)
+
+
+def _host_port(flag: str, value: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[::1]:PORT`` too) given to ``flag``.
+
+    Raises:
+        CliError: not HOST:PORT with a port in 0..65535 (exit code 2).
+    """
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise CliError(f"{flag}: expected HOST:PORT with a port in 0..65535, got {value!r}", 2)
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def settings_of(args: argparse.Namespace) -> LinkSettings:
+    """Validate the link's flags into settings.
+
+    Raises:
+        ConfigError: an invalid value; the message names the field (exit code 2).
+    """
+    fields: dict[str, Any] = {
+        "latency_ms": args.latency_ms,
+        "jitter_ms": args.jitter_ms,
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "reset_every_mb": args.reset_every_mb,
+    }
+    try:
+        return LinkSettings.model_validate(fields)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def cmd_link(args: argparse.Namespace) -> int:
+    """Run ``neuroshard link`` until SIGINT or SIGTERM.
+
+    Returns:
+        0 after a signal.
+
+    Raises:
+        CliError: a flag is not HOST:PORT, or the listen address cannot be bound.
+        ConfigError: an invalid link setting (exit code 2).
+    """
+    listen_host, listen_port = _host_port("--listen", args.listen)
+    target_host, target_port = _host_port("--target", args.target)
+    settings = settings_of(args)
+    configure_logging()
+    proxy = LinkProxy(listen_host, listen_port, target_host, target_port, settings)
+    main = _serve(proxy, args.ready_file)
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        asyncio.run(main)
+    return EXIT_OK
+
+
+async def _serve(proxy: LinkProxy, ready_file: str | None) -> None:
+    """Start the proxy, print its address, wait for SIGINT or SIGTERM, stop it.
+
+    Raises:
+        CliError: the listen address cannot be bound.
+    """
+    try:
+        port = await proxy.start()
+    except OSError as exc:
+        raise CliError(
+            f"--listen: cannot listen on {proxy.listen_host}: {exc}", EXIT_USAGE
+        ) from None
+    address = f"{proxy.listen_host}:{port}"
+    if ":" in proxy.listen_host:
+        address = f"[{proxy.listen_host}]:{port}"
+    print(address, flush=True)
+    await rpc.write_ready_file(ready_file, address)
+    await rpc.wait_for_stop_signal()
+    await proxy.stop()

@@ -1,0 +1,1 @@
+"""Network tools: link emulation (``link_proxy``) for tests, benchmarks and ``neuroshard link``."""
