@@ -541,7 +541,7 @@ class _StepRun:
                 continue
             member = self.m.spare(self.tried[p.index], True, self.busy())
             if member is None:
-                return
+                continue  # every idle member tried this piece; another piece may have one
             self.backed_up.add(p.index)
             self.out.backups += 1
             log.info("train_backup", job_id=self.m.job_id, piece=p.index, worker=member.name)
