@@ -150,8 +150,9 @@ class StepOutcome:
         rejected: (worker, piece index, reason) of answers refused (non-finite gradients).
         dropped: piece indices left out at the deadline (``drop``), rejected ones aside.
         backups: copies of pieces launched on other workers (``backup``).
-        late: members whose call was cancelled when the step went on without them, with
-            the seconds they had run.
+        late: members whose call was cancelled when the step went on without them (drop,
+            or another copy of the piece answered first), with the seconds that call had
+            run (the longest, if several).
     """
 
     results: dict[int, ShardResult] = field(default_factory=dict)
@@ -476,6 +477,8 @@ class _StepRun:
         self.m, self.order, self.pieces, self.policy = members, order, pieces, policy
         self.out = StepOutcome()
         self.calls: dict[asyncio.Task[ShardResult], tuple[Piece, Member]] = {}
+        self.launched: dict[asyncio.Task[ShardResult], float] = {}  # loop time of each call
+        self.stopping: list[asyncio.Task[ShardResult]] = []  # cancelled, not yet awaited
         self.tried: dict[int, set[str]] = {p.index: set() for p in pieces}
         self.settled: set[int] = set()
         self.backed_up: set[int] = set()
@@ -486,6 +489,7 @@ class _StepRun:
     def launch(self, piece: Piece, member: Member) -> None:
         task = asyncio.create_task(self.m.piece_step(member, piece, self.order))
         self.calls[task] = (piece, member)
+        self.launched[task] = asyncio.get_running_loop().time()
         self.tried[piece.index].add(member.name)
 
     def running(self, index: int) -> bool:
@@ -516,7 +520,7 @@ class _StepRun:
                     elif self.policy.mode == "drop" and self._enough():
                         break
         finally:
-            await self._cancel_rest(loop.time())
+            await self._cancel_rest()
         for name in {r.worker for r in self.out.results.values()}:
             self.m.history[name].steps += 1  # steps it contributed to, once per step
         rejected = {i for _, i, _ in self.out.rejected}
@@ -543,7 +547,7 @@ class _StepRun:
                 continue
             member = self.m.spare(self.tried[p.index], True, self.busy())
             if member is None:
-                return
+                continue  # every idle member tried this piece; another piece may have one
             self.backed_up.add(p.index)
             self.out.backups += 1
             log.info("train_backup", job_id=self.m.job_id, piece=p.index, worker=member.name)
@@ -584,16 +588,29 @@ class _StepRun:
         self.out.results[piece.index] = r
         self.settled.add(piece.index)
         self.arrived += r.samples
-        for t, (p, _m) in self.calls.items():
-            if p.index == piece.index:
-                t.cancel()
+        for t in [t for t, (p, _m) in self.calls.items() if p.index == piece.index]:
+            if self._stop(t):
+                del self.calls[t]  # its member is idle for backups now
+                self.stopping.append(t)
 
-    async def _cancel_rest(self, now: float) -> None:
+    def _stop(self, task: asyncio.Task[ShardResult]) -> bool:
+        """Cancel a running call: its member's parameters are unknown, and it was late.
+
+        Returns:
+            False when the call had already ended (its answer is settled as usual).
+        """
+        if task.done() or not task.cancel():
+            return False
+        _piece, member = self.calls[task]
+        member.params_version = -1
+        ran_s = asyncio.get_running_loop().time() - self.launched[task]
+        self.out.late[member.name] = max(self.out.late.get(member.name, 0.0), ran_s)
+        return True
+
+    async def _cancel_rest(self) -> None:
         """Cancel the calls still running; their members' parameters are then unknown."""
-        for task, (piece, member) in self.calls.items():
-            task.cancel()
-            member.params_version = -1
-            if piece.index not in self.settled:
-                self.out.late[member.name] = now - self.t0
-        await asyncio.gather(*self.calls, return_exceptions=True)
+        for task in self.calls:
+            self._stop(task)
+        await asyncio.gather(*self.calls, *self.stopping, return_exceptions=True)
         self.calls.clear()
+        self.stopping.clear()
