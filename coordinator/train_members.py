@@ -376,7 +376,6 @@ class Members:
                 m.sender = None  # the worker holds no usable base: send in full
                 continue
             m.params_version = order.version
-            m.samples += result.samples
             buffers = {n: a for n, a in tensors_in.items() if n in order.buffer_names}
             grads = {n: a for n, a in tensors_in.items() if n not in order.buffer_names}
             if self.compressor is not None and not result.nonfinite:
@@ -588,6 +587,7 @@ class _StepRun:
         self.out.results[piece.index] = r
         self.settled.add(piece.index)
         self.arrived += r.samples
+        member.samples += r.samples  # accepted rows only (not a losing copy's or a rejected one's)
         for t in [t for t, (p, _m) in self.calls.items() if p.index == piece.index]:
             if self._stop(t):
                 del self.calls[t]  # its member is idle for backups now
