@@ -42,14 +42,14 @@ class InProcessCluster:
     workers: list[WorkerServer] = field(default_factory=list)
     worker_overrides: dict[str, object] = field(default_factory=dict)
 
-    async def add_worker(self, name: str | None = None) -> WorkerServer:
+    async def add_worker(self, name: str | None = None, **overrides: object) -> WorkerServer:
         name = name or f"worker-{len(self.workers)}"
         cfg = WorkerConfig(
             coordinator=self.address,
             listen="127.0.0.1:0",
             name=name,
             data_dir=str(self.root / name),
-            **self.worker_overrides,
+            **(self.worker_overrides | overrides),
         )
         w = WorkerServer(cfg)
         await w.start()

@@ -98,6 +98,7 @@ class WorkerServer:
         self.failed = asyncio.Event()  # set when this worker cannot go on (see ``error``)
         self.probe_server: aio.Server | None = None
         self.probe_port: int | None = None
+        self.port = 0  # the gRPC port bound by start()
         self.error = ""
 
     async def start(self) -> str:
@@ -116,7 +117,7 @@ class WorkerServer:
             self._release_data_dir()
             raise
         host, _, _ = self.cfg.listen.rpartition(":")
-        port = self.security.add_port(self.server, self.cfg.listen)
+        port = self.port = self.security.add_port(self.server, self.cfg.listen)
         # advertise_address (e.g. a link proxy in front of us) is registered verbatim.
         self.address = self.cfg.advertise_address or f"{self.advertise_host}:{port}"
         await self.server.start()

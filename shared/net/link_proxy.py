@@ -186,6 +186,10 @@ class LinkProxy:
                 _abort(client_w)
                 return
             await self._relay(_Connection(client_w, target_w), client_r, target_r)
+        except asyncio.CancelledError:
+            # stop() cancels the connections; the stream server's callback would log the
+            # cancellation as an error of this task, so it ends here (both sockets aborted).
+            return
         finally:
             self._tasks.discard(task)
 

@@ -14,10 +14,19 @@ from typing import Any
 import numpy as np
 import pytest
 
+from shared.net.link_proxy import LinkProxy
+from shared.net.link_settings import LinkSettings
+from shared.training.data import Dataset
 from tests.integration.test_training_equivalence import (
+    ADAM,
     assert_same_state,
+    digits,
+    job_spec,
     load_saved_model,
+    reference_state,
 )
+
+__all__ = ["digits"]  # the fixture, shared with the equivalence tests
 
 pytestmark = pytest.mark.integration
 
@@ -123,3 +132,36 @@ async def test_proportional_batches_equal_fixed_batches(make_cluster) -> None:
     assert sum(w["samples"] for w in proportional.result["workers"].values()) == sum(
         w["samples"] for w in fixed.result["workers"].values()
     )
+
+
+async def test_backup_mode_equals_single_process_with_a_worker_slowed_by_a_proxy(
+    make_cluster, digits: Dataset
+) -> None:
+    # Arrange: worker-2 is reached through a link proxy adding 40 ms each way; it stays in the
+    # job (no exclusion), so every step needs backups of its piece.
+    spec = job_spec(3, ADAM) | {
+        "straggler": {"mode": "backup", "deadline_factor": 2.0},
+        "health_threshold": 0.0,
+    }
+    expected = reference_state(spec, digits)
+    cluster = await make_cluster(workers=2)
+    proxy = LinkProxy("127.0.0.1", 0, "127.0.0.1", 0, LinkSettings(latency_ms=40))
+    port = await proxy.start()
+    try:
+        slow = await cluster.add_worker("worker-2", advertise_address=f"127.0.0.1:{port}")
+        # start() returned before the worker registers (in the background): aim the proxy now.
+        proxy.target_port = slow.port
+        await cluster.wait_alive(3)
+
+        # Act
+        final = await run_job(cluster, spec)
+    finally:
+        await proxy.stop()
+
+    # Assert: the slow worker's pieces were also computed by the others at the deadline, and
+    # every step still averaged the whole global batch: single-process training.
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["backup_pieces"] > 0
+    assert final.result["dropped_pieces"] == 0
+    assert_same_state(load_saved_model(final.result), expected)
+    assert final.result["workers"]["worker-2"]["rtt_ms"] >= 80
