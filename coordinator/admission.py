@@ -32,7 +32,7 @@ from shared.config import (
 )
 from shared.npz import UNREADABLE, npz_members
 from shared.security.confinement import check_imports, resolve_data_paths
-from shared.training.data import total_steps
+from shared.training.data import inner_total_steps, total_steps
 from shared.training.models import ModelError, build_model, count_params
 
 DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
@@ -120,18 +120,7 @@ def _data_bytes(key: str, path: Path) -> int:
     return max(size, sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays))
 
 
-def _not_built_yet(spec: TrainJobSpec) -> None:
-    """Refuse the network-aware keys whose training code has not landed yet (INVALID_ARGUMENT).
-
-    Raises:
-        ConfigError: the key and why.
-    """
-    if spec.strategy == "diloco":
-        raise ConfigError("strategy: diloco is not available yet")
-
-
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
-    _not_built_yet(spec)
     shape = data_shape(spec.data, path, cfg.max_dataset_bytes)
     try:
         model = build_model(
@@ -147,7 +136,9 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
         raise ConfigError(str(exc)) from None
     _cap("model", count_params(model), cfg.max_model_params, "max_model_params", " parameters")
     n_train = shape.samples - math.ceil(shape.samples * spec.test_fraction)
-    steps = total_steps(spec, max(n_train, 1))
+    # diloco: the inner steps per worker, the work (its outer steps are fewer).
+    count = inner_total_steps if spec.strategy == "diloco" else total_steps
+    steps = count(spec, max(n_train, 1))
     key = "steps" if spec.steps is not None else "epochs"
     _cap(key, steps, cfg.max_steps, "max_steps", " steps")
 

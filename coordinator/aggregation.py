@@ -22,7 +22,12 @@ from torch import nn
 from coordinator.evaluation import evaluate
 from coordinator.loss_scale import LossScale
 from shared.config import TrainJobSpec
-from shared.training.controls import UNLOADABLE, make_lr_scheduler, make_optimizer
+from shared.training.controls import (
+    UNLOADABLE,
+    make_lr_scheduler,
+    make_optimizer,
+    make_outer_optimizer,
+)
 from shared.training.data import Dataset
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
 
@@ -103,7 +108,11 @@ def average_buffers(
 
 
 class ParameterServer:
-    """The authoritative model, optimizer, lr schedule and loss scale of one sync job (CPU)."""
+    """The authoritative model, optimizer, lr schedule and loss scale of a sync or diloco job.
+
+    On the CPU. For diloco the optimizer is the outer one and its state (Nesterov momentum)
+    goes into checkpoints with the model.
+    """
 
     def __init__(
         self,
@@ -117,6 +126,9 @@ class ParameterServer:
         Args:
             spec: the job; the model is seeded with ``spec.seed``; ``optimizer``,
                 ``lr_schedule``, ``clip_grad_norm`` and ``precision`` (fp16: a loss scale).
+                ``strategy: diloco``: the optimizer is the outer Nesterov SGD
+                (``make_outer_optimizer``) at a constant ``outer_lr``, and ``step`` neither
+                clips nor schedules (the workers' inner steps do).
             dataset: the job's data; the test split is used by ``evaluate``.
             allowed_imports: the operator's ``allowed_imports`` for a model given as
                 ``package.module:callable``.
@@ -130,8 +142,13 @@ class ParameterServer:
         self.model: nn.Module = build_model(
             spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_imports
         )
-        self.optimizer = make_optimizer(spec, self.model.parameters())
-        self.scheduler = make_lr_scheduler(spec, self.optimizer, max(total_steps, 1))
+        self.outer = spec.strategy == "diloco"
+        if self.outer:  # the lr schedule and clipping are the workers' (inner steps)
+            self.optimizer = make_outer_optimizer(spec, self.model.parameters())
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        else:
+            self.optimizer = make_optimizer(spec, self.model.parameters())
+            self.scheduler = make_lr_scheduler(spec, self.optimizer, max(total_steps, 1))
         self.loss_scale = LossScale(enabled=spec.precision == "fp16")
         self.version = 0
         self.skipped_steps = 0
@@ -162,6 +179,10 @@ class ParameterServer:
     def step(self, grads: dict[str, np.ndarray] | None) -> bool:
         """Apply one optimizer step with the averaged gradients; bump ``version``.
 
+        With ``strategy: diloco`` this is the outer step: ``grads`` is the averaged
+        pseudo-gradient (start minus end parameters of the workers' local steps) and the
+        Nesterov SGD step moves the parameters by it (Douillard et al. 2023, algorithm 1).
+
         The gradient's global L2 norm is clipped to ``clip_grad_norm`` first
         (``torch.nn.utils.clip_grad_norm_``). None skips the optimizer step: with fp16, a
         shard's gradients were not all finite, and the loss scale backs off
@@ -182,7 +203,7 @@ class ParameterServer:
             check_param_arrays(grads, self._shapes)
             for name, p in self.model.named_parameters():
                 p.grad = torch.tensor(np.asarray(grads[name], dtype=np.float32))
-            if self.spec.clip_grad_norm is not None:
+            if self.spec.clip_grad_norm is not None and not self.outer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.clip_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

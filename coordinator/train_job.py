@@ -11,6 +11,12 @@ survivors (``coordinator.train_members``); every ``checkpoint_every_steps`` the 
 server's state is checkpointed so a restarted coordinator resumes the job where it was. Every
 epoch the model is evaluated, an entry is added to the history (``coordinator.train_history``)
 and the model is saved as the best one when its test accuracy improved.
+
+``strategy: diloco`` (Douillard et al. 2023) is the same loop where a step is an OUTER step:
+each piece's rows are a shard's rows of ``inner_steps`` consecutive inner steps
+(``coordinator.step_plan.plan_outer_pieces``, ``shared.training.outer_steps``), the worker
+answers the pseudo-gradient of its local steps on them, and the parameter server's step is
+the outer Nesterov step on their sample-weighted average.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from coordinator.link_probe import publish_link_gauges
 from coordinator.link_stats import LinkStats
 from coordinator.membership import WorkerRecord
 from coordinator.robust_aggregation import aggregate, global_norm, norm_outliers
-from coordinator.step_plan import plan_pieces
+from coordinator.step_plan import plan_outer_pieces, plan_pieces
 from coordinator.straggler import Exclusion, StepTimes, step_deadline_s
 from coordinator.train_history import TrainHistory
 from coordinator.train_members import Members, Piece, StepOrder, StepOutcome, StepPolicy
@@ -40,7 +46,13 @@ from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.training.compression import sync_compressor
-from shared.training.data import load_dataset, steps_per_epoch, total_steps
+from shared.training.data import (
+    inner_total_steps,
+    load_dataset,
+    steps_per_epoch,
+    total_steps,
+)
+from shared.training.outer_steps import outer_step, outer_steps_per_epoch
 
 log = get_logger("coordinator.train_job")
 # The shortest step deadline, seconds: below it timer noise would launch needless backups.
@@ -52,8 +64,10 @@ class _Run:
     """A run's step counts and what its steps accumulate.
 
     Attributes:
-        per_epoch: global steps in one epoch (``steps_per_epoch``).
-        total: global steps of the job (``total_steps``).
+        per_epoch: global steps in one epoch (``steps_per_epoch``; diloco: outer steps).
+        total: global steps of the job (``total_steps``; diloco: outer steps).
+        inner_per_epoch: diloco: inner steps in one epoch (``steps_per_epoch``).
+        inner_total: diloco: inner steps per shard of the job (``inner_total_steps``).
         t_start: ``clock()`` seconds when this process started (or resumed) the job.
         history: the per-epoch entries and the best test accuracy.
         samples: training samples whose gradients were applied by this process.
@@ -67,6 +81,8 @@ class _Run:
     t_start: float
     n_train: int
     history: TrainHistory
+    inner_per_epoch: int = 1
+    inner_total: int = 1
     samples: int = 0
     test_loss: float = float("nan")
     test_acc: float = float("nan")
@@ -161,15 +177,20 @@ class TrainJob:
         )
         dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
         n_train = len(dataset.y_train)
+        inner_per_epoch = steps_per_epoch(
+            n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
+        )
         run = _Run(
             n_train=n_train,
-            per_epoch=steps_per_epoch(
-                n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
-            ),
+            per_epoch=inner_per_epoch,
             total=total_steps(spec, n_train),
             t_start=self._clock(),
             history=TrainHistory(self._clock),
+            inner_per_epoch=inner_per_epoch,
+            inner_total=inner_total_steps(spec, n_train),
         )
+        if spec.strategy == "diloco":
+            run.per_epoch = outer_steps_per_epoch(inner_per_epoch, spec.inner_steps)
         ps = await asyncio.to_thread(
             ParameterServer, spec, dataset, self.cfg.allowed_imports, run.total
         )
@@ -194,6 +215,14 @@ class TrainJob:
         self, ps: ParameterServer, run: _Run, start_step: int, device: str
     ) -> dict[str, Any]:
         elapsed = max(self._clock() - run.t_start, 1e-9)
+        doc = self._outcome_doc(ps, run, start_step, device, elapsed)
+        if self.spec.strategy == "diloco":
+            doc["outer_steps"], doc["inner_steps"] = run.total, run.inner_total
+        return doc
+
+    def _outcome_doc(
+        self, ps: ParameterServer, run: _Run, start_step: int, device: str, elapsed: float
+    ) -> dict[str, Any]:
         return {
             "test_accuracy": run.test_acc,
             "test_loss": run.test_loss,
@@ -249,16 +278,17 @@ class TrainJob:
         )
         lr = ps.lr  # the rate this step applies
         buffers = ps.buffers()
+        pieces, first = self._pieces(run, step, epoch, step_in_epoch)
         order = StepOrder(
             step,
             epoch,
-            step_in_epoch,
+            first,
             ps.version,
             ps.params() | buffers,
             frozenset(buffers),
             ps.loss_scale.scale,
         )
-        outcome = await self.members.step(order, self._pieces(run, epoch, step_in_epoch), policy)
+        outcome = await self.members.step(order, pieces, policy)
         self._observe(outcome, step)
         n, loss_sum, correct = await self._apply(ps, outcome, step)
         run.samples += n
@@ -341,11 +371,24 @@ class TrainJob:
             sum(r.correct for r in results.values()),
         )
 
-    def _pieces(self, run: _Run, epoch: int, step_in_epoch: int) -> list[Piece]:
-        """The step's pieces under ``batch_policy`` (``coordinator.step_plan``)."""
+    def _pieces(
+        self, run: _Run, step: int, epoch: int, step_in_epoch: int
+    ) -> tuple[list[Piece], int]:
+        """The step's pieces under ``batch_policy`` (``coordinator.step_plan``).
+
+        Returns:
+            The pieces and the header's ``step_in_epoch``: the step's (sync), or the first
+            inner step's within the epoch (diloco).
+        """
         active = [m.name for m in self.members.active()]
         rates = {n: self.links.get(n).samples_per_s for n in active}
-        return plan_pieces(self.spec, run.n_train, epoch, step_in_epoch, active, rates)
+        spec = self.spec
+        if spec.strategy != "diloco":
+            pieces = plan_pieces(spec, run.n_train, epoch, step_in_epoch, active, rates)
+            return pieces, step_in_epoch
+        outer = outer_step(step, run.inner_total, run.inner_per_epoch, spec.inner_steps)
+        inner = range(outer.first, outer.stop)
+        return plan_outer_pieces(spec, run.n_train, epoch, inner, active, rates), outer.first
 
     def _deadline_s(self) -> float:
         """Seconds a step waits before backups (``backup``) or going on (``drop``)."""

@@ -81,12 +81,15 @@ class Piece:
         rows: [R] int64 global training rows (R >= 0).
         shard: the shard all the rows belong to, or -1 when they span shards.
         member: the member the piece was sized for (proportional), None: round-robin.
+        inner_rows: diloco: ``rows`` cut into the local steps' batches, these many rows
+            each (summing to R); empty for sync.
     """
 
     index: int
     rows: np.ndarray = field(repr=False)
     shard: int = -1
     member: str | None = None
+    inner_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -363,6 +366,7 @@ class Members:
                 loss_scale=order.loss_scale,
                 explicit_rows=True,
                 rows=np.ascontiguousarray(piece.rows, dtype="<i8").tobytes(),
+                inner_rows=piece.inner_rows,
             )
             tensors = self._outgoing(m, order, header) if include else None
             requests = list(self._requests(header, tensors))

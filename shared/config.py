@@ -612,11 +612,11 @@ class TrainJobSpec(_Model):
     )
     straggler: StragglerSpec = Field(
         default_factory=StragglerSpec,
-        description="sync: {mode: wait|backup|drop, deadline_factor, min_fraction}.",
+        description="sync, diloco: {mode: wait|backup|drop, deadline_factor, min_fraction}.",
     )
     batch_policy: Literal["fixed", "proportional"] = Field(
         "fixed",
-        description="sync: fixed: every worker computes batch_size rows a step; "
+        description="sync, diloco: fixed: every worker computes batch_size rows a step; "
         "proportional: the global batch (workers x batch_size) is split by each worker's "
         "measured samples/s (transfer included).",
     )
@@ -646,14 +646,19 @@ class TrainJobSpec(_Model):
         0.25,
         ge=0,
         lt=1,
-        description="sync: a worker whose health score falls below this is excluded for "
+        description="sync, diloco: a worker whose health score falls below this is excluded "
+        "for "
         "probation_steps steps (0: never excluded); see the README for the formula.",
     )
     probation_steps: int = Field(
         20, ge=1, le=1_000_000, description="Steps an excluded worker sits out before a trial."
     )
     inner_steps: int = Field(
-        10, ge=1, le=100_000, description="diloco: local optimizer steps per outer step."
+        10,
+        ge=1,
+        le=100_000,
+        description="diloco: H, local (inner) optimizer steps per worker per outer step; the "
+        "last outer step of an epoch may cover fewer.",
     )
     outer_lr: float = Field(0.7, gt=0, le=10, description="diloco: the outer Nesterov SGD lr.")
     outer_momentum: float = Field(
@@ -707,7 +712,10 @@ class TrainJobSpec(_Model):
         None, ge=1, le=100000, description="Passes over the training split (default 10)."
     )
     steps: int | None = Field(
-        None, ge=1, le=10_000_000, description="Optimizer steps; overrides epochs."
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Optimizer steps (diloco: inner steps per worker); overrides epochs.",
     )
     batch_size: int = Field(32, ge=1, le=65536, description="Samples per worker per step.")
     seed: int = Field(0, ge=0, description="Seeds model init, split and data order.")
@@ -740,7 +748,19 @@ class TrainJobSpec(_Model):
                 f"compression.name: {self.compression.name!r} is not available with strategy "
                 f"{self.strategy} (expected one of {', '.join(allowed)})"
             )
+        self._diloco_controls()
         return self
+
+    def _diloco_controls(self) -> None:
+        """Refuse what ``strategy: diloco`` does not do, naming the field.
+
+        fp16 needs a loss scale kept across a worker's local steps (a GradScaler per worker),
+        which the outer step cannot use; bf16 and fp32 need none.
+        """
+        if self.strategy == "diloco" and self.precision == "fp16":
+            raise ValueError(
+                "precision: fp16 is not available with strategy diloco (use bf16 or fp32)"
+            )
 
 
 class ZipfAccess(_Model):

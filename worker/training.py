@@ -16,7 +16,7 @@ import torch
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.security.confinement import check_imports
-from shared.training.data import DataError
+from shared.training.data import DataError, steps_per_epoch
 from worker.compressed_link import CompressedLink
 from worker.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.trainer import GradResult, Trainer
@@ -128,8 +128,14 @@ class TrainingSessions:
         shard: tuple[int, int],
         loss_scale: float = 1.0,
         rows: np.ndarray | None = None,
+        inner_rows: Sequence[int] = (),
     ) -> GradResult:
         """Gradients of one step on the torch thread (``Trainer.compute_gradients``).
+
+        With ``strategy: diloco`` and ``rows`` the answer is the pseudo-gradient of local
+        steps on them instead (``Trainer.local_steps``): ``inner_rows`` cuts the rows into
+        the inner batches (empty: one batch), the first being inner step ``step_in_epoch``
+        of ``epoch``.
 
         The shard's rows are fetched first when they are not held here (a shard handed over
         from another worker). ``loss_scale``: the coordinator's fp16 loss scale (1.0: none).
@@ -149,6 +155,13 @@ class TrainingSessions:
 
         def work() -> GradResult:
             trainer.set_shard(*shard)
+            spec = trainer.spec
+            if rows is not None and spec.strategy == "diloco":
+                per_epoch = steps_per_epoch(
+                    trainer.n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
+                )
+                first = epoch * per_epoch + step_in_epoch
+                return trainer.local_steps(rows, list(inner_rows) or [len(rows)], first)
             if rows is not None:
                 return trainer.compute_rows(rows, loss_scale)
             return trainer.compute_gradients(epoch, step_in_epoch, loss_scale)

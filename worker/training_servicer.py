@@ -77,7 +77,7 @@ class TrainingServicer:
         request_iterator: AsyncIterator[worker_pb2.GradientRequest],
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
-        """Compute one step's gradients on this worker's shard.
+        """Compute one step's gradients on this worker's shard (diloco: a pseudo-gradient).
 
         Receives a step header (and the parameters and buffers when included); streams back
         the step result, one float32 gradient per parameter (of the mean loss over the step's
@@ -145,6 +145,7 @@ class TrainingServicer:
                 (header.shard_index, header.shard_count),
                 header.loss_scale or 1.0,
                 rows,
+                list(header.inner_rows),
             )
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))

@@ -52,6 +52,23 @@ def make_optimizer(spec: TrainJobSpec, params: Iterable[nn.Parameter]) -> torch.
     return torch.optim.Adam(params, lr=opt.lr, weight_decay=opt.weight_decay)
 
 
+def make_outer_optimizer(
+    spec: TrainJobSpec, params: Iterable[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The outer optimizer of ``strategy: diloco``: Nesterov SGD over the global parameters.
+
+    ``torch.optim.SGD(lr=outer_lr, momentum=outer_momentum, nesterov=True)`` stepped with the
+    averaged pseudo-gradient as the gradient (Douillard et al. 2023, algorithm 1; the paper
+    uses lr 0.7, momentum 0.9). Momentum 0 is plain SGD (torch's nesterov needs momentum).
+
+    Args:
+        spec: the job; ``outer_lr`` and ``outer_momentum``.
+        params: the coordinator's model parameters, float32.
+    """
+    momentum = spec.outer_momentum
+    return torch.optim.SGD(params, lr=spec.outer_lr, momentum=momentum, nesterov=momentum > 0)
+
+
 def lr_factor(spec: TrainJobSpec, step: int, total_steps: int) -> float:
     """The multiplier of ``optimizer.lr`` for optimizer step ``step`` (from 0).
 
