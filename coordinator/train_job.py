@@ -31,12 +31,11 @@ from typing import Any
 from coordinator.aggregation import ParameterServer, average_buffers
 from coordinator.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.jobs import JobFailed, JobRecord, JobStore
-from coordinator.link_probe import publish_link_gauges
 from coordinator.link_stats import LinkStats
 from coordinator.membership import WorkerRecord
 from coordinator.robust_aggregation import aggregate, global_norm, norm_outliers
+from coordinator.step_monitor import StepMonitor
 from coordinator.step_plan import plan_outer_pieces, plan_pieces
-from coordinator.straggler import Exclusion, StepTimes, step_deadline_s
 from coordinator.train_history import TrainHistory
 from coordinator.train_members import Members, Piece, StepOrder, StepOutcome, StepPolicy
 from coordinator.train_sets import TrainSets
@@ -55,8 +54,6 @@ from shared.training.data import (
 from shared.training.outer_steps import outer_step, outer_steps_per_epoch
 
 log = get_logger("coordinator.train_job")
-# The shortest step deadline, seconds: below it timer noise would launch needless backups.
-_DEADLINE_FLOOR_S = 0.02
 
 
 @dataclass
@@ -145,10 +142,7 @@ class TrainJob:
             job.spec.compression.name, job.spec.compression.ratio
         )
         self.links = links if links is not None else LinkStats()
-        self.exclusion = Exclusion(job.spec.health_threshold, job.spec.probation_steps)
-        self._step_times = StepTimes()
-        self._bytes = {"to_workers": 0, "from_workers": 0}
-        self.rejected = self.backups = self.dropped_pieces = 0
+        self.monitor = StepMonitor(job.job_id, job.spec, self.links, metrics, cfg.step_timeout_s)
         self.checkpoint_path = Path(cfg.data_dir) / "checkpoints" / f"{job.job_id}.ckpt"
         self.model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.pt"
         self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
@@ -204,8 +198,7 @@ class TrainJob:
             for step in range(start_step, run.total):
                 await self._train_step(ps, step, run)
         finally:
-            for name in self.members.history:
-                self.links.excluded.pop(name, None)
+            self.monitor.release(self.members)
             await self.members.stop()
         await asyncio.to_thread(save_model, ps.model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
@@ -239,26 +232,9 @@ class TrainJob:
             "history": run.history.entries,
             "resumed_from_step": start_step,
             "worker_failures": self.members.failures,
-            "rejected_gradients": self.rejected,
-            "backup_pieces": self.backups,
-            "dropped_pieces": self.dropped_pieces,
-            "bytes_to_workers": self._bytes["to_workers"],
-            "bytes_from_workers": self._bytes["from_workers"],
-            "workers": self._worker_docs(),
+            **self.monitor.result_doc(),
+            "workers": self.monitor.worker_docs(self.members),
         }
-
-    def _worker_docs(self) -> dict[str, dict[str, Any]]:
-        """Per worker: samples and steps it contributed, and its link figures and health."""
-        healthy = [n for n in self.members.live if n not in self.members.excluded]
-        docs = self.members.summary()
-        median = self.links.median_step_s(healthy)
-        for name, doc in docs.items():
-            link = self.links.get(name).to_doc(
-                median, self.exclusion.excluded(name), self.exclusion.reason(name)
-            )
-            link["calls"] = link.pop("steps")  # training calls observed, all jobs
-            doc.update(link)
-        return docs
 
     async def _train_step(self, ps: ParameterServer, step: int, run: _Run) -> None:
         """One global step of the job, with its progress event.
@@ -272,7 +248,7 @@ class TrainJob:
         self.members.admit()
         policy = StepPolicy(
             spec.straggler.mode,
-            self._deadline_s(),
+            self.monitor.deadline_s(),
             spec.straggler.min_fraction,
             reject_nonfinite=spec.precision != "fp16",
         )
@@ -289,7 +265,7 @@ class TrainJob:
             ps.loss_scale.scale,
         )
         outcome = await self.members.step(order, pieces, policy)
-        self._observe(outcome, step)
+        self.monitor.observe(outcome, step, self.members)
         n, loss_sum, correct = await self._apply(ps, outcome, step)
         run.samples += n
         run.history.add_step(n, loss_sum)
@@ -344,7 +320,7 @@ class TrainJob:
             norms = [global_norm(results[k].grads) for k in keys]
             for i in norm_outliers(norms, spec.max_grad_norm_ratio):
                 r = results.pop(keys[i])
-                self._reject(r.worker, step, f"gradient norm {norms[i]:.3g} is an outlier")
+                self.monitor.reject(r.worker, step, f"gradient norm {norms[i]:.3g} is an outlier")
         counts = [r.samples for r in results.values()]
         if sum(counts) == 0:
             raise JobFailed(f"step {step}: no piece of the step had samples")
@@ -389,78 +365,6 @@ class TrainJob:
         outer = outer_step(step, run.inner_total, run.inner_per_epoch, spec.inner_steps)
         inner = range(outer.first, outer.stop)
         return plan_outer_pieces(spec, run.n_train, epoch, inner, active, rates), outer.first
-
-    def _deadline_s(self) -> float:
-        """Seconds a step waits before backups (``backup``) or going on (``drop``)."""
-        return step_deadline_s(
-            self._step_times.values(),
-            self.spec.straggler.deadline_factor,
-            _DEADLINE_FLOOR_S,
-            self.cfg.step_timeout_s,
-        )
-
-    def _observe(self, outcome: StepOutcome, step: int) -> None:
-        """Telemetry of the step's calls, rejections and late members; health and exclusion."""
-        healthy = [n for n in self.members.live if n not in self.members.excluded]
-        for r in outcome.results.values():
-            self.links.get(r.worker).observe_step(
-                r.wall_s, r.compute_s, r.bytes_from_worker, r.bytes_to_worker, r.samples
-            )
-            if r.worker in healthy:
-                self._step_times.add(r.wall_s)
-            self._bytes["to_workers"] += r.bytes_to_worker
-            self._bytes["from_workers"] += r.bytes_from_worker
-            self._metrics.train_transfer_bytes.labels("to_workers").inc(r.bytes_to_worker)
-            self._metrics.train_transfer_bytes.labels("from_workers").inc(r.bytes_from_worker)
-        self._metrics.train_pieces.labels("accepted").inc(len(outcome.results))
-        if outcome.backups:
-            self._metrics.train_pieces.labels("backup").inc(outcome.backups)
-        if outcome.dropped:
-            self._metrics.train_pieces.labels("dropped").inc(len(outcome.dropped))
-        for name, _piece, reason in outcome.rejected:
-            self._reject(name, step, reason)
-        for name, seconds in outcome.late.items():
-            # A lower bound of its step time: enough for its health and share to fall.
-            self.links.get(name).observe_step(seconds, 0.0, 0, 0, 0)
-        self.backups += outcome.backups
-        self.dropped_pieces += len(outcome.dropped)
-        for name in sorted(self.members.live):
-            score = self.links.health(name, healthy)
-            others = len(
-                [n for n in self.members.live if n != name and not self.exclusion.excluded(n)]
-            )
-            event = self.exclusion.update(
-                name, score, step, others, self.links.get(name).describe()
-            )
-            if event is not None:
-                log.warning(
-                    f"train_worker_{event}",
-                    job_id=self.job.job_id,
-                    worker=name,
-                    health=round(score, 3),
-                    reason=self.exclusion.reason(name),
-                )
-        self.members.excluded = {n for n in self.members.live if self.exclusion.excluded(n)}
-        publish_link_gauges(self.links, self._metrics, healthy)
-        for name in self.members.history:
-            why = self.exclusion.reason(name) if name in self.members.excluded else None
-            if why is not None:
-                self.links.excluded[name] = why
-            else:
-                self.links.excluded.pop(name, None)
-
-    def _reject(self, worker: str, step: int, reason: str) -> None:
-        """Count a rejected gradient against its worker (its health falls)."""
-        self.links.get(worker).observe_rejected()
-        self.rejected += 1
-        self._metrics.train_pieces.labels("rejected").inc()
-        log.warning(
-            "train_gradient_rejected",
-            job_id=self.job.job_id,
-            worker=worker,
-            step=step,
-            reason=reason,
-        )
 
     def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
         """Atomically write (next step, parameter-server state, history) to the checkpoint."""
