@@ -241,17 +241,11 @@ class Cluster:
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         assert isinstance(job.spec, TrainJobSpec)
         if job.spec.strategy == "allreduce":
-            return await AllreduceJob(
-                job,
-                workers,
-                self.cfg,
-                self.clients,
-                self.jobs,
-                self.metrics,
-                alive=self.membership.alive,
-                train_sets=self.train_sets,
-            ).run()
-        return await TrainJob(
+            strategy: type[AllreduceJob] | type[TrainJob] = AllreduceJob
+            extra: dict[str, Any] = {}
+        else:  # sync and diloco: the parameter-server loop, which measures the links
+            strategy, extra = TrainJob, {"links": self.links}
+        return await strategy(
             job,
             workers,
             self.cfg,
@@ -260,7 +254,7 @@ class Cluster:
             self.metrics,
             alive=self.membership.alive,
             train_sets=self.train_sets,
-            links=self.links,
+            **extra,
         ).run()
 
     # -- status ---------------------------------------------------------------------------

@@ -5,6 +5,8 @@ Exit codes: 0 success; 1 job failed or server error; 2 bad usage or invalid job 
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,13 @@ def read_job_spec(path: str) -> dict[str, Any]:
         raise CliError(f"invalid job spec {path}: {exc}", EXIT_USAGE) from None
     spec: dict[str, Any] = data
     return spec
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run a daemon's (or the link proxy's) main coroutine on uvloop, asyncio's loop without it."""
+    try:
+        import uvloop
+
+        uvloop.run(main)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        asyncio.run(main)

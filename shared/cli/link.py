@@ -7,13 +7,12 @@ when ``--listen`` asks for port 0), logs to stderr, and runs until SIGINT or SIG
 from __future__ import annotations
 
 import argparse
-import asyncio
 from typing import Any
 
 from pydantic import ValidationError
 
 from shared import rpc
-from shared.cli.common import EXIT_OK, EXIT_USAGE, CliError
+from shared.cli.common import EXIT_OK, EXIT_USAGE, CliError, run_event_loop
 from shared.config import ConfigError, format_validation_error
 from shared.logging import configure_logging, get_logger
 from shared.net.link_proxy import LinkProxy, LinkSettings
@@ -92,12 +91,7 @@ def cmd_link(args: argparse.Namespace) -> int:
     configure_logging()
     proxy = LinkProxy(listen_host, listen_port, target_host, target_port, settings)
     main = _serve(proxy, args.ready_file)
-    try:
-        import uvloop
-
-        uvloop.run(main)
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        asyncio.run(main)
+    run_event_loop(main)
     return EXIT_OK
 
 

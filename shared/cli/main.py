@@ -6,7 +6,6 @@ Exit codes: 0 success; 1 job failed or server error; 2 bad usage or invalid job 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections.abc import Callable, Coroutine
@@ -14,7 +13,15 @@ from typing import Any, TypeVar
 
 import grpc
 
-from shared.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, REPO_ROOT, CliError, read_job_spec
+from shared.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    REPO_ROOT,
+    CliError,
+    read_job_spec,
+    run_event_loop,
+)
 from shared.cli.link import add_link_command
 from shared.cli.security import (
     add_client_flags,
@@ -67,12 +74,7 @@ def _run_daemon(
     )
     configure_logging(cfg.log)
     main = serve(cfg, args.ready_file)
-    try:
-        import uvloop
-
-        uvloop.run(main)
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        asyncio.run(main)
+    run_event_loop(main)
     return EXIT_OK
 
 
