@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from coordinator.straggler import proportional_shares
-from coordinator.train_members import Piece
+from coordinator.step_types import Piece
 from shared.config import TrainJobSpec
 from shared.training.data import batch_indices
 

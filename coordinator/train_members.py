@@ -1,10 +1,13 @@
-"""The workers of one training job: who computes which data shard, joins and failures.
+"""The workers of one training job: joins, failures, exclusion, and one call per piece.
 
-A job has a fixed number of data shards (``spec.workers``); each step every shard is computed
-by one live member. A member that fails or misses the step deadline leaves the job and its
-shards are recomputed by the survivors in the same step, so the step still averages the full
-global batch. A returning or new worker is admitted in the background (StartTraining) and
-takes shards from the next step on, receiving the current parameters with its first step.
+A job has a fixed number of data shards (``spec.workers``); each step's global batch (every
+shard's rows of the step) is cut into pieces (``coordinator.step_plan``), each computed by
+one live member in one ComputeGradients call (``Members.piece_step``: parameters or their
+compressed delta out, gradients back, telemetry). ``coordinator.step_run`` runs a step's
+calls: a member that fails leaves the job and its pieces are recomputed by the others in the
+same step, so the step still averages the full global batch. A returning or new worker is
+admitted in the background (StartTraining) and takes pieces from the next step on,
+receiving the current parameters with its first call.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -20,8 +22,17 @@ import numpy as np
 
 from coordinator.jobs import JobFailed
 from coordinator.membership import WorkerRecord
+from coordinator.step_run import StepRun
+from coordinator.step_types import (
+    Member,
+    Piece,
+    ShardResult,
+    StepOrder,
+    StepOutcome,
+    StepPolicy,
+)
 from shared.logging import get_logger
-from shared.proto import worker_pb2, worker_pb2_grpc
+from shared.proto import worker_pb2
 from shared.rpc import error_message
 from shared.rpc.codec import read_header_and_tensors, tensors_to_chunks
 from shared.rpc.peers import WorkerClients
@@ -30,139 +41,16 @@ from shared.training.error_feedback import DeltaSender
 
 log = get_logger("coordinator.train_members")
 
-
-@dataclass
-class Member:
-    """One worker's seat in a job."""
-
-    name: str
-    stub: worker_pb2_grpc.WorkerStub
-    params_version: int = -1  # the parameter version this worker holds
-    sender: DeltaSender | None = None  # compression: what this worker holds, as deltas
-    samples: int = 0
-    steps: int = 0
-    compute_s: float = 0.0  # seconds of forward/backward it reported for this job
-
-
-@dataclass(frozen=True)
-class StepOrder:
-    """What every shard of one step is computed from.
-
-    Attributes:
-        step: the global step, from 0.
-        epoch: its epoch, from 0.
-        step_in_epoch: its step within the epoch, from 0.
-        version: the parameter server's version of ``tensors``.
-        tensors: parameters and buffers by state_dict name (float32 parameters, buffers in
-            their dtype), sent to a worker that does not hold ``version``.
-        buffer_names: the names in ``tensors`` that are buffers (their answers too).
-        loss_scale: the fp16 loss scale the workers multiply the loss by (1.0: none).
-    """
-
-    step: int
-    epoch: int
-    step_in_epoch: int
-    version: int
-    tensors: dict[str, np.ndarray] = field(repr=False)
-    buffer_names: frozenset[str] = frozenset()
-    loss_scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows of one step that one ComputeGradients call computes.
-
-    With ``batch_policy: fixed`` a step has one piece per shard (its rows of the step); with
-    ``proportional`` one piece per active member, slices of the step's global batch sized
-    by the members' measured samples/s.
-
-    Attributes:
-        index: the piece's place in the step, from 0.
-        rows: [R] int64 global training rows (R >= 0).
-        shard: the shard all the rows belong to, or -1 when they span shards.
-        member: the member the piece was sized for (proportional), None: round-robin.
-        inner_rows: diloco: ``rows`` cut into the local steps' batches, these many rows
-            each (summing to R); empty for sync.
-    """
-
-    index: int
-    rows: np.ndarray = field(repr=False)
-    shard: int = -1
-    member: str | None = None
-    inner_rows: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class StepPolicy:
-    """How one step treats late and bad answers (``spec.straggler`` and precision).
-
-    Attributes:
-        mode: ``wait``, ``backup`` or ``drop`` (``StragglerSpec.mode``).
-        deadline_s: seconds after the step's start when ``backup`` launches copies of the
-            missing pieces and ``drop`` goes on without them.
-        min_fraction: ``drop``: the share of the step's samples that must have arrived.
-        reject_nonfinite: a piece whose gradient is not finite is rejected (False with fp16,
-            where it means a loss-scale overflow and the step is skipped instead).
-    """
-
-    mode: str = "wait"
-    deadline_s: float = float("inf")
-    min_fraction: float = 1.0
-    reject_nonfinite: bool = True
-
-
-@dataclass
-class ShardResult:
-    """One piece's answer to a step: what its rows contributed, and how the call went.
-
-    Attributes:
-        samples: rows of the step (0 when the shard ran out this epoch).
-        loss_sum: the loss summed over those rows.
-        correct: rows predicted right.
-        grads: parameter name -> gradient of the mean loss, float32 of the parameter's shape,
-            unscaled.
-        buffers: buffer name -> the worker's buffer after the step (e.g. BatchNorm running
-            statistics), in the buffer's dtype.
-        finite: every gradient element is finite.
-        worker: the member that computed it.
-        wall_s: seconds of the call as the coordinator saw it (transfer, queueing, compute).
-        compute_s: seconds of forward and backward on the worker.
-        bytes_to_worker: bytes sent to the worker (header and parameters).
-        bytes_from_worker: bytes received from it (result, gradients, buffers).
-    """
-
-    samples: int
-    loss_sum: float
-    correct: int
-    grads: dict[str, np.ndarray] = field(repr=False)
-    buffers: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
-    finite: bool = True
-    worker: str = ""
-    wall_s: float = 0.0
-    compute_s: float = 0.0
-    bytes_to_worker: int = 0
-    bytes_from_worker: int = 0
-
-
-@dataclass
-class StepOutcome:
-    """What one step gathered.
-
-    Attributes:
-        results: piece index -> its accepted answer.
-        rejected: (worker, piece index, reason) of answers refused (non-finite gradients).
-        dropped: piece indices left out at the deadline (``drop``), rejected ones aside.
-        backups: copies of pieces launched on other workers (``backup``).
-        late: members whose call was cancelled when the step went on without them (drop,
-            or another copy of the piece answered first), with the seconds that call had
-            run (the longest, if several).
-    """
-
-    results: dict[int, ShardResult] = field(default_factory=dict)
-    rejected: list[tuple[str, int, str]] = field(default_factory=list)
-    dropped: list[int] = field(default_factory=list)
-    backups: int = 0
-    late: dict[str, float] = field(default_factory=dict)
+__all__ = [
+    "Member",
+    "Members",
+    "Piece",
+    "ShardResult",
+    "StepOrder",
+    "StepOutcome",
+    "StepPolicy",
+    "read_gradients",
+]
 
 
 class Members:
@@ -324,7 +212,7 @@ class Members:
         Raises:
             JobFailed: every member failed, or a worker refused the job (FAILED).
         """
-        return await _StepRun(self, order, pieces, policy or StepPolicy()).run()
+        return await StepRun(self, order, pieces, policy or StepPolicy()).run()
 
     def spare(self, avoid: set[str], idle_only: bool, busy: set[str]) -> Member | None:
         """An active member not in ``avoid`` for another copy of a piece: idle ones first.
@@ -469,152 +357,3 @@ class _Counted:
         msg = await self._it.__anext__()
         self.bytes += msg.ByteSize()
         return msg
-
-
-class _StepRun:
-    """The calls of one step and their bookkeeping (``Members.step``)."""
-
-    def __init__(
-        self, members: Members, order: StepOrder, pieces: list[Piece], policy: StepPolicy
-    ) -> None:
-        self.m, self.order, self.pieces, self.policy = members, order, pieces, policy
-        self.out = StepOutcome()
-        self.calls: dict[asyncio.Task[ShardResult], tuple[Piece, Member]] = {}
-        self.launched: dict[asyncio.Task[ShardResult], float] = {}  # loop time of each call
-        self.stopping: list[asyncio.Task[ShardResult]] = []  # cancelled, not yet awaited
-        self.tried: dict[int, set[str]] = {p.index: set() for p in pieces}
-        self.settled: set[int] = set()
-        self.backed_up: set[int] = set()
-        self.expected = sum(len(p.rows) for p in pieces)
-        self.arrived = 0
-        self.t0 = 0.0
-
-    def launch(self, piece: Piece, member: Member) -> None:
-        task = asyncio.create_task(self.m.piece_step(member, piece, self.order))
-        self.calls[task] = (piece, member)
-        self.launched[task] = asyncio.get_running_loop().time()
-        self.tried[piece.index].add(member.name)
-
-    def running(self, index: int) -> bool:
-        return any(p.index == index for p, _ in self.calls.values())
-
-    def busy(self) -> set[str]:
-        return {m.name for _, m in self.calls.values()}
-
-    async def run(self) -> StepOutcome:
-        loop = asyncio.get_running_loop()
-        self.t0 = loop.time()
-        deadline = self.t0 + self.policy.deadline_s
-        for piece, member in self.m.assign(self.pieces):
-            self.launch(piece, member)
-        try:
-            while len(self.settled) < len(self.pieces):
-                self._relaunch_orphans()
-                past = loop.time() >= deadline
-                timeout = None if past or self.policy.mode == "wait" else deadline - loop.time()
-                done, _ = await asyncio.wait(
-                    self.calls, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-                for task in done:
-                    self._settle(task)
-                if loop.time() >= deadline and len(self.settled) < len(self.pieces):
-                    if self.policy.mode == "backup":
-                        self._backups()
-                    elif self.policy.mode == "drop" and self._enough():
-                        break
-        finally:
-            await self._cancel_rest()
-        for name in {r.worker for r in self.out.results.values()}:
-            self.m.history[name].steps += 1  # steps it contributed to, once per step
-        rejected = {i for _, i, _ in self.out.rejected}
-        self.out.dropped = sorted({p.index for p in self.pieces} - set(self.out.results) - rejected)
-        return self.out
-
-    def _enough(self) -> bool:
-        return self.arrived >= self.policy.min_fraction * self.expected
-
-    def _relaunch_orphans(self) -> None:
-        """Pieces with no answer and no call running (their member failed) go elsewhere."""
-        for p in self.pieces:
-            if p.index in self.settled or self.running(p.index):
-                continue
-            member = self.m.spare(set(), False, self.busy())
-            if member is None:
-                raise JobFailed("every worker of the job failed")
-            self.launch(p, member)
-
-    def _backups(self) -> None:
-        """Launch one copy of each missing piece on an idle member (``backup`` mode)."""
-        for p in self.pieces:
-            if p.index in self.settled or p.index in self.backed_up:
-                continue
-            member = self.m.spare(self.tried[p.index], True, self.busy())
-            if member is None:
-                continue  # every idle member tried this piece; another piece may have one
-            self.backed_up.add(p.index)
-            self.out.backups += 1
-            log.info("train_backup", job_id=self.m.job_id, piece=p.index, worker=member.name)
-            self.launch(p, member)
-
-    def _settle(self, task: asyncio.Task[ShardResult]) -> None:
-        piece, member = self.calls.pop(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if isinstance(exc, JobFailed):
-            raise exc
-        if exc is not None:
-            self.m.fail(member, piece.index, exc)
-            return
-        r = task.result()
-        member.compute_s += r.compute_s  # its work counts, also when a copy won
-        if piece.index in self.settled:
-            return
-        if self.policy.reject_nonfinite and not r.finite:
-            reason = "non-finite gradient"
-            self.out.rejected.append((member.name, piece.index, reason))
-            log.warning(
-                "train_gradient_rejected",
-                job_id=self.m.job_id,
-                worker=member.name,
-                piece=piece.index,
-                reason=reason,
-            )
-            other = None
-            if self.policy.mode == "backup":
-                other = self.m.spare(self.tried[piece.index], False, self.busy())
-            if other is not None:
-                self.launch(piece, other)
-            elif not self.running(piece.index):
-                self.settled.add(piece.index)
-            return
-        self.out.results[piece.index] = r
-        self.settled.add(piece.index)
-        self.arrived += r.samples
-        member.samples += r.samples  # accepted rows only (not a losing copy's or a rejected one's)
-        for t in [t for t, (p, _m) in self.calls.items() if p.index == piece.index]:
-            if self._stop(t):
-                del self.calls[t]  # its member is idle for backups now
-                self.stopping.append(t)
-
-    def _stop(self, task: asyncio.Task[ShardResult]) -> bool:
-        """Cancel a running call: its member's parameters are unknown, and it was late.
-
-        Returns:
-            False when the call had already ended (its answer is settled as usual).
-        """
-        if task.done() or not task.cancel():
-            return False
-        _piece, member = self.calls[task]
-        member.params_version = -1
-        ran_s = asyncio.get_running_loop().time() - self.launched[task]
-        self.out.late[member.name] = max(self.out.late.get(member.name, 0.0), ran_s)
-        return True
-
-    async def _cancel_rest(self) -> None:
-        """Cancel the calls still running; their members' parameters are then unknown."""
-        for task in self.calls:
-            self._stop(task)
-        await asyncio.gather(*self.calls, *self.stopping, return_exceptions=True)
-        self.calls.clear()
-        self.stopping.clear()
