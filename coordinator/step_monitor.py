@@ -149,5 +149,5 @@ class StepMonitor:
                 median, self.exclusion.excluded(name), self.exclusion.reason(name)
             )
             link["calls"] = link.pop("steps")  # training calls observed, all jobs
-            doc.update(link)
+            doc.update({k: round(v, 3) if isinstance(v, float) else v for k, v in link.items()})
         return docs
