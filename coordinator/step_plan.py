@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from coordinator.straggler import proportional_shares
 from coordinator.step_types import Piece
+from coordinator.straggler import proportional_shares
 from shared.config import TrainJobSpec
 from shared.training.data import batch_indices
 
