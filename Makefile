@@ -14,7 +14,7 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
 .PHONY: install protos demo test test-chaos lint bench-train bench-memory bench-recovery bench-wan clean \
-	image deploy-check
+	image image-base image-check deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -48,9 +48,31 @@ lint: install
 	$(VENV)/bin/mypy coordinator worker shared
 	$(VENV)/bin/lint-imports
 
-# Container image (CPU torch); see deploy/docker/Dockerfile for the CUDA build arguments.
+# Container image (CPU torch) with docker where its daemon runs, else buildah
+# (deploy/docker/build.sh; ENGINE=docker|buildah chooses). Build arguments are passed when set:
+# BASE_IMAGE (default python:3.11-slim), TORCH_SPEC, TORCH_INDEX (empty: pip's own config),
+# EXTRAS; e.g. the CUDA image: make image IMAGE=neuroshard:gpu
+# BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu22.04 TORCH_INDEX=https://download.pytorch.org/whl/cu126 EXTRAS=gpu
+# buildah builds mount the host's CA bundle and pip find-links directory read-only (a
+# TLS-inspecting proxy): found at make time, CA_BUNDLE= and FIND_LINKS_DIR= override.
+IMAGE ?= neuroshard:dev
+IMAGE_BASE ?= localhost/neuroshard-base:bookworm
+IMAGE_ARGS = TORCH_SPEC=$(TORCH_SPEC) \
+	$(foreach v,BASE_IMAGE TORCH_INDEX EXTRAS,$(if $(filter undefined,$(origin $(v))),,$(v)=$($(v))))
+
 image:
-	docker build -f deploy/docker/Dockerfile -t neuroshard:dev .
+	deploy/docker/build.sh image $(IMAGE) $(IMAGE_ARGS)
+
+# A Debian 12 base image with Python 3.11 from Debian's packages (mmdebstrap, ~1 min), for
+# machines that reach no container registry: make image BASE_IMAGE=$(IMAGE_BASE)
+image-base:
+	deploy/docker/build.sh base $(IMAGE_BASE)
+
+# Build the image from nothing (image-base, then image from it) and run it: --help, the demo
+# (test accuracy >= 0.95), `up --workers 2` with a memory job, as the image's non-root user;
+# prints the times and the image size. Needs buildah; slow (see README), not in `make test`.
+image-check:
+	IMAGE=$(IMAGE) BASE_IMAGE=$(IMAGE_BASE) deploy/docker/image_check.sh
 
 # Render every overlay with kubectl kustomize, validate it offline against the Kubernetes
 # schemas and the daemons' CLI/config, fail if a daemon would run without mutual TLS and

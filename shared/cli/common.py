@@ -14,6 +14,9 @@ from shared.config import ConfigError, load_yaml, parse_job_spec
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[2]  # shared/cli/common.py -> the checkout
+# Where the container image puts the checkout's configs/ (deploy/docker/Dockerfile); an
+# installed package has no checkout around it.
+IMAGE_CONFIG_DIR = Path("/etc/neuroshard")
 
 
 class CliError(Exception):
@@ -23,6 +26,26 @@ class CliError(Exception):
         """Carry ``message`` and the exit ``code`` (EXIT_FAILED or EXIT_USAGE)."""
         super().__init__(message)
         self.code = code
+
+
+def example_job(name: str) -> str:
+    """Return the path of an example job YAML, ``configs/jobs/NAME``.
+
+    Looked up in the checkout the package runs from, else in the container image's
+    ``/etc/neuroshard/jobs``.
+
+    Raises:
+        CliError: neither exists (exit code 2): the message asks for a job file.
+    """
+    for config_dir in (REPO_ROOT / "configs", IMAGE_CONFIG_DIR):
+        path = config_dir / "jobs" / name
+        if path.is_file():
+            return str(path)
+    raise CliError(
+        f"example job configs/jobs/{name} not found (not a checkout, not the image): "
+        "give a job YAML with --job",
+        EXIT_USAGE,
+    )
 
 
 def read_job_spec(path: str) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from shared.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    REPO_ROOT,
     CliError,
+    example_job,
     read_job_spec,
     run_event_loop,
 )
@@ -255,7 +255,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Run ``neuroshard demo``: a local cluster, one job (the digits MLP by default), stop."""
     from shared.cli.local import run_demo
 
-    job = args.job or str(REPO_ROOT / "configs/jobs/digits-mlp.yaml")
+    job = args.job or example_job("digits-mlp.yaml")
     return run_demo(args.workers, job, as_json=args.json, secure=args.secure)
 
 
