@@ -18,6 +18,7 @@ from shared.metrics import Metrics
 from shared.proto import coordinator_pb2_grpc
 from shared.rpc.interceptors import server_interceptors
 from shared.rpc.limits import server_options
+from shared.rpc.reflection import enable_reflection
 from shared.security.exposure import check_listen, start_probe_server
 from shared.security.transport import DaemonSecurity
 
@@ -55,6 +56,8 @@ class CoordinatorServer:
             CoordinatorServicer(self.cluster), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # grpcurl, Postman, Evans: services and descriptors without the .proto files
+        enable_reflection(self.server, SERVICE_NAME)
         self.address = ""
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
         self.metrics_port: int | None = None

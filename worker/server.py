@@ -21,6 +21,7 @@ from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
 from shared.rpc.interceptors import server_interceptors
 from shared.rpc.limits import server_options
 from shared.rpc.peers import WorkerClients
+from shared.rpc.reflection import enable_reflection
 from shared.security.exposure import check_listen, start_probe_server
 from shared.security.transport import DaemonSecurity
 from shared.training.controls import resolve_device
@@ -91,6 +92,8 @@ class WorkerServer:
         )
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # grpcurl, Postman, Evans: services and descriptors without the .proto files
+        enable_reflection(self.server, SERVICE_NAME)
         self.address = ""
         self._data_lock = -1  # fd holding the data dir's lock until a journal owns it
         self.registration: Registration | None = None

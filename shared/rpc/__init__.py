@@ -3,8 +3,8 @@
 This module makes every channel of the code base (``channel``), turns RPC failures into one
 line (``error_message``) and holds the daemons' wait for SIGTERM. Its modules: ``codec``
 (arrays as raw little-endian bytes, chunked tensor streams), ``interceptors`` (every server
-interceptor), ``limits`` (message, stream and batch limits) and ``peers`` (one channel and
-stub per worker).
+interceptor), ``limits`` (message, stream and batch limits), ``peers`` (one channel and
+stub per worker) and ``reflection`` (gRPC server reflection on both daemons).
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ Roles and what they may call (the gRPC health service is open to all, without a 
   DrainWorker and FetchShard, each only under a worker name its token covers (``BOUND_FIELDS``,
   ``Principal.may_act_as``); every Worker RPC (workers call each other's internal RPCs).
 
+Server reflection (``grpc.reflection.v1alpha`` and ``v1`` ServerReflectionInfo, which grpcurl,
+Postman and Evans use to list and describe the services) is a read RPC of ``reader``,
+``writer`` and ``admin`` on both daemons. Not of ``worker``: daemons never need it, and a
+worker token is not a person's. Unlike health checks it is not open to all: the schema is
+the map of what the cluster can be asked.
+
 People (readers and writers) see their own jobs only: ``may_see_job``.
 
 The token is checked from the request's metadata before its message is deserialized: a
@@ -31,6 +37,9 @@ from shared.security.tokens import Principal
 HEALTH_PREFIX = "/grpc.health."  # the health service: open to all, not logged or counted
 COORDINATOR = "/neuroshard.v1.Coordinator/"
 WORKER = "/neuroshard.v1.Worker/"
+# Server reflection, under both names clients use (grpcio-reflection serves v1alpha).
+REFLECTION = ("/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/")
+_REFLECTION_ROLES = frozenset({"reader", "writer", "admin"})
 
 _READER_COORDINATOR = frozenset(
     {
@@ -113,6 +122,8 @@ def may_call(role: str, full_method: str) -> bool:
     """
     if role == "admin" or full_method.startswith(HEALTH_PREFIX):
         return True
+    if full_method.startswith(REFLECTION):
+        return role in _REFLECTION_ROLES
     allowed = _TABLE.get(role)
     if allowed is None:
         return False

@@ -27,6 +27,7 @@ from shared.security.tokens import ROLES as TOKEN_ROLES
 from shared.security.tokens import Principal
 
 C, W = "/neuroshard.v1.Coordinator/", "/neuroshard.v1.Worker/"
+R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/"
 
 
 @pytest.mark.parametrize(
@@ -89,6 +90,13 @@ C, W = "/neuroshard.v1.Coordinator/", "/neuroshard.v1.Worker/"
         ("admin", W + "DumpSlots", True),
         ("client", C + "GetJob", False),  # the old role is no role
         ("reader", "/grpc.health.v1.Health/Check", True),
+        ("reader", R1A + "ServerReflectionInfo", True),
+        ("reader", R1 + "ServerReflectionInfo", True),
+        ("writer", R1A + "ServerReflectionInfo", True),
+        ("admin", R1A + "ServerReflectionInfo", True),
+        ("worker", R1A + "ServerReflectionInfo", False),  # daemons never need it
+        ("client", R1A + "ServerReflectionInfo", False),
+        ("reader", "/grpc.reflection.v1alpha.Other/ServerReflectionInfo", False),
         ("writer", "/other.Service/Call", False),
         ("writer", "/neuroshard.v1.CoordinatorX/GetJob", False),
     ],
