@@ -99,6 +99,7 @@ class WorkerServer:
         self.probe_server: aio.Server | None = None
         self.probe_port: int | None = None
         self.port = 0  # the gRPC port bound by start()
+        self.metrics_port: int | None = None  # the /metrics port bound (cfg's 0: a free one)
         self.error = ""
 
     async def start(self) -> str:
@@ -126,7 +127,7 @@ class WorkerServer:
                 self.health, host, self.cfg.probe_port
             )
         if self.cfg.metrics_port is not None:
-            self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         self.registration = Registration(
             self.coordinator,
             self.name,
@@ -152,6 +153,7 @@ class WorkerServer:
             transport=self.security.transport,
             auth=self.security.auth,
             probe_port=self.probe_port,
+            metrics_port=self.metrics_port,
         )
         return self.address
 
@@ -293,6 +295,7 @@ class WorkerServer:
         await self.server.stop(self.cfg.grace_s)
         if self.probe_server is not None:
             await self.probe_server.stop(0)
+        self.metrics.close()
         await self.coordinator_channel.close()
         await self.peers.close()
         self.sessions.close()
