@@ -36,6 +36,7 @@ from worker.peers import PeerLinks
 from worker.registration import Registration, RegistrationRefused
 from worker.shards import ShardFetcher
 from worker.store import SlotStore
+from worker.store_metrics import StoreMetrics
 from worker.training import TrainingSessions
 from worker.training_servicer import TrainingServicer
 from worker.worker_servicer import WorkerServicer
@@ -84,6 +85,8 @@ class WorkerServer:
         self.links = PeerLinks(self.peers, cfg.chunk_bytes, cfg.rpc_timeout_s)
         self.data_dir = Path(cfg.data_dir)
         self.nodes = NodeHolder(self._new_node, self.data_dir, cfg.coordinator)
+        self.store_metrics = StoreMetrics(self.metrics)
+        self.store_metrics.report_memories(self._memories_by_role)
         self.servicer = WorkerServicer(
             MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
             TrainingServicer(self.sessions, cfg.chunk_bytes),
@@ -171,6 +174,7 @@ class WorkerServer:
                 self._report_failure,
                 journal,
                 rec.requests,
+                self.store_metrics,
             )
         )
         log.info(
@@ -225,6 +229,7 @@ class WorkerServer:
             self.links.forward,
             self._report_failure,
             self._open_journal(slots),
+            ops=self.store_metrics,
         )
 
     def _registration_ended(self, task: asyncio.Task[None]) -> None:
@@ -252,6 +257,11 @@ class WorkerServer:
     def _epoch(self) -> int:
         node = self.nodes.current
         return 0 if node is None else node.epoch
+
+    def _memories_by_role(self) -> dict[str, int]:
+        """Memories held per role (``neuroshard_memories``, read at each scrape)."""
+        node = self.nodes.current
+        return {} if node is None else node.memories_by_role()
 
     def _memories(self) -> int:
         """Memories held as primary (reported in heartbeats)."""
