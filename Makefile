@@ -13,8 +13,8 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy --mypy_out=. \
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
-.PHONY: install protos demo test test-chaos lint bench-train bench-memory bench-recovery bench-wan clean \
-	image image-base image-check deploy-check
+.PHONY: install protos demo test test-deps test-chaos lint bench-train bench-memory bench-recovery \
+	bench-wan clean image image-base image-check deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -35,8 +35,18 @@ demo: install
 	$(VENV)/bin/neuroshard demo
 
 # Unit and integration tests (and the deployment check); the chaos tests run separately.
-test: install deploy-check
+test: install deploy-check test-deps
 	$(PY) -m pytest -q -m "not chaos"
+
+# Programs the tests run as real peers: Debian's prometheus (and its promtool) for the
+# dashboard test (tests/integration/test_grafana_prometheus.py) and `promtool check metrics`.
+# Installed when missing (needs root, as in CI); without it those tests skip, or fail in CI.
+test-deps:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends prometheus; \
+	else echo "test-deps: prometheus missing; run as root or: sudo apt-get install prometheus"; fi
 
 # Real daemon processes killed with signals (tests/chaos); CI runs it after `make test`.
 test-chaos: install

@@ -102,6 +102,7 @@ class CoordinatorServer:
         await self.server.stop(self.cfg.grace_s)
         if self.probe_server is not None:
             await self.probe_server.stop(0)
+        self.metrics.close()
         self.cluster.state.mark_clean_stop()
         await self.cluster.close()
         log.info("coordinator_stopped", address=self.address)

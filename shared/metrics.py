@@ -7,6 +7,7 @@ in one process (tests, ``neuroshard up`` runs them as processes anyway).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -50,6 +51,7 @@ class Metrics:
     def __post_init__(self) -> None:
         """Create and register every metric."""
         r = self.registry
+        self._http: WSGIServer | None = None
         self.workers = Gauge(
             "neuroshard_workers",
             "Workers known to the coordinator, by state.",
@@ -141,9 +143,19 @@ class Metrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` over HTTP from a daemon thread; return the port bound.
 
+        The daemons keep the port returned (``metrics_port``), so a test can pass 0 and point
+        a scraper at the port actually bound.
+
         Args:
             port: the port; 0 picks a free one.
             host: the daemon's ``metrics_host``: loopback unless the operator sets another.
         """
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def close(self) -> None:
+        """Stop serving ``/metrics`` (if ``serve`` was called) and free its port."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

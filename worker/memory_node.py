@@ -34,6 +34,7 @@ from worker.primary import PrimaryWrites
 from worker.replication import Forwarder, Replicator, Reporter, check_forward
 from worker.roles import Placement
 from worker.store import SlotSnapshot, SlotStore
+from worker.store_metrics import StoreMetrics
 
 __all__ = ["COPY_BATCH_SLOTS", "MemoryNode", "SlotSender"]
 
@@ -54,6 +55,7 @@ class MemoryNode:
         report: Reporter,
         journal: Journal | None = None,
         requests: list[Request] | None = None,
+        ops: StoreMetrics | None = None,
     ) -> None:
         """Build the node of worker ``name`` over its store; it holds no slot until a map comes.
 
@@ -64,8 +66,10 @@ class MemoryNode:
             report: tells the coordinator a peer's copies stopped being updated (``Reporter``).
             journal: logs every change; None keeps nothing on disk.
             requests: the request ids the journal replayed (with a store reloaded from it).
+            ops: counts and times the operations served (one sample per call); None: not.
         """
         self.name = name
+        self._ops = ops or StoreMetrics()
         self._store = store
         self._data = DurableStore(store, journal, requests)
         self._replicator = Replicator(name, forward, report)
@@ -93,6 +97,19 @@ class MemoryNode:
     def primary_memories(self) -> int:
         """Return the number of memories held as primary (reported in heartbeats)."""
         return int(self._store.count(self._primary_slots()))
+
+    def memories_by_role(self) -> dict[str, int]:
+        """Return the memories held as primary and as replica (``neuroshard_memories``).
+
+        Reads without the store thread, as heartbeats do: a scrape racing a write may see
+        the count before or after it.
+        """
+        counts = self._store.slot_counts()
+        roles = self._place.roles
+        return {
+            "primary": int(counts[roles.primary].sum()),
+            "replica": int(counts[roles.replica].sum()),
+        }
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Return every memory held here, sorted by id (diagnostics and tests).
@@ -174,7 +191,8 @@ class MemoryNode:
         """
         self.check_epoch(epoch)
         self._place.check_primary(ids)
-        return await self._data.run(self._store.get, ids)
+        with self._ops.op("get"):
+            return await self._data.run(self._store.get, ids)
 
     async def quality(self, epoch: int) -> Quality:
         """Summarize the strengths of this worker's primary slots.
@@ -183,7 +201,8 @@ class MemoryNode:
             StaleEpoch: (FAILED_PRECONDITION).
         """
         self.check_epoch(epoch)
-        return await self._data.run(self._store.quality, self._primary_slots())
+        with self._ops.op("quality"):
+            return await self._data.run(self._store.quality, self._primary_slots())
 
     async def topk(self, epoch: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Return the k strongest memories of the primary slots (ties: smaller id first).
@@ -197,7 +216,8 @@ class MemoryNode:
         """
         self.check_epoch(epoch)
         k = validate_k(k, self._store.k_max)
-        return await self._data.run(self._store.topk, k, self._primary_slots())
+        with self._ops.op("topk"):
+            return await self._data.run(self._store.topk, k, self._primary_slots())
 
     # -- primary writes -------------------------------------------------------------------------
 
@@ -228,7 +248,8 @@ class MemoryNode:
             )
             return self._store.upsert(ids[keep], strengths[keep], kept)
 
-        return await self._writes.keyed(request.epoch, "upsert", request, ids, apply)
+        with self._ops.op("upsert"):
+            return await self._writes.keyed(request.epoch, "upsert", request, ids, apply)
 
     async def reinforce(
         self, request: worker_pb2.ReinforceRequest, ids: np.ndarray, boosts: np.ndarray
@@ -250,7 +271,8 @@ class MemoryNode:
         def apply(keep: np.ndarray) -> int:
             return self._store.reinforce(ids[keep], boosts[keep])
 
-        return await self._writes.keyed(request.epoch, "reinforce", request, ids, apply)
+        with self._ops.op("reinforce"):
+            return await self._writes.keyed(request.epoch, "reinforce", request, ids, apply)
 
     async def delete(self, request: worker_pb2.DeleteRequest, ids: np.ndarray) -> int:
         """Delete memories as primary, then replicate; return the ids found.
@@ -266,7 +288,8 @@ class MemoryNode:
         def apply(keep: np.ndarray) -> int:
             return self._store.delete(ids[keep])
 
-        return await self._writes.keyed(request.epoch, "delete", request, ids, apply)
+        with self._ops.op("delete"):
+            return await self._writes.keyed(request.epoch, "delete", request, ids, apply)
 
     async def decay(self, epoch: int, rate: float) -> int:
         """Decay every memory of this worker's primary slots and replicate.
@@ -282,7 +305,8 @@ class MemoryNode:
             StaleEpoch: (FAILED_PRECONDITION).
             ReplicationError: as ``upsert`` (UNAVAILABLE).
         """
-        return await self._writes.decay(epoch, rate)
+        with self._ops.op("decay"):
+            return await self._writes.decay(epoch, rate)
 
     # -- replica side ---------------------------------------------------------------------------
 
@@ -303,10 +327,11 @@ class MemoryNode:
         if part is None:
             await self._data.sync_all()  # applied by an earlier call: durable as it is
             return
-        # On the store thread, so apply, seq bump, request record and log record happen
-        # together even if the forwarding call is cancelled mid-way.
-        pos = await self._data.run(self._data.apply_forward, *part)
-        await self._data.sync(pos)
+        with self._ops.op("replicate"):
+            # On the store thread, so apply, seq bump, request record and log record happen
+            # together even if the forwarding call is cancelled mid-way.
+            pos = await self._data.run(self._data.apply_forward, *part)
+            await self._data.sync(pos)
 
     # -- copies ---------------------------------------------------------------------------------
 
@@ -325,6 +350,12 @@ class MemoryNode:
         Raises:
             ReplicationError: ``send`` failed (UNAVAILABLE); whatever else ``send`` raises.
         """
+        with self._ops.op("copy"):
+            return await self._copy_to(target, address, slots, send)
+
+    async def _copy_to(
+        self, target: str, address: str, slots: list[int], send: SlotSender
+    ) -> tuple[int, int]:
         memories = nbytes = 0
         for i in range(0, len(slots), COPY_BATCH_SLOTS):
             batch = slots[i : i + COPY_BATCH_SLOTS]
@@ -343,8 +374,9 @@ class MemoryNode:
             self._place.received([snap.slot for snap in snaps])
             return pos
 
-        pos = await self._data.run(work)
-        await self._data.sync(pos)
+        with self._ops.op("import"):
+            pos = await self._data.run(work)
+            await self._data.sync(pos)
         return sum(len(s.ids) for s in snaps)
 
     async def export_slots(self, slots: list[int]) -> list[SlotSnapshot]:

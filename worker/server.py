@@ -37,6 +37,7 @@ from worker.peers import PeerLinks
 from worker.registration import Registration, RegistrationRefused
 from worker.shards import ShardFetcher
 from worker.store import SlotStore
+from worker.store_metrics import StoreMetrics
 from worker.training import TrainingSessions
 from worker.training_servicer import TrainingServicer
 from worker.worker_servicer import WorkerServicer
@@ -85,6 +86,8 @@ class WorkerServer:
         self.links = PeerLinks(self.peers, cfg.chunk_bytes, cfg.rpc_timeout_s)
         self.data_dir = Path(cfg.data_dir)
         self.nodes = NodeHolder(self._new_node, self.data_dir, cfg.coordinator)
+        self.store_metrics = StoreMetrics(self.metrics)
+        self.store_metrics.report_memories(self._memories_by_role)
         self.servicer = WorkerServicer(
             MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
             TrainingServicer(self.sessions, cfg.chunk_bytes),
@@ -102,6 +105,7 @@ class WorkerServer:
         self.probe_server: aio.Server | None = None
         self.probe_port: int | None = None
         self.port = 0  # the gRPC port bound by start()
+        self.metrics_port: int | None = None  # the /metrics port bound (cfg's 0: a free one)
         self.error = ""
 
     async def start(self) -> str:
@@ -129,7 +133,7 @@ class WorkerServer:
                 self.health, host, self.cfg.probe_port
             )
         if self.cfg.metrics_port is not None:
-            self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         self.registration = Registration(
             self.coordinator,
             self.name,
@@ -155,6 +159,7 @@ class WorkerServer:
             transport=self.security.transport,
             auth=self.security.auth,
             probe_port=self.probe_port,
+            metrics_port=self.metrics_port,
         )
         return self.address
 
@@ -172,6 +177,7 @@ class WorkerServer:
                 self._report_failure,
                 journal,
                 rec.requests,
+                self.store_metrics,
             )
         )
         log.info(
@@ -226,6 +232,7 @@ class WorkerServer:
             self.links.forward,
             self._report_failure,
             self._open_journal(slots),
+            ops=self.store_metrics,
         )
 
     def _registration_ended(self, task: asyncio.Task[None]) -> None:
@@ -253,6 +260,11 @@ class WorkerServer:
     def _epoch(self) -> int:
         node = self.nodes.current
         return 0 if node is None else node.epoch
+
+    def _memories_by_role(self) -> dict[str, int]:
+        """Memories held per role (``neuroshard_memories``, read at each scrape)."""
+        node = self.nodes.current
+        return {} if node is None else node.memories_by_role()
 
     def _memories(self) -> int:
         """Memories held as primary (reported in heartbeats)."""
@@ -296,6 +308,7 @@ class WorkerServer:
         await self.server.stop(self.cfg.grace_s)
         if self.probe_server is not None:
             await self.probe_server.stop(0)
+        self.metrics.close()
         await self.coordinator_channel.close()
         await self.peers.close()
         self.sessions.close()
