@@ -41,6 +41,11 @@ class EventLog:
             | fields
         )
 
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the newest event (0 before any): grows on every ``add``."""
+        return int(self._ring[-1]["seq"]) if self._ring else 0
+
     def recent(self, n: int = 50) -> list[dict[str, Any]]:
         """The last ``n`` events, newest first."""
         return list(itertools.islice(reversed(self._ring), n))

@@ -30,6 +30,7 @@ from shared.security.tokens import Principal, TokenError, verify_token
 log = get_logger("coordinator.dashboard")
 
 PUSH_INTERVAL_S = 0.5
+EVENT_POLL_S = 0.05  # how soon a new cluster event triggers a push, seconds
 COOKIE = "neuroshard_dashboard"
 VIEWER_ROLES = frozenset({"reader", "writer", "admin"})
 MAX_LOGIN_BYTES = 16 * 1024
@@ -190,24 +191,33 @@ class DashboardServer:
         return web.json_response(await self.snapshot(), headers=_NO_CACHE)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events: ``data: SNAPSHOT`` every ``PUSH_INTERVAL_S`` until a side stops."""
+        """Server-sent events: ``data: SNAPSHOT`` every ``PUSH_INTERVAL_S`` and on each event."""
         if self._viewer(request) is None:
             raise web.HTTPUnauthorized(text="log in at /")
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", **_NO_CACHE, "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
+        events = self._builder.events
         try:
             while not self._stopping.is_set():
                 if self._viewer(request) is None:  # the token expired while watching
                     await response.write(b"event: logout\ndata: {}\n\n")
                     break
+                seen = events.last_seq
                 body = json.dumps(await self.snapshot(), separators=(",", ":"))
                 await response.write(f"data: {body}\n\n".encode())
-                try:
-                    await asyncio.wait_for(self._stopping.wait(), PUSH_INTERVAL_S)
-                except TimeoutError:
-                    pass
+                # The next push after PUSH_INTERVAL_S, or at once when something happened (a
+                # worker died, replicas were promoted...): a short under-replication shows.
+                due = asyncio.get_running_loop().time() + PUSH_INTERVAL_S
+                while not self._stopping.is_set() and events.last_seq == seen:
+                    left = due - asyncio.get_running_loop().time()
+                    if left <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(self._stopping.wait(), min(left, EVENT_POLL_S))
+                    except TimeoutError:
+                        pass
         except ConnectionResetError:
             pass  # the browser went away
         return response

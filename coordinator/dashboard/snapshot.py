@@ -104,6 +104,7 @@ class SnapshotBuilder:
     def __init__(self, cluster: Cluster) -> None:
         """Describe ``cluster``."""
         self._cluster = cluster
+        self.events = cluster.events
         self._latency_ms: dict[str, deque[tuple[int, float]]] = {}
 
     def build(self, store: dict[str, Any] | None = None) -> dict[str, Any]:
