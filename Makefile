@@ -13,8 +13,8 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy --mypy_out=. \
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
-.PHONY: install protos demo test test-deps test-chaos lint bench-train bench-memory bench-recovery \
-	bench-wan clean image image-base image-check deploy-check
+.PHONY: install protos demo test test-deps test-chaos test-browser lint bench-train bench-memory \
+	bench-recovery bench-wan clean image image-base image-check deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -51,6 +51,12 @@ test-deps:
 # Real daemon processes killed with signals (tests/chaos); CI runs it after `make test`.
 test-chaos: install
 	$(PY) -m pytest -q -m chaos tests/chaos
+
+# The dashboard in a real browser: Playwright (the dev extra) driving Debian's chromium, which
+# is installed here when missing (Playwright cannot download its own). CI runs it after `make test`.
+test-browser: install
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	$(PY) -m pytest -q -m browser tests/browser
 
 lint: install
 	$(VENV)/bin/ruff format --check coordinator worker shared tests deploy

@@ -13,6 +13,7 @@ from typing import Any
 from coordinator.admission import admit
 from coordinator.allreduce_job import AllreduceJob
 from coordinator.dataset_store import remove_stale_uploads
+from coordinator.events import EventLog
 from coordinator.failure_detector import FailureDetector
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.link_probe import LinkProbe
@@ -51,7 +52,10 @@ class Cluster:
         self.cfg = cfg
         self.metrics = metrics
         self.membership = Membership(cfg.heartbeat_timeout_s)
+        self.events = EventLog()  # what happened, for people (the dashboard's event log)
+        self._seen_states: dict[str, str] = {}  # worker -> state last told in ``events``
         self.jobs = JobStore()
+        self.jobs.on_state = self._job_event
         self.train_sets = TrainSets()  # running train jobs' data, for their workers' FetchShard
         stale = remove_stale_uploads(cfg.dataset_roots()[0])
         if stale:
@@ -89,6 +93,7 @@ class Cluster:
             cfg.probe_timeout_s,
             on_dead=self._on_membership_change,
         )
+        self.rebalancer.events = self.events
         self.state = StateStore(cfg.data_dir)
         self._restore()
         self.memory = MemoryOps(self.rebalancer, self.membership, self.clients, cfg.rpc_timeout_s)
@@ -153,6 +158,8 @@ class Cluster:
         self.state.save_worker(name, address, device, process_id, train_device)
         if restarted or new:  # whatever its data dir holds is checked before it gets a map
             self.rebalancer.worker_restarted(name)
+        if restarted:
+            self.events.add("worker_restarted", f"{name} restarted", worker=name)
         if changed:
             self._on_membership_change()
         self.link_probe.soon(rec)  # its RTT from the start, not from the next round
@@ -192,6 +199,7 @@ class Cluster:
         return held == 0 and self.rebalancer.settled.is_set()
 
     def _on_membership_change(self) -> None:
+        self._note_membership()
         self._update_gauges()
         self.rebalancer.trigger()
         self.scheduler.wake()
@@ -228,9 +236,26 @@ class Cluster:
             workers=spec.workers,
             owner=owner or None,
         )
+        self.events.add("job_submitted", f"{job.job_id} submitted", job_id=job.job_id)
         self.scheduler.wake()
         self._update_gauges()
         return job
+
+    def _job_event(self, job: JobRecord) -> None:
+        """Tell ``events`` a job's new state (``JobStore.on_state``)."""
+        state = job.state.value.lower()
+        why = f": {job.error}" if job.error and job.state.terminal else ""
+        self.events.add(f"job_{state}", f"{job.job_id} {state}{why}", job_id=job.job_id)
+
+    def _note_membership(self) -> None:
+        """Tell ``events`` every worker whose state changed since the last call."""
+        words = {"ALIVE": "joined", "DEAD": "died", "DRAINING": "is draining"}
+        for w in self.membership.all():
+            state = w.state.value
+            if self._seen_states.get(w.name) != state:
+                self._seen_states[w.name] = state
+                kind = f"worker_{'alive' if state == 'ALIVE' else state.lower()}"
+                self.events.add(kind, f"{w.name} {words[state]}", worker=w.name)
 
     async def _run_memory(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         # The job uses every primary through the slot map, not just the workers it was given.

@@ -105,6 +105,7 @@ class JobStore:
         self._jobs: dict[str, JobRecord] = {}
         self._counter = itertools.count(1)
         self.on_change: Callable[[JobRecord], None] | None = None  # persistence hook
+        self.on_state: Callable[[JobRecord], None] | None = None  # each state change (events)
 
     def restore(self, jobs: builtins.list[JobRecord]) -> None:
         """Re-insert jobs loaded from disk (after a coordinator restart)."""
@@ -190,8 +191,10 @@ class JobStore:
             job.started_at = time.time()
         elif state is not None and state.terminal:
             job.finished_at = time.time()
-        if state is not None:
+        if state is not None and state is not job.state:
             job.state = state
+            if self.on_state is not None:
+                self.on_state(job)
         if progress is not None:
             job.progress = progress
         if result is not None:

@@ -209,6 +209,7 @@ class MemoryJob:
                     "iteration_ms": round((t4 - t0) * 1e3, 3),
                     "memories": t.quality.count,
                     "mean_strength": t.quality.mean,
+                    "histogram": [int(c) for c in t.quality.histogram],
                 },
                 i + 1 == spec.iterations,
             )

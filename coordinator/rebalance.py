@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coordinator.events import EventLog
 from coordinator.membership import Membership
 from coordinator.slot_map import (
     SlotMap,
@@ -68,6 +69,7 @@ class Rebalancer:
         self.limits = limits
         self._wake = asyncio.Event()
         self._on_change = on_change
+        self.events: EventLog | None = None  # promotions and copies, for people (dashboard)
         self.settled = asyncio.Event()  # set while the map matches the membership
         self.copies_total = 0  # slots copied by completed passes (tests and logs)
         self.persist: Callable[[SlotMap, dict[str, object]], None] | None = None
@@ -143,8 +145,16 @@ class Rebalancer:
             # trusted copies there, so it drops the rest of what it reloaded before a later
             # map can give it a slot to fill by copy (or a slot that starts empty).
             if verified or not p.interim.same_placement(self.current):
+                self._note_promotions(self.current, p.interim)
                 await self._publish(p.interim)
         copied = await self._copy(p.copies)
+        if p.copies and self.events is not None:
+            self.events.add(
+                "slots_copied",
+                f"{p.slots_to_copy} slot copies made ({copied} memories)",
+                slots=p.slots_to_copy,
+                memories=copied,
+            )
         if not p.target.same_placement(self.current):
             async with self.map_lock:
                 if self.trust.version != version:
@@ -166,6 +176,19 @@ class Rebalancer:
                 memories_copied=copied,
                 slots_lost=len(p.lost),
                 seconds=round(time.perf_counter() - t0, 3),
+            )
+
+    def _note_promotions(self, old: SlotMap, new: SlotMap) -> None:
+        """Record, per new primary, the slots whose replica ``new`` makes primary."""
+        if self.events is None:
+            return
+        promoted: dict[str, int] = {}
+        for p_old, r_old, p_new in zip(old.primary, old.replica, new.primary, strict=True):
+            if p_old and p_new != p_old and p_new == r_old:
+                promoted[p_new] = promoted.get(p_new, 0) + 1
+        for name, n in sorted(promoted.items()):
+            self.events.add(
+                "replicas_promoted", f"{name}: {n} replicas promoted", worker=name, slots=n
             )
 
     async def _verify(self) -> bool:

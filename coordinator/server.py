@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
+from coordinator.dashboard.http_server import DashboardServer
 from shared import rpc
 from shared.config import CoordinatorConfig
 from shared.logging import get_logger
@@ -33,8 +34,9 @@ class CoordinatorServer:
         """Build the gRPC server, its servicers and the cluster state; nothing listens yet.
 
         Raises:
-            ExposureRefused: a non-loopback ``listen`` without mutual TLS and tokens, and
-                not ``insecure`` (the process exits 2).
+            ExposureRefused: a non-loopback ``listen`` (or ``dashboard_host`` with a
+                dashboard) without mutual TLS and tokens, and not ``insecure`` (the process
+                exits 2).
         """
         self.cfg = cfg
         check_listen(
@@ -64,6 +66,9 @@ class CoordinatorServer:
         self.probe_server: aio.Server | None = None
         self.probe_port: int | None = None
         self._background: asyncio.Task[None] | None = None
+        self.dashboard: DashboardServer | None = None
+        if cfg.dashboard_port is not None:
+            self.dashboard = DashboardServer(self.cluster, cfg, self.security.public_key)
 
     async def start(self) -> str:
         """Bind, start serving and the background tasks; return ``host:port`` actually bound."""
@@ -77,6 +82,8 @@ class CoordinatorServer:
             )
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
+        if self.dashboard is not None:
+            await self.dashboard.start()
         self._background = asyncio.create_task(self.cluster.run_background(), name="background")
         for svc in ("", SERVICE_NAME):
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
@@ -88,6 +95,7 @@ class CoordinatorServer:
             transport=self.security.transport,
             auth=self.security.auth,
             probe_port=self.probe_port,
+            dashboard=self.dashboard.url if self.dashboard is not None else None,
         )
         return self.address
 
@@ -96,6 +104,8 @@ class CoordinatorServer:
         await self.health.enter_graceful_shutdown()
         # Jobs cancelled by this shutdown stay RUNNING on disk: the next coordinator resumes them.
         self.cluster.jobs.on_change = None
+        if self.dashboard is not None:
+            await self.dashboard.stop()
         if self._background is not None:
             self._background.cancel()
             await asyncio.gather(self._background, return_exceptions=True)

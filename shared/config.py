@@ -187,6 +187,19 @@ class CoordinatorConfig(_DaemonConfig):
     metrics_port: int | None = Field(
         9100, ge=0, le=65535, description="Prometheus port; 0 picks a free one; null disables."
     )
+    dashboard_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the live web dashboard (read-only; HTTPS with the node "
+        "certificate under tls, a token login under auth); 0 picks a free one; null disables.",
+    )
+    dashboard_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address the dashboard binds (loopback unless set; beyond loopback it "
+        "needs tls and auth, or insecure: true, as the gRPC listen address does).",
+    )
     heartbeat_interval_s: float = Field(
         0.5, gt=0, le=60, description="Seconds between worker heartbeats."
     )

@@ -45,7 +45,9 @@ def run_up(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    cluster = LocalCluster(workers, port=port, data_dir=data_dir, secure=secure, links=links)
+    cluster = LocalCluster(
+        workers, port=port, data_dir=data_dir, secure=secure, links=links, dashboard=True
+    )
     try:
         address = cluster.start()
         err_console.print(
@@ -53,6 +55,7 @@ def run_up(
             f"({'mutual TLS, token auth' if secure else 'plaintext, no auth'}); "
             "Ctrl-C stops the cluster"
         )
+        err_console.print(f"dashboard: {cluster.dashboard_url}", highlight=False)
         if cluster.secure is not None:
             print_secure_settings(cluster.secure, address)
         if links:
@@ -124,7 +127,10 @@ def run_demo(workers: int, job_path: str, as_json: bool, secure: bool = False) -
         err_console.print(
             f"neuroshard demo: starting a coordinator and {workers} workers (logs in {tmp}/logs)"
         )
-        with LocalCluster(workers, data_dir=tmp, log_dir=f"{tmp}/logs", secure=secure) as cluster:
+        with LocalCluster(
+            workers, data_dir=tmp, log_dir=f"{tmp}/logs", secure=secure, dashboard=True
+        ) as cluster:
+            err_console.print(f"dashboard: {cluster.dashboard_url}", highlight=False)
             with SyncClient(cluster.address, security=cluster.security) as client:
                 job = client.submit(spec)
                 err_console.print(f"submitted {job_path} as {job.job_id}")

@@ -46,6 +46,7 @@ class LocalCluster:
         worker_args: list[str] | None = None,
         secure: bool = False,
         links: list[LinkSettings | None] | None = None,
+        dashboard: bool = False,
     ) -> None:
         """Describe the cluster; nothing starts before ``start()``.
 
@@ -65,6 +66,8 @@ class LocalCluster:
                 direct link). A worker with a link listens on a free port picked up front,
                 behind a ``neuroshard link`` process on another; it advertises the proxy's
                 address (``link_addresses``).
+            dashboard: serve the coordinator's web dashboard on a free port picked up front
+                (kept across coordinator restarts); ``dashboard_url`` is then its page.
 
         Raises:
             ValueError: more links than workers.
@@ -96,6 +99,15 @@ class LocalCluster:
         self._logs: list[IO[Any]] = []
         self._names: dict[int, str] = {}  # pid -> the process's name, for messages
         self.address = ""
+        self.dashboard_port: int | None = _free_port() if dashboard else None
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The dashboard's page (HTTPS for a secure cluster), or None without a dashboard."""
+        if self.dashboard_port is None:
+            return None
+        scheme = "https" if self.secure is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.dashboard_port}/"
 
     def _spawn(
         self, name: str, args: list[str], share_stdout: bool = True
@@ -150,6 +162,11 @@ class LocalCluster:
                 "0",
                 "--ready-file",
                 str(ready),
+                *(
+                    ["--dashboard-port", str(self.dashboard_port)]
+                    if self.dashboard_port is not None
+                    else []
+                ),
                 *self._coordinator_args,
             ],
         )
@@ -169,9 +186,7 @@ class LocalCluster:
             The port the worker must listen on (free when picked; the window until the
             worker binds it is short) and the proxy's ``host:port``, which it advertises.
         """
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            worker_port = int(s.getsockname()[1])
+        worker_port = _free_port()
         ready = self.data_dir / f"link-{name}.addr"
         ready.unlink(missing_ok=True)
         self.proxies.append(
@@ -349,6 +364,13 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         """Stop the cluster."""
         self.stop()
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now (the window until a daemon binds it is short)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _terminate(procs: list[subprocess.Popen[bytes]], deadline: float) -> None:

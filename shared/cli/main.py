@@ -89,7 +89,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     """
     from coordinator.server import serve
 
-    return _run_daemon(CoordinatorConfig, serve, args)
+    return _run_daemon(
+        CoordinatorConfig,
+        serve,
+        args,
+        dashboard_port=args.dashboard_port,
+        dashboard_host=args.dashboard_host,
+    )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -267,12 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="neuroshard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    _add_daemon_command(
+    c = _add_daemon_command(
         sub,
         ("coordinator", "run the coordinator daemon", cmd_coordinator),
         listen_default="127.0.0.1:50051",
         data_dir_help="directory for models and state",
     )
+    c.add_argument(
+        "--dashboard-port", type=int, help="live web dashboard port (0: any free port; default off)"
+    )
+    c.add_argument("--dashboard-host", help="address the dashboard binds (default 127.0.0.1)")
     w = _add_daemon_command(
         sub,
         ("worker", "run a worker daemon", cmd_worker),
