@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
 from coordinator.dashboard.http_server import DashboardServer
+from coordinator.dashboard.http_server import check_exposure as check_dashboard_exposure
 from shared import rpc
 from shared.config import CoordinatorConfig
 from shared.logging import get_logger
@@ -42,6 +43,8 @@ class CoordinatorServer:
         check_listen(
             "coordinator", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure
         )
+        if cfg.dashboard_port is not None:  # before the data dir and the cluster exist
+            check_dashboard_exposure(cfg)
         self.metrics = Metrics()
         self.security = DaemonSecurity.from_config(
             cfg.tls, cfg.auth, "coordinator", coordinator=True

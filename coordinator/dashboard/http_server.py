@@ -38,6 +38,23 @@ MAX_LOGIN_BYTES = 16 * 1024
 _STATIC = resources.files("coordinator.dashboard") / "static"
 
 
+def check_exposure(cfg: CoordinatorConfig) -> None:
+    """Refuse (or, with ``insecure``, warn about) a dashboard open beyond loopback unprotected.
+
+    Raises:
+        ExposureRefused: a non-loopback ``dashboard_host`` without tls and auth, and not
+            ``insecure`` (the process exits 2).
+    """
+    check_listen(
+        "coordinator dashboard",
+        f"{cfg.dashboard_host}:{cfg.dashboard_port}",
+        cfg.tls is not None,
+        cfg.auth is not None,
+        cfg.insecure,
+        field="dashboard_host",
+    )
+
+
 class DashboardServer:
     """The dashboard of one coordinator: ``await start()`` returns the port; ``await stop()``."""
 
@@ -54,19 +71,10 @@ class DashboardServer:
             cfg: ``dashboard_port``/``dashboard_host``, ``tls`` (HTTPS), ``insecure``.
             public_key: verifies viewers' tokens; None: no login.
 
-        Raises:
-            ExposureRefused: a non-loopback ``dashboard_host`` without tls and auth, and not
-                ``insecure`` (the process exits 2).
+        The exposure rule is the caller's to check first, with ``check_exposure(cfg)``,
+        before it builds anything the dashboard needs (``CoordinatorServer`` does).
         """
         assert cfg.dashboard_port is not None
-        check_listen(
-            "coordinator dashboard",
-            f"{cfg.dashboard_host}:{cfg.dashboard_port}",
-            cfg.tls is not None,
-            cfg.auth is not None,
-            cfg.insecure,
-            field="dashboard_host",
-        )
         self._cfg = cfg
         self._public_key = public_key
         self._builder = SnapshotBuilder(cluster)
