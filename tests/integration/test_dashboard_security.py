@@ -1,0 +1,412 @@
+"""The dashboard's security paths against a real in-process coordinator on a bound port.
+
+Under ``auth`` the page asks for a reader/writer/admin token and keeps it in an HttpOnly,
+SameSite=Strict cookie (Secure under ``tls``), checked again on every request; under ``tls``
+the page is HTTPS with the node certificate; beyond loopback it needs tls and auth (or
+``insecure``); and it is read-only. Every refusal also checks that nothing happened: no
+cookie set, no data served, no state changed, no port bound, no data directory created.
+
+Cookies are read from and sent as raw headers (a ``DummyCookieJar``), so the tests see
+exactly what a browser is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from http.cookies import SimpleCookie
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding
+from structlog.testing import capture_logs
+
+from coordinator.dashboard.http_server import COOKIE
+from coordinator.server import CoordinatorServer
+from shared.client import Client
+from shared.config import CoordinatorConfig
+from shared.security.exposure import ExposureRefused
+from shared.security.tokens import create_token
+from tests.integration.security_helpers import Material, coordinator_state, forged_tokens
+
+pytestmark = pytest.mark.integration
+
+LOGIN_FORM = 'action="/login"'  # only the login page has it
+DASHBOARD_SCRIPT = 'new EventSource("/events")'  # only the dashboard page has it
+
+
+def _url(cluster: Any, path: str) -> str:
+    dashboard = cluster.coordinator.dashboard
+    return f"{dashboard.scheme}://127.0.0.1:{dashboard.port}{path}"
+
+
+def _cookie_header(token: str) -> dict[str, str]:
+    return {"Cookie": f"{COOKIE}={token}"}
+
+
+def _set_cookies(response: aiohttp.ClientResponse) -> list[str]:
+    return response.headers.getall("Set-Cookie", [])
+
+
+def trust_ca(material: Material) -> ssl.SSLContext:
+    """A client TLS context that trusts the test CA (and checks the host name)."""
+    return ssl.create_default_context(cafile=str(material.certs.ca_cert))
+
+
+@pytest.fixture
+async def http(material: Material) -> AsyncIterator[aiohttp.ClientSession]:
+    """A client that trusts the test CA and keeps no cookies by itself."""
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(ssl=trust_ca(material)),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=10),
+    ) as session:
+        yield session
+
+
+@pytest.fixture
+def dashboard_cluster(make_cluster, secure, material: Material) -> Callable[..., Any]:
+    """Factory: a coordinator with a dashboard on port 0, with or without tls and auth."""
+
+    async def make(tls: bool, auth: bool, workers: int = 0, **overrides: object) -> Any:
+        if tls and auth:
+            return await secure(workers=workers, dashboard_port=0, **overrides)
+        assert workers == 0, "workers of a half-secure cluster are not needed here"
+        security: dict[str, object] = {}
+        if tls:
+            security["tls"] = material.tls
+        if auth:
+            security["auth"] = material.coordinator_auth
+        return await make_cluster(workers=0, dashboard_port=0, **security, **overrides)
+
+    return make
+
+
+# -- auth: what a visitor without a valid cookie gets ---------------------------------------
+
+
+async def test_without_cookie_only_the_login_page_is_served(dashboard_cluster, http) -> None:
+    # Arrange
+    cluster = await dashboard_cluster(tls=False, auth=True)
+
+    # Act
+    async with http.get(_url(cluster, "/")) as page:
+        page_status, page_html = page.status, await page.text()
+    async with http.get(_url(cluster, "/snapshot")) as snap:
+        snap_status, snap_body = snap.status, await snap.text()
+    async with http.get(_url(cluster, "/events")) as events:
+        events_status, events_type = events.status, events.content_type
+        events_body = await events.text()
+
+    # Assert
+    assert page_status == 200
+    assert LOGIN_FORM in page_html and DASHBOARD_SCRIPT not in page_html
+    assert (snap_status, events_status) == (401, 401)
+    assert events_type != "text/event-stream"
+    for body in (snap_body, events_body):
+        assert "log in at /" in body
+        assert '"workers"' not in body and "slots" not in body
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "message"),
+    [
+        ("worker role", 403, "a worker token cannot view the dashboard"),
+        ("garbage", 401, "token refused: token is malformed"),
+        ("empty", 401, "token refused: token is malformed"),
+        ("expired", 401, "token refused: token expired at "),
+        ("another key", 401, "token refused: token signature is invalid"),
+        ("alg none", 401, "only EdDSA (Ed25519) tokens are accepted"),
+    ],
+)
+async def test_login_refuses_and_sets_no_cookie(
+    dashboard_cluster, http, material: Material, case: str, status: int, message: str
+) -> None:
+    # Arrange
+    cluster = await dashboard_cluster(tls=False, auth=True)
+    tokens = {
+        "worker role": material.token("worker", "worker-0"),
+        "garbage": "not-a-token",
+        "empty": "",
+        "expired": forged_tokens(material)["expired"],
+        "another key": create_token(Ed25519PrivateKey.generate(), "reader", "mallory", 300),
+        "alg none": forged_tokens(material)["alg none"],
+    }
+    before = coordinator_state(cluster)
+
+    # Act
+    async with http.post(
+        _url(cluster, "/login"), data={"token": tokens[case]}, allow_redirects=False
+    ) as response:
+        got_status, cookies, body = response.status, _set_cookies(response), await response.text()
+
+    # Assert
+    assert got_status == status
+    assert cookies == []
+    assert LOGIN_FORM in body and message in body
+    assert DASHBOARD_SCRIPT not in body
+    assert coordinator_state(cluster) == before
+
+
+@pytest.mark.parametrize(
+    ("case", "token"),
+    [
+        ("another key", lambda m: create_token(Ed25519PrivateKey.generate(), "admin", "x", 300)),
+        ("worker role", lambda m: m.token("worker", "worker-0")),
+        ("expired", lambda m: forged_tokens(m)["expired"]),
+        ("alg none", lambda m: forged_tokens(m)["alg none"]),
+    ],
+)
+async def test_a_bad_cookie_is_refused_on_every_path(
+    dashboard_cluster, http, material: Material, case: str, token
+) -> None:
+    # Arrange: a cookie a browser could be made to send, never issued by this dashboard
+    cluster = await dashboard_cluster(tls=False, auth=True)
+    cookie = _cookie_header(token(material))
+
+    # Act
+    async with http.get(_url(cluster, "/"), headers=cookie) as page:
+        page_html = await page.text()
+    async with http.get(_url(cluster, "/snapshot"), headers=cookie) as snap:
+        snap_status, snap_body = snap.status, await snap.text()
+    async with http.get(_url(cluster, "/events"), headers=cookie) as events:
+        events_status, events_body = events.status, await events.text()
+
+    # Assert
+    assert LOGIN_FORM in page_html and DASHBOARD_SCRIPT not in page_html
+    assert (snap_status, events_status) == (401, 401)
+    assert '"workers"' not in snap_body and '"workers"' not in events_body
+
+
+# -- auth: a reader logs in ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+async def test_reader_login_sets_a_strict_httponly_cookie_that_opens_the_data(
+    dashboard_cluster, http, material: Material, tls: bool
+) -> None:
+    # Arrange
+    cluster = await dashboard_cluster(tls=tls, auth=True, workers=1 if tls else 0)
+    token = material.token("reader", "alice")
+
+    # Act
+    async with http.post(
+        _url(cluster, "/login"), data={"token": token}, allow_redirects=False
+    ) as login:
+        login_status, location = login.status, login.headers["Location"]
+        set_cookies = _set_cookies(login)
+    cookie = _cookie_header(token)
+    async with http.get(_url(cluster, "/"), headers=cookie) as page:
+        page_html = await page.text()
+    async with http.get(_url(cluster, "/snapshot"), headers=cookie) as snap:
+        snap_status, snapshot = snap.status, await snap.json()
+    async with http.get(_url(cluster, "/events"), headers=cookie) as events:
+        events_type = events.content_type
+        first_push = (await events.content.readline()).decode()
+
+    # Assert: the Set-Cookie header, attribute by attribute
+    assert (login_status, location) == (303, "/")
+    assert len(set_cookies) == 1
+    morsel = SimpleCookie(set_cookies[0])[COOKIE]
+    assert morsel.value == token
+    assert morsel["httponly"] is True
+    assert morsel["samesite"] == "Strict"
+    assert morsel["path"] == "/"
+    assert bool(morsel["secure"]) is tls
+    # the cookie opens the page, the snapshot and the event stream
+    assert DASHBOARD_SCRIPT in page_html and LOGIN_FORM not in page_html
+    assert snap_status == 200
+    assert {"workers", "slots", "jobs", "events"} <= snapshot.keys()
+    expected_workers = ["worker-0"] if tls else []
+    assert [w["name"] for w in snapshot["workers"]] == expected_workers
+    assert events_type == "text/event-stream"
+    assert first_push.startswith("data: ")
+    pushed = json.loads(first_push.removeprefix("data: "))
+    assert [w["name"] for w in pushed["workers"]] == expected_workers
+
+
+async def test_event_stream_logs_out_when_the_cookie_expires_while_watching(
+    dashboard_cluster, http, material: Material
+) -> None:
+    # Arrange: a reader token that verification (5 s leeway) accepts for about 2 s more
+    cluster = await dashboard_cluster(tls=False, auth=True)
+    token = material.token("reader", "bob", ttl_s=10, now=time.time() - 13)
+
+    # Act: read the stream to its end (the client's 10 s timeout bounds it)
+    async with http.get(_url(cluster, "/events"), headers=_cookie_header(token)) as events:
+        status = events.status
+        lines = [line.decode().rstrip("\n") async for line in events.content]
+
+    # Assert: snapshots while valid, then a logout event, then the server ends the stream
+    frames = [line for line in lines if line]
+    assert status == 200
+    assert frames[0].startswith("data: {")
+    assert frames[-2:] == ["event: logout", "data: {}"]
+    assert all(f.startswith('data: {"') for f in frames[:-2])
+
+
+# -- tls -------------------------------------------------------------------------------------
+
+
+async def test_tls_serves_https_with_the_node_certificate_only(
+    dashboard_cluster, http, material: Material
+) -> None:
+    # Arrange
+    cluster = await dashboard_cluster(tls=True, auth=False)
+    port = cluster.coordinator.dashboard.port
+    node_cert = x509.load_pem_x509_certificate(material.certs.node_cert.read_bytes())
+
+    # Act
+    async with http.get(f"https://127.0.0.1:{port}/snapshot") as secure:
+        secure_status = secure.status
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=trust_ca(material))
+    peer_der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    writer.close()
+    await writer.wait_closed()
+    with pytest.raises(aiohttp.ClientError) as plain:
+        async with http.get(f"http://127.0.0.1:{port}/snapshot") as response:
+            await response.read()
+    async with aiohttp.ClientSession() as untrusting:  # the system CAs, not the test CA
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await untrusting.get(f"https://127.0.0.1:{port}/snapshot")
+
+    # Assert
+    assert cluster.coordinator.dashboard.url == f"https://127.0.0.1:{port}/"
+    assert secure_status == 200
+    assert peer_der == node_cert.public_bytes(Encoding.DER)
+    assert not isinstance(plain.value, aiohttp.ClientResponseError)  # no HTTP answer at all
+
+
+# -- exposure --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s, contextlib.suppress(OSError):
+        s.settimeout(2)
+        s.connect(("127.0.0.1", port))
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("tls", "auth", "missing"),
+    [(False, False, "tls and auth"), (True, False, "auth"), (False, True, "tls")],
+)
+async def test_open_dashboard_without_tls_and_auth_is_refused_before_anything(
+    tmp_path: Path, material: Material, tls: bool, auth: bool, missing: str
+) -> None:
+    # Arrange
+    port = _free_port()
+    data_dir = tmp_path / "coord"
+    cfg = CoordinatorConfig(
+        listen="127.0.0.1:0",
+        data_dir=str(data_dir),
+        metrics_port=None,
+        dashboard_port=port,
+        dashboard_host="0.0.0.0",
+        tls=material.tls if tls else None,
+        auth=material.coordinator_auth if auth else None,
+    )
+
+    # Act
+    with pytest.raises(ExposureRefused) as refused:
+        CoordinatorServer(cfg)
+
+    # Assert
+    message = str(refused.value)
+    assert message.startswith(f"dashboard_host: 0.0.0.0:{port} is reachable from other machines")
+    assert f"has no {missing}" in message and "--insecure" in message
+    assert not data_dir.exists()
+    assert not _listening(port)
+
+
+@pytest.mark.parametrize("secure_cluster", [False, True], ids=["insecure", "tls+auth"])
+async def test_open_dashboard_is_served_with_insecure_or_with_tls_and_auth(
+    dashboard_cluster, http, material: Material, secure_cluster: bool
+) -> None:
+    # Arrange
+    overrides: dict[str, object] = {"dashboard_host": "0.0.0.0"}
+    if not secure_cluster:
+        overrides["insecure"] = True
+    token = material.token("reader", "alice")
+
+    # Act
+    with capture_logs() as logs:
+        cluster = await dashboard_cluster(tls=secure_cluster, auth=secure_cluster, **overrides)
+    async with http.get(_url(cluster, "/snapshot"), headers=_cookie_header(token)) as snap:
+        status = snap.status
+
+    # Assert
+    assert status == 200
+    warned = [e for e in logs if e["event"] == "insecure_listen"]
+    if secure_cluster:
+        assert warned == []
+    else:
+        assert [(e["daemon"], e["missing"]) for e in warned] == [
+            ("coordinator dashboard", "tls and auth")
+        ]
+
+
+# -- read-only -------------------------------------------------------------------------------
+
+
+async def test_dashboard_is_read_only(dashboard_cluster, http, material: Material) -> None:
+    # Arrange: a settled cluster of one worker; logged in, so a refusal is the method's
+    cluster = await dashboard_cluster(tls=True, auth=True, workers=1)
+    admin = material.token("admin", "root")
+    async with Client(cluster.address, security=material.client(admin)) as client:
+        await client.wait_ready()
+    cookie = _cookie_header(admin)
+    before = coordinator_state(cluster)
+    requests = [
+        ("POST", "/"),
+        ("PUT", "/"),
+        ("DELETE", "/"),
+        ("POST", "/snapshot"),
+        ("PATCH", "/snapshot"),
+        ("DELETE", "/events"),
+        ("PUT", "/login"),
+        ("DELETE", "/login"),
+        ("POST", "/jobs"),
+        ("POST", "/workers/worker-0"),
+        ("DELETE", "/workers/worker-0"),
+    ]
+
+    # Act
+    statuses = {}
+    for method, path in requests:
+        async with http.request(
+            method, _url(cluster, path), headers=cookie, data={"state": "DEAD"}
+        ) as response:
+            statuses[(method, path)] = (response.status, _set_cookies(response))
+
+    # Assert
+    assert statuses == {
+        ("POST", "/"): (405, []),
+        ("PUT", "/"): (405, []),
+        ("DELETE", "/"): (405, []),
+        ("POST", "/snapshot"): (405, []),
+        ("PATCH", "/snapshot"): (405, []),
+        ("DELETE", "/events"): (405, []),
+        ("PUT", "/login"): (405, []),
+        ("DELETE", "/login"): (405, []),
+        ("POST", "/jobs"): (404, []),
+        ("POST", "/workers/worker-0"): (404, []),
+        ("DELETE", "/workers/worker-0"): (404, []),
+    }
+    assert coordinator_state(cluster) == before
