@@ -7,6 +7,11 @@ that have not (a retried reinforce must not add its boosts twice). Primaries rec
 replicas on applying the primary's forward, so a promoted replica knows the ids too; the
 journal keeps the table in its snapshots (``worker/journal_format.py``).
 
+A primary that applied a request but could not confirm it on every trusted copy (the forward
+and the report to the coordinator both failed) also holds the request's unconfirmed forwards
+here (``hold``), so a retry re-sends them instead of being acknowledged at once. They are
+forgotten with the request id, or when confirmed (``confirm``); they are kept in memory only.
+
 Shape letters: N items of a request, K slots.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +43,7 @@ class RecentRequests:
         """
         self._capacity = capacity
         self._slots: OrderedDict[bytes, set[int]] = OrderedDict()
+        self._unconfirmed: dict[bytes, Any] = {}  # request id -> its unconfirmed forwards
         self._lock = threading.Lock()
 
     def fresh(self, rid: bytes, slots: np.ndarray) -> np.ndarray:
@@ -65,7 +72,33 @@ class RecentRequests:
             self._slots.setdefault(rid, set()).update(slots.tolist())
             self._slots.move_to_end(rid)
             while len(self._slots) > self._capacity:
-                self._slots.popitem(last=False)
+                gone, _ = self._slots.popitem(last=False)
+                self._unconfirmed.pop(gone, None)
+
+    def hold(self, rid: bytes, forwards: Any) -> None:
+        """Keep the forwards of applied request ``rid`` that no trusted copy confirmed yet.
+
+        Args:
+            rid: a request id this worker recorded (an empty or unknown one is not held).
+            forwards: what a retry must re-send (``replication.Forwards``); empty: none.
+        """
+        with self._lock:
+            if rid in self._slots and forwards:
+                self._unconfirmed[rid] = forwards
+            else:
+                self._unconfirmed.pop(rid, None)
+
+    def unconfirmed(self, rid: bytes) -> Any:
+        """Return the forwards held for ``rid`` (``hold``), or None when it has none."""
+        if not self._unconfirmed:  # the fast path: no write left unconfirmed
+            return None
+        with self._lock:
+            return self._unconfirmed.get(rid)
+
+    def confirm(self, rid: bytes) -> None:
+        """Forget the unconfirmed forwards of ``rid``: every trusted copy has them now."""
+        with self._lock:
+            self._unconfirmed.pop(rid, None)
 
     def entries(self) -> list[Request]:
         """Return every (request id, sorted slots) held, oldest first (a journal snapshot's)."""

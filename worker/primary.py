@@ -7,6 +7,11 @@ journal record) in one store-thread job, then forward to every other copy while 
 becomes durable. Both waits end before the lock is released, so each slot's forwards leave in
 seq order.
 
+A retry is acknowledged only once every trusted copy has the request: when its first attempt
+failed with a forward neither applied nor reported to the coordinator, the retry re-sends
+those forwards first (``Replicator.redrive``) and fails UNAVAILABLE again if they still cannot
+be confirmed. A write whose forwards were all confirmed costs its retries one dict lookup.
+
 Shape letters: N items of a keyed write, T slots it touches.
 """
 
@@ -20,7 +25,7 @@ import numpy as np
 
 from shared.proto import worker_pb2
 from worker.durable_store import DurableStore
-from worker.replication import Replicator
+from worker.replication import ReplicationError, Replicator
 from worker.roles import Placement
 from worker.wire import sub_request
 
@@ -73,7 +78,8 @@ class PrimaryWrites:
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION); nothing applied.
             MemoryInputError: raised by ``apply`` before any change (INVALID_ARGUMENT).
-            ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE).
+            ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE);
+                also for a retry whose earlier attempt's copies still cannot be confirmed.
         """
         return await asyncio.shield(self._keyed(epoch, op, request, ids, apply))
 
@@ -95,6 +101,7 @@ class PrimaryWrites:
             self._place.check_epoch(epoch)
             slots = self._place.check_primary(ids)
             rid = bytes(request.request_id)
+            await self._confirm(rid)
             keep = self._data.recent.fresh(rid, slots)
             if not keep.all():
                 request = sub_request(op, request, keep)
@@ -107,8 +114,28 @@ class PrimaryWrites:
                 return n, *self._data.commit(op, request, touched, epoch, self._name)
 
             applied, seqs, pos = await self._data.run(apply_and_commit)
-            await self._replicate(op, request, slots, ids, touched, seqs, pos)
+            try:
+                await self._replicate(op, request, slots, ids, touched, seqs, pos)
+            except ReplicationError as exc:
+                self._data.recent.hold(rid, exc.unconfirmed)  # for the client's retry
+                raise
             return applied
+
+    async def _confirm(self, rid: bytes) -> None:
+        """Re-send the forwards an earlier attempt of ``rid`` left unconfirmed, if any.
+
+        Raises:
+            ReplicationError: some still cannot be confirmed (UNAVAILABLE); they stay held.
+        """
+        unconfirmed = self._data.recent.unconfirmed(rid)
+        if unconfirmed is None:
+            return
+        try:
+            await self._replicator.redrive(self._place.roles, unconfirmed)
+        except ReplicationError as exc:
+            self._data.recent.hold(rid, exc.unconfirmed)
+            raise
+        self._data.recent.confirm(rid)
 
     async def _decay(self, epoch: int, rate: float) -> int:
         async with self._order:

@@ -4,7 +4,10 @@ Primary side (``Replicator``): an applied op goes, with the seq each slot took, 
 replica and to every worker a copy of the slot is being made for (``add_copy``, until the next
 map). A copy whose forward fails is reported to the coordinator (which stops trusting it) and
 excluded from later forwards until the next map; only when that report fails is the write
-refused (``ReplicationError``), so no copy is silently left behind.
+refused (``ReplicationError``), so no copy is silently left behind. Such an error carries the
+forwards left unconfirmed; a client's retry of the write re-sends them (``redrive``) and is
+acknowledged only once each was applied or its target distrusted (a replica's seq check makes
+a re-sent forward idempotent).
 
 Replica side (``check_forward``): a forward is applied only as the next op of each of its
 slots' sequences; a repeat is acknowledged and ignored, a gap is refused (``OutOfSync``), and
@@ -31,6 +34,7 @@ from worker.wire import narrow, sub_request
 
 __all__ = [
     "Forwarder",
+    "Forwards",
     "OutOfSync",
     "ReplicationError",
     "Replicator",
@@ -45,13 +49,23 @@ Forwarder = Callable[[str, str, worker_pb2.ReplicateRequest], Awaitable[None]]
 # Tells the coordinator that the copies of some slots on a named worker are no longer
 # updated, and why (raises on failure).
 Reporter = Callable[[str, list[int], str], Awaitable[None]]
+# The forwards of one applied op: target worker -> (its address, its part of the op).
+Forwards = dict[str, tuple[str, worker_pb2.ReplicateRequest]]
 
 
 class ReplicationError(Exception):
     """A copy failed and the coordinator could not be told (UNAVAILABLE).
 
     Also: a slot copy could not be sent. The write or copy is not acknowledged.
+
+    Attributes:
+        unconfirmed: the forwards of the write that no trusted copy confirmed (empty for a
+            slot copy); a retry of the write must re-send them.
     """
+
+    def __init__(self, message: str, unconfirmed: Forwards | None = None) -> None:
+        super().__init__(message)
+        self.unconfirmed: Forwards = unconfirmed or {}
 
 
 class StaleForward(Exception):
@@ -141,9 +155,8 @@ class Replicator:
                 (UNAVAILABLE).
         """
         seq_of = dict(zip(touched.tolist(), seqs.tolist(), strict=True))
-        by_target = self.targets(roles, touched)
-        calls = []
-        for target, target_slots in by_target.items():
+        forwards: Forwards = {}
+        for target, target_slots in self.targets(roles, touched).items():
             keep = None if ids is None else np.isin(slots, np.asarray(target_slots))
             sub = request if keep is None or keep.all() else sub_request(op, request, keep)
             req = worker_pb2.ReplicateRequest(
@@ -154,11 +167,52 @@ class Replicator:
                 **{op: sub},
             )
             address = roles.addresses.get(target) or self._addresses.get(target, "")
-            calls.append(self._forward(target, address, req))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for target, r in zip(by_target, results, strict=True):
+            forwards[target] = (address, req)
+        await self._send(roles, forwards)
+
+    async def redrive(self, roles: Roles, forwards: Forwards) -> None:
+        """Re-send an op's unconfirmed forwards (a client retried it); wait for them.
+
+        A target whose copies of the forward's slots were reported failed since is skipped:
+        the coordinator no longer trusts them. A target that applied the forward already
+        acknowledges it again and applies nothing (``check_forward``).
+
+        Args:
+            roles: this worker's roles now.
+            forwards: ``ReplicationError.unconfirmed`` of an earlier attempt.
+
+        Raises:
+            ReplicationError: as ``forward``, with the forwards still unconfirmed.
+        """
+        trusted = {
+            target: (address, req)
+            for target, (address, req) in forwards.items()
+            if not set(req.slots) <= self._excluded.get(target, set())
+        }
+        await self._send(roles, trusted)
+
+    async def _send(self, roles: Roles, forwards: Forwards) -> None:
+        """Send each target its forward; report the failed ones; wait for all.
+
+        Raises:
+            ReplicationError: some target failed and the coordinator could not be told; it
+                carries those targets' forwards (UNAVAILABLE).
+        """
+        results = await asyncio.gather(
+            *(self._forward(t, address, req) for t, (address, req) in forwards.items()),
+            return_exceptions=True,
+        )
+        unconfirmed: Forwards = {}
+        errors: list[str] = []
+        for (target, sent), r in zip(forwards.items(), results, strict=True):
             if isinstance(r, BaseException) and not _is_stale_forward(r):
-                await self._drop_copy(roles, target, error_message(r))
+                try:
+                    await self._drop_copy(roles, target, error_message(r))
+                except ReplicationError as exc:
+                    unconfirmed[target] = sent
+                    errors.append(str(exc))
+        if unconfirmed:
+            raise ReplicationError("; ".join(errors), unconfirmed)
 
     async def _drop_copy(self, roles: Roles, target: str, reason: str) -> None:
         """Stop updating every copy this primary feeds on ``target``, once the coordinator knows.

@@ -392,3 +392,82 @@ async def test_stale_forward_of_no_held_slot_is_refused_and_changes_nothing(node
 
     assert len(node) == 0
     assert node.slot_seqs(list(range(SLOTS))) == [0] * SLOTS
+
+
+# -- a retried write whose first forward was never confirmed --------------------------------
+
+
+class ReplicaPeer(FakePeers):
+    """FakePeers whose forwards to 'r' that do not fail reach a real replica node."""
+
+    def __init__(self, replica: MemoryNode) -> None:
+        super().__init__(fail={"r": ConnectionError("r is unreachable")}, report_fails=True)
+        self.replica = replica
+
+    async def forward(self, target: str, address: str, req: worker_pb2.ReplicateRequest) -> None:
+        await super().forward(target, address, req)
+        await self.replica.apply_replicated(req)
+
+
+async def _primary_and_replica(nodes: list[MemoryNode]) -> tuple[MemoryNode, ReplicaPeer]:
+    """'me' primary of every slot, 'r' a real replica of them; r reachable until told."""
+    replica = _node(nodes, "r")
+    peers = ReplicaPeer(replica)
+    node = _node(nodes, "me", peers)
+    for n in (node, replica):
+        await n.apply_slot_map(_primary_map(1))
+    return node, peers
+
+
+async def test_a_retry_is_not_acknowledged_while_the_trusted_replica_lacks_the_write(
+    nodes,
+) -> None:
+    # Arrange: a memory at 0.5 on both copies; then r and the coordinator become unreachable.
+    node, peers = await _primary_and_replica(nodes)
+    ids = _ids_in(4, 1)
+    del peers.fail["r"]
+    await _write(node, 1, ids)
+    peers.fail["r"] = ConnectionError("r is unreachable")
+
+    # Act 1: a reinforce the primary applies but cannot forward nor report; the client
+    # retries it with the same request id while both are still down.
+    with pytest.raises(ReplicationError):
+        await _reinforce(node, 1, ids, b"rid-1")
+    with pytest.raises(ReplicationError):
+        await _reinforce(node, 1, ids, b"rid-1")
+
+    # Assert 1: neither attempt was acknowledged; r, still trusted, lacks the write.
+    assert _strengths(peers.replica) == {ids[0]: 0.5}
+    assert _strengths(node) == {ids[0]: 0.75}
+
+    # Act 2: r is reachable again; the client retries once more.
+    del peers.fail["r"]
+    assert await _reinforce(node, 1, ids, b"rid-1") == 0
+
+    # Assert 2: acknowledged now, and both copies hold the reinforce exactly once.
+    assert _strengths(peers.replica) == _strengths(node) == {ids[0]: 0.75}
+    assert peers.replica.slot_seqs([4]) == node.slot_seqs([4]) == [2]
+    # A further retry is acknowledged at once: nothing forwarded again.
+    sent = len(peers.forwards)
+    assert await _reinforce(node, 1, ids, b"rid-1") == 0
+    assert len(peers.forwards) == sent
+
+
+async def test_a_retry_is_acknowledged_once_the_coordinator_distrusts_the_replica(
+    nodes,
+) -> None:
+    # Arrange: a write applied on the primary only; r and the coordinator unreachable.
+    node, peers = await _primary_and_replica(nodes)
+    ids = _ids_in(2, 1)
+    with pytest.raises(ReplicationError):
+        await _write(node, 1, ids, b"rid-2")
+
+    # Act: the coordinator is back (r is not); the client retries.
+    peers.report_fails = False
+    assert await _write(node, 1, ids, b"rid-2") == 0
+
+    # Assert: acknowledged only after the retry told the coordinator (a second report) to
+    # distrust r's copies; the write is applied once on the primary.
+    assert [(t, s) for t, s, _ in peers.reports] == [("r", list(range(SLOTS)))] * 2
+    assert _strengths(node) == {ids[0]: 0.5} and node.slot_seqs([2]) == [1]
+    assert _strengths(peers.replica) == {}
