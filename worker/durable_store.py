@@ -70,6 +70,15 @@ class DurableStore:
         if self.journal is not None:
             await self.journal.sync(self.journal.written)
 
+    def check_writable(self) -> None:
+        """Refuse a change once the journal failed to write or fsync (it never recovers).
+
+        Raises:
+            StorageFailed: the journal failed (UNAVAILABLE).
+        """
+        if self.journal is not None:
+            self.journal.check()
+
     def close(self) -> None:
         """Finish the running store job, then close the journal (fsync per its policy)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -125,6 +134,7 @@ class DurableStore:
         """
         op = req.WhichOneof("op")
         assert op is not None  # check_forward refused a forward without one
+        self.check_writable()
         rid = apply_op(self.store, op, getattr(req, op), slots)
         self.store.bump_seq(slots)
         self.recent.record(rid, slots)

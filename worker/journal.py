@@ -14,6 +14,11 @@ killed process loses nothing, a power cut may). When the log outgrows
 ``snapshot_log_bytes`` the store thread copies the arrays (memcpy) and starts a new segment;
 another thread writes the snapshot and deletes the segments it replaces, so writes never
 wait for a snapshot file.
+
+A failed write or fsync of the log is final (``StorageFailed``): after a failed fsync the
+kernel may have dropped the dirty pages and a second fsync can succeed without them
+(PostgreSQL's "fsyncgate", 2018), so the journal never retries; it refuses every later append
+and sync, and calls ``on_failure`` once so the worker reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ from worker.store import SlotSnapshot, SlotStore
 
 log = get_logger("worker.journal")
 SNAPSHOT, SNAPSHOT_TMP = "snapshot.bin", "snapshot.tmp"
+
+
+class StorageFailed(Exception):
+    """The journal failed to write or fsync; this worker acknowledges no write (UNAVAILABLE)."""
 
 
 def segment_path(data_dir: Path, gen: int) -> Path:
@@ -212,6 +221,7 @@ class Journal:
         fsync_interval_s: float,
         snapshot_log_bytes: int,
         log_bytes: int = 0,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         """Start log segment ``gen`` (and the interval fsync thread, if that is the policy).
 
@@ -224,12 +234,17 @@ class Journal:
             fsync_interval_s: seconds between fsyncs, for "interval".
             snapshot_log_bytes: log bytes after which a snapshot is taken.
             log_bytes: bytes already in the log since the last snapshot.
+            on_failure: called once, with the reason, when a write or fsync of the log fails
+                (from the thread that saw it).
         """
         self.dir, self._lock_fd, self.slots, self.policy = data_dir, lock_fd, slots, fsync
         self._snapshot_log_bytes = snapshot_log_bytes
         self.gen = gen
         self.written = self.synced = 0  # bytes appended / known durable, all segments together
         self.since_snapshot = log_bytes
+        self.failure = ""  # why the log failed; set once, never cleared
+        self._on_failure = on_failure
+        self._fail_lock = threading.Lock()
         self._fd_lock = threading.Lock()
         self._fd = self._open_segment(gen)
         self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="journal-sync")
@@ -254,12 +269,43 @@ class Journal:
 
     # -- appends (store thread) -------------------------------------------------------------
 
+    def check(self) -> None:
+        """Raises: StorageFailed once a write or fsync of the log failed (UNAVAILABLE)."""
+        if self.failure:
+            raise self._refusal()
+
+    def _refusal(self) -> StorageFailed:
+        return StorageFailed(
+            f"the journal in {self.dir} failed ({self.failure}); this worker acknowledges "
+            "no more writes until it is restarted"
+        )
+
+    def _fail(self, what: str, exc: OSError) -> StorageFailed:
+        """Mark the log failed for good (first failure only: log it, tell ``on_failure``)."""
+        with self._fail_lock:
+            first = not self.failure
+            if first:
+                self.failure = f"{what}: {exc}"
+        if first:
+            log.error("journal_failed", data_dir=str(self.dir), op=what, error=str(exc))
+            if self._on_failure is not None:
+                self._on_failure(self.failure)
+        return self._refusal()
+
     def append(self, kind: bytes, body: bytes) -> int:
-        """Write one record; return the log position to ``sync`` to for it."""
+        """Write one record; return the log position to ``sync`` to for it.
+
+        Raises:
+            StorageFailed: the log failed, now or before (UNAVAILABLE).
+        """
+        self.check()
         data = fmt.frame(kind, body)
         view = memoryview(data)
-        while len(view):
-            view = view[os.write(self._fd, view) :]
+        try:
+            while len(view):
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            raise self._fail("write", exc) from exc
         n = len(data)
         self.written += n
         self.since_snapshot += n
@@ -283,25 +329,36 @@ class Journal:
         """Return once the log up to ``pos`` (bytes) is durable as the policy demands.
 
         ``always``: once fsynced; otherwise at once.
+
+        Raises:
+            StorageFailed: the log failed, now or before, under any policy (UNAVAILABLE).
         """
+        self.check()
         if self.policy == "always" and self.synced < pos:
             await asyncio.get_running_loop().run_in_executor(self._sync_pool, self._sync_to, pos)
 
     def _sync_to(self, pos: int) -> None:
+        self.check()  # never fsync again after a failed one: it could "succeed" without data
         if self.synced >= pos:
             return  # an fsync queued earlier covered it
         with self._fd_lock:
             end = self.written
-            os.fsync(self._fd)
-            self.synced = max(self.synced, end)
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                failed = exc
+            else:
+                self.synced = max(self.synced, end)
+                return
+        raise self._fail("fsync", failed) from failed
 
     def _tick(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             if self.synced < self.written:
                 try:
                     self._sync_to(self.written)
-                except OSError as exc:
-                    log.error("journal_fsync_failed", error=str(exc))
+                except StorageFailed:
+                    return  # logged and reported by _fail; later writes are refused
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -317,14 +374,18 @@ class Journal:
 
     def snapshot(self, store: SlotStore, recent: Callable[[], list[Request]]) -> None:
         """Start a snapshot now (store thread); it is written by a background thread."""
+        self.check()
         state = capture(store, recent(), self.gen + 1)
-        new_fd = self._open_segment(self.gen + 1)
-        with self._fd_lock:
-            if self.policy != "never":
-                os.fsync(self._fd)
-                self.synced = self.written
-            os.close(self._fd)
-            self._fd, self.gen, self.since_snapshot = new_fd, self.gen + 1, 0
+        try:
+            new_fd = self._open_segment(self.gen + 1)
+            with self._fd_lock:
+                if self.policy != "never":
+                    os.fsync(self._fd)  # the old segment, before it stops being appended to
+                    self.synced = self.written
+                os.close(self._fd)
+                self._fd, self.gen, self.since_snapshot = new_fd, self.gen + 1, 0
+        except OSError as exc:
+            raise self._fail("log rotation", exc) from exc
         self._snapshotting = True
         self._snap_pool.submit(self._write_snapshot, state)
 
@@ -380,7 +441,7 @@ class Journal:
         self._sync_pool.shutdown(wait=True, cancel_futures=crash)
         with self._fd_lock:
             if self._fd >= 0:
-                if sync:
+                if sync and not self.failure:  # a failed log is never fsynced again
                     os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = -1

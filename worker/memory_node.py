@@ -239,7 +239,10 @@ class MemoryNode:
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
             MemoryInputError: invalid values; nothing applied (INVALID_ARGUMENT).
-            ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE).
+            ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE);
+                also a retry while the first attempt's copies are still unconfirmed.
+            StorageFailed: the journal failed to write or fsync, now or before; the write is
+                not acknowledged, nor is any later one (UNAVAILABLE).
         """
 
         def apply(keep: np.ndarray) -> int:
@@ -265,7 +268,8 @@ class MemoryNode:
             The number of ids found.
 
         Raises:
-            StaleEpoch, NotPrimary, MemoryInputError, ReplicationError: as ``upsert``.
+            StaleEpoch, NotPrimary, MemoryInputError, ReplicationError, StorageFailed: as
+                ``upsert``.
         """
 
         def apply(keep: np.ndarray) -> int:
@@ -282,7 +286,7 @@ class MemoryNode:
             ids: [N] uint64, decoded from the request.
 
         Raises:
-            StaleEpoch, NotPrimary, ReplicationError: as ``upsert``.
+            StaleEpoch, NotPrimary, ReplicationError, StorageFailed: as ``upsert``.
         """
 
         def apply(keep: np.ndarray) -> int:
@@ -303,8 +307,10 @@ class MemoryNode:
 
         Raises:
             StaleEpoch: (FAILED_PRECONDITION).
+            StorageFailed: the journal failed; nothing applied (UNAVAILABLE).
             ReplicationError: as ``upsert`` (UNAVAILABLE).
         """
+        self._data.check_writable()
         with self._ops.op("decay"):
             return await self._writes.decay(epoch, rate)
 
@@ -321,6 +327,7 @@ class MemoryNode:
             OutOfSync: a slot is primary here, or the sequence skips (ABORTED).
             MemoryInputError: a slot out of range, seqs not one per slot, or no op
                 (INVALID_ARGUMENT).
+            StorageFailed: the journal failed; not acknowledged (UNAVAILABLE).
         """
         place = self._place
         part = check_forward(req, place.roles, place.incoming, self._store.seq, self.name)

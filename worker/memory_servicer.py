@@ -20,6 +20,7 @@ from shared.memory.stats import quality_to_pb
 from shared.memory.validation import MemoryInputError, validate_rate
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from worker.journal import StorageFailed
 from worker.memory_node import SlotSender
 from worker.node_holder import NodeHolder, NotReady
 from worker.registration import RegistrationRefused
@@ -39,6 +40,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (OutOfSync, grpc.StatusCode.ABORTED),
     (StaleForward, grpc.StatusCode.FAILED_PRECONDITION),
     (ReplicationError, grpc.StatusCode.UNAVAILABLE),
+    (StorageFailed, grpc.StatusCode.UNAVAILABLE),  # the journal failed: no write acknowledged
     (SlotMapError, grpc.StatusCode.INVALID_ARGUMENT),
     (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
     (NotReady, grpc.StatusCode.UNAVAILABLE),

@@ -77,6 +77,7 @@ class PrimaryWrites:
 
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION); nothing applied.
+            StorageFailed: the journal failed earlier; nothing applied (UNAVAILABLE).
             MemoryInputError: raised by ``apply`` before any change (INVALID_ARGUMENT).
             ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE);
                 also for a retry whose earlier attempt's copies still cannot be confirmed.
@@ -100,6 +101,7 @@ class PrimaryWrites:
         async with self._order:
             self._place.check_epoch(epoch)
             slots = self._place.check_primary(ids)
+            self._data.check_writable()
             rid = bytes(request.request_id)
             await self._confirm(rid)
             keep = self._data.recent.fresh(rid, slots)
@@ -109,6 +111,7 @@ class PrimaryWrites:
             touched = np.unique(slots)  # once per write: record, seqs and forwards share it
 
             def apply_and_commit() -> tuple[int, np.ndarray, int]:
+                self._data.check_writable()
                 n = apply(keep)
                 self._data.recent.record(rid, touched)
                 return n, *self._data.commit(op, request, touched, epoch, self._name)

@@ -107,6 +107,9 @@ class WorkerServer:
         self.port = 0  # the gRPC port bound by start()
         self.metrics_port: int | None = None  # the /metrics port bound (cfg's 0: a free one)
         self.error = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unhealthy: asyncio.Task[None] | None = None
+        self.storage_failure = ""  # why the journal failed (this worker is NOT_SERVING), if it did
 
     async def start(self) -> str:
         """Reload, bind and serve, then register in the background; return the address.
@@ -117,6 +120,7 @@ class WorkerServer:
         Raises:
             JournalError: the data dir is in use by another worker or corrupt.
         """
+        self._loop = asyncio.get_running_loop()
         self._data_lock = lock_data_dir(self.data_dir)
         try:
             await asyncio.to_thread(self._reload)
@@ -147,8 +151,9 @@ class WorkerServer:
         )
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
         self._tasks.add_done_callback(self._registration_ended)
-        for svc in ("", SERVICE_NAME):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        if not self.storage_failure:  # a journal failed during the reload stays unhealthy
+            for svc in ("", SERVICE_NAME):
+                await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "worker_started",
             worker=self.name,
@@ -211,7 +216,25 @@ class WorkerServer:
             self.cfg.fsync_interval_s,
             self.cfg.snapshot_log_bytes,
             log_bytes,
+            on_failure=self._storage_failed,
         )
+
+    def _storage_failed(self, reason: str) -> None:
+        """The journal failed (from its thread): report this worker NOT_SERVING from now on.
+
+        Writes are refused by the journal itself; health tells probes and clients why.
+        """
+        self.storage_failure = reason
+        log.error("worker_storage_failed", worker=self.name, reason=reason)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._set_not_serving)
+
+    def _set_not_serving(self) -> None:
+        async def work() -> None:
+            for svc in ("", SERVICE_NAME):
+                await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        self._unhealthy = asyncio.ensure_future(work())
 
     def _release_data_dir(self) -> None:
         if self._data_lock >= 0:

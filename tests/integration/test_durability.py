@@ -5,17 +5,22 @@ on dead workers waits for them instead of restarting empty."""
 from __future__ import annotations
 
 import asyncio
+import errno
 
+import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.server import CoordinatorServer
 from shared.config import CoordinatorConfig
+from shared.proto import worker_pb2
 from tests.conftest import InProcessCluster, wait_until
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.integration.test_failover import Writer, kill_abruptly
 from tests.memory_reference import ReferenceStore
-from worker.journal import Journal, lock_data_dir
+from worker import journal as journal_mod
+from worker.journal import Journal, StorageFailed, lock_data_dir
 
 pytestmark = pytest.mark.integration
 
@@ -203,3 +208,38 @@ async def test_data_dir_of_another_slot_count_stops_the_worker(make_cluster, tmp
         f"data_dir {data_dir} holds {2 * S} slots but the coordinator at "
         f"{cluster.address} has {S}; use another data_dir"
     )
+
+
+async def test_a_failed_fsync_makes_the_worker_refuse_writes_and_report_not_serving(
+    make_cluster, monkeypatch
+):
+    # Arrange: one worker that fsyncs before each ack, holding every slot as primary.
+    cluster = await make_cluster(workers=1, slots=S, worker_overrides=DURABLE)
+    await settled(cluster, 1)
+    w = cluster.workers[0]
+    node = w.nodes.get()
+    ids = np.arange(4, dtype=np.uint64)
+    upsert = worker_pb2.UpsertRequest(epoch=node.epoch, ids=ids.astype("<u8").tobytes())
+    strengths = np.full(4, 0.5, np.float32)
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(journal_mod.os, "fsync", failing_fsync)
+
+    # Act: a write whose fsync fails, and one after it.
+    with pytest.raises(StorageFailed):
+        await node.upsert(upsert, ids, strengths, None)
+    with pytest.raises(StorageFailed, match="acknowledges no more writes"):
+        await node.upsert(upsert, ids, strengths, None)
+
+    # Assert: the worker's gRPC health says NOT_SERVING, for probes and clients alike.
+    async with grpc.aio.insecure_channel(w.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+
+        async def not_serving() -> bool:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        await wait_until(not_serving, what="health NOT_SERVING")
+    assert "fsync: " in w.storage_failure

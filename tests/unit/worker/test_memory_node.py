@@ -3,6 +3,7 @@ replica applying forwards (in order, repeated, with gaps, across a map change)."
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 
 import grpc
@@ -11,6 +12,8 @@ import pytest
 
 from shared.memory.slots import slot_of
 from shared.proto import common_pb2, worker_pb2
+from worker import journal as journal_mod
+from worker.journal import Journal, StorageFailed, lock_data_dir
 from worker.memory_node import MemoryNode
 from worker.replication import OutOfSync, ReplicationError, StaleForward
 from worker.roles import NotPrimary, StaleEpoch
@@ -471,3 +474,54 @@ async def test_a_retry_is_acknowledged_once_the_coordinator_distrusts_the_replic
     assert [(t, s) for t, s, _ in peers.reports] == [("r", list(range(SLOTS)))] * 2
     assert _strengths(node) == {ids[0]: 0.5} and node.slot_seqs([2]) == [1]
     assert _strengths(peers.replica) == {}
+
+
+# -- a failed fsync of the journal ------------------------------------------------------------
+
+
+async def test_a_failed_fsync_stops_every_later_acknowledgement(
+    nodes, tmp_path, monkeypatch
+) -> None:
+    # Arrange: a primary whose journal fsyncs before each ack; one write is durable.
+    peers = FakePeers()
+    failures: list[str] = []
+    journal = Journal(
+        tmp_path,
+        lock_data_dir(tmp_path),
+        SLOTS,
+        0,
+        "always",
+        1.0,
+        1 << 30,
+        on_failure=failures.append,
+    )
+    node = MemoryNode("me", SlotStore(slots=SLOTS), peers.forward, peers.report, journal)
+    nodes.append(node)
+    await node.apply_slot_map(_primary_map(1))
+    durable = _ids_in(1, 1)
+    await _write(node, 1, durable, b"ok")
+    fsyncs: list[int] = []
+
+    def failing_fsync(fd: int) -> None:
+        fsyncs.append(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(journal_mod.os, "fsync", failing_fsync)
+
+    # Act: a write whose fsync fails, its retry, another write, a decay.
+    with pytest.raises(StorageFailed, match="fsync: .*Input/output error"):
+        await _write(node, 1, _ids_in(2, 1), b"lost")
+    with pytest.raises(StorageFailed, match="acknowledges no more writes"):
+        await _write(node, 1, _ids_in(2, 1), b"lost")
+    with pytest.raises(StorageFailed):
+        await _write(node, 1, _ids_in(3, 1), b"later")
+    with pytest.raises(StorageFailed):
+        await node.decay(1, 0.1)
+
+    # Assert: one fsync tried, never again; reported once; nothing applied after the failed
+    # write (the retry, the later write and the decay changed nothing).
+    assert len(fsyncs) == 1
+    assert len(failures) == 1 and "Input/output error" in failures[0]
+    assert node.slot_seqs([1, 2, 3]) == [1, 1, 0]
+    assert sorted(_strengths(node)) == sorted(durable + _ids_in(2, 1))
+    assert _strengths(node)[durable[0]] == 0.5
