@@ -96,7 +96,14 @@ class Cluster:
         self.rebalancer.events = self.events
         self.state = StateStore(cfg.data_dir)
         self._restore()
-        self.memory = MemoryOps(self.rebalancer, self.membership, self.clients, cfg.rpc_timeout_s)
+        self.memory = MemoryOps(
+            self.rebalancer,
+            self.membership,
+            self.clients,
+            cfg.rpc_timeout_s,
+            # long enough for a dead primary to be declared and its replicas promoted
+            retry_budget_s=3 * cfg.heartbeat_timeout_s + 5.0,
+        )
 
     def _restore(self) -> None:
         """Load the slot map, workers and jobs saved by a previous coordinator process."""

@@ -18,7 +18,13 @@ from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
-from shared.memory.validation import MemoryInputError, as_slots, validate_k, validate_rate
+from shared.memory.validation import (
+    MemoryInputError,
+    as_slots,
+    validate_k,
+    validate_op_id,
+    validate_rate,
+)
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
 from shared.security.auth import current_principal, may_see_job
@@ -163,15 +169,19 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def Decay(
         self, request: coordinator_pb2.DecayRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.DecayResponse:
-        """Decay every memory: ``s = clip(s - rate, 0, 1)``.
+        """Decay every memory once: ``s = clip(s - rate, 0, 1)``.
+
+        A request repeating an ``op_id`` (a retry) completes that decay where it is missing
+        and applies it nowhere twice.
 
         Raises:
-            grpc.aio.AbortError: INVALID_ARGUMENT for a rate outside [0, 1] or not finite;
-                UNAVAILABLE when a primary failed.
+            grpc.aio.AbortError: INVALID_ARGUMENT for a rate outside [0, 1] or not finite, or
+                an op_id over 64 bytes; UNAVAILABLE when a primary still failed after retries.
         """
         try:
             rate = float(validate_rate(request.rate))
-            n = await self._cluster.memory.decay(rate)
+            op_id = validate_op_id(request.op_id)
+            n = await self._cluster.memory.decay(rate, op_id)
         except MemoryInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except BulkOpError as exc:

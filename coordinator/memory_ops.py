@@ -2,14 +2,22 @@
 
 Each runs under the rebalancer's ``map_lock`` so every worker sees the same epoch, and merges
 the workers' answers exactly (``shared.memory.stats.merge_quality`` / ``merge_topk``).
+
+A decay is exactly-once: it carries an operation id, each slot applies an id once (its
+primary and replica remember it, ``worker/dedup.py``), so the fan-out is re-sent to every
+primary of the current map, after the map moved past a failed worker, until all answered;
+slots that applied it already skip it. A client's retry with the same id does the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import grpc
 import numpy as np
 from grpc import aio
 
@@ -23,8 +31,26 @@ from shared.rpc.peers import WorkerClients
 T = TypeVar("T")
 
 
+# A primary's answer that may change once the slot map moves past a failure.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,  # stale epoch or not primary: the map moved
+}
+
+
 class BulkOpError(RuntimeError):
-    """Some primaries did not answer (UNAVAILABLE); the message names them."""
+    """Some primaries did not answer (UNAVAILABLE); the message names them.
+
+    Attributes:
+        retryable: every failure may pass once the slot map moves (a worker that died, a
+            stale epoch), as opposed to a refusal such as INVALID_ARGUMENT.
+    """
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        """Carry ``message`` and whether a retry may succeed."""
+        super().__init__(message)
+        self.retryable = retryable
 
 
 class MemoryOps:
@@ -36,6 +62,7 @@ class MemoryOps:
         membership: Membership,
         clients: WorkerClients,
         rpc_timeout_s: float,
+        retry_budget_s: float = 10.0,
     ) -> None:
         """Fan out over ``rebalancer``'s current map.
 
@@ -44,11 +71,14 @@ class MemoryOps:
             membership: where the primaries' addresses are.
             clients: channels to the workers.
             rpc_timeout_s: deadline of each worker call, seconds.
+            retry_budget_s: how long a decay is re-sent to the primaries after a failure,
+                seconds (long enough for a dead worker to be declared and its slots promoted).
         """
         self._rebalancer = rebalancer
         self._membership = membership
         self._clients = clients
         self._timeout_s = rpc_timeout_s
+        self._retry_budget_s = retry_budget_s
 
     async def _fan_out(
         self, call: Callable[[worker_pb2_grpc.WorkerStub, int], Awaitable[T]], what: str
@@ -60,7 +90,7 @@ class MemoryOps:
             for n in names:
                 rec = self._membership.get(n)
                 if rec is None:
-                    raise BulkOpError(f"{what}: primary {n} is unknown")
+                    raise BulkOpError(f"{what}: primary {n} is unknown", retryable=True)
                 stubs.append(self._clients.stub(n, rec.address))
             results = await asyncio.gather(
                 *(call(s, current.epoch) for s in stubs), return_exceptions=True
@@ -71,24 +101,60 @@ class MemoryOps:
         if failed:
             n, exc = failed[0]
             detail = exc.details() if isinstance(exc, aio.AioRpcError) else str(exc)
+            retryable = all(
+                isinstance(e, aio.AioRpcError) and e.code() in _RETRYABLE for _, e in failed
+            )
             raise BulkOpError(
-                f"{what}: {len(failed)} of {len(names)} primaries failed (first: {n}: {detail})"
+                f"{what}: {len(failed)} of {len(names)} primaries failed "
+                f"({', '.join(sorted(f for f, _ in failed))}; first: {n}: {detail})",
+                retryable,
             )
         return [r for r in results if not isinstance(r, BaseException)]
 
-    async def decay(self, rate: float) -> int:
-        """Subtract ``rate`` from every strength, clipped to [0, 1]; return memories decayed.
+    async def decay(self, rate: float, op_id: bytes = b"") -> int:
+        """Subtract ``rate`` from every strength, clipped to [0, 1], once; return memories.
+
+        Re-sent with the same ``op_id`` to every primary of the current map (jittered
+        backoff, 50 ms to 1 s) while a primary fails retryably, for ``retry_budget_s``.
+        Shielded: a caller that gives up does not stop a decay half-way.
+
+        Args:
+            rate: in [0, 1], validated by the caller.
+            op_id: the operation id (a client's, kept across its retries); empty: a new one.
+
+        Returns:
+            The memories of the cluster, each decayed once by this operation.
 
         Raises:
-            BulkOpError: a primary failed (UNAVAILABLE); others may have applied the decay.
+            BulkOpError: a primary still failed when the budget ran out, or refused; the
+                message names the op id and the primaries whose slots may not have applied it
+                (UNAVAILABLE). A retry with the same ``op_id`` completes it, never repeats it.
         """
-        replies = await self._fan_out(
-            lambda s, e: s.Decay(
-                worker_pb2.WorkerDecayRequest(epoch=e, rate=rate), timeout=self._timeout_s
-            ),
-            "decay",
-        )
-        return sum(int(r.memories) for r in replies)
+        return await asyncio.shield(self._decay(rate, op_id or uuid.uuid4().bytes))
+
+    async def _decay(self, rate: float, op_id: bytes) -> int:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._retry_budget_s
+        backoff_s = 0.05
+        while True:
+            try:
+                replies = await self._fan_out(
+                    lambda s, e: s.Decay(
+                        worker_pb2.WorkerDecayRequest(epoch=e, rate=rate, op_id=op_id),
+                        timeout=self._timeout_s,
+                    ),
+                    "decay",
+                )
+                return sum(int(r.memories) for r in replies)
+            except BulkOpError as exc:
+                pause_s = backoff_s * random.uniform(0.5, 1.0)
+                if not exc.retryable or loop.time() + pause_s > deadline:
+                    raise BulkOpError(
+                        f"decay op {op_id.hex()} may be applied on part of the store only: "
+                        f"{exc}; a retry with the same op id completes it"
+                    ) from None
+            await asyncio.sleep(pause_s)
+            backoff_s = min(2 * backoff_s, 1.0)
 
     async def quality(self) -> Quality:
         """Merged strength statistics of every memory (one copy of each)."""

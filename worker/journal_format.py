@@ -77,7 +77,7 @@ def read_frames(buf: bytes | memoryview, start: int) -> Iterator[tuple[int, byte
 
 
 def apply_op(store: SlotStore, op: str, sub: Any, slots: np.ndarray) -> bytes:
-    """Apply one forwarded mutation to a store (not its seqs); return its request id.
+    """Apply one forwarded mutation to a store (not its seqs); return its request/op id.
 
     The replica path (``MemoryNode._apply_op``) and log replay share it, so a replayed log
     changes the store exactly as the live operations did.
@@ -91,7 +91,7 @@ def apply_op(store: SlotStore, op: str, sub: Any, slots: np.ndarray) -> bytes:
         store.delete(_ids(sub.ids))
     elif op == "decay":
         store.decay(sub.rate, slots)
-        return b""
+        return bytes(sub.op_id)
     return bytes(sub.request_id)
 
 

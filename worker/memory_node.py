@@ -295,15 +295,18 @@ class MemoryNode:
         with self._ops.op("delete"):
             return await self._writes.keyed(request.epoch, "delete", request, ids, apply)
 
-    async def decay(self, epoch: int, rate: float) -> int:
+    async def decay(self, epoch: int, rate: float, op_id: bytes = b"") -> int:
         """Decay every memory of this worker's primary slots and replicate.
 
         Args:
             epoch: the epoch the request was routed with.
             rate: subtracted from each strength, in [0, 1] (validated by the caller).
+            op_id: the decay's operation id; slots that applied it already are skipped
+                (empty: no de-duplication).
 
         Returns:
-            The number of memories decayed.
+            The number of memories of the primary slots that have now applied the decay
+            (this call or an earlier one with the same ``op_id``).
 
         Raises:
             StaleEpoch: (FAILED_PRECONDITION).
@@ -312,7 +315,7 @@ class MemoryNode:
         """
         self._data.check_writable()
         with self._ops.op("decay"):
-            return await self._writes.decay(epoch, rate)
+            return await self._writes.decay(epoch, rate, op_id)
 
     # -- replica side ---------------------------------------------------------------------------
 

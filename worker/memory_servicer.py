@@ -17,7 +17,7 @@ from grpc import aio
 
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
-from shared.memory.validation import MemoryInputError, validate_rate
+from shared.memory.validation import MemoryInputError, validate_op_id, validate_rate
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from worker.journal import StorageFailed
@@ -171,7 +171,8 @@ class MemoryServicer:
 
         async def work() -> common_pb2.DecayResponse:
             rate = float(validate_rate(request.rate))
-            n = await self._nodes.get().decay(request.epoch, rate)
+            op_id = validate_op_id(request.op_id)
+            n = await self._nodes.get().decay(request.epoch, rate, op_id)
             return common_pb2.DecayResponse(memories=n)
 
         return await _guard(context, work)

@@ -84,16 +84,26 @@ class PrimaryWrites:
         """
         return await asyncio.shield(self._keyed(epoch, op, request, ids, apply))
 
-    async def decay(self, epoch: int, rate: float) -> int:
+    async def decay(self, epoch: int, rate: float, op_id: bytes = b"") -> int:
         """Decay every memory of the primary slots by ``rate``, then replicate (shielded).
 
+        A decay is applied once per slot: the slots that applied ``op_id`` already (a retry
+        of the coordinator or the client, or a forward received before this copy was
+        promoted) are left out, and the others record it, as do their replicas.
+
+        Args:
+            epoch: the epoch the request was routed with.
+            rate: subtracted from each strength, in [0, 1].
+            op_id: the decay's operation id (empty: no de-duplication).
+
         Returns:
-            The number of memories decayed.
+            The number of memories of the primary slots that have applied the decay, now or
+            by an earlier delivery of ``op_id`` (a retry counts the same as the first call).
 
         Raises:
             StaleEpoch: (FAILED_PRECONDITION). ReplicationError: as ``keyed`` (UNAVAILABLE).
         """
-        return await asyncio.shield(self._decay(epoch, rate))
+        return await asyncio.shield(self._decay(epoch, rate, op_id))
 
     async def _keyed(
         self, epoch: int, op: str, request: Any, ids: np.ndarray, apply: Callable[..., int]
@@ -140,14 +150,17 @@ class PrimaryWrites:
             raise
         self._data.recent.confirm(rid)
 
-    async def _decay(self, epoch: int, rate: float) -> int:
+    async def _decay(self, epoch: int, rate: float, op_id: bytes) -> int:
         async with self._order:
             self._place.check_epoch(epoch)
-            mine = np.flatnonzero(self._place.roles.primary)
-            req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate)
+            primary = np.flatnonzero(self._place.roles.primary)
+            mine = primary[self._data.recent.fresh(op_id, primary)]
+            req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate, op_id=op_id)
 
             def apply_and_commit() -> tuple[int, np.ndarray, int]:
-                n = self._data.store.decay(rate, mine)
+                self._data.store.decay(rate, mine)
+                self._data.recent.record(op_id, mine)
+                n = self._data.store.count(primary)
                 return n, *self._data.commit("decay", req, mine, epoch, self._name)
 
             n, seqs, pos = await self._data.run(apply_and_commit)

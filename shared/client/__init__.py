@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -501,11 +502,16 @@ class Client:
             ids = as_ids(ids)
         return await self._routed(self._router.get(ids, with_payloads))
 
-    async def decay(self, rate: float) -> int:
-        """Decay every memory of the cluster: ``s = clip(s - rate, 0, 1)``.
+    async def decay(self, rate: float, op_id: bytes | None = None) -> int:
+        """Decay every memory of the cluster once: ``s = clip(s - rate, 0, 1)``.
+
+        The call carries an operation id that its automatic retries keep, so a retry after a
+        failure completes the decay where it is missing and never applies it twice. To retry
+        a call that raised, pass the same ``op_id`` again.
 
         Args:
             rate: subtracted from every strength, in [0, 1].
+            op_id: the operation id, up to 64 bytes; None: a new random UUID.
 
         Returns:
             Memories decayed (the primary copies in the cluster).
@@ -514,8 +520,9 @@ class Client:
             NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1]; PERMISSION_DENIED
                 for a role other than admin; UNAVAILABLE.
         """
+        op_id = uuid.uuid4().bytes if op_id is None else op_id
         reply: common_pb2.DecayResponse = await self._call(
-            self._stub.Decay, coordinator_pb2.DecayRequest(rate=rate)
+            self._stub.Decay, coordinator_pb2.DecayRequest(rate=rate, op_id=op_id)
         )
         return int(reply.memories)
 
@@ -705,9 +712,9 @@ class SyncClient:
         """Read memories: found, strengths, payloads (see ``Client.get``)."""
         return self._run(self._client.get(ids, with_payloads))
 
-    def decay(self, rate: float) -> int:
-        """Decay every memory by ``rate``; return memories decayed (see ``Client.decay``)."""
-        return self._run(self._client.decay(rate))
+    def decay(self, rate: float, op_id: bytes | None = None) -> int:
+        """Decay every memory by ``rate`` once; return memories decayed (see ``Client.decay``)."""
+        return self._run(self._client.decay(rate, op_id))
 
     def quality(self) -> dict[str, Any]:
         """Summarize every strength in the cluster (see ``Client.quality``)."""

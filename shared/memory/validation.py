@@ -20,6 +20,7 @@ __all__ = [
     "as_ids",
     "as_slots",
     "validate_k",
+    "validate_op_id",
     "validate_rate",
     "validate_reinforce",
     "validate_upsert",
@@ -194,6 +195,20 @@ def validate_rate(rate: object) -> np.float32:
     if not 0 <= rate <= 1:
         raise MemoryInputError(f"rate: {_fmt(rate)} is outside [0, 1]")
     return np.float32(rate)
+
+
+MAX_OP_ID_BYTES = 64  # a UUID is 16; the journal's snapshot stores the length in 16 bits
+
+
+def validate_op_id(op_id: bytes) -> bytes:
+    """Check a bulk operation's id (at most ``MAX_OP_ID_BYTES``; empty means none).
+
+    Raises:
+        MemoryInputError: longer than ``MAX_OP_ID_BYTES`` (INVALID_ARGUMENT).
+    """
+    if len(op_id) > MAX_OP_ID_BYTES:
+        raise MemoryInputError(f"op_id: {len(op_id)} bytes, at most {MAX_OP_ID_BYTES}")
+    return bytes(op_id)
 
 
 def validate_k(k: object, k_max: int) -> int:
