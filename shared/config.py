@@ -660,8 +660,7 @@ class TrainJobSpec(_Model):
         ge=0,
         lt=1,
         description="sync, diloco: a worker whose health score falls below this is excluded "
-        "for "
-        "probation_steps steps (0: never excluded); see the README for the formula.",
+        "for probation_steps steps (0: never excluded); see the README for the formula.",
     )
     probation_steps: int = Field(
         20, ge=1, le=1_000_000, description="Steps an excluded worker sits out before a trial."

@@ -123,8 +123,7 @@ class TrainData:
         Raises:
             ValueError: a row outside [0, n_train) (INVALID_ARGUMENT).
         """
-        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.n_train):
-            raise ValueError(f"rows: indices must be in [0, {self.n_train})")
+        self._check_rows(rows)
         starts = [shard_bounds(self.n_train, s, shard_count)[0] for s in range(shard_count)]
         held = np.searchsorted(np.asarray(starts), rows, side="right") - 1
         return [(int(s), shard_count) for s in np.unique(held)]
@@ -145,8 +144,7 @@ class TrainData:
                 (FAILED_PRECONDITION).
         """
         if self._full is not None:
-            if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.n_train):
-                raise ValueError(f"rows: indices must be in [0, {self.n_train})")
+            self._check_rows(rows)
             return self._full.x_train[rows], self._full.y_train[rows]
         x = np.empty((len(rows), *self.input_shape), np.float32)
         y = np.empty(len(rows), np.int64)
@@ -156,6 +154,11 @@ class TrainData:
             x[mask] = part.x[rows[mask] - part.start]
             y[mask] = part.y[rows[mask] - part.start]
         return x, y
+
+    def _check_rows(self, rows: np.ndarray) -> None:
+        """Raises: ValueError: a row outside [0, n_train) (INVALID_ARGUMENT)."""
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.n_train):
+            raise ValueError(f"rows: indices must be in [0, {self.n_train})")
 
     def add(self, shard: Shard, rows: ShardRows) -> None:
         """Keep fetched rows of ``shard``.

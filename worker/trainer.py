@@ -128,11 +128,6 @@ class Trainer:
         self.set_shard(shard_index, shard_count)
 
     @property
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Each parameter's shape by name (``named_parameters()``)."""
-        return {n: tuple(p.shape) for n, p in self._params.items()}
-
-    @property
     def n_train(self) -> int:
         """Training rows of the whole data set (all shards)."""
         return self.data.n_train
@@ -168,7 +163,7 @@ class Trainer:
         """
         check_param_arrays(params, self._shapes)
         with torch.no_grad():
-            for name, t in (self._params | self._buffers).items():
+            for name, t in self._named_state():
                 t.copy_(torch.tensor(np.asarray(params[name]), dtype=t.dtype))
             if self.spec.strategy == "diloco":  # every call's local steps start from these
                 self._start = {n: t.detach().clone() for n, t in self._named_state()}

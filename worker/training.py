@@ -17,6 +17,7 @@ import torch
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.security.confinement import check_imports
 from shared.training.data import DataError, steps_per_epoch
+from shared.training.models import param_shapes
 from worker.compressed_link import CompressedLink
 from worker.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.trainer import GradResult, Trainer
@@ -90,7 +91,7 @@ class TrainingSessions:
         )
         self._trainers[job_id] = trainer
         if spec.compression.name != "none":
-            self._links[job_id] = CompressedLink(spec, trainer.param_shapes)
+            self._links[job_id] = CompressedLink(spec, param_shapes(trainer.model))
         return int(trainer.train_samples)
 
     def link(self, job_id: str) -> CompressedLink | None:
