@@ -54,16 +54,8 @@ def weighted_average(
         ValueError: len(grads) != len(samples), a count is negative, all counts are 0, or
             names/shapes disagree between workers (the message names the parameter).
     """
-    if len(grads) != len(samples):
-        raise ValueError(f"{len(grads)} gradient sets but {len(samples)} sample counts")
-    if any(n < 0 for n in samples):
-        raise ValueError(f"sample counts must be >= 0, got {list(samples)}")
+    expected = check_weighted(grads, samples)
     total = sum(samples)
-    if total == 0:
-        raise ValueError("cannot average gradients: every worker reported 0 samples")
-    expected = {name: tuple(np.shape(a)) for name, a in grads[0].items()}
-    for g in grads[1:]:
-        check_param_arrays(g, expected)
     out: dict[str, np.ndarray] = {}
     for name in expected:
         acc = np.zeros(expected[name], np.float64)
@@ -72,6 +64,34 @@ def weighted_average(
                 acc += (n / total) * np.asarray(g[name], np.float64)
         out[name] = acc.astype(np.float32)
     return out
+
+
+def check_weighted(
+    grads: Sequence[dict[str, np.ndarray]], samples: Sequence[int]
+) -> dict[str, tuple[int, ...]]:
+    """Check W gradient sets and their sample counts before they are combined.
+
+    Args:
+        grads: W dicts name -> array.
+        samples: W sample counts.
+
+    Returns:
+        name -> shape of every parameter (those of ``grads[0]``).
+
+    Raises:
+        ValueError: len(grads) != len(samples), a count is negative, all counts are 0, or
+            names/shapes disagree between workers (the message names the parameter).
+    """
+    if len(grads) != len(samples):
+        raise ValueError(f"{len(grads)} gradient sets but {len(samples)} sample counts")
+    if any(n < 0 for n in samples):
+        raise ValueError(f"sample counts must be >= 0, got {list(samples)}")
+    if sum(samples) == 0:
+        raise ValueError("cannot combine gradients: every worker reported 0 samples")
+    expected = {name: tuple(np.shape(a)) for name, a in grads[0].items()}
+    for g in grads[1:]:
+        check_param_arrays(g, expected)
+    return expected
 
 
 def average_buffers(

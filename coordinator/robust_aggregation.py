@@ -22,8 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from coordinator.aggregation import weighted_average
-from shared.training.models import check_param_arrays
+from coordinator.aggregation import check_weighted, weighted_average
 
 Method = Literal["mean", "trimmed_mean", "median"]
 METHODS: tuple[Method, ...] = ("mean", "trimmed_mean", "median")
@@ -150,15 +149,7 @@ def aggregate(
         raise ValueError(f"trim must be in [0, 0.5), got {trim}")
     if method == "mean":
         return weighted_average(grads, samples)
-    if len(grads) != len(samples):
-        raise ValueError(f"{len(grads)} gradient sets but {len(samples)} sample counts")
-    if any(n < 0 for n in samples):
-        raise ValueError(f"sample counts must be >= 0, got {list(samples)}")
-    if sum(samples) == 0:
-        raise ValueError("cannot aggregate gradients: every worker reported 0 samples")
-    expected = {name: tuple(np.shape(a)) for name, a in grads[0].items()}
-    for g in grads[1:]:
-        check_param_arrays(g, expected)
+    expected = check_weighted(grads, samples)
     kept = [(g, n) for g, n in zip(grads, samples, strict=True) if n > 0]
     weights_W = np.asarray([n for _, n in kept], np.int64)
     k = math.floor(trim * len(kept))

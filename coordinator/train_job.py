@@ -329,13 +329,9 @@ class TrainJob:
 
         def apply() -> None:
             grads = None
-            if not skip:
-                with_rows = [(r.grads, r.samples) for r in results.values() if r.samples]
+            if not skip:  # pieces without rows weigh nothing in every method
                 grads = aggregate(
-                    [g for g, _ in with_rows],
-                    [n for _, n in with_rows],
-                    spec.aggregation,
-                    spec.trim,
+                    [r.grads for r in results.values()], counts, spec.aggregation, spec.trim
                 )
             ps.set_buffers(average_buffers([r.buffers for r in results.values()], counts))
             ps.step(grads)
