@@ -34,7 +34,7 @@ from coordinator.step_types import (
 from shared.logging import get_logger
 from shared.proto import worker_pb2
 from shared.rpc import error_message
-from shared.rpc.codec import read_header_and_tensors, tensors_to_chunks
+from shared.rpc.codec import read_header_and_tensors, rows_to_bytes, tensors_to_chunks
 from shared.rpc.peers import WorkerClients
 from shared.training.compression import Compressor, downlink_compressor
 from shared.training.error_feedback import DeltaSender
@@ -253,7 +253,7 @@ class Members:
                 shard_count=self.shards,
                 loss_scale=order.loss_scale,
                 explicit_rows=True,
-                rows=np.ascontiguousarray(piece.rows, dtype="<i8").tobytes(),
+                rows=rows_to_bytes(piece.rows),
                 inner_rows=piece.inner_rows,
             )
             tensors = self._outgoing(m, order, header) if include else None

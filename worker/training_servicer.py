@@ -10,12 +10,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import numpy as np
 from grpc import aio
 
 from shared.config import ConfigError
 from shared.proto import worker_pb2
-from shared.rpc.codec import CodecError, read_header_and_tensors, tensors_to_chunks
+from shared.rpc.codec import (
+    CodecError,
+    read_header_and_tensors,
+    rows_from_bytes,
+    tensors_to_chunks,
+)
 from shared.security.confinement import ImportNotAllowed
 from shared.training.data import DataError
 from worker.compressed_link import StaleBase
@@ -129,13 +133,11 @@ class TrainingServicer:
             return
         rows = None
         if header.explicit_rows:
-            if len(header.rows) % 8:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"rows: {len(header.rows)} bytes is not a whole number of int64 indices",
-                )
+            try:
+                rows = rows_from_bytes(header.rows)
+            except CodecError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 return
-            rows = np.frombuffer(header.rows, dtype="<i8").astype(np.int64)
         try:
             res = await self._sessions.compute(
                 header.job_id,

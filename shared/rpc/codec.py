@@ -218,6 +218,28 @@ def f32_to_bytes(values: npt.ArrayLike) -> bytes:
     return np.ascontiguousarray(values, dtype="<f4").tobytes()
 
 
+def rows_to_bytes(rows: npt.ArrayLike) -> bytes:
+    """Encode training row indices for a ``bytes`` field (``StepHeader.rows``).
+
+    Args:
+        rows: [R] integers (cast to int64).
+
+    Returns:
+        8 * R bytes, int64 little-endian.
+    """
+    return np.ascontiguousarray(rows, dtype="<i8").tobytes()
+
+
+def rows_from_bytes(data: bytes, field: str = "rows") -> npt.NDArray[np.int64]:
+    """Decode ``rows_to_bytes`` output.
+
+    Raises:
+        CodecError: the byte length is not a multiple of 8 (INVALID_ARGUMENT), naming
+            ``field``.
+    """
+    return _from_le_bytes(data, field, "<i8", np.int64)
+
+
 def ids_from_bytes(data: bytes, field: str = "ids") -> npt.NDArray[np.uint64]:
     """Decode a ``bytes`` field of memory ids.
 

@@ -21,6 +21,8 @@ from shared.rpc.codec import (
     ids_from_bytes,
     ids_to_bytes,
     read_header_and_tensors,
+    rows_from_bytes,
+    rows_to_bytes,
     tensor_to_chunks,
     tensors_to_chunks,
 )
@@ -130,6 +132,7 @@ def test_ids_and_f32_bytes_are_little_endian_and_round_trip() -> None:
     [
         (ids_from_bytes, b"\0" * 9, "ids: 9 bytes is not a whole number of uint64 values"),
         (f32_from_bytes, b"\0" * 6, "values: 6 bytes is not a whole number of float32 values"),
+        (rows_from_bytes, b"\0" * 12, "rows: 12 bytes is not a whole number of int64 values"),
     ],
 )
 def test_ragged_id_and_value_bytes_are_refused(decode, data, message) -> None:
@@ -139,6 +142,16 @@ def test_ragged_id_and_value_bytes_are_refused(decode, data, message) -> None:
     assert str(info.value) == message
     with pytest.raises(CodecError, match="^strengths: "):
         decode(data, "strengths")  # the message names the field it came from
+
+
+def test_training_rows_round_trip_as_little_endian_int64() -> None:
+    rows = np.array([0, 1, 1436, 2**40], np.int64)
+
+    data = rows_to_bytes(rows)
+
+    assert data[:16] == bytes.fromhex("00000000000000000100000000000000")
+    assert rows_from_bytes(data).dtype == np.int64
+    assert rows_from_bytes(data).tolist() == rows.tolist()
 
 
 def chunk(**fields: Any) -> common_pb2.TensorChunk:
