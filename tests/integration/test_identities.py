@@ -21,7 +21,7 @@ from tests.integration.security_helpers import Material, coordinator_state, work
 
 pytestmark = pytest.mark.integration
 
-QUEUED_JOB = {"kind": "train", "workers": 1, "steps": 1}  # no worker comes: stays QUEUED
+QUEUED_JOB = {"kind": "train", "workers": 9, "steps": 1}  # 9 workers never come: stays QUEUED
 
 
 async def _code(call) -> tuple[grpc.StatusCode, str]:
