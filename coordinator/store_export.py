@@ -77,10 +77,13 @@ def cut_chunks(
         for i, p in batch.payloads.items():
             cost[where[i]] += len(p)
     ends = np.cumsum(cost)
-    marks = np.arange(chunk_bytes, int(ends[-1]), chunk_bytes) if n else np.empty(0, np.int64)
-    # Each message ends at the last memory before a multiple of chunk_bytes is passed.
-    bounds = np.unique(np.r_[0, np.searchsorted(ends, marks, side="right"), n]).tolist()
-    pairs = list(zip(bounds[:-1], bounds[1:], strict=True)) if n else [(0, 0)]
+    pairs = [] if n else [(0, 0)]
+    a = 0
+    while a < n:  # greedy: as many memories as fit in chunk_bytes, at least one
+        before = int(ends[a - 1]) if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, before + chunk_bytes, side="right")))
+        pairs.append((a, b))
+        a = b
     out = []
     for a, b in pairs:
         ids = batch.ids[a:b]

@@ -200,7 +200,7 @@ def read_export(path: str | os.PathLike[str], max_payload_bytes: int) -> ExportD
     optional = ("payload_offsets", "payload_bytes")
     arrays = read_npz(p, ("format", "version", "ids", "strengths"))
     if any(n in present for n in optional):
-        arrays |= read_npz(p, optional)
+        arrays |= read_npz(p, tuple(n for n in optional if n in present))
     try:
         return check_export(arrays, max_payload_bytes)
     except MemoryInputError as exc:
