@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from shared.memory.files import MemoryFileError, read_npz
 from shared.memory.validation import MemoryInputError, validate_values
+from shared.npz import NpyHeaderError, npz_members
 
 FORMAT = "neuroshard-memory-export"
 VERSION = 1
@@ -195,8 +196,13 @@ def read_export(path: str | os.PathLike[str], max_payload_bytes: int) -> ExportD
     try:
         with zipfile.ZipFile(p) as zf:
             present = {n.removesuffix(".npy") for n in zf.namelist()}
-    except (zipfile.BadZipFile, OSError) as exc:
+            pickled = [m.name for m in npz_members(zf) if m.dtype.hasobject]
+    except (zipfile.BadZipFile, NpyHeaderError, OSError) as exc:
         raise MemoryFileError(f"{p}: not a readable .npz file ({exc})") from None
+    if pickled:  # named before np.load would refuse it less clearly
+        raise MemoryFileError(
+            f"{p}: {pickled[0]}: dtype object (a pickled array) is refused: nothing is unpickled"
+        )
     optional = ("payload_offsets", "payload_bytes")
     arrays = read_npz(p, ("format", "version", "ids", "strengths"))
     if any(n in present for n in optional):
