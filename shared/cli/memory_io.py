@@ -15,11 +15,11 @@ import argparse
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from shared.cli.common import EXIT_FAILED, EXIT_OK
-from shared.cli.memory import LOAD_BATCH, _bar
 from shared.cli.security import add_client_command, client_security_of
+from shared.memory.export_file import IMPORT_BATCH
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -98,6 +98,21 @@ def cmd_import(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def _bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar of memories on stderr when it is a terminal; yields ``advance(n)``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from shared.cli.output import err_console
+
+    columns = (what, BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(
+        *columns, console=err_console, disable=not err_console.is_terminal, transient=True
+    ) as progress:
+        task = progress.add_task(what, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
 def cmd_forget_worker(args: argparse.Namespace) -> int:
     """Forget a DEAD worker that will never return (admin).
 
@@ -146,8 +161,8 @@ def add_memory_io_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
     i.add_argument(
         "--batch",
         type=int,
-        default=LOAD_BATCH,
-        help=f"memories per upsert call (default {LOAD_BATCH})",
+        default=IMPORT_BATCH,
+        help=f"memories per upsert call (default {IMPORT_BATCH})",
     )
     i.add_argument("--json", action="store_true", help="print one JSON document")
 

@@ -38,7 +38,6 @@ from shared.client.datasets import (
 )
 from shared.client.memory import MemoryRouter, RoutingError
 from shared.client.store_io import (
-    IMPORT_BATCH,
     ExportProgress,
     ExportStreamError,
     export_to_file,
@@ -46,6 +45,7 @@ from shared.client.store_io import (
     load_export,
     upsert_export,
 )
+from shared.memory.export_file import IMPORT_BATCH
 from shared.memory.files import MemoryFileError
 from shared.memory.validation import (
     MemoryInputError,

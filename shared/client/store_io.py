@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from shared.memory.export_file import ExportData, ExportWriter, read_export
+from shared.memory.export_file import IMPORT_BATCH, ExportData, ExportWriter, read_export
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 
-IMPORT_BATCH = 100_000  # memories per upsert call of an import
 # Told the memories received and, once known, the total expected (an estimate) / the slots.
 ExportProgress = Callable[[int, int], None]
 # Upserts one batch: (ids, strengths, payloads or None) -> distinct ids written.

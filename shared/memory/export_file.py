@@ -35,6 +35,7 @@ from shared.npz import NpyHeaderError, npz_members
 
 FORMAT = "neuroshard-memory-export"
 VERSION = 1
+IMPORT_BATCH = 100_000  # memories per upsert call of an import (default)
 _COPY_BLOCK = 1 << 22  # bytes copied per read from a temporary file into the archive
 _OFFSET_BLOCK = 1 << 20  # payload lengths turned into offsets per step
 
