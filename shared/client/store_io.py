@@ -22,6 +22,10 @@ from shared.memory.export_file import IMPORT_BATCH, ExportData, ExportWriter, re
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 
+# About the most bytes of one import upsert call (ids, strengths, payloads): well under the
+# default 64 MiB gRPC message limit, and large enough that payload-free batches are bounded
+# by their item count (100k memories are 1.2 MB).
+MAX_BATCH_BYTES = 16 * 1024 * 1024
 # Told the memories received and, once known, the total expected (an estimate) / the slots.
 ExportProgress = Callable[[int, int], None]
 # Upserts one batch: (ids, strengths, payloads or None) -> distinct ids written.
@@ -123,13 +127,35 @@ async def load_export(path: str | os.PathLike[str], max_payload_bytes: int) -> E
     return await asyncio.to_thread(read_export, path, max_payload_bytes)
 
 
+def batch_bounds(data: ExportData, batch: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Cut the file's memories into [start, stop) batches for upsert calls.
+
+    At most ``batch`` memories and, payloads counted (12 bytes a memory plus its payload),
+    about ``max_bytes`` each (a single memory larger than that goes alone), so one upsert
+    message stays well under the gRPC message limit whatever the payloads.
+    """
+    n = len(data.ids)
+    if data.offsets is None:
+        return [(a, min(a + batch, n)) for a in range(0, n, batch)]
+    ends = data.offsets[1:].astype(np.int64) + 12 * np.arange(1, n + 1, dtype=np.int64)
+    out, a = [], 0
+    while a < n:
+        before = int(ends[a - 1]) if a else 0
+        b = int(np.searchsorted(ends, before + max_bytes, side="right"))
+        b = min(max(b, a + 1), a + batch)
+        out.append((a, b))
+        a = b
+    return out
+
+
 async def upsert_export(
     data: ExportData,
     upsert: Upsert,
     batch: int = IMPORT_BATCH,
     progress: Callable[[int], None] | None = None,
+    max_bytes: int = MAX_BATCH_BYTES,
 ) -> int:
-    """Upsert a checked export in batches of ``batch`` memories; return memories written.
+    """Upsert a checked export in batches (``batch_bounds``); return distinct ids written.
 
     A failure part-way leaves the batches before it written: importing the same file again
     completes it (an upsert overwrites).
@@ -137,12 +163,12 @@ async def upsert_export(
     Args:
         data: the file's memories.
         upsert: sends one batch.
-        batch: memories per call, >= 1.
+        batch: most memories per call, >= 1.
         progress: called with each batch's size once it is acknowledged.
+        max_bytes: about the most bytes per call, payloads counted.
     """
     written = 0
-    for start in range(0, len(data.ids), batch):
-        end = min(start + batch, len(data.ids))
+    for start, end in batch_bounds(data, batch, max_bytes):
         written += await upsert(
             data.ids[start:end], data.strengths[start:end], data.payloads(start, end)
         )

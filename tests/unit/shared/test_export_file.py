@@ -171,3 +171,23 @@ def test_a_path_it_cannot_read_is_refused_clearly(tmp_path: Path) -> None:
         with pytest.raises(MemoryFileError) as denied:
             read_export(locked, LIMIT)
         assert str(denied.value) == f"{locked}: cannot read it (Permission denied)"
+
+
+def test_import_batches_count_payload_bytes() -> None:
+    from shared.client.store_io import batch_bounds
+    from shared.memory.export_file import ExportData
+
+    ids = np.arange(6, dtype=np.uint64)
+    plain = ExportData(ids, np.zeros(6, np.float32))
+    sizes = np.array([0, 100, 0, 5000, 0, 0], np.uint64)
+    heavy = ExportData(
+        ids,
+        np.zeros(6, np.float32),
+        np.r_[np.uint64(0), np.cumsum(sizes)].astype(np.uint64),
+        np.zeros(int(sizes.sum()), np.uint8),
+    )
+
+    assert batch_bounds(plain, 4, 1000) == [(0, 4), (4, 6)]
+    # 12 + 112 + 12 fit in 1000; the 5012-byte memory goes alone; then the rest
+    assert batch_bounds(heavy, 4, 1000) == [(0, 3), (3, 4), (4, 6)]
+    assert batch_bounds(heavy, 1, 10**9) == [(i, i + 1) for i in range(6)]
