@@ -1,9 +1,10 @@
 """Stream the whole memory store out, slot batch by slot batch (``ExportMemories``).
 
-The coordinator reads each batch of slots from the slots' primaries with the workers'
-``DumpSlots`` (one call per primary, concurrently) while it holds the rebalancer's
-``map_lock``, so no map is published meanwhile and each slot is read from the worker that
-is its primary, after any copy that made it so. The batch is then cut into ``MemoryChunk``
+The coordinator reads each batch of consecutive slots (about ``BATCH_MEMORIES`` memories)
+from the slots' primaries with the workers' ``DumpSlots`` (one call per primary,
+concurrently) while it holds the rebalancer's ``map_lock``, so no map is published
+meanwhile and each slot is read from the worker that is its primary, after any copy that
+made it so. The batch is then cut into ``MemoryChunk``
 messages of about ``chunk_bytes`` (payloads counted) and sent with the lock released: a slow
 client never holds up a rebalance. At most one batch is held here at a time.
 
@@ -33,7 +34,9 @@ from shared.proto import coordinator_pb2, worker_pb2
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.peers import WorkerClients
 
-BATCH_SLOTS = 32  # slots read per hold of map_lock (10M memories, 1024 slots: ~4 MB a batch)
+# Memories read per hold of map_lock (~6 MB here, and what the primaries copy out at once):
+# fewer, larger batches cost fewer round trips; smaller ones hold up a rebalance less.
+BATCH_MEMORIES = 500_000
 BYTES_PER_MEMORY = 12  # uint64 id + float32 strength
 
 
@@ -111,7 +114,7 @@ class StoreExport:
         rpc_timeout_s: float,
         chunk_bytes: int,
         retry_budget_s: float = 10.0,
-        batch_slots: int = BATCH_SLOTS,
+        batch_memories: int = BATCH_MEMORIES,
     ) -> None:
         """Export through ``rebalancer``'s map.
 
@@ -123,7 +126,8 @@ class StoreExport:
             chunk_bytes: target size of one ``MemoryChunk``, bytes.
             retry_budget_s: how long a batch is retried while a slot has no live primary or
                 a primary fails (a failover in progress), seconds.
-            batch_slots: slots read per batch.
+            batch_memories: about how many memories a batch reads (by the heartbeats'
+                counts: slots per batch = slots * batch_memories / memories, at least 1).
         """
         self._rebalancer = rebalancer
         self._membership = membership
@@ -131,7 +135,7 @@ class StoreExport:
         self._timeout_s = rpc_timeout_s
         self._chunk_bytes = chunk_bytes
         self._retry_budget_s = retry_budget_s
-        self._batch_slots = batch_slots
+        self._batch_memories = batch_memories
 
     async def chunks(self) -> AsyncIterator[coordinator_pb2.ExportChunk]:
         """Yield the header, then the memories of every slot in slot order.
@@ -149,8 +153,9 @@ class StoreExport:
                 slots=current.slots, slot_map_epoch=current.epoch, memories=memories
             )
         )
-        for start in range(0, current.slots, self._batch_slots):
-            slots = list(range(start, min(start + self._batch_slots, current.slots)))
+        per = max(1, min(current.slots, current.slots * self._batch_memories // max(memories, 1)))
+        for start in range(0, current.slots, per):
+            slots = list(range(start, min(start + per, current.slots)))
             batch = await self._read_retrying(slots)
             for chunk in cut_chunks(batch, self._chunk_bytes, slots[-1] + 1):
                 yield coordinator_pb2.ExportChunk(memories=chunk)
