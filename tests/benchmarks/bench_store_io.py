@@ -17,6 +17,7 @@ Run: ``.venv/bin/python -m tests.benchmarks.bench_store_io [N] [REPEATS]``.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,9 @@ import numpy as np
 from coordinator.access_stream import generate_memories
 from shared.cli.local_cluster import LocalCluster
 from shared.client import Client
+from tests.benchmarks.bench_cluster import _proc_kib
+
+CLI = [sys.executable, "-m", "shared.cli"]
 
 BATCH = 100_000
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -77,26 +81,24 @@ async def _compare(
     return out
 
 
-def _export_rss(address: str, path: Path) -> tuple[float, int]:
-    """(wall s, peak RSS bytes) of ``neuroshard memory export`` as its own process."""
+def _export_rss(address: str, path: Path) -> tuple[float, int, int]:
+    """(wall s, memories, peak RSS bytes) of ``neuroshard memory export`` as its own process.
+
+    The peak is the child's ``VmHWM`` polled every 5 ms until it exits: ``wait4``'s
+    ``ru_maxrss`` would count the pages this (large) process had when it forked the child.
+    """
     t0 = time.perf_counter()
     p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shared.cli",
-            "memory",
-            "export",
-            str(path),
-            "--coordinator",
-            address,
-        ],
-        stdout=subprocess.DEVNULL,
+        [*CLI, "memory", "export", str(path), "--json", "--coordinator", address],
+        stdout=subprocess.PIPE,
     )
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
+    peak = 0
+    while p.poll() is None:
+        peak = max(peak, _proc_kib(p.pid, "VmHWM"))
+        time.sleep(0.005)
+    out = p.communicate()[0]
     assert p.returncode == 0, "export failed"
-    return time.perf_counter() - t0, usage.ru_maxrss * 1024
+    return time.perf_counter() - t0, json.loads(out)["memories"], peak * 1024
 
 
 async def _run(cluster: LocalCluster, n: int, more: int, reps: int, tmp: Path) -> None:
@@ -107,12 +109,10 @@ async def _run(cluster: LocalCluster, n: int, more: int, reps: int, tmp: Path) -
         for a in range(0, n, BATCH):
             await c.upsert(ids[a : min(a + BATCH, n)], s[a : min(a + BATCH, n)])
         results = await _compare(c, pids, ids[:n], s[:n], tmp, reps)
-        rss = [(n, *await asyncio.to_thread(_export_rss, cluster.address, tmp / "cli.npz"))]
+        rss = [await asyncio.to_thread(_export_rss, cluster.address, tmp / "cli.npz")]
         for a in range(n, n + more, BATCH):
             await c.upsert(ids[a : min(a + BATCH, n + more)], s[a : min(a + BATCH, n + more)])
-        rss.append(
-            (n + more, *await asyncio.to_thread(_export_rss, cluster.address, tmp / "cli.npz"))
-        )
+        rss.append(await asyncio.to_thread(_export_rss, cluster.address, tmp / "cli.npz"))
     print(f"{n} memories, 3 workers, RF 2, {reps} repetitions interleaved (medians)")
     print(f"load average: {os.getloadavg()}")
     print("| operation | wall s | memories/s | CPU ms per 1k memories (all processes) |")
@@ -131,7 +131,7 @@ async def _run(cluster: LocalCluster, n: int, more: int, reps: int, tmp: Path) -
         f"import / upsert: wall {med['import'][0] / med['upsert in 100k batches'][0]:.2f}x, "
         f"CPU {med['import'][1] / med['upsert in 100k batches'][1]:.2f}x"
     )
-    for memories, wall, peak in rss:
+    for wall, memories, peak in rss:
         print(f"CLI export of {memories} memories: {wall:.2f} s, peak RSS {peak / 2**20:.0f} MiB")
 
 
