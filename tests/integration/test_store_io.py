@@ -100,7 +100,7 @@ async def test_export_then_import_into_a_fresh_cluster_equals_the_original(
 
 
 async def test_a_bad_file_is_refused_naming_the_field_and_writes_nothing(
-    make_cluster, tmp_path: Path
+    make_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Arrange: a store, and files each wrong in one way
     cluster = await make_cluster(workers=2, slots=SLOTS)
@@ -141,7 +141,18 @@ async def test_a_bad_file_is_refused_naming_the_field_and_writes_nothing(
             assert str(err.value).startswith(f"{path}: ") and message in str(err.value), case
         with pytest.raises(NeuroshardError) as unreadable:
             await client.import_memories(tmp_path / "nowhere.npz")
+        with pytest.raises(NeuroshardError) as unwritable:
+            await client.export_memories(tmp_path / "no-dir" / "x.npz")
+    capsys.readouterr()
+    cli_exit = await asyncio.to_thread(
+        main, ["memory", "import", str(tmp_path / "nan.npz"), "--coordinator", cluster.address]
+    )
+    cli_err = capsys.readouterr().err
     assert str(unreadable.value).endswith("nowhere.npz: cannot read it (No such file or directory)")
+    assert unwritable.value.code.name == "INVALID_ARGUMENT"
+    assert str(unwritable.value).startswith(f"{tmp_path / 'no-dir' / 'x.npz'}: cannot write it")
+    assert cli_exit == 2  # a bad file is a usage error: nothing was sent
+    assert cli_err == f"error: {tmp_path / 'nan.npz'}: strengths[0]: nan is not finite\n"
     assert [worker_state(w) for w in cluster.workers] == before
 
 
