@@ -31,13 +31,13 @@ from grpc import aio
 from coordinator.membership import Membership, WorkerState
 from coordinator.rebalance import Rebalancer
 from shared.proto import coordinator_pb2, worker_pb2
+from shared.rpc.chunking import byte_ranges, memory_sizes
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.peers import WorkerClients
 
 # Memories read per hold of map_lock (~6 MB here, and what the primaries copy out at once):
 # fewer, larger batches cost fewer round trips; smaller ones hold up a rebalance less.
 BATCH_MEMORIES = 500_000
-BYTES_PER_MEMORY = 12  # uint64 id + float32 strength
 
 
 class ExportUnavailable(RuntimeError):
@@ -73,20 +73,7 @@ def cut_chunks(
         chunk_bytes: target message size, bytes.
         slots_done: slots completely sent once the last message of the batch is.
     """
-    n = len(batch.ids)
-    cost = np.full(n, BYTES_PER_MEMORY, np.int64)
-    if batch.payloads:
-        where = {i: k for k, i in enumerate(batch.ids.tolist())}
-        for i, p in batch.payloads.items():
-            cost[where[i]] += len(p)
-    ends = np.cumsum(cost)
-    pairs = [] if n else [(0, 0)]
-    a = 0
-    while a < n:  # greedy: as many memories as fit in chunk_bytes, at least one
-        before = int(ends[a - 1]) if a else 0
-        b = max(a + 1, int(np.searchsorted(ends, before + chunk_bytes, side="right")))
-        pairs.append((a, b))
-        a = b
+    pairs = byte_ranges(memory_sizes(batch.ids, batch.payloads), chunk_bytes) or [(0, 0)]
     out = []
     for a, b in pairs:
         ids = batch.ids[a:b]

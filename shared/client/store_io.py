@@ -20,6 +20,7 @@ import numpy as np
 
 from shared.memory.export_file import IMPORT_BATCH, ExportData, ExportWriter, read_export
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
+from shared.rpc.chunking import BYTES_PER_MEMORY, byte_ranges
 from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 
 # About the most bytes of one import upsert call (ids, strengths, payloads): well under the
@@ -135,17 +136,10 @@ def batch_bounds(data: ExportData, batch: int, max_bytes: int) -> list[tuple[int
     message stays well under the gRPC message limit whatever the payloads.
     """
     n = len(data.ids)
-    if data.offsets is None:
-        return [(a, min(a + batch, n)) for a in range(0, n, batch)]
-    ends = data.offsets[1:].astype(np.int64) + 12 * np.arange(1, n + 1, dtype=np.int64)
-    out, a = [], 0
-    while a < n:
-        before = int(ends[a - 1]) if a else 0
-        b = int(np.searchsorted(ends, before + max_bytes, side="right"))
-        b = min(max(b, a + 1), a + batch)
-        out.append((a, b))
-        a = b
-    return out
+    sizes = np.full(n, BYTES_PER_MEMORY, np.int64)
+    if data.offsets is not None:
+        sizes += np.diff(data.offsets.astype(np.int64))
+    return byte_ranges(sizes, max_bytes, batch)
 
 
 async def upsert_export(
