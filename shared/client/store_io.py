@@ -138,7 +138,7 @@ def batch_bounds(data: ExportData, batch: int, max_bytes: int) -> list[tuple[int
     n = len(data.ids)
     sizes = np.full(n, BYTES_PER_MEMORY, np.int64)
     if data.offsets is not None:
-        sizes += np.diff(data.offsets.astype(np.int64))
+        sizes = sizes + np.diff(data.offsets.astype(np.int64)).astype(np.int64)
     return byte_ranges(sizes, max_bytes, batch)
 
 
