@@ -41,7 +41,17 @@ BATCH_MEMORIES = 500_000
 
 
 class ExportUnavailable(RuntimeError):
-    """A slot has no live primary, or a primary failed, past the retry budget (UNAVAILABLE)."""
+    """A slot has no live primary, or a primary failed, past the retry budget (UNAVAILABLE).
+
+    Attributes:
+        retryable: False when a slot's every holder is dead (its data waits for one of them
+            to come back, or for ``forget-worker``): retrying within seconds cannot help.
+    """
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        """Carry ``message`` and whether a retry may succeed."""
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass
@@ -155,9 +165,9 @@ class StoreExport:
         while True:
             try:
                 return await self._read(slots)
-            except ExportUnavailable:
+            except ExportUnavailable as exc:
                 pause_s = backoff_s * random.uniform(0.5, 1.0)
-                if loop.time() + pause_s > deadline:
+                if not exc.retryable or loop.time() + pause_s > deadline:
                     raise
             await asyncio.sleep(pause_s)
             backoff_s = min(2 * backoff_s, 1.0)
@@ -174,13 +184,8 @@ class StoreExport:
             by_primary: dict[str, list[int]] = {}
             for s in slots:
                 name = current.primary[s]
-                rec = self._membership.get(name) if name else None
-                if rec is None or rec.state is WorkerState.DEAD:
-                    holders = [h for h in (name, current.replica[s]) if h] or ["none"]
-                    raise ExportUnavailable(
-                        f"slot {s} has no live primary (holders: {', '.join(holders)}); "
-                        "wait for the failover, or forget a worker that will not return"
-                    )
+                if not self._alive(name):
+                    self._no_primary(s, name, current.replica[s])
                 by_primary.setdefault(name, []).append(s)
             replies = await asyncio.gather(
                 *(self._dump(n, sl) for n, sl in by_primary.items()), return_exceptions=True
@@ -199,6 +204,32 @@ class StoreExport:
         for b in ordered:
             merged.payloads |= b.payloads
         return merged
+
+    def _alive(self, name: str) -> bool:
+        """Whether ``name`` is a known worker that is not DEAD."""
+        rec = self._membership.get(name) if name else None
+        return rec is not None and rec.state is not WorkerState.DEAD
+
+    def _no_primary(self, s: int, primary: str, replica: str) -> None:
+        """Raise why slot ``s`` cannot be read now.
+
+        No primary at all is a moment of a rebalance (a slot re-created empty, a fence); a
+        dead primary with a live replica, a failover in progress: both retryable. A dead
+        primary without a live replica is a slot whose data waits for a dead worker.
+
+        Raises:
+            ExportUnavailable: always.
+        """
+        if not primary:
+            raise ExportUnavailable(f"slot {s} has no primary yet (a rebalance is under way)")
+        if self._alive(replica):
+            raise ExportUnavailable(f"slot {s}: its primary {primary} is dead (failover under way)")
+        dead = ", ".join(h for h in (primary, replica) if h)
+        raise ExportUnavailable(
+            f"slot {s} has no live copy: its holders ({dead}) are dead; start one again, or "
+            f"forget a worker that will not return (neuroshard forget-worker)",
+            retryable=False,
+        )
 
     async def _dump(self, name: str, slots: list[int]) -> dict[int, Batch]:
         """Read ``slots`` from worker ``name`` (``DumpSlots``); slot -> its memories.

@@ -4,6 +4,7 @@ some slots die; forgetting them re-creates exactly those slots empty, counted ri
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def _reported(cluster, ids: np.ndarray) -> bool:
 
 
 async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
-    make_cluster, capsys: pytest.CaptureFixture[str]
+    make_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Arrange: 4 workers; worker-0 and worker-1 die together, so the slots they held both
     # copies of have no live copy (kept with them, in case they come back)
@@ -71,6 +72,8 @@ async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
             what="both dead and the map settled",
         )
         before = coordinator_state(cluster) | {"trust": c.rebalancer.trust.to_doc()}
+        with pytest.raises(NeuroshardError) as no_export:
+            await client.export_memories(tmp_path / "before.npz")
 
         # Act: a dry run of worker-1 (worker-0 still holds copies), forget worker-0 (loses
         # nothing), a dry run of worker-1 through the CLI, then forget it for real
@@ -93,6 +96,7 @@ async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
         status = await client.status()
         quality = await client.quality()
         found, _, _ = await client.get(ids)
+        exported = await client.export_memories(tmp_path / "after.npz")
 
     # Assert
     assert alive.value.code.name == "FAILED_PRECONDITION"
@@ -106,6 +110,9 @@ async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
         "slots_kept": len(both),
     }
     assert unchanged == before
+    assert no_export.value.code.name == "UNAVAILABLE"
+    assert f"slot {both[0]} has no live copy: its holders (" in str(no_export.value)
+    assert "forget-worker" in str(no_export.value)
     assert forgot_0["forgotten"] and forgot_0["lost_slots"] == [] and forgot_0["lost_memories"] == 0
     assert dry_exit == 1
     assert (
@@ -126,3 +133,4 @@ async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
     assert quality["count"] == len(ids) - len(lost_ids)
     assert not found[np.isin(ids, lost_ids)].any() and found[~np.isin(ids, lost_ids)].all()
     assert [w.name for w in c.state.load_workers()] == ["worker-2", "worker-3"]
+    assert exported["memories"] == len(ids) - len(lost_ids)
