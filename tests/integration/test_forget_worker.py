@@ -14,7 +14,6 @@ from shared.cli.main import main
 from shared.client import NeuroshardError
 from shared.memory.slots import slot_of
 from tests.conftest import wait_until
-from tests.integration.security_helpers import coordinator_state
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +39,24 @@ def _reported(cluster, ids: np.ndarray) -> bool:
         if w.slot_memories != want:
             return False
     return True
+
+
+def _state(cluster) -> tuple:
+    """What a dry run must not change: members, the map, the trust of copies, the database."""
+    c = cluster.coordinator.cluster
+    m = c.rebalancer.current
+    return (
+        [(w.name, w.state.value) for w in c.membership.all()],
+        (m.epoch, list(m.primary), list(m.replica)),
+        c.rebalancer.trust.to_doc(),
+        sorted(w.name for w in c.state.load_workers()),
+    )
+
+
+def _held(cluster, name: str) -> list[int]:
+    """The slots the published map gives ``name`` (either role)."""
+    m = cluster.coordinator.cluster.rebalancer.current
+    return [s for s in range(SLOTS) if name in (m.primary[s], m.replica[s])]
 
 
 async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
@@ -71,14 +88,19 @@ async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
             ),
             what="both dead and the map settled",
         )
-        before = coordinator_state(cluster) | {"trust": c.rebalancer.trust.to_doc()}
+        # Which of the two the map still names depends on the order they were declared
+        # dead in: one declared first leaves the map (the other's copy went on alone), so
+        # only slots naming both keep a second trusted copy.
+        held_0, held_1 = _held(cluster, "worker-0"), _held(cluster, "worker-1")
+        shared = sorted(set(held_0) & set(held_1))
+        before = _state(cluster)
         with pytest.raises(NeuroshardError) as no_export:
             await client.export_memories(tmp_path / "before.npz")
 
-        # Act: a dry run of worker-1 (worker-0 still holds copies), forget worker-0 (loses
-        # nothing), a dry run of worker-1 through the CLI, then forget it for real
+        # Act: a dry run of worker-1, forget worker-0, a dry run of worker-1 through the
+        # CLI, then forget it for real
         first_dry = await client.forget_worker("worker-1")
-        unchanged = coordinator_state(cluster) | {"trust": c.rebalancer.trust.to_doc()}
+        unchanged = _state(cluster)
         forgot_0 = await client.forget_worker("worker-0", confirm=True)
         capsys.readouterr()
         dry_exit = await asyncio.to_thread(
@@ -99,33 +121,46 @@ async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
         exported = await client.export_memories(tmp_path / "after.npz")
 
     # Assert
+    def memories_of(slots: list[int]) -> int:
+        return int(np.isin(slot_of(ids, SLOTS), slots).sum())
+
     assert alive.value.code.name == "FAILED_PRECONDITION"
     assert "worker 'worker-0' is ALIVE" in str(alive.value)
     assert unknown.value.code.name == "NOT_FOUND"
+    assert sorted(set(held_0) | set(held_1)) == both  # they hold nothing else any more
+    alone_1 = sorted(set(held_1) - set(shared))
     assert first_dry == {
         "worker": "worker-1",
         "forgotten": False,
-        "lost_slots": [],
-        "lost_memories": 0,
-        "slots_kept": len(both),
+        "lost_slots": alone_1,
+        "lost_memories": memories_of(alone_1),
+        "slots_kept": len(shared),
     }
     assert unchanged == before
     assert no_export.value.code.name == "UNAVAILABLE"
     assert f"slot {both[0]} has no live copy: its holders (" in str(no_export.value)
     assert "forget-worker" in str(no_export.value)
-    assert forgot_0["forgotten"] and forgot_0["lost_slots"] == [] and forgot_0["lost_memories"] == 0
+    alone_0 = sorted(set(held_0) - set(shared))
+    assert forgot_0 == {
+        "worker": "worker-0",
+        "forgotten": True,
+        "lost_slots": alone_0,
+        "lost_memories": memories_of(alone_0),
+        "slots_kept": len(shared),
+    }
     assert dry_exit == 1
     assert (
-        f"forgetting worker-1 would re-create {len(both)} slots empty, losing "
-        f"{len(lost_ids)} memories (per slot, as its last heartbeat reported them)" in dry_out
+        f"forgetting worker-1 would re-create {len(held_1)} slots empty, losing "
+        f"{memories_of(held_1)} memories (per slot, as its last heartbeat reported them)" in dry_out
     )
     assert forgot_1 == {
         "worker": "worker-1",
         "forgotten": True,
-        "lost_slots": both,
-        "lost_memories": len(lost_ids),
+        "lost_slots": held_1,
+        "lost_memories": memories_of(held_1),
         "slots_kept": 0,
     }
+    assert forgot_0["lost_memories"] + forgot_1["lost_memories"] == len(lost_ids)
     assert [w["name"] for w in status["workers"]] == ["worker-2", "worker-3"]
     m = c.rebalancer.current
     assert all(m.primary[s] in ("worker-2", "worker-3") for s in range(SLOTS))
