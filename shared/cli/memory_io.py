@@ -34,22 +34,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     from shared.client import SyncClient
 
     t0 = time.perf_counter()
-    columns = (
-        TextColumn("exporting"),
-        BarColumn(),
-        TextColumn("{task.completed:,.0f} / ~{task.total:,.0f} memories"),
-        TimeElapsedColumn(),
-    )
+    # The total is the heartbeats' count of memories (writes may change it): shown as "~".
+    columns = ("exporting", BarColumn(), TextColumn("{task.fields[count]}"), TimeElapsedColumn())
     with (
         SyncClient(args.coordinator, security=client_security_of(args)) as client,
         Progress(
             *columns, console=err_console, disable=not err_console.is_terminal, transient=True
         ) as bar,
     ):
-        task = bar.add_task("export", total=None)
-        doc = client.export_memories(
-            args.file, progress=lambda done, total: bar.update(task, completed=done, total=total)
-        )
+        task = bar.add_task("export", total=None, count="")
+
+        def advance(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, count=f"{done:,} / ~{total:,} memories")
+
+        doc = client.export_memories(args.file, progress=advance)
     doc["seconds"] = round(time.perf_counter() - t0, 3)
     if args.json:
         print(json.dumps(doc))
