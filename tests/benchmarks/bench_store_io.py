@@ -6,7 +6,7 @@ every memory by id (``Client.get`` in 100k batches, what a script without export
 import the exported file (``Client.import_memories``, overwrites) against upserting the same
 arrays in 100k batches (what ``memory load`` does). Medians of the repetitions, ratios.
 
-CPU ms per operation: utime + stime of the 4 daemons (``/proc/PID/stat``) plus this client
+CPU ms of each operation: utime + stime of the 4 daemons (``/proc/PID/stat``) plus this client
 process (``os.times``), summed: much less sensitive to the shared machine's load than wall
 time. Then the peak RSS of ``neuroshard memory export`` run as its own process (``wait4``),
 at two store sizes: the client holds one chunk, not the store.
@@ -115,14 +115,14 @@ async def _run(cluster: LocalCluster, n: int, more: int, reps: int, tmp: Path) -
         rss.append(await asyncio.to_thread(_export_rss, cluster.address, tmp / "cli.npz"))
     print(f"{n} memories, 3 workers, RF 2, {reps} repetitions interleaved (medians)")
     print(f"load average: {os.getloadavg()}")
-    print("| operation | wall s | memories/s | CPU ms per 1k memories (all processes) |")
+    print("| operation | wall s | memories/s | CPU ms, all processes |")
     print("|---|---|---|---|")
     med = {
         k: (float(np.median([w for w, _ in v])), float(np.median([c for _, c in v])))
         for k, v in results.items()
     }
     for name, (wall, cpu) in med.items():
-        print(f"| {name} | {wall:.2f} | {n / wall:,.0f} | {cpu * 1e6 / n:.1f} |")
+        print(f"| {name} | {wall:.2f} | {n / wall:,.0f} | {cpu * 1e3:.0f} |")
     print(
         f"export / get: wall {med['export'][0] / med['get every id'][0]:.2f}x, "
         f"CPU {med['export'][1] / med['get every id'][1]:.2f}x"
