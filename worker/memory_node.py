@@ -111,6 +111,20 @@ class MemoryNode:
             "replica": int(counts[roles.replica].sum()),
         }
 
+    def held_memories(self) -> tuple[list[int], list[int]]:
+        """Return the slots held here (either role) with a memory, and their memory counts.
+
+        Reported in heartbeats: the coordinator counts from them what forgetting this worker
+        would lose. Read without the store thread, as ``memories_by_role``.
+
+        Returns:
+            (slots, counts): two lists of equal length, slots ascending.
+        """
+        counts = self._store.slot_counts()
+        roles = self._place.roles
+        held = np.flatnonzero((roles.primary | roles.replica) & (counts > 0))
+        return held.tolist(), counts[held].tolist()
+
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Return every memory held here, sorted by id (diagnostics and tests).
 

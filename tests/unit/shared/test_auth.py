@@ -88,6 +88,14 @@ R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.Ser
         ("admin", C + "Decay", True),
         ("admin", C + "DrainWorker", True),
         ("admin", W + "DumpSlots", True),
+        ("reader", C + "ExportMemories", True),  # memory export
+        ("writer", C + "ExportMemories", True),
+        ("admin", C + "ExportMemories", True),
+        ("worker", C + "ExportMemories", False),
+        ("admin", C + "ForgetWorker", True),  # forget-worker: admin only
+        ("writer", C + "ForgetWorker", False),
+        ("reader", C + "ForgetWorker", False),
+        ("worker", C + "ForgetWorker", False),
         ("client", C + "GetJob", False),  # the old role is no role
         ("reader", "/grpc.health.v1.Health/Check", True),
         ("reader", R1A + "ServerReflectionInfo", True),
