@@ -23,13 +23,18 @@ from typing import Any
 
 import numpy as np
 
+from shared.memory.stats import Quality
 from shared.proto import worker_pb2
 from worker.durable_store import DurableStore
 from worker.replication import ReplicationError, Replicator
 from worker.roles import Placement
 from worker.wire import sub_request
 
-__all__ = ["PrimaryWrites"]
+__all__ = ["PrimaryWrites", "Sweep"]
+
+# A sweep's answer: the statistics and the top-k (ids [k'] uint64, strengths [k'] float32),
+# each None when not asked for.
+Sweep = tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]
 
 
 class PrimaryWrites:
@@ -151,21 +156,65 @@ class PrimaryWrites:
         self._data.recent.confirm(rid)
 
     async def _decay(self, epoch: int, rate: float, op_id: bytes) -> int:
+        n, _ = await self._sweep(epoch, rate, op_id, 0, False)
+        return n
+
+    async def sweep(
+        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+    ) -> tuple[int, Sweep]:
+        """Decay the primary slots as ``decay`` does, then summarize them, in one pass.
+
+        The statistics and top-k cover every primary slot (those that applied ``op_id``
+        before included) as they are after the decay. A rate of 0 changes nothing: nothing
+        is recorded, logged or forwarded.
+
+        Args:
+            epoch: the epoch the request was routed with.
+            rate: subtracted from each strength, in [0, 1].
+            op_id: the decay's operation id (empty: no de-duplication).
+            k: top-k size, 0 (none) to the store's ``k_max``.
+            want_quality: compute the statistics.
+
+        Returns:
+            (memories of the primary slots that have applied the decay, the store's
+            ``sweep`` answer: quality or None, top-k or None).
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION). ReplicationError: as ``keyed`` (UNAVAILABLE).
+            MemoryInputError: k out of range (INVALID_ARGUMENT); nothing applied.
+        """
+        if rate == 0:
+            self._place.check_epoch(epoch)
+            primary = np.flatnonzero(self._place.roles.primary)
+            store = self._data.store
+
+            def read() -> tuple[int, Sweep]:
+                return store.count(primary), store.sweep(None, primary, k, want_quality)
+
+            return await self._data.run(read)
+        return await asyncio.shield(self._sweep(epoch, rate, op_id, k, want_quality))
+
+    async def _sweep(
+        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+    ) -> tuple[int, Sweep]:
         async with self._order:
             self._place.check_epoch(epoch)
             primary = np.flatnonzero(self._place.roles.primary)
-            mine = primary[self._data.recent.fresh(op_id, primary)]
+            fresh = self._data.recent.fresh(op_id, primary)
+            mine = primary[fresh]
+            part = None if fresh.all() else mine
             req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate, op_id=op_id)
+            store = self._data.store
 
-            def apply_and_commit() -> tuple[int, np.ndarray, int]:
-                self._data.store.decay(rate, mine)
+            def apply_and_commit() -> tuple[int, Sweep, np.ndarray, int]:
+                answer = store.sweep(rate, primary, k, want_quality, part)
                 self._data.recent.record(op_id, mine)
-                n = self._data.store.count(primary)
-                return n, *self._data.commit("decay", req, mine, epoch, self._name)
+                n = store.count(primary)
+                return n, answer, *self._data.commit("decay", req, mine, epoch, self._name)
 
-            n, seqs, pos = await self._data.run(apply_and_commit)
+            n, answer, seqs, pos = await self._data.run(apply_and_commit)
             await self._replicate("decay", req, mine, None, mine, seqs, pos)
-            return n
+            return n, answer
 
     async def _replicate(
         self,
