@@ -159,7 +159,12 @@ class DurableStore:
         return pos
 
     def _logged(self, pos: int) -> int:
-        """After a journal append: snapshot if the log grew too long; return ``pos``."""
+        """After a journal append: start its fsync, snapshot if the log grew too long.
+
+        The fsync starts here, on the store thread, so it runs while the event loop forwards
+        the write (``Journal.kick``); returns ``pos``.
+        """
         if self.journal is not None:
+            self.journal.kick(pos)
             self.journal.maybe_snapshot(self.store, self.recent.entries)
         return pos
