@@ -123,7 +123,9 @@ class PrimaryWrites:
             if not keep.all():
                 request = sub_request(op, request, keep)
                 slots, ids = slots[keep], ids[keep]
-            touched = np.unique(slots)  # once per write: record, seqs and forwards share it
+            # Once per write (record, seqs and forwards share it); a count per slot is O(N + S)
+            # where np.unique sorts (0.03 vs 0.5 ms for 33k items).
+            touched = np.flatnonzero(np.bincount(slots, minlength=len(self._place.incoming)))
 
             def apply_and_commit() -> tuple[int, np.ndarray, int]:
                 self._data.check_writable()
