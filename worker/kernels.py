@@ -295,8 +295,8 @@ def quality_runs(strength: Any, starts: np.ndarray, ends: np.ndarray) -> Quality
     return _quality_of(n, total, lo, hi, at_least)
 
 
-def _quality_of(n: int, total: float, lo: int, hi: int, at_least: np.ndarray) -> Quality:
-    """The ``Quality`` of a compiled pass's figures (min/max as int32 bit patterns)."""
+def _quality_of(n: int, total: float, lo: Any, hi: Any, at_least: np.ndarray) -> Quality:
+    """The ``Quality`` of a compiled pass's figures (lo/hi: min/max as int32 bit patterns)."""
     if n == 0:
         return EMPTY_QUALITY
     hist = -np.diff(np.concatenate([[n], at_least, [0]]).astype(np.int64))
