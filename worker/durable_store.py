@@ -12,9 +12,7 @@ Shape letters: T slots an op touches.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,6 +22,7 @@ from worker.dedup import RecentRequests
 from worker.journal import Journal
 from worker.journal_format import Request, apply_op
 from worker.store import SlotSnapshot, SlotStore
+from worker.store_thread import StoreThread
 
 __all__ = ["DurableStore"]
 
@@ -51,11 +50,11 @@ class DurableStore:
         self.recent = RecentRequests()
         for rid, slots in requests or []:
             self.recent.record(rid, np.asarray(slots, np.int64))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
+        self._thread = StoreThread("store")
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the store thread, after every job submitted before it."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._thread.run(fn, *args)
 
     async def sync(self, pos: int) -> None:
         """Wait until the journal holds everything up to ``pos`` (bytes) durably."""
@@ -81,7 +80,7 @@ class DurableStore:
 
     def close(self) -> None:
         """Finish the running store job, then close the journal (fsync per its policy)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._thread.shutdown()
         if self.journal is not None:
             self.journal.close()
 
@@ -90,7 +89,7 @@ class DurableStore:
 
         The running store job finishes (a thread cannot be killed); the journal is abandoned.
         """
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._thread.shutdown()
         if self.journal is not None:
             self.journal.abandon()
 
