@@ -42,6 +42,7 @@ class GroupCommit:
         self._synced = 0  # the highest position known durable
         self._failure: Exception | None = None
         self._stopping = False
+        self._idle = False  # the thread waits for work (a request must wake it)
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.fsyncs = 0  # fsyncs done (diagnostics and tests)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -52,7 +53,8 @@ class GroupCommit:
         with self._cond:
             if pos > self._wanted:
                 self._wanted = pos
-                self._cond.notify()
+                if self._idle:  # a busy thread looks at _wanted again before it waits
+                    self._cond.notify()
 
     def mark(self, pos: int) -> None:
         """Note that the log up to ``pos`` became durable by other means (a rotation's fsync)."""
@@ -77,7 +79,8 @@ class GroupCommit:
             self._waiters.append((pos, loop, fut))
             if pos > self._wanted:
                 self._wanted = pos
-                self._cond.notify()
+                if self._idle:
+                    self._cond.notify()
         await fut
 
     def close(self) -> None:
@@ -101,7 +104,9 @@ class GroupCommit:
         while True:
             with self._cond:
                 while not self._stopping and self._wanted <= self._synced:
+                    self._idle = True
                     self._cond.wait()
+                    self._idle = False
                 if self._stopping:
                     return
             try:

@@ -124,6 +124,13 @@ class Replicator:
     def targets(self, roles: Roles, touched: np.ndarray) -> dict[str, list[int]]:
         """Return target worker -> the slots of ``touched`` ([T] int64) it receives."""
         by_target: dict[str, list[int]] = defaultdict(list)
+        if not self._pending and not self._excluded:  # the usual case: replicas only
+            replica_of = roles.replica_of
+            for s in touched.tolist():
+                target = replica_of[s]
+                if target and target != self.name:
+                    by_target[target].append(s)
+            return by_target
         for s in touched.tolist():
             for target in {roles.replica_of[s], *self._pending.get(s, ())}:
                 if target and target != self.name and s not in self._excluded.get(target, ()):
