@@ -96,7 +96,13 @@ class DurableStore:
     # -- store thread -------------------------------------------------------------------------
 
     def commit(
-        self, op: str, sub: Any, touched: np.ndarray, epoch: int, primary: str
+        self,
+        op: str,
+        sub: Any,
+        touched: np.ndarray,
+        epoch: int,
+        primary: str,
+        applied: bool = True,
     ) -> tuple[np.ndarray, int]:
         """On the store thread, right after a primary applied an op: next seqs, log record.
 
@@ -106,6 +112,9 @@ class DurableStore:
             touched: [T] int64 distinct slots, ascending; each takes its next seq.
             epoch: the slot-map epoch the op was applied at.
             primary: this worker's name.
+            applied: False when the op is applied after its record, in the same store job
+                (it must not fail then): no snapshot may be taken before it is, so the caller
+                calls ``settled`` once it is.
 
         Returns:
             ([T] uint64 the seq each slot took, the journal position to sync to).
@@ -120,7 +129,16 @@ class DurableStore:
             seqs=seqs.tolist(),
             **{op: sub},
         )
-        return seqs, self._logged(self.journal.log_op(req))
+        pos = self.journal.log_op(req)
+        if not applied:
+            self.journal.kick(pos)
+            return seqs, pos
+        return seqs, self._logged(pos)
+
+    def settled(self) -> None:
+        """On the store thread, once an op committed with ``applied=False`` is applied."""
+        if self.journal is not None:
+            self.journal.maybe_snapshot(self.store, self.recent.entries)
 
     def apply_forward(self, req: worker_pb2.ReplicateRequest, slots: np.ndarray) -> int:
         """On the store thread: apply a primary's forward; return the journal position.

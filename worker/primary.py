@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shared.memory.stats import Quality
+from shared.memory.validation import validate_rate
 from shared.proto import worker_pb2
 from worker.durable_store import DurableStore
 from worker.replication import ReplicationError, Replicator
@@ -199,24 +200,44 @@ class PrimaryWrites:
     async def _sweep(
         self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
     ) -> tuple[int, Sweep]:
+        """Pipelined: the decay is logged and forwarded before this copy's pass over it.
+
+        The store job takes the slots' seqs and logs the decay (starting its fsync), tells
+        the loop, which forwards it to the replicas, and then makes the fused pass; so the
+        replicas' apply and fsync overlap with it. Rate and k are validated before anything
+        is logged, so the pass cannot fail after its record.
+        """
         async with self._order:
             self._place.check_epoch(epoch)
+            validate_rate(rate)
             primary = np.flatnonzero(self._place.roles.primary)
             fresh = self._data.recent.fresh(op_id, primary)
             mine = primary[fresh]
             part = None if fresh.all() else mine
             req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate, op_id=op_id)
-            store = self._data.store
+            store, data = self._data.store, self._data
+            loop = asyncio.get_running_loop()
+            logged: asyncio.Future[tuple[np.ndarray, int]] = loop.create_future()
 
-            def apply_and_commit() -> tuple[int, Sweep, np.ndarray, int]:
+            def log_then_sweep() -> tuple[int, Sweep]:
+                data.check_writable()
+                seqs, pos = data.commit("decay", req, mine, epoch, self._name, applied=False)
+                data.recent.record(op_id, mine)
+                loop.call_soon_threadsafe(_settle, logged, (seqs, pos))
                 answer = store.sweep(rate, primary, k, want_quality, part)
-                self._data.recent.record(op_id, mine)
-                n = store.count(primary)
-                return n, answer, *self._data.commit("decay", req, mine, epoch, self._name)
+                data.settled()
+                return store.count(primary), answer
 
-            n, answer, seqs, pos = await self._data.run(apply_and_commit)
-            await self._replicate("decay", req, mine, None, mine, seqs, pos)
-            return n, answer
+            job = asyncio.ensure_future(data.run(log_then_sweep))
+            await asyncio.wait({logged, job}, return_when=asyncio.FIRST_COMPLETED)
+            if not logged.done():  # refused before anything was logged or applied
+                return await job
+            seqs, pos = logged.result()
+            try:
+                await self._replicate("decay", req, mine, None, mine, seqs, pos)
+            finally:
+                result = await job  # the pass ends before the order is released
+            return result
 
     async def _replicate(
         self,
@@ -240,3 +261,8 @@ class PrimaryWrites:
             await self._replicator.forward(roles, op, request, slots, ids, touched, seqs)
         finally:
             await durable
+
+
+def _settle(fut: asyncio.Future[tuple[np.ndarray, int]], value: tuple[np.ndarray, int]) -> None:
+    if not fut.done():
+        fut.set_result(value)
