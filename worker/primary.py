@@ -229,7 +229,8 @@ class PrimaryWrites:
                 return store.count(primary), answer
 
             job = asyncio.ensure_future(data.run(log_then_sweep))
-            await asyncio.wait({logged, job}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {logged, job}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not logged.done():  # refused before anything was logged or applied
                 return await job
             seqs, pos = logged.result()

@@ -10,8 +10,8 @@ Not collected by pytest. Three parts, one Markdown table each, against the goals
    (``bench_cluster.run_cluster_bench``): iteration latency p50/p99 over ``--iterations``
    iterations (reinforce 100k Zipf ids, then decay, quality, top-100: one sweep call, or
    three calls with ``--iteration separate``), CPU ms per phase summed over all processes,
-   and upsert/reinforce throughput through the client, batches of 100k. Goals: iteration at 1M under 15 ms p50;
-   upsert and reinforce at >= 1M memories/s.
+   and upsert/reinforce throughput through the client, batches of 100k. Goals: iteration at
+   1M under 15 ms p50; upsert and reinforce at >= 1M memories/s.
 3. the 1M iteration on Redis (``bench_redis.run_redis_bench``), skipped with a message when
    redis-server is missing. Goal: ours 10x faster.
 
