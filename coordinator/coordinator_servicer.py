@@ -225,6 +225,38 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
+    async def Sweep(
+        self, request: coordinator_pb2.SweepRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.SweepResponse:
+        """Decay every memory once, then the statistics and exact global top-k after it.
+
+        Equal to ``Decay`` then ``Quality`` and ``TopK`` with no write in between, in one
+        RPC per worker. A repeated ``op_id`` completes that decay as ``Decay`` does.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for a rate outside [0, 1] or not finite, an
+                op_id over 64 bytes, or k above ``topk_max``; UNAVAILABLE when a primary still
+                failed after retries.
+        """
+        try:
+            rate = float(validate_rate(request.rate))
+            op_id = validate_op_id(request.op_id)
+            k = validate_k(request.k, self._cluster.cfg.topk_max) if request.k else 0
+            r = await self._cluster.memory.sweep(rate, op_id, k, request.want_quality)
+        except MemoryInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BulkOpError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        reply = coordinator_pb2.SweepResponse(
+            memories=r.memories,
+            topk=common_pb2.TopKResponse(
+                ids=ids_to_bytes(r.ids), strengths=f32_to_bytes(r.strengths)
+            ),
+        )
+        if r.quality is not None:
+            reply.quality.CopyFrom(quality_to_pb(r.quality))
+        return reply
+
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.Job:

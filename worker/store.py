@@ -294,6 +294,42 @@ class SlotStore:
         k = validate_k(k, self.k_max)
         return kernels.topk_runs(self.strength, self.ids, *self._run_bounds(slots), k)
 
+    def sweep(
+        self,
+        rate: float | None,
+        slots: Sequence[int] | np.ndarray | None,
+        k: int,
+        want_quality: bool,
+        decay_slots: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]:
+        """Decay a slot set, then summarize it and select its top-k, in one pass.
+
+        Equals ``decay`` then ``quality`` and ``topk`` of ``slots`` exactly
+        (``kernels.sweep_runs``).
+
+        Args:
+            rate: decay in [0, 1]; None: no decay.
+            slots: the slot set summarized (None: all).
+            k: top-k size, 0 (none) to ``k_max``.
+            want_quality: compute the statistics.
+            decay_slots: the part of ``slots`` to decay (slots that applied the decay earlier
+                are left out); None: all of ``slots``.
+
+        Returns:
+            ``(quality or None, (ids [k'] uint64, strengths [k'] float32) or None)``.
+
+        Raises:
+            MemoryInputError: rate outside [0, 1], k out of range or a bad slot
+                (INVALID_ARGUMENT); nothing is applied.
+        """
+        rate32 = None if rate is None else float(validate_rate(rate))
+        k = validate_k(k, self.k_max) if k else 0
+        starts, ends = self._run_bounds(slots)
+        if rate32 is not None and decay_slots is not None:
+            self.decay(rate32, decay_slots)  # a retry: part of the set applied it already
+            rate32 = None
+        return kernels.sweep_runs(self.strength, self.ids, starts, ends, rate32, want_quality, k)
+
     def count(self, slots: Sequence[int] | np.ndarray | None = None) -> int:
         """Return the number of memories in a slot set (None: all)."""
         starts, ends = self._run_bounds(slots)

@@ -549,14 +549,7 @@ class Client:
         q: common_pb2.QualityStats = await self._call(
             self._stub.Quality, coordinator_pb2.QualityRequest()
         )
-        return {
-            "count": q.count,
-            "sum": q.sum,
-            "mean": q.mean,
-            "min": q.min,
-            "max": q.max,
-            "histogram": list(q.histogram),
-        }
+        return _quality_dict(q)
 
     async def topk(self, k: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """Return the exact global top-k, strongest first, ties broken by smaller id.
@@ -573,6 +566,39 @@ class Client:
             self._stub.TopK, coordinator_pb2.TopKRequest(k=k)
         )
         return ids_from_bytes(r.ids), f32_from_bytes(r.strengths)
+
+    async def sweep(
+        self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None
+    ) -> tuple[int, dict[str, Any] | None, npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Decay every memory once, then summarize the store and take its top-k, in one call.
+
+        Equal to ``decay(rate)`` then ``quality()`` and ``topk(k)`` with no write in between,
+        but one RPC to the coordinator and one per worker (a memory iteration's step). The
+        decay is exactly-once as ``decay``'s (same ``op_id`` rules).
+
+        Args:
+            rate: subtracted from every strength, in [0, 1]; 0: no decay (a read).
+            k: top-k size, 0 (none) up to the coordinator's topk_max.
+            want_quality: also compute the statistics.
+            op_id: the decay's operation id, up to 64 bytes; None: a new random UUID.
+
+        Returns:
+            ``(memories decayed, quality as ``quality()`` returns it or None, top-k ids
+            [k'] uint64, strengths [k'] float32)``, k' = min(k, memories).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1] or k out of range;
+                PERMISSION_DENIED for a role other than admin; UNAVAILABLE.
+        """
+        if k < 0:
+            raise NeuroshardError(f"k: {k} must be >= 0", grpc.StatusCode.INVALID_ARGUMENT)
+        op_id = uuid.uuid4().bytes if op_id is None else op_id
+        r: coordinator_pb2.SweepResponse = await self._call(
+            self._stub.Sweep,
+            coordinator_pb2.SweepRequest(rate=rate, op_id=op_id, k=k, want_quality=want_quality),
+        )
+        q = _quality_dict(r.quality) if want_quality else None
+        return int(r.memories), q, ids_from_bytes(r.topk.ids), f32_from_bytes(r.topk.strengths)
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until the cluster has a slot map with no under-replicated slot, then fetch it.
@@ -847,6 +873,12 @@ class SyncClient:
         """Return the exact global top-k ids and strengths (see ``Client.topk``)."""
         return self._run(self._client.topk(k))
 
+    def sweep(
+        self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None
+    ) -> tuple[int, dict[str, Any] | None, npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Decay once, then quality and top-k in one call (see ``Client.sweep``)."""
+        return self._run(self._client.sweep(rate, k, want_quality, op_id))
+
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until no slot is under-replicated (see ``Client.wait_ready``)."""
         self._run(self._client.wait_ready(timeout_s))
@@ -873,6 +905,18 @@ class SyncClient:
     def forget_worker(self, name: str, confirm: bool = False) -> dict[str, Any]:
         """Forget a DEAD worker (see ``Client.forget_worker``)."""
         return self._run(self._client.forget_worker(name, confirm))
+
+
+def _quality_dict(q: common_pb2.QualityStats) -> dict[str, Any]:
+    """A ``QualityStats`` as ``Client.quality`` returns it."""
+    return {
+        "count": q.count,
+        "sum": q.sum,
+        "mean": q.mean,
+        "min": q.min,
+        "max": q.max,
+        "histogram": list(q.histogram),
+    }
 
 
 async def _next(agen: AsyncIterator[T]) -> T:
