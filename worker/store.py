@@ -214,12 +214,13 @@ class SlotStore:
         # up once, with sorted needles (cache-friendly). Keys map one to one to rows in the
         # same order, and bincount adds each key's boosts in batch order in float64, so the
         # sums are those of kernels.reinforce bit for bit.
-        keys, index, inverse = np.unique(
-            sort_key(ids, self.slots), return_index=True, return_inverse=True
-        )
-        rows, found = self._rows.locate(keys, ids[index])
+        keys, inverse = np.unique(sort_key(ids, self.slots), return_inverse=True)
+        inverse = inverse.ravel()
+        key_ids = np.empty(len(keys), np.uint64)
+        key_ids[inverse] = ids  # the id of each distinct key (keys map one to one to ids)
+        rows, found = self._rows.locate(keys, key_ids)
         weights = boosts.astype(np.float64)
-        sums = np.bincount(inverse.ravel(), weights=weights, minlength=len(keys))
+        sums = np.bincount(inverse, weights=weights, minlength=len(keys))
         kernels.add_sums(self.strength, rows[found], sums[found].astype(np.float32))
         return int(np.count_nonzero(found[inverse]))
 
