@@ -33,7 +33,7 @@ def _njit(**options: Any) -> Callable[[F], F]:
     return cast(Callable[[F], F], numba.njit(**options))
 
 
-@_njit(cache=True, nogil=True, inline="always")
+@_njit(cache=True, nogil=True)
 def sort_key1(id_: np.uint64, bits: int) -> np.uint64:  # pragma: no cover - compiled
     """``shared.memory.slots.sort_key`` of one id, ``bits`` = log2(S).
 
@@ -57,7 +57,7 @@ def sort_keys(ids: np.ndarray, bits: int) -> np.ndarray:  # pragma: no cover - c
     return out
 
 
-@_njit(cache=True, nogil=True, inline="always")
+@_njit(cache=True, nogil=True)
 def _find(  # pragma: no cover - compiled
     table: np.ndarray, tshift: np.uint64, ids_buf: np.ndarray, key: np.uint64, id_: np.uint64
 ) -> np.int64:
@@ -92,7 +92,7 @@ def lookup(  # pragma: no cover - compiled
     return rows, found
 
 
-@_njit(cache=True, nogil=True, inline="always")
+@_njit(cache=True, nogil=True)
 def _link(  # pragma: no cover - compiled
     table: np.ndarray, tshift: np.uint64, key: np.uint64, row: int
 ) -> None:

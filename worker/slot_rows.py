@@ -225,6 +225,8 @@ class SlotRows:
         base = np.concatenate([[0], np.cumsum(cap)[:-1]]).astype(np.int64)
         top = int(cap.sum())
         total = top + top // 2
+        if total >= 2**31:  # rows are int32 in the table
+            raise MemoryError(f"store: {total} rows exceed the 2**31 a store can index")
         ids = np.zeros(total, np.uint64)
         strength = self.xp.zeros(total, np.float32)
         for slot in np.flatnonzero(self.length).tolist():
@@ -234,9 +236,13 @@ class SlotRows:
             strength[to : to + end - start] = self.strength[start:end]
         self.ids, self.strength = ids, strength
         self.base, self.cap, self.top = base, cap, top
-        self._rebuild_table(len(self.table))
+        cells = _MIN_TABLE
+        while int(need.sum()) > _MAX_LOAD * cells:  # sized for the rows about to arrive
+            cells *= 2
+        self._rebuild_table(cells)
 
     def _grow_table(self, count: int) -> None:
+        """Double the table until count rows fit under the load limit."""
         cells = len(self.table)
         while count > _MAX_LOAD * cells:
             cells *= 2
