@@ -62,7 +62,7 @@ class SlotSnapshot:
 
 
 class SlotStore:
-    """Memories of the slots one worker holds, sorted by slot key."""
+    """Memories of the slots one worker holds: a region of rows per slot, an id index."""
 
     def __init__(
         self,
@@ -211,9 +211,10 @@ class SlotStore:
         """
         ids, boosts = validate_reinforce(ids, boosts)
         # kernels.row_sums, grouped by key rather than by row: each distinct key is looked
-        # up once, with sorted needles (cache-friendly). Keys map one to one to rows in the
-        # same order, and bincount adds each key's boosts in batch order in float64, so the
-        # sums are those of kernels.reinforce bit for bit.
+        # up once, in key order (the index's cells and the slots' rows are then visited in
+        # order, cache-friendly). Keys map one to one to rows, and bincount adds each key's
+        # boosts in batch order in float64, so the sums are those of kernels.reinforce bit
+        # for bit.
         keys, inverse = np.unique(sort_key(ids, self.slots), return_inverse=True)
         inverse = inverse.ravel()
         key_ids = np.empty(len(keys), np.uint64)
