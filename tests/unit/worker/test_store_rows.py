@@ -201,3 +201,27 @@ def test_load_fills_an_empty_store_and_refuses_repeats() -> None:
         SlotStore(16).load(np.array([3, 3], np.uint64), np.zeros(2, np.float32), {}, src.seq)
     with pytest.raises(MemoryInputError, match="seq: 4 entries for 16 slots"):
         SlotStore(16).load(ids, strengths, {}, np.zeros(4, np.uint64))
+
+
+@pytest.mark.parametrize("slots", [4, 1 << 16])
+def test_a_layout_repoints_cells_that_wrapped_past_the_end_of_the_table(slots: int) -> None:
+    # Arrange: ids whose home is the table's last cell (of 1024), so their probes wrap to
+    # the first cells, which belong to the first slot's stretch of the table.
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 2**64 - 1, 400_000, np.uint64, endpoint=True)
+    last_home = ids[(sort_key(ids, slots) >> np.uint64(64 - 10)) == 1023][:6]
+    others = np.arange(100, dtype=np.uint64)
+    store, ref = SlotStore(slots), ReferenceStore(slots)
+    for target in (store, ref):
+        target.upsert(last_home, np.full(len(last_home), 0.75, np.float32))
+        target.upsert(others, np.full(100, 0.25, np.float32))
+    assert len(last_home) == 6 and len(store._rows.table) == 1024
+
+    # Act: every region moves (as when the buffers are full).
+    store._rows._relayout(store._rows.length + 1)
+
+    # Assert
+    assert_store_equals(store, ref)
+    assert store.delete(last_home[::2]) == 3
+    assert ref.delete(last_home[::2]) == 3
+    assert_store_equals(store, ref)
