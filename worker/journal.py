@@ -37,10 +37,9 @@ import numpy as np
 
 from shared.fsync import fsync_dir
 from shared.logging import get_logger
-from shared.memory.slots import sort_key
+from shared.memory.validation import MemoryInputError
 from shared.proto import worker_pb2
 from worker import journal_format as fmt
-from worker import kernels
 from worker.group_commit import GroupCommit
 from worker.journal_format import JournalError, Request, SnapshotState
 from worker.store import SlotSnapshot, SlotStore
@@ -156,18 +155,15 @@ def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered
 
 
 def restore(store: SlotStore, state: SnapshotState) -> None:
-    """Replace an empty store's content with a snapshot's (ids already in store order).
+    """Replace an empty store's content with a snapshot's.
 
     Raises:
-        JournalError: the ids are not in slot-key order (not written by ``capture``).
+        JournalError: the snapshot's ids repeat or its seqs are not one per slot.
     """
-    keys = sort_key(state.ids, store.slots)
-    if len(keys) > 1 and not bool((keys[1:] > keys[:-1]).all()):
-        raise JournalError("snapshot ids are not in store order")
-    store.keys, store.ids = keys, state.ids
-    store.strength = store.xp.asarray(state.strengths)
-    store.payloads = dict(state.payloads)
-    store.seq = state.seq.copy()
+    try:
+        store.load(state.ids, state.strengths, state.payloads, state.seq)
+    except MemoryInputError as exc:
+        raise JournalError(f"snapshot: {exc}") from exc
 
 
 def _segment_slots(data_dir: Path, gens: list[int]) -> int | None:
@@ -198,14 +194,9 @@ def _truncate(path: Path, size: int) -> None:
 
 def capture(store: SlotStore, recent: list[Request], gen: int) -> SnapshotState:
     """Copy a store's arrays for a snapshot (call on the store thread)."""
+    ids, strengths = store.rows()
     return SnapshotState(
-        store.slots,
-        gen,
-        store.seq.copy(),
-        store.ids.copy(),
-        kernels.to_host(store.strength).copy(),
-        dict(store.payloads),
-        recent,
+        store.slots, gen, store.seq.copy(), ids, strengths, dict(store.payloads), recent
     )
 
 
