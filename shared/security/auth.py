@@ -6,8 +6,8 @@ Roles and what they may call (the gRPC health service is open to all, without a 
   TopK, ListDatasets, ExportMemories (``neuroshard memory export``); Worker Get.
 - ``writer``: what ``reader`` may, and Coordinator SubmitJob, CancelJob, PutDataset; Worker
   Upsert, Reinforce, Delete.
-- ``admin``: everything, e.g. Coordinator Decay of the whole store, DrainWorker of any worker,
-  ForgetWorker. (``neuroshard memory import`` upserts through the workers: ``writer``.)
+- ``admin``: everything, e.g. Coordinator Decay and Sweep of the whole store, DrainWorker of
+  any worker, ForgetWorker. (``neuroshard memory import`` upserts through the workers: ``writer``.)
   The coordinator presents an ``admin`` token it signs itself (subject ``coordinator``).
 - ``worker`` (a worker daemon): Coordinator RegisterWorker, Heartbeat, ReportFailure,
   DrainWorker and FetchShard, each only under a worker name its token covers (``BOUND_FIELDS``,
