@@ -407,5 +407,5 @@ class MemoryNode:
         return [int(s) for s in self._store.seq[as_slots(slots, self._store.slots)]]
 
     def _export(self, slots: list[int]) -> list[SlotSnapshot]:
-        """On the store thread: copy out ``slots``."""
-        return [self._store.export_slot(s) for s in slots]
+        """On the store thread: copy out ``slots``, with the request ids each applied."""
+        return self._data.export(slots)
