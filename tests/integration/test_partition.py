@@ -15,6 +15,7 @@ every slot identical.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from shared.net.link_proxy import LinkProxy, LinkSettings
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
 from tests.conftest import InProcessCluster, wait_until
+from tests.integration.cli_helpers import CLI, REPO
 from tests.integration.invariant_helpers import assert_copies_identical, wait_settled
 from worker.server import WorkerServer
 
@@ -71,6 +73,36 @@ async def test_a_cut_link_refuses_calls_until_healed(health_port: int) -> None:
         assert proxy.counters.connections >= 2  # the one cut, and one after the heal
     finally:
         await proxy.stop()
+
+
+async def test_the_link_command_cuts_on_sigusr1_and_heals_on_sigusr2(health_port: int) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        *["link", "--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{health_port}"],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        address = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        async with aio.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+
+            proc.send_signal(signal.SIGUSR1)
+            await wait_until(lambda: _refused(stub), what="the link cut")
+            proc.send_signal(signal.SIGUSR2)
+            await wait_until(lambda: _serving(stub), what="the link healed")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, stderr
+    assert b'"event": "link_cut"' in stderr and b'"event": "link_healed"' in stderr
+
+
+async def _refused(stub: health_pb2_grpc.HealthStub) -> bool:
+    return not await _serving(stub)
 
 
 async def _serving(stub: health_pb2_grpc.HealthStub) -> bool:
