@@ -160,7 +160,9 @@ class MemoryNode:
         async with self._order:
             if m.epoch <= self.epoch:
                 return self.epoch
-            gone = self._place.adopt(m, self._held())
+            # Every slot counts as held: one that looks empty may have a forward queued on
+            # the store thread, which the drop (queued after it) must remove too.
+            gone = self._place.adopt(m, np.ones(self.num_slots, bool))
             fenced = bool((np.asarray(m.primary, np.int64) < 0).any())
             primary = self._place.roles.primary
             self._replicator.adopt(primary if fenced else np.zeros_like(primary))
