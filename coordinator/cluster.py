@@ -279,7 +279,13 @@ class Cluster:
     async def _run_memory(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
         # The job uses every primary through the slot map, not just the workers it was given.
         return await MemoryJob(
-            job, self.cfg, self.jobs, self.rebalancer, self.memory, self.clients.security
+            job,
+            self.cfg,
+            self.jobs,
+            self.rebalancer,
+            self.memory,
+            self.clients.security,
+            state=self.state,  # progress saved there: a restart resumes the job
         ).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:

@@ -1,9 +1,15 @@
 """Failure detection: heartbeat timeouts, failure reports from primaries, and probes.
 
 A worker is declared DEAD when its heartbeats stop for ``heartbeat_timeout_s`` (a sweep runs
-a few times per timeout), or at once when a primary reports it could not update the worker's
-copies and the worker then fails a health probe within ``probe_timeout_s``. Either way the
-coordinator re-plans (``on_dead``), so the dead worker's slots fail over.
+a few times per timeout), unless the coordinator itself was paused (a sweep woken more than
+half a timeout late: a GC pause, CPU starvation, a suspended process): heartbeats it did not
+process while paused are no evidence against a worker, so every live worker gets a fresh
+timeout instead (Cassandra's gossiper does the same: it marks no node down after a local
+pause, ``Gossiper.MAX_LOCAL_PAUSE_IN_MS``). Otherwise one pause longer than the timeout
+declares every worker DEAD at once. A worker is also declared DEAD at once when a primary
+reports it could not update the worker's copies and the worker then fails a health probe
+within ``probe_timeout_s``. Either way the coordinator re-plans (``on_dead``), so the dead
+worker's slots fail over.
 """
 
 from __future__ import annotations
@@ -120,9 +126,21 @@ class FailureDetector:
             self._on_dead()
 
     async def run(self) -> None:
-        """Sweep for silent workers a few times per heartbeat timeout; runs until cancelled."""
+        """Sweep for silent workers a few times per heartbeat timeout; runs until cancelled.
+
+        A sweep woken more than half a timeout late excuses the silence instead (module
+        docstring).
+        """
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             await asyncio.sleep(self._interval_s)
+            now = loop.time()
+            late_s, last = now - last - self._interval_s, now
+            if late_s > self._timeout_s / 2:
+                log.warning("coordinator_paused", seconds=round(late_s, 3))
+                self._membership.excuse_silence()
+                continue
             dead = self._membership.sweep()
             for rec in dead:
                 log.warning(

@@ -153,6 +153,17 @@ class Membership:
         """Forget a worker entirely (``coordinator/forget.py``); return its record, or None."""
         return self._workers.pop(name, None)
 
+    def excuse_silence(self) -> None:
+        """Count every live worker as heard from now: the coordinator itself was paused.
+
+        Heartbeats that arrived while this process did not run are no evidence against a
+        worker (``FailureDetector.run``).
+        """
+        now = self._clock()
+        for rec in self._workers.values():
+            if rec.state is not WorkerState.DEAD:
+                rec.last_heartbeat = max(rec.last_heartbeat, now)
+
     def mark_dead(self, name: str) -> bool:
         """Declare a worker DEAD at once (e.g. its RPCs fail); True if it was not already."""
         rec = self._workers.get(name)

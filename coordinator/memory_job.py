@@ -10,13 +10,19 @@ the sweep through ``coordinator.memory_ops.MemoryOps``. Given its
 seed the job is deterministic: the memories, the Zipf stream and the order of operations are
 fixed (``coordinator/access_stream.py``), so the store ends equal to a reference replaying
 them.
+
+Resuming after a coordinator restart: the job saves its progress (load done, iterations
+completed) in the coordinator's database at most every ``CHECKPOINT_INTERVAL_S`` and at the
+end, and a resumed run skips the load and starts at the saved iteration. Each iteration's
+reinforce and decay carry ids derived from the job id and the iteration
+(``iteration_op_id``), so an iteration run again (it was cut by the crash, or completed after
+the last save) is skipped by every slot that applied it: none is applied twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +31,7 @@ import numpy as np
 from coordinator.access_stream import ScrambledZipfStream, TraceStream, generate_memories
 from coordinator.jobs import JobFailed, JobRecord, JobStore
 from coordinator.memory_ops import BulkOpError, MemoryOps
+from coordinator.persistence import StateStore
 from coordinator.rebalance import Rebalancer
 from shared.client.memory import MemoryRouter, RoutingError
 from shared.config import CoordinatorConfig, MemoryJobSpec, TraceAccess
@@ -43,6 +50,15 @@ PROGRESS_INTERVAL_S = 0.1  # publish progress at most ~10 times a second
 TOPK_SHOWN = 10  # top-k entries kept in the result document
 # Timed phases of an iteration: the sweep is decay, quality and top-k in one RPC per worker.
 PHASES = ("reinforce", "sweep")
+CHECKPOINT_INTERVAL_S = 1.0  # progress saved at most this often (and at the end), seconds
+
+
+def iteration_op_id(job_id: str, iteration: int, phase: str) -> bytes:
+    """The request/op id of one phase (``reinforce``, ``decay``) of one iteration of a job.
+
+    The same on every run of the job, so a resumed run's repeat is de-duplicated.
+    """
+    return f"{job_id}/{iteration}/{phase}".encode()
 
 
 @dataclass
@@ -68,6 +84,7 @@ class MemoryJob:
         rebalancer: Rebalancer,
         memory: MemoryOps,
         security: ChannelSecurity | None = None,
+        state: StateStore | None = None,
     ) -> None:
         """Prepare the job; nothing runs until ``run``.
 
@@ -81,6 +98,8 @@ class MemoryJob:
             memory: bulk operations (decay, quality, top-k) over the primaries.
             security: TLS and token for the job's own channels to the workers; None for
                 plaintext.
+            state: where progress is saved and a resumed run finds it; None: not saved
+                (the job starts from the load on every run).
         """
         assert isinstance(job.spec, MemoryJobSpec)
         self.job, self.spec, self.cfg = job, job.spec, cfg
@@ -89,6 +108,11 @@ class MemoryJob:
             self._slot_map, cfg.rpc_timeout_s, cfg.max_message_bytes, security=security
         )
         self._last_progress = 0.0
+        self._state = state
+        self._last_checkpoint = 0.0
+        loaded, done = state.load_memory_progress(job.job_id) if state else (False, 0)
+        self.resumed_at = done if loaded else 0  # iterations completed by earlier runs
+        self._loaded = loaded
 
     async def _slot_map(self) -> common_pb2.SlotMap:
         """The coordinator's current map, as ``GetSlotMap`` would return it."""
@@ -104,8 +128,11 @@ class MemoryJob:
         """
         try:
             ids, strengths, stream = await asyncio.to_thread(self._prepare)
+            # The access stream draws in order: a resumed run skips the batches drawn before.
+            await asyncio.to_thread(lambda: [stream.next_batch(i) for i in range(self.resumed_at)])
             await self._wait_settled()
-            load_s = await self._load(ids, strengths)
+            load_s = 0.0 if self._loaded else await self._load(ids, strengths)
+            self._checkpoint(self.resumed_at, force=True)
             t = await self._iterate(stream)
         except (RoutingError, BulkOpError) as exc:
             raise JobFailed(f"memory store: {exc}") from None
@@ -189,12 +216,14 @@ class MemoryJob:
         boosts = np.full(stream.batch, spec.access.boost, np.float32)
         rate = float(validate_rate(spec.decay_rate))
         memory = self._memory
-        for i in range(spec.iterations):
+        job_id = self.job.job_id
+        for i in range(self.resumed_at, spec.iterations):
             accessed = await asyncio.to_thread(stream.next_batch, i)
             t0 = time.perf_counter()
-            t.hits += await self._router.reinforce(accessed, boosts)
+            rid = iteration_op_id(job_id, i, "reinforce")
+            t.hits += await self._router.reinforce(accessed, boosts, rid)
             t1 = time.perf_counter()
-            swept = await memory.sweep(rate, uuid.uuid4().bytes, spec.topk, True)
+            swept = await memory.sweep(rate, iteration_op_id(job_id, i, "decay"), spec.topk, True)
             t2 = time.perf_counter()
             t.quality, t.topk = swept.quality, (swept.ids, swept.strengths)
             for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1), strict=True):
@@ -214,7 +243,23 @@ class MemoryJob:
                 },
                 i + 1 == spec.iterations,
             )
+            self._checkpoint(i + 1, force=i + 1 == spec.iterations)
+        if t.quality is None:  # resumed after its last iteration: report the store as it is
+            t.quality, t.topk = await memory.quality(), await memory.topk(spec.topk)
         return t
+
+    def _checkpoint(self, iterations: int, force: bool = False) -> None:
+        """Save that the load is done and ``iterations`` completed.
+
+        At most every ``CHECKPOINT_INTERVAL_S`` unless ``force``.
+        """
+        now = time.monotonic()
+        if self._state is None or (
+            not force and now - self._last_checkpoint < CHECKPOINT_INTERVAL_S
+        ):
+            return
+        self._last_checkpoint = now
+        self._state.save_memory_progress(self.job.job_id, True, iterations)
 
     async def _publish(self, progress: dict[str, Any], force: bool) -> None:
         now = time.monotonic()
@@ -223,19 +268,22 @@ class MemoryJob:
             await self._jobs.update(self.job, progress=progress)
 
     def _result(self, memories: int, load_s: float, t: _Timings) -> dict[str, Any]:
-        ms = np.asarray(t.iteration_s) * 1e3
+        ms = np.asarray(t.iteration_s or [0.0]) * 1e3  # no iteration left after a resume: 0
         q = t.quality
         assert q is not None
         top_ids, top_s = t.topk
         return {
-            "iterations": len(ms),
+            "iterations": self.resumed_at + len(ms),
+            "resumed_at_iteration": self.resumed_at,
             "memories": memories,
             "iteration_ms_p50": float(np.percentile(ms, 50)),
             "iteration_ms_p99": float(np.percentile(ms, 99)),
-            "phase_ms_p50": {p: float(np.median(s) * 1e3) for p, s in t.phase_s.items()},
+            "phase_ms_p50": {
+                p: float(np.median(s) * 1e3) if s else 0.0 for p, s in t.phase_s.items()
+            },
             "load_s": load_s,
             "upserts_per_s": memories / load_s if load_s > 0 else 0.0,
-            "reinforces_per_s": t.accesses / sum(t.phase_s["reinforce"]),
+            "reinforces_per_s": t.accesses / (sum(t.phase_s["reinforce"]) or 1.0),
             "reinforce_hits": t.hits,
             "accesses": t.accesses,
             "quality": {

@@ -4,7 +4,7 @@ The database is ``<data_dir>/coordinator.db`` (WAL journal).
 
 Written on every change that matters after a crash (a published slot map, a registration, a
 job state change); read once at start. Training progress itself lives in checkpoint files
-(``coordinator.train_job``).
+(``coordinator.train_job``); a memory job's (loaded, iterations completed) lives here.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ CREATE TABLE IF NOT EXISTS job_owners (job_id TEXT PRIMARY KEY, owner TEXT NOT N
 CREATE TABLE IF NOT EXISTS job_crashes (job_id TEXT PRIMARY KEY, crashes INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS worker_train_devices (
     name TEXT PRIMARY KEY, train_device TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS memory_progress (
+    job_id TEXT PRIMARY KEY, loaded INTEGER NOT NULL, iterations INTEGER NOT NULL
 );
 """
 
@@ -149,7 +152,7 @@ class StateStore:
     def delete_jobs(self, job_ids: list[str]) -> None:
         """Forget jobs (retention): their rows in every job table."""
         rows = [(j,) for j in job_ids]
-        for table in ("jobs", "job_owners", "job_crashes"):
+        for table in ("jobs", "job_owners", "job_crashes", "memory_progress"):
             self._db.executemany(f"DELETE FROM {table} WHERE job_id = ?", rows)
 
     def load_jobs(self) -> list[JobRecord]:
@@ -194,6 +197,20 @@ class StateStore:
                 self._resume(job, crashes.get(job_id, 0))
             out.append(job)
         return out
+
+    def save_memory_progress(self, job_id: str, loaded: bool, iterations: int) -> None:
+        """Save how far a memory job got: its load done, and iterations completed."""
+        self._db.execute(
+            "INSERT OR REPLACE INTO memory_progress VALUES (?, ?, ?)",
+            (job_id, int(loaded), iterations),
+        )
+
+    def load_memory_progress(self, job_id: str) -> tuple[bool, int]:
+        """Return (load done, iterations completed) of a memory job; (False, 0) if none saved."""
+        row = self._db.execute(
+            "SELECT loaded, iterations FROM memory_progress WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        return (False, 0) if row is None else (bool(row[0]), int(row[1]))
 
     def _resume(self, job: JobRecord, crashes: int) -> None:
         """Queue a job found RUNNING again, or fail it at its second crash in a row."""

@@ -134,6 +134,13 @@ class Rebalancer:
         """
         t0 = time.perf_counter()
         verified = await self._verify()
+        # A worker back from DEAD (a partition healed) may still act on the map it had: it
+        # must adopt the current one before copies reach it, or it refuses their forwards
+        # as the primary it believes it is, each refusal distrusts it and re-plans, and the
+        # pass never gets to publish (nor to its laggard push at the end) while writes flow.
+        # A worker verified just now gets the interim map first instead (below).
+        if not verified:
+            await self._push_to_laggards()
         async with self.map_lock:
             alive = [w.name for w in self._membership.alive()]
             draining = {w.name for w in self._membership.draining()}

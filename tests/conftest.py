@@ -50,13 +50,13 @@ class InProcessCluster:
 
     async def add_worker(self, name: str | None = None, **overrides: object) -> WorkerServer:
         name = name or f"worker-{len(self.workers)}"
-        cfg = WorkerConfig(
+        fields: dict[str, object] = dict(
             coordinator=self.address,
             listen="127.0.0.1:0",
             name=name,
             data_dir=str(self.root / name),
-            **(self.worker_overrides | overrides),
         )
+        cfg = WorkerConfig(**(fields | self.worker_overrides | overrides))  # type: ignore[arg-type]
         w = WorkerServer(cfg)
         await w.start()
         self.workers.append(w)

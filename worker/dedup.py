@@ -5,7 +5,11 @@ A client retries a write that failed or timed out, and the first attempt may hav
 ``request_id``; each slot that applies it is remembered, so a retry applies only to the slots
 that have not (a retried reinforce must not add its boosts twice). Primaries record on apply,
 replicas on applying the primary's forward, so a promoted replica knows the ids too; the
-journal keeps the table in its snapshots (``worker/journal_format.py``).
+journal keeps the table in its snapshots (``worker/journal_format.py``). A slot copied to
+another worker carries its ids (``of_slot``), and the copy replaces the ids the receiver held
+for that slot (``replace_slot``): a copy made for a new replica or a new primary knows every
+request its data already contains, so a retry that reaches it is not applied twice.
+Decay op ids share the table.
 
 A primary that applied a request but could not confirm it on every trusted copy (the forward
 and the report to the coordinator both failed) also holds the request's unconfirmed forwards
@@ -43,6 +47,8 @@ class RecentRequests:
         """
         self._capacity = capacity
         self._slots: OrderedDict[bytes, set[int]] = OrderedDict()
+        # slot -> the ids it applied, in the order first recorded (the index of ``_slots``)
+        self._by_slot: dict[int, dict[bytes, None]] = {}
         self._unconfirmed: dict[bytes, Any] = {}  # request id -> its unconfirmed forwards
         self._lock = threading.Lock()
 
@@ -69,11 +75,42 @@ class RecentRequests:
         if not rid or len(slots) == 0:
             return
         with self._lock:
-            self._slots.setdefault(rid, set()).update(slots.tolist())
-            self._slots.move_to_end(rid)
-            while len(self._slots) > self._capacity:
-                gone, _ = self._slots.popitem(last=False)
-                self._unconfirmed.pop(gone, None)
+            self._record(rid, slots.tolist())
+
+    def _record(self, rid: bytes, slots: list[int]) -> None:
+        """``record`` with the lock held."""
+        self._slots.setdefault(rid, set()).update(slots)
+        self._slots.move_to_end(rid)
+        for s in slots:
+            self._by_slot.setdefault(s, {})[rid] = None
+        while len(self._slots) > self._capacity:
+            gone, gone_slots = self._slots.popitem(last=False)
+            self._unconfirmed.pop(gone, None)
+            for s in gone_slots:
+                self._by_slot[s].pop(gone, None)
+
+    def of_slot(self, slot: int) -> list[bytes]:
+        """Return the ids slot ``slot`` applied, in the order first recorded (a copy's)."""
+        with self._lock:
+            return list(self._by_slot.get(slot, ()))
+
+    def replace_slot(self, slot: int, rids: list[bytes]) -> None:
+        """Make ``rids`` the ids slot ``slot`` applied: a copy of the slot was installed.
+
+        The ids recorded for the slot before are forgotten for it: the copy's data is what
+        the slot holds now, and it contains exactly the requests of ``rids``.
+        """
+        with self._lock:
+            for rid in self._by_slot.pop(slot, {}):
+                applied = self._slots.get(rid)
+                if applied is not None:
+                    applied.discard(slot)
+                    if not applied:
+                        del self._slots[rid]
+                        self._unconfirmed.pop(rid, None)
+            for rid in rids:
+                if rid:
+                    self._record(rid, [slot])
 
     def hold(self, rid: bytes, forwards: Any) -> None:
         """Keep the forwards of applied request ``rid`` that no trusted copy confirmed yet.

@@ -163,13 +163,22 @@ class DurableStore:
         if self.journal is not None:
             self._logged(self.journal.log_drop(slots))
 
+    def export(self, slots: list[int]) -> list[SlotSnapshot]:
+        """On the store thread: copy out ``slots`` with the request ids each applied."""
+        snaps = [self.store.export_slot(s) for s in slots]
+        for snap in snaps:
+            snap.requests = self.recent.of_slot(snap.slot)
+        return snaps
+
     def import_slots(self, snaps: list[SlotSnapshot]) -> int:
         """On the store thread: install copied slots and log them; return the journal position.
 
-        Each slot's copy replaces what was held for it.
+        Each slot's copy replaces what was held for it, its request ids included.
         """
         pos = 0
         self.store.import_slots(snaps)  # one merge for the whole batch of slots
+        for snap in snaps:
+            self.recent.replace_slot(snap.slot, snap.requests)
         if self.journal is not None:
             for snap in snaps:
                 pos = self._logged(self.journal.log_import(snap))

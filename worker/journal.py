@@ -40,6 +40,7 @@ from shared.logging import get_logger
 from shared.memory.validation import MemoryInputError
 from shared.proto import worker_pb2
 from worker import journal_format as fmt
+from worker.dedup import RecentRequests
 from worker.group_commit import GroupCommit
 from worker.journal_format import JournalError, Request, SnapshotState
 from worker.store import SlotSnapshot, SlotStore
@@ -125,7 +126,9 @@ def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered
         return None
     fmt.check_slot_count(slots, str(segment_path(data_dir, gens[0]) if gens else data_dir))
     store = make_store(slots)
-    requests: list[Request] = list(state.recent) if state is not None else []
+    recent = RecentRequests()  # replayed as they were recorded, imports replacing a slot's
+    for rid, applied in state.recent if state is not None else []:
+        recent.record(rid, np.asarray(applied, np.int64))
     if state is not None:
         restore(store, state)
     records = log_bytes = 0
@@ -135,7 +138,13 @@ def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered
         _check_header(buf, path, slots)
         good = fmt.LOG_HEADER.size if len(buf) >= fmt.LOG_HEADER.size else 0
         for end, kind, body in fmt.read_frames(buf, fmt.LOG_HEADER.size):
-            fmt.replay(store, kind, body, lambda rid, s: requests.append((rid, s)))
+            fmt.replay(
+                store,
+                kind,
+                body,
+                lambda rid, s: recent.record(rid, np.asarray(s, np.int64)),
+                recent.replace_slot,
+            )
             records, good = records + 1, end
         log_bytes += good
         if good < len(buf):
@@ -151,7 +160,9 @@ def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered
                 segment_path(data_dir, later).unlink()
             break
     next_gen = max(gens, default=first - 1) + 1
-    return Recovered(store, requests, next_gen, log_bytes, records, time.perf_counter() - t0)
+    return Recovered(
+        store, recent.entries(), next_gen, log_bytes, records, time.perf_counter() - t0
+    )
 
 
 def restore(store: SlotStore, state: SnapshotState) -> None:

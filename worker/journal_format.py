@@ -106,27 +106,39 @@ def encode_import(snap: SlotSnapshot) -> bytes:
         strengths=snap.strengths.astype("<f4").tobytes(),
         payload_ids=pids,
         payloads=[snap.payloads[i] for i in pids],
+        request_ids=snap.requests,
     ).SerializeToString()
     return body
 
 
 def replay(
-    store: SlotStore, kind: bytes, body: bytes, on_request: Callable[[bytes, list[int]], None]
+    store: SlotStore,
+    kind: bytes,
+    body: bytes,
+    on_request: Callable[[bytes, list[int]], None],
+    on_import: Callable[[int, list[bytes]], None] | None = None,
 ) -> None:
     """Apply one log record to ``store``; report client request ids to ``on_request``.
+
+    An imported slot's request ids go to ``on_import(slot, ids)`` instead: they replace the
+    ids recorded for that slot before (``RecentRequests.replace_slot``).
 
     Raises:
         JournalError: an unknown record kind (a newer format), or a record whose content does
             not decode or does not apply (the CRC matched: written so, not torn).
     """
     try:
-        _replay(store, kind, body, on_request)
+        _replay(store, kind, body, on_request, on_import)
     except (DecodeError, ValueError) as exc:  # MemoryInputError is a ValueError
         raise JournalError(f"log record of kind {kind!r} is invalid: {exc}") from None
 
 
 def _replay(
-    store: SlotStore, kind: bytes, body: bytes, on_request: Callable[[bytes, list[int]], None]
+    store: SlotStore,
+    kind: bytes,
+    body: bytes,
+    on_request: Callable[[bytes, list[int]], None],
+    on_import: Callable[[int, list[bytes]], None] | None,
 ) -> None:
     if kind == KIND_OP:
         req = worker_pb2.ReplicateRequest.FromString(body)
@@ -151,6 +163,8 @@ def _replay(
                 dict(zip(msg.payload_ids, msg.payloads, strict=True)),
             )
         )
+        if on_import is not None:
+            on_import(msg.slot, list(msg.request_ids))
     elif kind == KIND_DROP:
         store.drop_slots(np.frombuffer(body, "<u4").astype(np.int64))
     else:

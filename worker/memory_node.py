@@ -174,7 +174,9 @@ class MemoryNode:
         async with self._order:
             if m.epoch <= self.epoch:
                 return self.epoch
-            gone = self._place.adopt(m, self._held())
+            # Every slot counts as held: one that looks empty may have a forward queued on
+            # the store thread, which the drop (queued after it) must remove too.
+            gone = self._place.adopt(m, np.ones(self.num_slots, bool))
             fenced = bool((np.asarray(m.primary, np.int64) < 0).any())
             primary = self._place.roles.primary
             self._replicator.adopt(primary if fenced else np.zeros_like(primary))
@@ -451,5 +453,5 @@ class MemoryNode:
         return [int(s) for s in self._store.seq[as_slots(slots, self._store.slots)]]
 
     def _export(self, slots: list[int]) -> list[SlotSnapshot]:
-        """On the store thread: copy out ``slots``."""
-        return [self._store.export_slot(s) for s in slots]
+        """On the store thread: copy out ``slots``, with the request ids each applied."""
+        return self._data.export(slots)

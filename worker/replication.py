@@ -99,9 +99,16 @@ class Replicator:
         self._excluded: dict[str, set[int]] = {}  # target -> slots reported failed there
 
     def add_copy(self, slots: list[int], target: str, address: str) -> None:
-        """Forward later ops of ``slots`` to ``target`` (at ``address``) as well."""
+        """Forward later ops of ``slots`` to ``target`` (at ``address``) as well.
+
+        A new copy of a slot to a target that was excluded for it (an earlier copy or
+        forward failed, without a new map since) ends that exclusion: the copy is taken now,
+        so the target is in step again and must get every later op, or it would become a
+        stale holder in the map this copy is made for.
+        """
         for s in slots:
             self._pending[s].add(target)
+        self._excluded.get(target, set()).difference_update(slots)
         self._addresses[target] = address
 
     def adopt(self, keep: np.ndarray) -> None:

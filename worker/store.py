@@ -52,6 +52,8 @@ class SlotSnapshot:
         ids: [n] uint64 host, in key order.
         strengths: [n] float32 host.
         payloads: id -> payload for the ids that have one.
+        requests: the recent client request ids and decay op ids the slot applied
+            (``worker/dedup.py``), oldest first; the store itself keeps none.
     """
 
     slot: int
@@ -59,6 +61,7 @@ class SlotSnapshot:
     ids: np.ndarray
     strengths: np.ndarray
     payloads: dict[int, bytes] = field(default_factory=dict)
+    requests: list[bytes] = field(default_factory=list)
 
 
 class SlotStore:

@@ -96,7 +96,8 @@ def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotD
     """Return one slot as ``SlotData`` messages of about ``chunk_bytes`` each.
 
     Args:
-        snap: the slot (ids [n] uint64, strengths [n] float32, payloads).
+        snap: the slot (ids [n] uint64, strengths [n] float32, payloads; its request ids
+            travel on the first message).
         chunk_bytes: target message size, bytes, payloads counted (12 bytes a memory plus
             its payload; a memory larger than that goes alone, so payload-heavy slots stay
             under the message limit); an empty slot is one message, so that its seq travels.
@@ -115,6 +116,7 @@ def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotD
                 payload_ids=pids,
                 payloads=[snap.payloads[i] for i in pids],
                 first=start == 0,
+                request_ids=snap.requests if start == 0 else [],
             )
         )
     return out
@@ -140,7 +142,9 @@ async def receive_slots(messages: AsyncIterator[worker_pb2.SlotData]) -> list[Sl
             )
         payloads = dict(zip(msg.payload_ids, msg.payloads, strict=True))
         if snap is None or msg.first:
-            snaps[msg.slot] = SlotSnapshot(msg.slot, msg.seq, ids, strengths, payloads)
+            snaps[msg.slot] = SlotSnapshot(
+                msg.slot, msg.seq, ids, strengths, payloads, list(msg.request_ids)
+            )
         else:
             snap.ids = np.concatenate([snap.ids, ids])
             snap.strengths = np.concatenate([snap.strengths, strengths])

@@ -7,6 +7,8 @@ when ``--listen`` asks for port 0), logs to stderr, and runs until SIGINT or SIG
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,7 +26,8 @@ def add_link_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     """Add ``neuroshard link`` to the subcommands of ``neuroshard``."""
     p = sub.add_parser(
         "link",
-        help="relay TCP from --listen to --target through an emulated link (Ctrl-C stops it)",
+        help="relay TCP from --listen to --target through an emulated link (Ctrl-C stops it; "
+        "SIGUSR1 cuts it, as a partition, and SIGUSR2 heals it)",
     )
     p.add_argument("--listen", required=True, help="HOST:PORT to accept on (port 0: any free)")
     p.add_argument("--target", required=True, help="HOST:PORT each connection is relayed to")
@@ -98,6 +101,8 @@ def cmd_link(args: argparse.Namespace) -> int:
 async def _serve(proxy: LinkProxy, ready_file: str | None) -> None:
     """Start the proxy, print its address, wait for SIGINT or SIGTERM, stop it.
 
+    Meanwhile SIGUSR1 cuts the link (``LinkProxy.cut``) and SIGUSR2 heals it.
+
     Raises:
         CliError: the listen address cannot be bound.
     """
@@ -110,6 +115,9 @@ async def _serve(proxy: LinkProxy, ready_file: str | None) -> None:
     address = f"{proxy.listen_host}:{port}"
     if ":" in proxy.listen_host:
         address = f"[{proxy.listen_host}]:{port}"
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, proxy.cut)  # a partition, for chaos tests
+    loop.add_signal_handler(signal.SIGUSR2, proxy.heal)
     print(address, flush=True)
     await rpc.write_ready_file(ready_file, address)
     await rpc.wait_for_stop_signal()

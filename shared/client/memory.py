@@ -221,16 +221,21 @@ class MemoryRouter:
 
     # -- keyed operations -------------------------------------------------------------------
 
-    async def _write(self, ids: npt.NDArray[np.uint64], send: Send) -> int:
+    async def _write(self, ids: npt.NDArray[np.uint64], send: Send, rid: bytes = b"") -> int:
         """Route a keyed write of ``ids`` with ``send``; return the sum of ``applied``.
 
         One request id serves every part and every retry of the batch: workers dedup by it,
         so a part sent again after a lost reply is not applied twice.
 
+        Args:
+            ids: [N] uint64.
+            send: sends one part.
+            rid: the request id; empty: a new random one.
+
         Raises:
             RoutingError: as ``route``.
         """
-        rid = uuid.uuid4().bytes
+        rid = rid or uuid.uuid4().bytes
 
         async def call(
             stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
@@ -272,12 +277,19 @@ class MemoryRouter:
 
         return await self._write(ids, send)
 
-    async def reinforce(self, ids: npt.NDArray[np.uint64], boosts: npt.NDArray[np.float32]) -> int:
+    async def reinforce(
+        self,
+        ids: npt.NDArray[np.uint64],
+        boosts: npt.NDArray[np.float32],
+        request_id: bytes = b"",
+    ) -> int:
         """Reinforce with a validated batch; return the ids found.
 
         Args:
             ids: [N] uint64; duplicates add their boosts.
             boosts: [N] float32, finite and >= 0.
+            request_id: the write's id (a caller re-sending it after a crash passes the
+                same one: slots that applied it skip it); empty: a new random one.
 
         Raises:
             RoutingError: as ``route``.
@@ -296,7 +308,7 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return await self._write(ids, send)
+        return await self._write(ids, send, request_id)
 
     async def delete(self, ids: npt.NDArray[np.uint64]) -> int:
         """Delete memories; return how many existed.

@@ -16,6 +16,11 @@ A reset aborts both sockets with SO_LINGER 0, so both peers see a TCP RST (ECONN
 still in flight are lost, as on a real link.
 
 It is byte-transparent, so gRPC (HTTP/2) and anything else over TCP goes through unchanged.
+
+A link can be cut (``cut``: a network partition): its open connections are aborted and new
+ones are accepted and aborted at once, until ``heal``. Peers see connection resets and
+refusals, as across a partition whose routers answer with resets (a silent one would make
+them wait for their deadlines instead).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class LinkCounters:
     bytes_to_client: int = 0
     connections: int = 0
     resets: int = 0
+    refused: int = 0  # connections aborted on arrival while the link was cut
 
 
 class _Reset(Exception):
@@ -141,6 +147,7 @@ class LinkProxy:
         self._bytes_per_s = None if mbit is None else mbit * BITS_PER_MBIT / 8
         mb = settings.reset_every_mb
         self._reset_bytes = None if mb is None else mb * BYTES_PER_MB
+        self.is_cut = False  # partitioned: see ``cut``
 
     async def start(self) -> int:
         """Listen and relay connections from now on; return the bound port.
@@ -170,8 +177,24 @@ class LinkProxy:
         self._server = None
         log.info("link_stopped", **vars(self.counters))
 
+    def cut(self) -> None:
+        """Partition the link: abort every open connection, refuse new ones until ``heal``."""
+        self.is_cut = True
+        for task in list(self._tasks):
+            task.cancel()
+        log.info("link_cut", connections_aborted=len(self._tasks))
+
+    def heal(self) -> None:
+        """End a ``cut``: relay new connections again."""
+        self.is_cut = False
+        log.info("link_healed", refused=self.counters.refused)
+
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         """Relay one accepted connection to the target until both directions end."""
+        if self.is_cut:
+            self.counters.refused += 1
+            _abort(client_w)
+            return
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)

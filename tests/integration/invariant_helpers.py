@@ -22,6 +22,7 @@ from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 from tests.conftest import InProcessCluster, wait_until
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore
+from worker.server import WorkerServer
 
 # --- ids ----------------------------------------------------------------------------------
 
@@ -102,6 +103,22 @@ class Cluster(InProcessCluster):
     """An in-process cluster that also records every copy a primary reported failed."""
 
     copy_failures: list[str] = field(default_factory=list)
+    killed: list[WorkerServer] = field(default_factory=list)
+
+    async def kill(self, index: int) -> str:
+        """Stop worker ``index`` as kill -9 would (``test_failover.kill_abruptly``); its
+        name. It leaves ``workers``; ``stop`` releases what it still holds."""
+        w = self.workers.pop(index)
+        if w._tasks is not None:
+            w._tasks.cancel()
+        await w.server.stop(0)
+        self.killed.append(w)
+        return w.name
+
+    async def stop(self) -> None:
+        await super().stop()
+        for w in self.killed:
+            await w.stop()
 
     def record_copy_failures(self) -> None:
         cluster = self.coordinator.cluster
@@ -114,8 +131,11 @@ class Cluster(InProcessCluster):
         cluster.report_failure = recorded  # type: ignore[method-assign]
 
 
-async def start_cluster(root: Path, workers: int, slots: int) -> Cluster:
-    """A coordinator and ``workers`` workers in this event loop, settled on rendezvous."""
+async def start_cluster(root: Path, workers: int, slots: int, **overrides: object) -> Cluster:
+    """A coordinator and ``workers`` workers in this event loop, settled on rendezvous.
+
+    ``overrides``: more coordinator config (e.g. heartbeat timings).
+    """
     server = CoordinatorServer(
         CoordinatorConfig(
             listen="127.0.0.1:0",
@@ -123,6 +143,7 @@ async def start_cluster(root: Path, workers: int, slots: int) -> Cluster:
             metrics_port=None,
             grace_s=0.5,
             slots=slots,
+            **overrides,  # type: ignore[arg-type]
         )
     )
     # fsync "never": durability is not under test here, and an fsync per write on a shared
@@ -160,8 +181,9 @@ async def wait_settled(cluster: InProcessCluster) -> None:
 class ClusterPool:
     """One cluster reused across a test's examples while clean and at its initial size."""
 
-    def __init__(self, root: Path, workers: int, slots: int) -> None:
+    def __init__(self, root: Path, workers: int, slots: int, **overrides: object) -> None:
         self.root, self.workers, self.slots = root, workers, slots
+        self.overrides = overrides  # coordinator config of every cluster built
         self.cluster: Cluster | None = None
         self.dirty = False
         self.builds = 0
@@ -174,7 +196,9 @@ class ClusterPool:
         if c is None or self.dirty or len(c.workers) != self.workers:
             await self.close()
             self.builds += 1
-            c = await start_cluster(self.root / f"cluster-{self.builds}", self.workers, self.slots)
+            c = await start_cluster(
+                self.root / f"cluster-{self.builds}", self.workers, self.slots, **self.overrides
+            )
             self.cluster = c
         self.dirty = True  # until the example cleans up after itself
         return c

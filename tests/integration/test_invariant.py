@@ -12,7 +12,9 @@ joining, between operations or while they run; it applies the same operations to
 compares every copy of every slot (contents, payloads and sequence numbers) and checks that
 no primary ever failed to update a copy, and at the end it compares quality, top-k, get and
 status. ``test_fence.py`` pins down the two replication bugs the join-under-traffic
-property found.
+property found. A third property kills a worker (as kill -9 would) between two operations:
+its slots fail over and their lost copies are re-created while the operations go on, and the
+cluster must still equal the reference, every copy identical.
 
 Speed: one cluster serves the examples of a test while it is clean (the example ended by
 deleting every id it could have written) and has its initial size; an example that joined
@@ -31,15 +33,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import wait_until
 from tests.integration.invariant_helpers import (
     ALL,
     POOL,
     ClusterPool,
     apply_both,
+    assert_copies_identical,
     assert_invariant,
     assert_queries_match,
     wait_settled,
 )
+from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore
 
 pytestmark = pytest.mark.integration
@@ -70,8 +75,8 @@ MAX_OPS = 8
 
 @pytest.fixture
 async def pool(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[ClusterPool]:
-    workers, slots = request.param
-    p = ClusterPool(tmp_path, workers, slots)
+    workers, slots, *overrides = request.param
+    p = ClusterPool(tmp_path, workers, slots, **(overrides[0] if overrides else {}))
     yield p
     await p.close()
 
@@ -156,3 +161,55 @@ async def run_join_under_traffic(pool: ClusterPool, ops: list[tuple], start: int
 @given(ops=st.lists(OPS, min_size=1, max_size=12), start=st.integers(0, 3), k=st.integers(1, 40))
 async def test_join_under_traffic_equals_reference(pool: ClusterPool, ops, start, k) -> None:
     await run_join_under_traffic(pool, ops, min(start, len(ops) - 1), k)
+
+
+async def run_kill_between(
+    pool: ClusterPool, ops: list[tuple], kill_at: int, victim: int, k: int
+) -> None:
+    """Like ``run_example``, but worker ``victim`` (modulo the workers) is killed before
+    ``ops[kill_at]`` (``kill_at >= len(ops)``: after the last one). Forwards to it fail, so
+    copy failures are expected; the invariant is checked once the copies are re-created."""
+    cluster = await pool.checkout()  # never checked in: a killed cluster is rebuilt
+    ref = ReferenceStore(slots=pool.slots)
+    async with cluster.client() as client:
+        for i in range(len(ops) + 1):
+            if i == min(kill_at, len(ops)):
+                await cluster.kill(victim % len(cluster.workers))
+            if i < len(ops):
+                await apply_both(client, ref, i, ops[i])
+        await wait_settled(cluster)
+        await wait_until(
+            lambda: cluster.coordinator.cluster.slot_summary()["under_replicated_slots"] == 0,
+            what="every slot back at its replication factor",
+        )
+        await assert_cluster_equals(cluster, ref)
+        await assert_copies_identical(cluster)
+        await assert_queries_match(cluster, client, ref, k)
+
+
+# Fast failure detection: the kill is noticed in about a second, not two.
+KILL_HEARTBEATS = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pool",
+    [(2, 32, KILL_HEARTBEATS), (3, 64, KILL_HEARTBEATS)],
+    indirect=True,
+    ids=lambda p: f"{p[0]}w-{p[1]}s",
+)
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    ops=st.lists(OPS, min_size=1, max_size=MAX_OPS),
+    kill_at=st.integers(0, MAX_OPS),
+    victim=st.integers(0, 4),
+    k=st.integers(1, 40),
+)
+async def test_worker_killed_between_operations_equals_reference(
+    pool: ClusterPool, ops, kill_at, victim, k
+) -> None:
+    await run_kill_between(pool, ops, kill_at, victim, k)

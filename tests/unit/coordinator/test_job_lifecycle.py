@@ -93,3 +93,22 @@ async def test_retention_prunes_old_and_excess_finished_jobs(tmp_path: Path) -> 
         assert not checkpoint.exists()
     finally:
         await cluster.close()
+
+
+def test_a_memory_jobs_progress_survives_a_restart_and_goes_with_the_job(
+    tmp_path: Path,
+) -> None:
+    # Arrange: progress saved by one process.
+    store = StateStore(tmp_path)
+    store.save_memory_progress("memory-1", True, 17)
+    store.close()
+
+    # Act: another process reads it, then the job is forgotten (retention).
+    store = StateStore(tmp_path)
+    saved, unknown = store.load_memory_progress("memory-1"), store.load_memory_progress("x")
+    store.delete_jobs(["memory-1"])
+
+    # Assert
+    assert (saved, unknown) == ((True, 17), (False, 0))
+    assert store.load_memory_progress("memory-1") == (False, 0)
+    store.close()

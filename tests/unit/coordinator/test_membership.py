@@ -182,3 +182,22 @@ def test_the_training_device_is_kept_apart_from_the_kernels_device(tmp_path) -> 
     saved = {w.name: w.train_device for w in StateStore(tmp_path).load_workers()}
 
     assert saved == {"w0": "cuda:0", "w1": "cpu"}
+
+
+def test_excuse_silence_gives_every_live_worker_a_fresh_timeout() -> None:
+    # Arrange: w0 silent for longer than the timeout, w1 dead already.
+    clock = FakeClock(100.0)
+    m = _membership(clock)
+    m.register("w0", "h:1", "cpu", "p0")
+    m.register("w1", "h:2", "cpu", "p1")
+    m.mark_dead("w1")
+    clock.now += TIMEOUT_S + 1
+
+    # Act: the coordinator noticed it had been paused.
+    m.excuse_silence()
+
+    # Assert: no sweep declares w0 dead until a whole timeout passes again; w1 stays dead.
+    assert m.sweep() == []
+    assert m.get("w1").state is WorkerState.DEAD
+    clock.now += TIMEOUT_S + 0.1
+    assert [r.name for r in m.sweep()] == ["w0"]

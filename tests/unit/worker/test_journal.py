@@ -95,9 +95,12 @@ def workload(r: Recorder, rng: np.random.Generator, rounds: int = 6) -> None:
     donor = make_store()
     donor.upsert(ids[2800:], np.full(200, 0.25, np.float32), [b"x"] * 200)
     snap = donor.export_slot(5)
-    snap.seq = 77
+    snap.seq, snap.requests = 77, [b"copied"]
     r.store.import_slot(snap)
     r.journal.log_import(snap)
+    # The copy replaces the request ids slot 5 applied here with its own.
+    r.requests = [(rid, [s for s in slots if s != 5]) for rid, slots in r.requests]
+    r.requests = [(rid, slots) for rid, slots in r.requests if slots] + [(b"copied", [5])]
     r.store.drop_slots([3, 9])
     r.journal.log_drop(np.array([3, 9]))
 
