@@ -1,8 +1,10 @@
-"""Failure detection: heartbeat timeouts, failure reports from primaries, and probes.
+"""Failure detection: heartbeat timeouts, failure reports, and probes.
 
 A worker is declared DEAD when its heartbeats stop for ``heartbeat_timeout_s`` (a sweep runs
-a few times per timeout), or at once when a primary reports it could not update the worker's
-copies and the worker then fails a health probe within ``probe_timeout_s``. Either way the
+a few times per timeout), or at once when it fails a health probe within ``probe_timeout_s``
+after a report: a primary's that it could not update the worker's copies
+(``report_failure``), or a client's that it could not reach the worker (``suspect``). A
+report alone never kills a worker: only the probe that follows it can. Either way the
 coordinator re-plans (``on_dead``), so the dead worker's slots fail over.
 """
 
@@ -58,6 +60,7 @@ class FailureDetector:
         self._probe_timeout_s = probe_timeout_s
         self._on_dead = on_dead
         self._probing: set[str] = set()
+        self.probes_total = 0  # probes started (tests and logs)
 
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
@@ -93,8 +96,30 @@ class FailureDetector:
                 f"{current.epoch}; its write there is not acknowledged"
             )
         self._rebalancer.distrust(worker, chosen)
+        self._probe_soon(worker)
+
+    def suspect(self, worker: str, reason: str) -> None:
+        """Probe a worker a client could not reach; DEAD at once if the probe fails too.
+
+        Nothing else changes: its copies stay trusted, and a worker that answers the probe
+        stays ALIVE whatever the report said. Reports of a worker already being probed, or
+        not ALIVE, or unknown, add nothing.
+
+        Args:
+            worker: the worker reported.
+            reason: why the reporter thinks it is down, for the log.
+        """
+        rec = self._membership.get(worker)
+        if rec is None or rec.state is not WorkerState.ALIVE or worker in self._probing:
+            return
+        log.info("worker_suspected", worker=worker, reason=reason)
+        self._probe_soon(worker)
+
+    def _probe_soon(self, worker: str) -> None:
+        """Start a probe of ``worker`` unless one is running."""
         if worker not in self._probing:
             self._probing.add(worker)
+            self.probes_total += 1
             task = asyncio.get_running_loop().create_task(self._probe(worker))
             task.add_done_callback(lambda _t: self._probing.discard(worker))
 

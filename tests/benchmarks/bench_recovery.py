@@ -26,7 +26,12 @@ FAST = "heartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.0\n"
 
 
 class Load:
-    """Reinforces continuously; keeps (time, ids acknowledged) samples."""
+    """Reinforces continuously, one batch after another; keeps (time, ids acknowledged).
+
+    A sample is taken whenever a worker acknowledges its part of a batch (``progress``), so
+    the parts of live primaries count when they are acknowledged, not when the part routed
+    to a dead primary is, after the failover.
+    """
 
     def __init__(self, client: Client, ids: np.ndarray) -> None:
         self.client, self.ids = client, ids
@@ -35,15 +40,16 @@ class Load:
         self.stop = False
         self._rng = np.random.default_rng(1)
 
+    def _acked(self, n: int) -> None:
+        self.samples.append((time.perf_counter(), n))
+
     async def run(self) -> None:
         while not self.stop:
             batch = self._rng.choice(self.ids, size=10_000)
             try:
-                await self.client.reinforce(batch, np.full(10_000, 1e-4, np.float32))
+                await self.client.reinforce(batch, np.full(10_000, 1e-4, np.float32), self._acked)
             except Exception:
                 self.failures += 1
-                continue
-            self.samples.append((time.perf_counter(), len(batch)))
 
     def rate(self, t0: float, t1: float) -> float:
         """Acknowledged ids per second between t0 and t1."""
