@@ -2,16 +2,22 @@
 write throughput during recovery as a ratio to before it.
 
 A local cluster of 3 worker processes (heartbeat 0.2 s, timeout 1 s) is loaded with N
-memories; a client reinforces batches of 10k ids without pause. Each repetition kills one
-worker with SIGKILL, waits until every slot has two live copies again, then starts a fresh
-worker and waits for the rebalance so the next repetition starts from 3 workers. Not
-collected by pytest; ``make bench-recovery``.
+memories; a client reinforces batches of 10k random ids, one after another without pause.
+Each repetition kills one worker with SIGKILL, waits until every slot has two live copies
+again, then starts a fresh worker and waits for the rebalance so the next repetition starts
+from 3 workers. The throughput ratio is the ids acknowledged per second from the kill to
+replication factor 2 again, over the ids acknowledged per second in the 3 s before the kill;
+an id counts when its worker acknowledges its part of a batch (``progress``), so the parts of
+live primaries count without waiting for the part of the dead one. The table gives medians
+over the repetitions. Not collected by pytest; ``make bench-recovery``
+(``--sizes 100000,1000000,10000000 --repeats 3``: about 6 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="100000,1000000,10000000")
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args(argv)
+    print("load average {:.2f} {:.2f} {:.2f} (1, 5, 15 min)".format(*os.getloadavg()))
     print(
         f"{'memories':>10} {'kill -9 to RF 2 (s)':>20} {'goal':>8} "
         f"{'writes during/before':>21} {'goal':>6} {'failed calls':>13}"
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{'>= 0.5':>6} {r['failures']:>13}",
             flush=True,
         )
+    print("load average {:.2f} {:.2f} {:.2f} (1, 5, 15 min)".format(*os.getloadavg()))
 
 
 if __name__ == "__main__":
