@@ -15,9 +15,7 @@ Shape letters: N batch items, n items of one part (one worker's share of a batch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import NoReturn, TypeAlias, TypeVar
@@ -27,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 from grpc import aio
 
+from shared.client.reports import FailureReports, Reporter
 from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
 from shared.proto import (
     common_pb2,
@@ -57,15 +56,11 @@ Send: TypeAlias = Callable[
 ]
 # Where the router gets the current slot map from
 SlotMapSource: TypeAlias = Callable[[], Awaitable[common_pb2.SlotMap]]
-# Tells the coordinator a worker could not be reached: (worker name, why)
-Reporter: TypeAlias = Callable[[str, str], Awaitable[object]]
 # Called with the number of batch items of each part as its worker acknowledges it
 Progress: TypeAlias = Callable[[int], None]
 
 # Statuses of a worker that may be down: reported to the coordinator, which probes it
 _SUSPECT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# The least time between two reports of one worker by one router, seconds
-_REPORT_EVERY_S = 0.25
 
 
 class RoutingError(RuntimeError):
@@ -128,9 +123,7 @@ class MemoryRouter:
 
             coordinator, report = fetch, report or suspect
         self._fetch_map: SlotMapSource = coordinator
-        self._report = report
-        self._reported: dict[str, float] = {}  # worker -> monotonic time of its last report
-        self._reports: set[asyncio.Task[None]] = set()
+        self._reports = FailureReports(report)
         self._timeout_s = timeout_s
         self._workers = WorkerClients(max_message_bytes, security)
         self._map: common_pb2.SlotMap | None = None
@@ -138,8 +131,7 @@ class MemoryRouter:
 
     async def close(self) -> None:
         """Close the channels to the workers; reports still in flight are dropped."""
-        for task in list(self._reports):
-            task.cancel()
+        self._reports.cancel()
         await self._workers.close()
 
     @property
@@ -224,7 +216,7 @@ class MemoryRouter:
         """Send each pending position once to its primary by map ``m``.
 
         Delivered parts are appended to ``done`` (and told to ``progress`` as they arrive);
-        workers that look down are reported (``_suspect``).
+        workers that look down are reported (``FailureReports``).
 
         Returns:
             The positions to retry, and the last retryable status and details seen.
@@ -261,7 +253,7 @@ class MemoryRouter:
                 failed.append(part)
                 last = (r.code(), r.details() or r.code().name)
                 if name and r.code() in _SUSPECT:
-                    self._suspect(name, last[1])
+                    self._reports.suspect(name, last[1])
             elif isinstance(r, aio.AioRpcError):
                 raise RoutingError(r.details() or r.code().name, r.code())
             elif isinstance(r, BaseException):
@@ -269,26 +261,6 @@ class MemoryRouter:
             else:
                 done.append((part, r))
         return (np.concatenate(failed) if failed else np.empty(0, np.int64)), last
-
-    def _suspect(self, worker: str, reason: str) -> None:
-        """Report ``worker`` to the coordinator in the background, at most every 0.25 s.
-
-        The report only makes the coordinator probe the worker now; a failed report changes
-        nothing here (the heartbeat timeout still fails the worker over).
-        """
-        now = time.monotonic()
-        if self._report is None or now - self._reported.get(worker, -1e9) < _REPORT_EVERY_S:
-            return
-        self._reported[worker] = now
-        report = self._report
-
-        async def send() -> None:
-            with contextlib.suppress(aio.AioRpcError):
-                await report(worker, f"a client could not reach it: {reason}")
-
-        task = asyncio.get_running_loop().create_task(send())
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
 
     # -- keyed operations -------------------------------------------------------------------
 
