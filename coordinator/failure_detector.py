@@ -95,7 +95,10 @@ class FailureDetector:
                 f"{reporter} is not the primary of slot {orphaned[0]} at epoch "
                 f"{current.epoch}; its write there is not acknowledged"
             )
-        self._rebalancer.distrust(worker, chosen)
+        # A new probe re-plans when it ends, for the lost copies and, if the worker is dead,
+        # its other slots too (a pass started now would plan with it still alive); with a
+        # probe already running (maybe past its re-plan), re-plan now.
+        self._rebalancer.distrust(worker, chosen, replan=worker in self._probing)
         self._probe_soon(worker)
 
     def suspect(self, worker: str, reason: str) -> None:
@@ -124,17 +127,20 @@ class FailureDetector:
             task.add_done_callback(lambda _t: self._probing.discard(worker))
 
     async def _probe(self, name: str) -> None:
-        """Ask a worker reported unreachable for its health at once.
+        """Ask a worker reported unreachable for its health at once, then re-plan.
 
         If it does not answer within ``probe_timeout_s`` it is declared DEAD now rather than
         after the heartbeat timeout, so its slots fail over in milliseconds instead of seconds.
+        If it answers, the rebalancer re-plans for the copies a report distrusted.
         """
         rec = self._membership.get(name)
         if rec is None or rec.state is not WorkerState.ALIVE:
+            self._rebalancer.trigger()
             return
         stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
         try:
             await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
+            self._rebalancer.trigger()
             return
         except Exception as exc:
             reason = rpc.error_message(exc)
@@ -143,6 +149,8 @@ class FailureDetector:
                 "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"
             )
             self._on_dead()
+        else:
+            self._rebalancer.trigger()
 
     async def run(self) -> None:
         """Sweep for silent workers a few times per heartbeat timeout; runs until cancelled."""

@@ -101,14 +101,21 @@ class Rebalancer:
         self._save()
         self.trigger()
 
-    def distrust(self, name: str, slots: list[int] | None = None) -> None:
+    def distrust(self, name: str, slots: list[int] | None = None, replan: bool = True) -> None:
         """Stop treating ``name``'s copies of ``slots`` (None: all) as data, and re-plan.
 
         The change is saved before returning.
+
+        Args:
+            name: the worker.
+            slots: its copies concerned; None for all.
+            replan: re-plan now; False when the caller triggers it later (e.g. once a
+                probe decided whether the worker is dead, so one pass plans for both).
         """
         self.trust.distrust(name, slots)
         self._save()
-        self.trigger()
+        if replan:
+            self.trigger()
 
     def _save(self) -> None:
         if self.persist is not None:
@@ -131,7 +138,8 @@ class Rebalancer:
                 self._wake.set()
             except Exception as exc:  # a worker died mid-way: plan again from the new state
                 log.warning("rebalance_failed", error=f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(0.2)
+                if not self._wake.is_set():  # nothing new (e.g. a death) to plan with yet
+                    await asyncio.sleep(0.2)
                 self._wake.set()
             else:
                 if not self._wake.is_set():
