@@ -14,7 +14,7 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
 .PHONY: install protos demo test test-deps test-chaos test-browser lint bench-train bench-memory \
-	bench-recovery bench-wan clean image image-base image-check deploy-check
+	bench-recovery bench-wan bench-deps clean image image-base image-check deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -99,8 +99,17 @@ deploy-check: $(STAMP)
 bench-train: install
 	$(PY) -m tests.benchmarks.bench_train
 
-bench-memory: install
+# Debian's redis-server is the baseline the memory benchmarks run beside ours (tests/benchmarks/
+# bench_redis.py): installed when missing, so the Redis column is never skipped on a fresh machine.
+bench-memory: install bench-deps
 	$(PY) -m tests.benchmarks.bench_memory
+
+bench-deps:
+	@command -v redis-server >/dev/null || \
+	if [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends redis-server; \
+	else echo "bench-deps: redis-server missing; run as root or: sudo apt-get install redis-server"; exit 1; fi
 
 bench-recovery: install
 	$(PY) -m tests.benchmarks.bench_recovery

@@ -172,9 +172,21 @@ class Cluster:
         self.link_probe.soon(rec)  # its RTT from the start, not from the next round
         return rec
 
-    def heartbeat(self, name: str, memories: int, epoch: int = 0) -> bool:
-        """Record a heartbeat; False tells the worker to register again."""
-        return self.membership.heartbeat(name, memories, epoch) is not None
+    def heartbeat(
+        self, name: str, memories: int, epoch: int = 0, held: dict[int, int] | None = None
+    ) -> bool:
+        """Record a heartbeat; False tells the worker to register again.
+
+        Args:
+            name: the worker's name.
+            memories: memories it holds as primary.
+            epoch: the slot-map epoch it has applied.
+            held: slot -> memories it holds there (either role); None leaves the last known.
+        """
+        rec = self.membership.heartbeat(name, memories, epoch)
+        if rec is not None and held is not None:
+            rec.slot_memories = held
+        return rec is not None
 
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None

@@ -13,9 +13,11 @@ from coordinator.admission import LimitExceeded
 from coordinator.cluster import Cluster
 from coordinator.data_servicer import DataRpcs
 from coordinator.failure_detector import NotSlotPrimary
+from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
 from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
+from coordinator.store_export import ExportUnavailable, StoreExport
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import (
@@ -88,7 +90,10 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.HeartbeatRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.HeartbeatResponse:
         """Record a heartbeat; ``registered=false`` asks the worker to register again."""
-        known = self._cluster.heartbeat(request.name, request.memories, request.slot_map_epoch)
+        held = dict(zip(request.held_slots, request.held_memories, strict=False))
+        known = self._cluster.heartbeat(
+            request.name, request.memories, request.slot_map_epoch, held
+        )
         return coordinator_pb2.HeartbeatResponse(
             registered=known, slot_map_epoch=self._cluster.rebalancer.current.epoch
         )
@@ -230,6 +235,38 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
+    async def Sweep(
+        self, request: coordinator_pb2.SweepRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.SweepResponse:
+        """Decay every memory once, then the statistics and exact global top-k after it.
+
+        Equal to ``Decay`` then ``Quality`` and ``TopK`` with no write in between, in one
+        RPC per worker. A repeated ``op_id`` completes that decay as ``Decay`` does.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT for a rate outside [0, 1] or not finite, an
+                op_id over 64 bytes, or k above ``topk_max``; UNAVAILABLE when a primary still
+                failed after retries.
+        """
+        try:
+            rate = float(validate_rate(request.rate))
+            op_id = validate_op_id(request.op_id)
+            k = validate_k(request.k, self._cluster.cfg.topk_max) if request.k else 0
+            r = await self._cluster.memory.sweep(rate, op_id, k, request.want_quality)
+        except MemoryInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BulkOpError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        reply = coordinator_pb2.SweepResponse(
+            memories=r.memories,
+            topk=common_pb2.TopKResponse(
+                ids=ids_to_bytes(r.ids), strengths=f32_to_bytes(r.strengths)
+            ),
+        )
+        if r.quality is not None:
+            reply.quality.CopyFrom(quality_to_pb(r.quality))
+        return reply
+
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.Job:
@@ -328,3 +365,53 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         except JobNotFound as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
             raise  # unreachable: abort raises
+
+    async def ExportMemories(
+        self,
+        request: coordinator_pb2.ExportMemoriesRequest,
+        context: aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[coordinator_pb2.ExportChunk]:
+        """Stream every memory: a header, then chunks slot by slot (``StoreExport``).
+
+        Each slot is a point-in-time copy from its primary; writes during the export may or
+        may not be included.
+
+        Raises:
+            grpc.aio.AbortError: UNAVAILABLE when a slot has no live primary or a primary
+                failed past the retry budget.
+        """
+        c = self._cluster
+        export = StoreExport(
+            c.rebalancer, c.membership, c.clients, c.cfg.rpc_timeout_s, c.cfg.chunk_bytes
+        )
+        try:
+            async for chunk in export.chunks():
+                yield chunk
+        except ExportUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def ForgetWorker(
+        self, request: coordinator_pb2.ForgetWorkerRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.ForgetWorkerResponse:
+        """Report what forgetting a DEAD worker loses; with ``confirm``, forget it.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown worker; FAILED_PRECONDITION for
+                one that is ALIVE or DRAINING.
+        """
+        c = self._cluster
+        try:
+            r = forget_worker(
+                request.name, request.confirm, c.membership, c.rebalancer, c.state, c.events
+            )
+        except WorkerUnknown as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except WorkerNotDead as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return coordinator_pb2.ForgetWorkerResponse(
+            forgotten=r.forgotten,
+            lost_slots=r.lost_slots,
+            lost_memories=r.lost_memories or 0,
+            memories_known=r.lost_memories is not None,
+            slots_kept=r.slots_kept,
+        )

@@ -43,6 +43,9 @@ class WorkerRecord:
         restored: loaded from the coordinator's saved registry and not yet heard from by this
             coordinator process; its copies count as unconfirmed until it registers or
             heartbeats (``Rebalancer._verify``).
+        slot_memories: slot -> memories it held there (either role) at its last heartbeat,
+            slots without a memory left out; None before its first heartbeat to this
+            coordinator process (what forgetting it would lose is then unknown).
     """
 
     name: str
@@ -57,6 +60,7 @@ class WorkerRecord:
     process_id: str = ""
     slot_map_epoch: int = 0
     restored: bool = False
+    slot_memories: dict[int, int] | None = None
 
 
 class Membership:
@@ -144,6 +148,10 @@ class Membership:
                 rec.state = WorkerState.DEAD
                 dead.append(rec)
         return dead
+
+    def remove(self, name: str) -> WorkerRecord | None:
+        """Forget a worker entirely (``coordinator/forget.py``); return its record, or None."""
+        return self._workers.pop(name, None)
 
     def mark_dead(self, name: str) -> bool:
         """Declare a worker DEAD at once (e.g. its RPCs fail); True if it was not already."""

@@ -1,11 +1,12 @@
 """The ``memory`` job (DESIGN.md, "Jobs").
 
 Load memories, then iterations of reinforce from an access stream, decay, quality and top-k
-over the whole store, timed per iteration.
+over the whole store, timed per iteration. Decay, quality and top-k are one sweep
+(``MemoryOps.sweep``: one RPC per worker, one pass over its strengths).
 
 The coordinator acts as a client of its own store: keyed operations (upsert, reinforce) go
 through ``shared.client.memory.MemoryRouter`` fed with the coordinator's current slot map,
-bulk ones (decay, quality, top-k) through ``coordinator.memory_ops.MemoryOps``. Given its
+the sweep through ``coordinator.memory_ops.MemoryOps``. Given its
 seed the job is deterministic: the memories, the Zipf stream and the order of operations are
 fixed (``coordinator/access_stream.py``), so the store ends equal to a reference replaying
 them.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +41,8 @@ log = get_logger("coordinator.memory_job")
 UPSERT_BATCH = 100_000  # memories per upsert call while loading
 PROGRESS_INTERVAL_S = 0.1  # publish progress at most ~10 times a second
 TOPK_SHOWN = 10  # top-k entries kept in the result document
-PHASES = ("reinforce", "decay", "quality", "topk")
+# Timed phases of an iteration: the sweep is decay, quality and top-k in one RPC per worker.
+PHASES = ("reinforce", "sweep")
 
 
 @dataclass
@@ -178,7 +181,7 @@ class MemoryJob:
         return load_s
 
     async def _iterate(self, stream: ScrambledZipfStream | TraceStream) -> _Timings:
-        """Run the iterations: reinforce, decay, quality, top-k, each one timed.
+        """Run the iterations: reinforce, then one sweep (decay, quality, top-k), each timed.
 
         Times are ``time.perf_counter`` seconds; drawing the access batch is not counted.
         """
@@ -191,22 +194,20 @@ class MemoryJob:
             t0 = time.perf_counter()
             t.hits += await self._router.reinforce(accessed, boosts)
             t1 = time.perf_counter()
-            await memory.decay(rate)
+            swept = await memory.sweep(rate, uuid.uuid4().bytes, spec.topk, True)
             t2 = time.perf_counter()
-            t.quality = await memory.quality()
-            t3 = time.perf_counter()
-            t.topk = await memory.topk(spec.topk)
-            t4 = time.perf_counter()
-            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            t.quality, t.topk = swept.quality, (swept.ids, swept.strengths)
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1), strict=True):
                 t.phase_s[phase].append(seconds)
-            t.iteration_s.append(t4 - t0)
+            t.iteration_s.append(t2 - t0)
             t.accesses += len(accessed)
+            assert t.quality is not None  # asked for
             await self._publish(
                 {
                     "phase": "iterate",
                     "iteration": i + 1,
                     "iterations": spec.iterations,
-                    "iteration_ms": round((t4 - t0) * 1e3, 3),
+                    "iteration_ms": round((t2 - t0) * 1e3, 3),
                     "memories": t.quality.count,
                     "mean_strength": t.quality.mean,
                     "histogram": [int(c) for c in t.quality.histogram],

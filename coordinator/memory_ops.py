@@ -1,4 +1,7 @@
-"""Bulk memory operations fanned out to every primary: decay, quality, top-k.
+"""Bulk memory operations fanned out to every primary: decay, quality, top-k, and sweep.
+
+A sweep is the memory iteration's fused step: decay, then quality and top-k of the decayed
+store, one RPC per primary and one pass over its strengths.
 
 Each runs under the rebalancer's ``map_lock`` so every worker sees the same epoch, and merges
 the workers' answers exactly (``shared.memory.stats.merge_quality`` / ``merge_topk``).
@@ -15,6 +18,7 @@ import asyncio
 import random
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -37,6 +41,23 @@ _RETRYABLE = {
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.FAILED_PRECONDITION,  # stale epoch or not primary: the map moved
 }
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What a sweep found after its decay.
+
+    Attributes:
+        memories: memories decayed (primary copies).
+        quality: merged statistics; None when not asked for.
+        ids: [k'] uint64 the global top-k, strongest first (ties: smaller id).
+        strengths: [k'] float32 theirs.
+    """
+
+    memories: int
+    quality: Quality | None
+    ids: np.ndarray
+    strengths: np.ndarray
 
 
 class BulkOpError(RuntimeError):
@@ -133,28 +154,87 @@ class MemoryOps:
         return await asyncio.shield(self._decay(rate, op_id or uuid.uuid4().bytes))
 
     async def _decay(self, rate: float, op_id: bytes) -> int:
+        replies = await self._until_all(
+            lambda s, e: s.Decay(
+                worker_pb2.WorkerDecayRequest(epoch=e, rate=rate, op_id=op_id),
+                timeout=self._timeout_s,
+            ),
+            "decay",
+            op_id,
+        )
+        return sum(int(r.memories) for r in replies)
+
+    async def _until_all(
+        self,
+        call: Callable[[worker_pb2_grpc.WorkerStub, int], Awaitable[T]],
+        what: str,
+        op_id: bytes,
+    ) -> list[T]:
+        """Fan ``call`` out until every primary of one map answered (an exactly-once op).
+
+        Re-sent to every primary of the current map (jittered backoff, 50 ms to 1 s) while a
+        primary fails retryably, for ``retry_budget_s``; the replies all come from one
+        fan-out.
+
+        Raises:
+            BulkOpError: as ``decay``.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_budget_s
         backoff_s = 0.05
         while True:
             try:
-                replies = await self._fan_out(
-                    lambda s, e: s.Decay(
-                        worker_pb2.WorkerDecayRequest(epoch=e, rate=rate, op_id=op_id),
-                        timeout=self._timeout_s,
-                    ),
-                    "decay",
-                )
-                return sum(int(r.memories) for r in replies)
+                return await self._fan_out(call, what)
             except BulkOpError as exc:
                 pause_s = backoff_s * random.uniform(0.5, 1.0)
                 if not exc.retryable or loop.time() + pause_s > deadline:
                     raise BulkOpError(
-                        f"decay op {op_id.hex()} may be applied on part of the store only: "
+                        f"{what} op {op_id.hex()} may be applied on part of the store only: "
                         f"{exc}; a retry with the same op id completes it"
                     ) from None
             await asyncio.sleep(pause_s)
             backoff_s = min(2 * backoff_s, 1.0)
+
+    async def sweep(self, rate: float, op_id: bytes, k: int, want_quality: bool) -> SweepResult:
+        """Decay every memory once (as ``decay``), then merged statistics and global top-k.
+
+        One ``Sweep`` per primary: each decays its slots, then summarizes them and selects
+        its local top-k in the same pass; the answers merge exactly as ``quality`` and
+        ``topk`` merge theirs. Retried and shielded as ``decay``; the answers all come from
+        the fan-out that completed the decay (a retry's, if one was needed).
+
+        Args:
+            rate: in [0, 1], validated by the caller; 0: no decay (statistics only).
+            op_id: the operation id (a client's, kept across its retries); empty: a new one.
+            k: global top-k size, 0 (none) to ``topk_max`` (checked by the caller).
+            want_quality: compute the statistics.
+
+        Returns:
+            The memories decayed, the merged quality (None unless ``want_quality``) and the
+            global top-k (ids [k'] uint64, strengths [k'] float32; empty when k is 0).
+
+        Raises:
+            BulkOpError: as ``decay`` (UNAVAILABLE).
+        """
+        op_id = op_id or uuid.uuid4().bytes
+        replies = await asyncio.shield(
+            self._until_all(
+                lambda s, e: s.Sweep(
+                    worker_pb2.WorkerSweepRequest(
+                        epoch=e, rate=rate, op_id=op_id, k=k, want_quality=want_quality
+                    ),
+                    timeout=self._timeout_s,
+                ),
+                "sweep",
+                op_id,
+            )
+        )
+        quality = (
+            merge_quality([quality_from_pb(r.quality) for r in replies]) if want_quality else None
+        )
+        parts = [(ids_from_bytes(r.topk.ids), f32_from_bytes(r.topk.strengths)) for r in replies]
+        ids, strengths = merge_topk(parts, k)
+        return SweepResult(sum(int(r.memories) for r in replies), quality, ids, strengths)
 
     async def quality(self) -> Quality:
         """Merged strength statistics of every memory (one copy of each)."""

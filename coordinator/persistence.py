@@ -109,6 +109,11 @@ class StateStore:
             "INSERT OR REPLACE INTO worker_train_devices VALUES (?, ?)", (name, train_device)
         )
 
+    def delete_worker(self, name: str) -> None:
+        """Forget a worker's registration (``coordinator/forget.py``)."""
+        self._db.execute("DELETE FROM workers WHERE name = ?", (name,))
+        self._db.execute("DELETE FROM worker_train_devices WHERE name = ?", (name,))
+
     def load_workers(self) -> list[SavedWorker]:
         """Every saved worker registration (train device ``cpu`` when none was saved)."""
         rows = self._db.execute(

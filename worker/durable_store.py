@@ -12,9 +12,7 @@ Shape letters: T slots an op touches.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,6 +22,7 @@ from worker.dedup import RecentRequests
 from worker.journal import Journal
 from worker.journal_format import Request, apply_op
 from worker.store import SlotSnapshot, SlotStore
+from worker.store_thread import StoreThread
 
 __all__ = ["DurableStore"]
 
@@ -51,11 +50,11 @@ class DurableStore:
         self.recent = RecentRequests()
         for rid, slots in requests or []:
             self.recent.record(rid, np.asarray(slots, np.int64))
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
+        self._thread = StoreThread("store")
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the store thread, after every job submitted before it."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._thread.run(fn, *args)
 
     async def sync(self, pos: int) -> None:
         """Wait until the journal holds everything up to ``pos`` (bytes) durably."""
@@ -81,7 +80,7 @@ class DurableStore:
 
     def close(self) -> None:
         """Finish the running store job, then close the journal (fsync per its policy)."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._thread.shutdown()
         if self.journal is not None:
             self.journal.close()
 
@@ -90,14 +89,20 @@ class DurableStore:
 
         The running store job finishes (a thread cannot be killed); the journal is abandoned.
         """
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._thread.shutdown()
         if self.journal is not None:
             self.journal.abandon()
 
     # -- store thread -------------------------------------------------------------------------
 
     def commit(
-        self, op: str, sub: Any, touched: np.ndarray, epoch: int, primary: str
+        self,
+        op: str,
+        sub: Any,
+        touched: np.ndarray,
+        epoch: int,
+        primary: str,
+        applied: bool = True,
     ) -> tuple[np.ndarray, int]:
         """On the store thread, right after a primary applied an op: next seqs, log record.
 
@@ -107,6 +112,9 @@ class DurableStore:
             touched: [T] int64 distinct slots, ascending; each takes its next seq.
             epoch: the slot-map epoch the op was applied at.
             primary: this worker's name.
+            applied: False when the op is applied after its record, in the same store job
+                (it must not fail then): no snapshot may be taken before it is, so the caller
+                calls ``settled`` once it is.
 
         Returns:
             ([T] uint64 the seq each slot took, the journal position to sync to).
@@ -121,7 +129,16 @@ class DurableStore:
             seqs=seqs.tolist(),
             **{op: sub},
         )
-        return seqs, self._logged(self.journal.log_op(req))
+        pos = self.journal.log_op(req)
+        if not applied:
+            self.journal.kick(pos)
+            return seqs, pos
+        return seqs, self._logged(pos)
+
+    def settled(self) -> None:
+        """On the store thread, once an op committed with ``applied=False`` is applied."""
+        if self.journal is not None:
+            self.journal.maybe_snapshot(self.store, self.recent.entries)
 
     def apply_forward(self, req: worker_pb2.ReplicateRequest, slots: np.ndarray) -> int:
         """On the store thread: apply a primary's forward; return the journal position.
@@ -159,7 +176,12 @@ class DurableStore:
         return pos
 
     def _logged(self, pos: int) -> int:
-        """After a journal append: snapshot if the log grew too long; return ``pos``."""
+        """After a journal append: start its fsync, snapshot if the log grew too long.
+
+        The fsync starts here, on the store thread, so it runs while the event loop forwards
+        the write (``Journal.kick``); returns ``pos``.
+        """
         if self.journal is not None:
+            self.journal.kick(pos)
             self.journal.maybe_snapshot(self.store, self.recent.entries)
         return pos

@@ -7,8 +7,9 @@ Both live in ``data_dir`` (formats in ``worker/journal_format.py``):
     log-<g>.wal       records applied after snapshot g, then log-<g+1>.wal, ... in apply order
 
 Records are appended on the store thread inside the job that applies the mutation, so log
-order is apply order. Durability follows ``fsync``: ``always`` (``await sync(pos)`` fsyncs
-before the write is acknowledged; concurrent waiters share one fsync), ``interval`` (a
+order is apply order. Durability follows ``fsync``: ``always`` (``await sync(pos)`` waits for
+the fsync before the write is acknowledged; group commit: one fsync covers every record
+appended before it started, ``worker/group_commit.py``), ``interval`` (a
 thread fsyncs every ``fsync_interval_s``) or ``never`` (the OS writes back when it likes; a
 killed process loses nothing, a power cut may). When the log outgrows
 ``snapshot_log_bytes`` the store thread copies the arrays (memcpy) and starts a new segment;
@@ -23,7 +24,6 @@ and sync, and calls ``on_failure`` once so the worker reports itself unhealthy.
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
 import threading
@@ -37,10 +37,10 @@ import numpy as np
 
 from shared.fsync import fsync_dir
 from shared.logging import get_logger
-from shared.memory.slots import sort_key
+from shared.memory.validation import MemoryInputError
 from shared.proto import worker_pb2
 from worker import journal_format as fmt
-from worker import kernels
+from worker.group_commit import GroupCommit
 from worker.journal_format import JournalError, Request, SnapshotState
 from worker.store import SlotSnapshot, SlotStore
 
@@ -155,18 +155,15 @@ def recover(data_dir: Path, make_store: Callable[[int], SlotStore]) -> Recovered
 
 
 def restore(store: SlotStore, state: SnapshotState) -> None:
-    """Replace an empty store's content with a snapshot's (ids already in store order).
+    """Replace an empty store's content with a snapshot's.
 
     Raises:
-        JournalError: the ids are not in slot-key order (not written by ``capture``).
+        JournalError: the snapshot's ids repeat or its seqs are not one per slot.
     """
-    keys = sort_key(state.ids, store.slots)
-    if len(keys) > 1 and not bool((keys[1:] > keys[:-1]).all()):
-        raise JournalError("snapshot ids are not in store order")
-    store.keys, store.ids = keys, state.ids
-    store.strength = store.xp.asarray(state.strengths)
-    store.payloads = dict(state.payloads)
-    store.seq = state.seq.copy()
+    try:
+        store.load(state.ids, state.strengths, state.payloads, state.seq)
+    except MemoryInputError as exc:
+        raise JournalError(f"snapshot: {exc}") from exc
 
 
 def _segment_slots(data_dir: Path, gens: list[int]) -> int | None:
@@ -197,14 +194,9 @@ def _truncate(path: Path, size: int) -> None:
 
 def capture(store: SlotStore, recent: list[Request], gen: int) -> SnapshotState:
     """Copy a store's arrays for a snapshot (call on the store thread)."""
+    ids, strengths = store.rows()
     return SnapshotState(
-        store.slots,
-        gen,
-        store.seq.copy(),
-        store.ids.copy(),
-        kernels.to_host(store.strength).copy(),
-        dict(store.payloads),
-        recent,
+        store.slots, gen, store.seq.copy(), ids, strengths, dict(store.payloads), recent
     )
 
 
@@ -247,7 +239,8 @@ class Journal:
         self._fail_lock = threading.Lock()
         self._fd_lock = threading.Lock()
         self._fd = self._open_segment(gen)
-        self._sync_pool = ThreadPoolExecutor(1, thread_name_prefix="journal-sync")
+        # fsync "always": one fsync thread shared by every write waiting (group commit).
+        self._commits = GroupCommit(self._fsync_now) if fsync == "always" else None
         self._snap_pool = ThreadPoolExecutor(1, thread_name_prefix="journal-snapshot")
         self._snapshotting = False
         self.snapshots = 0
@@ -325,22 +318,35 @@ class Journal:
 
     # -- durability -------------------------------------------------------------------------
 
+    def kick(self, pos: int) -> None:
+        """Start making the log up to ``pos`` durable now, without waiting (store thread).
+
+        ``always``: the fsync thread starts (or its next fsync covers ``pos``) while the
+        event loop forwards the write; ``sync`` then only waits. Otherwise nothing.
+        """
+        if self._commits is not None:
+            self._commits.request(pos)
+
     async def sync(self, pos: int) -> None:
         """Return once the log up to ``pos`` (bytes) is durable as the policy demands.
 
-        ``always``: once fsynced; otherwise at once.
+        ``always``: once fsynced, by the fsync that covers every record appended before it
+        started (``worker/group_commit.py``); otherwise at once.
 
         Raises:
             StorageFailed: the log failed, now or before, under any policy (UNAVAILABLE).
         """
         self.check()
-        if self.policy == "always" and self.synced < pos:
-            await asyncio.get_running_loop().run_in_executor(self._sync_pool, self._sync_to, pos)
+        if self._commits is not None and self.synced < pos:
+            await self._commits.wait(pos)
 
-    def _sync_to(self, pos: int) -> None:
+    def _fsync_now(self) -> int:
+        """Make the log durable (os.fsync); return the position it covered.
+
+        Raises:
+            StorageFailed: the fsync failed, now or before (UNAVAILABLE).
+        """
         self.check()  # never fsync again after a failed one: it could "succeed" without data
-        if self.synced >= pos:
-            return  # an fsync queued earlier covered it
         with self._fd_lock:
             end = self.written
             try:
@@ -349,8 +355,12 @@ class Journal:
                 failed = exc
             else:
                 self.synced = max(self.synced, end)
-                return
+                return end
         raise self._fail("fsync", failed) from failed
+
+    def _sync_to(self, pos: int) -> None:
+        if self.synced < pos:
+            self._fsync_now()
 
     def _tick(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -382,6 +392,8 @@ class Journal:
                 if self.policy != "never":
                     os.fsync(self._fd)  # the old segment, before it stops being appended to
                     self.synced = self.written
+                    if self._commits is not None:
+                        self._commits.mark(self.synced)
                 os.close(self._fd)
                 self._fd, self.gen, self.since_snapshot = new_fd, self.gen + 1, 0
         except OSError as exc:
@@ -438,7 +450,8 @@ class Journal:
         if self._ticker is not None:
             self._ticker.join()  # its wait returns at once: no fsync of a closed fd after this
         self._snap_pool.shutdown(wait=True)
-        self._sync_pool.shutdown(wait=True, cancel_futures=crash)
+        if self._commits is not None:
+            self._commits.close()  # after its running fsync; a crash leaves the rest undone
         with self._fd_lock:
             if self._fd >= 0:
                 if sync and not self.failure:  # a failed log is never fsynced again

@@ -10,8 +10,8 @@ torn or corrupt tail is detected and replay stops before it. Kinds:
 - ``D``: slots dropped, ``[n] <u4``.
 
 Snapshot ``snapshot.bin``: a header, then the seq of every slot, the ids and strengths of
-every memory in store order, the payloads, the recent client request ids, and a CRC32 of
-everything before it. Little-endian throughout.
+every memory (grouped by slot; a reader takes any order), the payloads, the recent client
+request ids, and a CRC32 of everything before it. Little-endian throughout.
 
 Shape letters: S slots, N memories, P memories with a payload.
 """

@@ -292,6 +292,11 @@ def quality_runs(strength: Any, starts: np.ndarray, ends: np.ndarray) -> Quality
     n, total, lo, hi, at_least = _nb.quality_runs(
         strength, strength.view(np.int32), _i64(starts), _i64(ends), _INNER_EDGES
     )
+    return _quality_of(n, total, lo, hi, at_least)
+
+
+def _quality_of(n: int, total: float, lo: Any, hi: Any, at_least: np.ndarray) -> Quality:
+    """The ``Quality`` of a compiled pass's figures (lo/hi: min/max as int32 bit patterns)."""
     if n == 0:
         return EMPTY_QUALITY
     hist = -np.diff(np.concatenate([[n], at_least, [0]]).astype(np.int64))
@@ -303,6 +308,62 @@ def quality_runs(strength: Any, starts: np.ndarray, ends: np.ndarray) -> Quality
         max=float(np.int32(hi).view(np.float32)),
         histogram=tuple(int(c) for c in hist),
     )
+
+
+def sweep_runs(
+    strength: Any,
+    ids: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    rate: float | None,
+    want_quality: bool,
+    k: int,
+) -> tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]:
+    """Decay the rows of R runs, then summarize them and select their top-k, in one pass.
+
+    Equal to :func:`decay_runs` followed by :func:`quality_runs` and :func:`topk_runs` on
+    the same runs, bit for bit (the float64 sum included: on NumPy both read the runs in the
+    same blocks). On NumPy one compiled pass (``kernels_numba.sweep_runs``); elsewhere (CuPy,
+    no numba) exactly those three calls.
+
+    Args:
+        strength: [N] float32 in [0, 1], NumPy or CuPy, updated in place.
+        ids: [N] uint64 host ids of the same rows, distinct.
+        starts: [R] int64 host, first row of each run.
+        ends: [R] int64 host, end (exclusive) of each run.
+        rate: decay per call in [0, 1] (validated by the caller); None: no decay.
+        want_quality: compute the statistics.
+        k: top-k size, >= 0 (validated by the caller); 0: no top-k.
+
+    Returns:
+        ``(quality or None, (ids [k'] uint64, strengths [k'] float32) or None)``: None where
+        not asked for; k' = min(k, rows of the runs).
+    """
+    if not _compiled(strength):
+        if rate is not None:
+            decay_runs(strength, starts, ends, rate)
+        q = quality_runs(strength, starts, ends) if want_quality else None
+        return q, (topk_runs(strength, ids, starts, ends, k) if k > 0 else None)
+    starts, ends = _i64(starts), _i64(ends)
+    kk = min(int(k), int(np.sum(ends - starts)))
+    n, total, lo, hi, at_least, rows = _nb.sweep_runs(
+        strength,
+        strength.view(np.int32),
+        ids,
+        starts,
+        ends,
+        np.float32(rate or 0.0),
+        rate is not None,
+        _INNER_EDGES,
+        want_quality,
+        kk,
+    )
+    q = _quality_of(n, total, lo, hi, at_least) if want_quality else None
+    if k <= 0:
+        return q, None
+    cand_ids, cand_s = ids[rows], strength[rows]
+    order = np.lexsort((cand_ids, -cand_s))
+    return q, (cand_ids[order], cand_s[order])
 
 
 def topk(strength: Any, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

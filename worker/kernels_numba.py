@@ -10,7 +10,11 @@ the GIL: a worker shares the CPU with the other daemons (bench-memory runs 3 wor
 coordinator on 2 cores), and a parallel region then waits until every one of its threads is
 scheduled; measured on 673k strengths under load ~4: 7.6 ms median parallel, 0.1 ms serial.
 
-Shape letters: N rows, R runs, M sorted keys looked up, C top-k candidates.
+``sweep_runs`` is the memory iteration's fused pass: decay, statistics and top-k candidates
+block by block while each block is in cache; ``quality_runs`` reads the same blocks, so both
+give the same float64 sum.
+
+Shape letters: N rows, R runs, M sorted keys looked up, C top-k candidates, E edges.
 """
 
 from __future__ import annotations
@@ -99,6 +103,11 @@ def _min_max_bits(b: np.ndarray) -> tuple[np.int32, np.int32]:  # pragma: no cov
     return lo, hi
 
 
+# Rows per block of a sweep: 32 KiB of float32, which stays in L1/L2 between the decay and
+# the statistics' passes over it.
+SWEEP_BLOCK = 8192
+
+
 @_njit(cache=True, nogil=True)
 def quality_runs(  # pragma: no cover - compiled
     strength: np.ndarray,
@@ -108,6 +117,9 @@ def quality_runs(  # pragma: no cover - compiled
     inner_edges: np.ndarray,
 ) -> tuple[int, float, np.int32, np.int32, np.ndarray]:
     """Strength statistics of R runs: ``(count, float64 sum, min bits, max bits, at_least)``.
+
+    Block by block (``SWEEP_BLOCK`` rows), as :func:`sweep_runs` reads them, so the two give
+    the same float64 sum bit for bit.
 
     Args:
         strength: [N] float32, finite and >= 0 (every stored strength is in [0, 1]).
@@ -122,13 +134,87 @@ def quality_runs(  # pragma: no cover - compiled
     lo, hi = np.int32(0x7FFFFFFF), np.int32(-0x80000000)
     total, count = 0.0, 0
     for r in range(starts.shape[0]):
-        a, b = starts[r], ends[r]
-        _count_at_least(strength[a:b], inner_edges, at_least)
-        total += _sum(strength[a:b])
-        run_lo, run_hi = _min_max_bits(bits[a:b])
-        lo, hi = min(lo, run_lo), max(hi, run_hi)
-        count += b - a
+        for a in range(starts[r], ends[r], SWEEP_BLOCK):
+            b = min(a + SWEEP_BLOCK, ends[r])
+            total, lo, hi = _stats_block(strength, bits, a, b, inner_edges, at_least, total, lo, hi)
+        count += ends[r] - starts[r]
     return count, total, lo, hi, at_least
+
+
+@_njit(cache=True, nogil=True, inline="always")
+def _stats_block(  # pragma: no cover - compiled
+    strength: np.ndarray,
+    bits: np.ndarray,
+    a: int,
+    b: int,
+    inner_edges: np.ndarray,
+    at_least: np.ndarray,
+    total: float,
+    lo: np.int32,
+    hi: np.int32,
+) -> tuple[float, np.int32, np.int32]:
+    """Add rows ``a:b`` to the running statistics; return the new (sum, min bits, max bits)."""
+    _count_at_least(strength[a:b], inner_edges, at_least)
+    total += _sum(strength[a:b])
+    block_lo, block_hi = _min_max_bits(bits[a:b])
+    return total, min(lo, block_lo), max(hi, block_hi)
+
+
+@_njit(cache=True, nogil=True)
+def sweep_runs(  # pragma: no cover - compiled
+    strength: np.ndarray,
+    bits: np.ndarray,
+    ids: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    rate: np.float32,
+    decay: bool,
+    inner_edges: np.ndarray,
+    want_quality: bool,
+    k: int,
+) -> tuple[int, float, np.int32, np.int32, np.ndarray, np.ndarray]:
+    """One pass over R runs: decay, then the statistics and the top-k candidates.
+
+    Each block of ``SWEEP_BLOCK`` rows is decayed (``decay``: ``s = clip(s - rate, 0, 1)``
+    as :func:`decay_runs`), then, while it is in cache, added to the statistics (as
+    :func:`quality_runs`, the same blocks, so the same sum) and offered to the top-k heap (as
+    :func:`topk_runs`). The results equal decay_runs then quality_runs / topk_runs exactly.
+
+    Args:
+        strength: [N] float32 in [0, 1], updated in place when ``decay``.
+        bits: [N] int32, ``strength.view(np.int32)``.
+        ids: [N] uint64, distinct.
+        starts: [R] int64, first row of each run.
+        ends: [R] int64, end (exclusive) of each run.
+        rate: float32 in [0, 1].
+        decay: apply the decay (else only read).
+        inner_edges: [E] float32, as for :func:`quality_runs`.
+        want_quality: compute the statistics (else ``at_least`` stays 0 and sum 0).
+        k: top-k size, <= the rows of the runs; 0: no top-k.
+
+    Returns:
+        ``(count, sum, min bits, max bits, at_least [E] int64, rows [k] int64 in no order)``.
+    """
+    at_least = np.zeros(inner_edges.shape[0], np.int64)
+    lo, hi = np.int32(0x7FFFFFFF), np.int32(-0x80000000)
+    total, count = 0.0, 0
+    hv = np.empty(k, np.float32)
+    hi_ = np.empty(k, np.uint64)
+    hr = np.empty(k, np.int64)
+    size = 0
+    for r in range(starts.shape[0]):
+        for a in range(starts[r], ends[r], SWEEP_BLOCK):
+            b = min(a + SWEEP_BLOCK, ends[r])
+            if decay:
+                _decay_slice(strength[a:b], rate)
+            if want_quality:
+                total, lo, hi = _stats_block(
+                    strength, bits, a, b, inner_edges, at_least, total, lo, hi
+                )
+            if k > 0:
+                size = _heap_rows(hv, hi_, hr, size, strength, ids, a, b)
+        count += ends[r] - starts[r]
+    return count, total, lo, hi, at_least, hr[:size].copy()
 
 
 @_njit(cache=True, nogil=True, inline="always")
@@ -152,36 +238,53 @@ def topk_runs(  # pragma: no cover - compiled
     hr = np.empty(k, np.int64)
     size = 0
     for r in range(starts.shape[0]):
-        for row in range(starts[r], ends[r]):
-            v = strength[row]
-            if size == k and v < hv[0]:  # the common case: weaker than the worst kept
-                continue
-            d = ids[row]
-            if size < k:  # sift up from the new leaf
-                j = size
-                size += 1
-                while j > 0:
-                    p = (j - 1) >> 1
-                    if not _worse(v, d, hv[p], hi[p]):
-                        break
-                    hv[j], hi[j], hr[j] = hv[p], hi[p], hr[p]
-                    j = p
-            elif _worse(hv[0], hi[0], v, d):  # replace the root, sift down
-                j = 0
-                while True:
-                    c = 2 * j + 1
-                    if c >= size:
-                        break
-                    if c + 1 < size and _worse(hv[c + 1], hi[c + 1], hv[c], hi[c]):
-                        c += 1
-                    if not _worse(hv[c], hi[c], v, d):
-                        break
-                    hv[j], hi[j], hr[j] = hv[c], hi[c], hr[c]
-                    j = c
-            else:
-                continue
-            hv[j], hi[j], hr[j] = v, d, row
+        size = _heap_rows(hv, hi, hr, size, strength, ids, starts[r], ends[r])
     return hr[:size].copy()
+
+
+@_njit(cache=True, nogil=True)
+def _heap_rows(  # pragma: no cover - compiled
+    hv: np.ndarray,
+    hi: np.ndarray,
+    hr: np.ndarray,
+    size: int,
+    strength: np.ndarray,
+    ids: np.ndarray,
+    a: int,
+    b: int,
+) -> int:
+    """Offer rows ``a:b`` to the heap (values hv, ids hi, rows hr, [k] each); return its size."""
+    k = hv.shape[0]
+    for row in range(a, b):
+        v = strength[row]
+        if size == k and v < hv[0]:  # the common case: weaker than the worst kept
+            continue
+        d = ids[row]
+        if size < k:  # sift up from the new leaf
+            j = size
+            size += 1
+            while j > 0:
+                p = (j - 1) >> 1
+                if not _worse(v, d, hv[p], hi[p]):
+                    break
+                hv[j], hi[j], hr[j] = hv[p], hi[p], hr[p]
+                j = p
+        elif _worse(hv[0], hi[0], v, d):  # replace the root, sift down
+            j = 0
+            while True:
+                c = 2 * j + 1
+                if c >= size:
+                    break
+                if c + 1 < size and _worse(hv[c + 1], hi[c + 1], hv[c], hi[c]):
+                    c += 1
+                if not _worse(hv[c], hi[c], v, d):
+                    break
+                hv[j], hi[j], hr[j] = hv[c], hi[c], hr[c]
+                j = c
+        else:
+            continue
+        hv[j], hi[j], hr[j] = v, d, row
+    return size
 
 
 @_njit(cache=True, nogil=True)

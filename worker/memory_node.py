@@ -30,7 +30,7 @@ from shared.proto import common_pb2, worker_pb2
 from worker.durable_store import DurableStore
 from worker.journal import Journal
 from worker.journal_format import Request
-from worker.primary import PrimaryWrites
+from worker.primary import PrimaryWrites, Sweep
 from worker.replication import Forwarder, Replicator, Reporter, check_forward
 from worker.roles import Placement
 from worker.store import SlotSnapshot, SlotStore
@@ -110,6 +110,20 @@ class MemoryNode:
             "primary": int(counts[roles.primary].sum()),
             "replica": int(counts[roles.replica].sum()),
         }
+
+    def held_memories(self) -> tuple[list[int], list[int]]:
+        """Return the slots held here (either role) with a memory, and their memory counts.
+
+        Reported in heartbeats: the coordinator counts from them what forgetting this worker
+        would lose. Read without the store thread, as ``memories_by_role``.
+
+        Returns:
+            (slots, counts): two lists of equal length, slots ascending.
+        """
+        counts = self._store.slot_counts()
+        roles = self._place.roles
+        held = np.flatnonzero((roles.primary | roles.replica) & (counts > 0))
+        return held.tolist(), counts[held].tolist()
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Return every memory held here, sorted by id (diagnostics and tests).
@@ -316,6 +330,36 @@ class MemoryNode:
         self._data.check_writable()
         with self._ops.op("decay"):
             return await self._writes.decay(epoch, rate, op_id)
+
+    async def sweep(
+        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+    ) -> tuple[int, Sweep]:
+        """Decay the primary slots (as ``decay``), then summarize them and take their top-k.
+
+        One pass over the strengths (``SlotStore.sweep``); equal to ``decay`` followed by
+        ``quality`` and ``topk``. A rate of 0 is a read: no decay is recorded or forwarded.
+
+        Args:
+            epoch: the epoch the request was routed with.
+            rate: subtracted from each strength, in [0, 1] (validated by the caller).
+            op_id: the decay's operation id, as for ``decay``.
+            k: top-k size; 0: no top-k.
+            want_quality: compute the statistics.
+
+        Returns:
+            (memories of the primary slots that have applied the decay, (quality or None,
+            (ids [k'] uint64, strengths [k'] float32) or None)).
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION).
+            MemoryInputError: k above the store's limit (INVALID_ARGUMENT).
+            StorageFailed, ReplicationError: as ``decay`` (UNAVAILABLE).
+        """
+        k = validate_k(k, self._store.k_max) if k else 0
+        if rate > 0:
+            self._data.check_writable()
+        with self._ops.op("sweep"):
+            return await self._writes.sweep(epoch, rate, op_id, k, want_quality)
 
     # -- replica side ---------------------------------------------------------------------------
 

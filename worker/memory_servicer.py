@@ -207,6 +207,34 @@ class MemoryServicer:
 
         return await _guard(context, work)
 
+    async def Sweep(
+        self, request: worker_pb2.WorkerSweepRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSweepResponse:
+        """Decay this worker's primary slots once, then their statistics and local top-k.
+
+        Equal to ``Decay`` followed by ``Quality`` and ``TopK``, in one pass over the
+        strengths (called by the coordinator's fan-out).
+
+        Raises:
+            INVALID_ARGUMENT: a rate outside [0, 1], an op_id over 64 bytes or k above the
+                limit. Otherwise status codes as ``Upsert``.
+        """
+
+        async def work() -> worker_pb2.WorkerSweepResponse:
+            rate = float(validate_rate(request.rate))
+            op_id = validate_op_id(request.op_id)
+            n, (q, top) = await self._nodes.get().sweep(
+                request.epoch, rate, op_id, request.k, request.want_quality
+            )
+            reply = worker_pb2.WorkerSweepResponse(memories=n)
+            if q is not None:
+                reply.quality.CopyFrom(quality_to_pb(q))
+            if top is not None:
+                reply.topk.ids, reply.topk.strengths = ids_to_bytes(top[0]), f32_to_bytes(top[1])
+            return reply
+
+        return await _guard(context, work)
+
     async def Replicate(
         self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ReplicateResponse:

@@ -23,13 +23,19 @@ from typing import Any
 
 import numpy as np
 
+from shared.memory.stats import Quality
+from shared.memory.validation import validate_rate
 from shared.proto import worker_pb2
 from worker.durable_store import DurableStore
 from worker.replication import ReplicationError, Replicator
 from worker.roles import Placement
 from worker.wire import sub_request
 
-__all__ = ["PrimaryWrites"]
+__all__ = ["PrimaryWrites", "Sweep"]
+
+# A sweep's answer: the statistics and the top-k (ids [k'] uint64, strengths [k'] float32),
+# each None when not asked for.
+Sweep = tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]
 
 
 class PrimaryWrites:
@@ -118,7 +124,9 @@ class PrimaryWrites:
             if not keep.all():
                 request = sub_request(op, request, keep)
                 slots, ids = slots[keep], ids[keep]
-            touched = np.unique(slots)  # once per write: record, seqs and forwards share it
+            # Once per write (record, seqs and forwards share it); a count per slot is O(N + S)
+            # where np.unique sorts (0.03 vs 0.5 ms for 33k items).
+            touched = np.flatnonzero(np.bincount(slots, minlength=len(self._place.incoming)))
 
             def apply_and_commit() -> tuple[int, np.ndarray, int]:
                 self._data.check_writable()
@@ -151,21 +159,86 @@ class PrimaryWrites:
         self._data.recent.confirm(rid)
 
     async def _decay(self, epoch: int, rate: float, op_id: bytes) -> int:
-        async with self._order:
+        n, _ = await self._sweep(epoch, rate, op_id, 0, False)
+        return n
+
+    async def sweep(
+        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+    ) -> tuple[int, Sweep]:
+        """Decay the primary slots as ``decay`` does, then summarize them, in one pass.
+
+        The statistics and top-k cover every primary slot (those that applied ``op_id``
+        before included) as they are after the decay. A rate of 0 changes nothing: nothing
+        is recorded, logged or forwarded.
+
+        Args:
+            epoch: the epoch the request was routed with.
+            rate: subtracted from each strength, in [0, 1].
+            op_id: the decay's operation id (empty: no de-duplication).
+            k: top-k size, 0 (none) to the store's ``k_max``.
+            want_quality: compute the statistics.
+
+        Returns:
+            (memories of the primary slots that have applied the decay, the store's
+            ``sweep`` answer: quality or None, top-k or None).
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION). ReplicationError: as ``keyed`` (UNAVAILABLE).
+            MemoryInputError: k out of range (INVALID_ARGUMENT); nothing applied.
+        """
+        if rate == 0:
             self._place.check_epoch(epoch)
             primary = np.flatnonzero(self._place.roles.primary)
-            mine = primary[self._data.recent.fresh(op_id, primary)]
+            store = self._data.store
+
+            def read() -> tuple[int, Sweep]:
+                return store.count(primary), store.sweep(None, primary, k, want_quality)
+
+            return await self._data.run(read)
+        return await asyncio.shield(self._sweep(epoch, rate, op_id, k, want_quality))
+
+    async def _sweep(
+        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+    ) -> tuple[int, Sweep]:
+        """Pipelined: the decay is logged and forwarded before this copy's pass over it.
+
+        The store job takes the slots' seqs and logs the decay (starting its fsync), tells
+        the loop, which forwards it to the replicas, and then makes the fused pass; so the
+        replicas' apply and fsync overlap with it. Rate and k are validated before anything
+        is logged, so the pass cannot fail after its record.
+        """
+        async with self._order:
+            self._place.check_epoch(epoch)
+            validate_rate(rate)
+            primary = np.flatnonzero(self._place.roles.primary)
+            fresh = self._data.recent.fresh(op_id, primary)
+            mine = primary[fresh]
+            part = None if fresh.all() else mine
             req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate, op_id=op_id)
+            store, data = self._data.store, self._data
+            loop = asyncio.get_running_loop()
+            logged: asyncio.Future[tuple[np.ndarray, int]] = loop.create_future()
 
-            def apply_and_commit() -> tuple[int, np.ndarray, int]:
-                self._data.store.decay(rate, mine)
-                self._data.recent.record(op_id, mine)
-                n = self._data.store.count(primary)
-                return n, *self._data.commit("decay", req, mine, epoch, self._name)
+            def log_then_sweep() -> tuple[int, Sweep]:
+                data.check_writable()
+                seqs, pos = data.commit("decay", req, mine, epoch, self._name, applied=False)
+                data.recent.record(op_id, mine)
+                loop.call_soon_threadsafe(_settle, logged, (seqs, pos))
+                answer = store.sweep(rate, primary, k, want_quality, part)
+                data.settled()
+                return store.count(primary), answer
 
-            n, seqs, pos = await self._data.run(apply_and_commit)
-            await self._replicate("decay", req, mine, None, mine, seqs, pos)
-            return n
+            job = asyncio.ensure_future(data.run(log_then_sweep))
+            either: set[asyncio.Future[Any]] = {logged, job}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not logged.done():  # refused before anything was logged or applied
+                return await job
+            seqs, pos = logged.result()
+            try:
+                await self._replicate("decay", req, mine, None, mine, seqs, pos)
+            finally:
+                result = await job  # the pass ends before the order is released
+            return result
 
     async def _replicate(
         self,
@@ -189,3 +262,8 @@ class PrimaryWrites:
             await self._replicator.forward(roles, op, request, slots, ids, touched, seqs)
         finally:
             await durable
+
+
+def _settle(fut: asyncio.Future[tuple[np.ndarray, int]], value: tuple[np.ndarray, int]) -> None:
+    if not fut.done():
+        fut.set_result(value)

@@ -42,6 +42,7 @@ class Registration:
         on_register: Callable[[coordinator_pb2.RegisterWorkerResponse], None] | None = None,
         epoch: Callable[[], int] = lambda: 0,
         train_device: str = "cpu",
+        held_memories: Callable[[], tuple[list[int], list[int]]] = lambda: ([], []),
     ) -> None:
         """Prepare the registration (``run`` does it).
 
@@ -56,6 +57,7 @@ class Registration:
                 ``RegistrationRefused``, which ends ``run``).
             epoch: the slot-map epoch this worker is at, reported in each heartbeat.
             train_device: where this worker trains models, "cpu" or "cuda:N", as reported.
+            held_memories: (slots, memories of each) held here, reported in each heartbeat.
         """
         self._on_register = on_register
         self.incarnation = uuid.uuid4().hex
@@ -63,6 +65,7 @@ class Registration:
         self._stub, self.name, self.address, self.device = stub, name, address, device
         self.train_device = train_device
         self._memories = memories
+        self._held_memories = held_memories
         self._timeout_s = rpc_timeout_s
         self.interval_s = 0.5
         self.registered = asyncio.Event()
@@ -97,9 +100,14 @@ class Registration:
             try:
                 if not self.registered.is_set():
                     await self.register()
+                held_slots, held_memories = self._held_memories()
                 reply = await self._stub.Heartbeat(
                     coordinator_pb2.HeartbeatRequest(
-                        name=self.name, memories=self._memories(), slot_map_epoch=self.epoch()
+                        name=self.name,
+                        memories=self._memories(),
+                        slot_map_epoch=self.epoch(),
+                        held_slots=held_slots,
+                        held_memories=held_memories,
                     ),
                     timeout=max(self.interval_s * 2, 1.0),
                 )

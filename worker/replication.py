@@ -29,6 +29,7 @@ import numpy as np
 from shared.memory.validation import MemoryInputError, as_slots
 from shared.proto import worker_pb2
 from shared.rpc import error_message
+from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from worker.roles import Roles
 from worker.wire import narrow, sub_request
 
@@ -123,6 +124,13 @@ class Replicator:
     def targets(self, roles: Roles, touched: np.ndarray) -> dict[str, list[int]]:
         """Return target worker -> the slots of ``touched`` ([T] int64) it receives."""
         by_target: dict[str, list[int]] = defaultdict(list)
+        if not self._pending and not self._excluded:  # the usual case: replicas only
+            replica_of = roles.replica_of
+            for s in touched.tolist():
+                target = replica_of[s]
+                if target and target != self.name:
+                    by_target[target].append(s)
+            return by_target
         for s in touched.tolist():
             for target in {roles.replica_of[s], *self._pending.get(s, ())}:
                 if target and target != self.name and s not in self._excluded.get(target, ()):
@@ -156,9 +164,12 @@ class Replicator:
         """
         seq_of = dict(zip(touched.tolist(), seqs.tolist(), strict=True))
         forwards: Forwards = {}
+        split = _Split(op, request, slots, len(roles.primary)) if ids is not None else None
         for target, target_slots in self.targets(roles, touched).items():
-            keep = None if ids is None else np.isin(slots, np.asarray(target_slots))
-            sub = request if keep is None or keep.all() else sub_request(op, request, keep)
+            # A target with every touched slot (the usual case with two workers, and for a
+            # decay) gets the request as it came: its bytes are not decoded or re-encoded.
+            whole = split is None or len(target_slots) == len(touched)
+            sub = request if whole or split is None else split.part(target_slots)
             req = worker_pb2.ReplicateRequest(
                 primary=self.name,
                 epoch=roles.epoch,
@@ -229,6 +240,49 @@ class Replicator:
                 f"{error_message(exc)}"
             ) from None
         self._excluded.setdefault(target, set()).update(slots)
+
+
+class _Split:
+    """The parts of a keyed request per target: decoded once, sliced once per target.
+
+    Shape letters: N items of the request, S slots of the cluster.
+    """
+
+    def __init__(self, op: str, request: Any, slots: np.ndarray, num_slots: int) -> None:
+        """Split ``request`` (an ``op`` request, N items in ``slots`` [N] int64) later."""
+        self._op, self._request, self._slots = op, request, slots
+        self._num_slots = num_slots
+        self._ids: np.ndarray | None = None
+        self._values: np.ndarray | None = None
+
+    def part(self, target_slots: list[int]) -> Any:
+        """Return the request's items in ``target_slots``, in request order.
+
+        Raises:
+            CodecError: the request's bulk fields are not whole values (INVALID_ARGUMENT).
+        """
+        in_target = np.zeros(self._num_slots, bool)
+        in_target[target_slots] = True
+        keep = in_target[self._slots]
+        req, op = self._request, self._op
+        if op == "upsert" and len(req.payloads):
+            return sub_request(op, req, keep)  # payloads: the general path
+        if self._ids is None:  # each bytes field is read (copied out of the message) once
+            self._ids = ids_from_bytes(req.ids)
+            if op in ("upsert", "reinforce"):
+                field = "strengths" if op == "upsert" else "boosts"
+                self._values = f32_from_bytes(getattr(req, field), field)
+        ids = ids_to_bytes(self._ids[keep])
+        rid = req.request_id
+        if op == "delete":
+            return worker_pb2.DeleteRequest(epoch=req.epoch, ids=ids, request_id=rid)
+        assert self._values is not None
+        values = f32_to_bytes(self._values[keep])
+        if op == "upsert":
+            return worker_pb2.UpsertRequest(
+                epoch=req.epoch, ids=ids, strengths=values, request_id=rid
+            )
+        return worker_pb2.ReinforceRequest(epoch=req.epoch, ids=ids, boosts=values, request_id=rid)
 
 
 def check_forward(

@@ -148,6 +148,7 @@ class WorkerServer:
             on_register=self._on_register,
             epoch=self._epoch,
             train_device=self.train_device,
+            held_memories=self._held_memories,
         )
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
         self._tasks.add_done_callback(self._registration_ended)
@@ -288,6 +289,11 @@ class WorkerServer:
         """Memories held per role (``neuroshard_memories``, read at each scrape)."""
         node = self.nodes.current
         return {} if node is None else node.memories_by_role()
+
+    def _held_memories(self) -> tuple[list[int], list[int]]:
+        """Memories per held slot (reported in heartbeats; ``MemoryNode.held_memories``)."""
+        node = self.nodes.current
+        return ([], []) if node is None else node.held_memories()
 
     def _memories(self) -> int:
         """Memories held as primary (reported in heartbeats)."""

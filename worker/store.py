@@ -1,8 +1,11 @@
 """SlotStore: one worker's memories for the slots it holds.
 
-Layout: rows sorted by ``sort_key(id)`` (see ``shared/memory/slots.py``), so every slot is one
-contiguous segment and per-slot operations are slices. ``keys`` and ``ids`` stay on host
-for ``np.searchsorted`` lookups; ``strength`` lives on the kernel device (NumPy or CuPy).
+Layout (``worker/slot_rows.py``): each slot owns a region of two row buffers, ``ids`` on host
+and ``strength`` on the kernel device (NumPy or CuPy), and holds its memories at the front of
+it in no particular order; a hash table finds an id's row. An insert appends to its slots'
+regions, so loading new ids costs O(batch), not O(memories held); the kernels run over a
+slot set as runs of rows, one per slot (:meth:`SlotStore._run_bounds`). Whatever leaves the
+store (``export_slot``, ``items``) is in a fixed order, never the order rows were written in.
 Payloads are sparse (most memories have none): a dict from id to bytes.
 
 Every mutating method validates its whole input (``shared/memory/validation.py``) before
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from shared.memory.slots import slot_bounds, slot_of, sort_key
+from shared.memory.slots import slot_of, sort_key
 from shared.memory.stats import Quality
 from shared.memory.validation import (
     MemoryInputError,
@@ -32,6 +36,8 @@ from shared.memory.validation import (
     validate_values,
 )
 from worker import kernels
+from worker import row_index_numba as row_index
+from worker.slot_rows import SlotRows
 
 __all__ = ["SlotSnapshot", "SlotStore"]
 
@@ -56,7 +62,7 @@ class SlotSnapshot:
 
 
 class SlotStore:
-    """Memories of the slots one worker holds, sorted by slot key."""
+    """Memories of the slots one worker holds: a region of rows per slot, an id index."""
 
     def __init__(
         self,
@@ -78,75 +84,46 @@ class SlotStore:
         self.xp, self.device = kernels.get_xp(device)
         self.max_payload_bytes = max_payload_bytes
         self.k_max = k_max
-        self.keys = np.empty(0, np.uint64)
-        self.ids = np.empty(0, np.uint64)
-        self.strength = self.xp.empty(0, np.float32)
+        self._rows = SlotRows(slots, self.xp)
         self.payloads: dict[int, bytes] = {}
         self.seq = np.zeros(slots, np.uint64)
 
     def __len__(self) -> int:
         """Memories held."""
-        return len(self.ids)
+        return self._rows.count
 
-    # --- row bookkeeping -------------------------------------------------------------------
+    # --- rows: the buffers the kernels run over ---------------------------------------------
 
-    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(rows [K] int64, found [K] bool)`` of keys; rows are only valid where found."""
-        rows = np.searchsorted(self.keys, keys)
-        if len(self.keys) == 0:
-            return rows, np.zeros(len(keys), bool)
-        found = self.keys[np.minimum(rows, len(self.keys) - 1)] == keys
-        found &= rows < len(self.keys)
-        return rows, found
+    @property
+    def ids(self) -> np.ndarray:
+        """[C] uint64 host row buffer of ids, C >= N.
 
-    def _insert(
-        self, keys: np.ndarray, ids: np.ndarray, strengths: np.ndarray, at: np.ndarray | None
-    ) -> None:
-        """Merge new rows (keys sorted, none present yet) into the sorted arrays in O(N + K).
-
-        Args:
-            keys: [K] uint64 sort keys of the new rows, ascending.
-            ids: [K] uint64 ids of the new rows.
-            strengths: [K] float32 strengths of the new rows.
-            at: [K] int64 ``np.searchsorted(self.keys, keys)`` when the caller has it.
+        Only the rows of :meth:`_run_bounds` hold memories; the others are gaps.
+        Reallocated when the store grows: do not keep a reference across mutations.
         """
-        if len(keys) == 0:
-            return
-        if at is None:
-            at = np.searchsorted(self.keys, keys)
-        self.keys = kernels.insert_rows(self.keys, keys, at)
-        self.ids = kernels.insert_rows(self.ids, ids, at)
-        self.strength = kernels.insert_rows(self.strength, strengths, at)
+        return self._rows.ids
 
-    def _remove(self, drop: np.ndarray) -> None:
-        """Remove the rows where drop [N] bool is set, with their payloads."""
-        if self.payloads:
-            for i in self.ids[drop].tolist():
-                self.payloads.pop(i, None)
-        keep = ~drop
-        self.keys, self.ids = self.keys[keep], self.ids[keep]
-        self.strength = self.strength[self.xp.asarray(keep)]
+    @property
+    def strength(self) -> Any:
+        """[C] float32 row buffer of strengths on the kernel device, aligned with :attr:`ids`."""
+        return self._rows.strength
+
+    def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(rows [K] int64, found [K] bool)`` of ids; rows are -1 where not found."""
+        return self._rows.locate(row_index.sort_keys(ids, self._rows.bits), ids)
 
     def _run_bounds(
         self, slots: Sequence[int] | np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(starts [R], ends [R])`` int64: the non-empty row ranges of a slot set.
+        """Return ``(starts [R], ends [R])`` int64: the rows of a slot set's memories.
 
-        None: all rows. Ascending, adjacent slots merged into one run.
+        None: every slot. One run per non-empty slot, in slot order (runs that follow each
+        other in the buffers merged); runs need not ascend. This is what the ``*_runs``
+        kernels take with :attr:`strength` and :attr:`ids`.
         """
         if slots is None:
-            n = len(self.ids)
-            return np.array([0] if n else [], np.int64), np.array([n] if n else [], np.int64)
-        chosen = np.unique(as_slots(slots, self.slots))
-        bounds = slot_bounds(self.keys, self.slots)
-        starts, ends = bounds[chosen], bounds[chosen + 1]
-        nonempty = ends > starts
-        starts, ends = starts[nonempty], ends[nonempty]
-        if len(starts) == 0:
-            return starts, ends
-        first = np.ones(len(starts), bool)  # a run not continuing the previous one
-        first[1:] = starts[1:] != ends[:-1]
-        return starts[first], ends[np.append(first[1:], True)]
+            return self._rows.runs(None)
+        return self._rows.runs(np.unique(as_slots(slots, self.slots)))
 
     def _runs(self, slots: Sequence[int] | np.ndarray | None) -> list[tuple[int, int]]:
         """Return the runs of :meth:`_run_bounds` as ``(start, end)`` pairs."""
@@ -185,11 +162,11 @@ class SlotStore:
         first = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]][: len(order)])
         keys = sorted_keys[first]
         last = order if len(first) == len(order) else np.maximum.reduceat(order, first)
-        rows, found = kernels.locate_sorted(self.keys, keys)
+        rows, found = self._rows.locate(keys, ids[last])
         if found.any():
             self.strength[self.xp.asarray(rows[found])] = self.xp.asarray(strengths[last[found]])
         new = ~found
-        self._insert(keys[new], ids[last[new]], strengths[last[new]], rows[new])
+        self._rows.append(keys[new], ids[last[new]], strengths[last[new]])
         if checked is not None:
             for i in last.tolist():
                 self._set_payload(int(ids[i]), checked[i])
@@ -213,10 +190,11 @@ class SlotStore:
             MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
         """
         ids = np.unique(as_ids(ids))
-        rows, found = self._locate(sort_key(ids, self.slots))
-        drop = np.zeros(len(self.ids), bool)
-        drop[rows[found]] = True
-        self._remove(drop)
+        rows, found = self._locate(ids)
+        if self.payloads:
+            for i in ids[found].tolist():
+                self.payloads.pop(i, None)
+        self._rows.remove(rows[found])
         return int(found.sum())
 
     def reinforce(self, ids: np.ndarray, boosts: np.ndarray) -> int:
@@ -233,13 +211,17 @@ class SlotStore:
         """
         ids, boosts = validate_reinforce(ids, boosts)
         # kernels.row_sums, grouped by key rather than by row: each distinct key is looked
-        # up once, with sorted needles (cache-friendly). Keys map one to one to rows in the
-        # same order, and bincount adds each key's boosts in batch order in float64, so the
-        # sums are those of kernels.reinforce bit for bit.
+        # up once, in key order (the index's cells and the slots' rows are then visited in
+        # order, cache-friendly). Keys map one to one to rows, and bincount adds each key's
+        # boosts in batch order in float64, so the sums are those of kernels.reinforce bit
+        # for bit.
         keys, inverse = np.unique(sort_key(ids, self.slots), return_inverse=True)
-        rows, found = kernels.locate_sorted(self.keys, keys)
+        inverse = inverse.ravel()
+        key_ids = np.empty(len(keys), np.uint64)
+        key_ids[inverse] = ids  # the id of each distinct key (keys map one to one to ids)
+        rows, found = self._rows.locate(keys, key_ids)
         weights = boosts.astype(np.float64)
-        sums = np.bincount(inverse.ravel(), weights=weights, minlength=len(keys))
+        sums = np.bincount(inverse, weights=weights, minlength=len(keys))
         kernels.add_sums(self.strength, rows[found], sums[found].astype(np.float32))
         return int(np.count_nonzero(found[inverse]))
 
@@ -270,7 +252,7 @@ class SlotStore:
             MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
         """
         ids = as_ids(ids)
-        rows, found = self._locate(sort_key(ids, self.slots))
+        rows, found = self._locate(ids)
         strengths = np.zeros(len(ids), np.float32)
         strengths[found] = kernels.to_host(self.strength[self.xp.asarray(rows[found])])
         payloads: list[bytes | None] = [None] * len(ids)
@@ -294,6 +276,42 @@ class SlotStore:
         k = validate_k(k, self.k_max)
         return kernels.topk_runs(self.strength, self.ids, *self._run_bounds(slots), k)
 
+    def sweep(
+        self,
+        rate: float | None,
+        slots: Sequence[int] | np.ndarray | None,
+        k: int,
+        want_quality: bool,
+        decay_slots: Sequence[int] | np.ndarray | None = None,
+    ) -> tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]:
+        """Decay a slot set, then summarize it and select its top-k, in one pass.
+
+        Equals ``decay`` then ``quality`` and ``topk`` of ``slots`` exactly
+        (``kernels.sweep_runs``).
+
+        Args:
+            rate: decay in [0, 1]; None: no decay.
+            slots: the slot set summarized (None: all).
+            k: top-k size, 0 (none) to ``k_max``.
+            want_quality: compute the statistics.
+            decay_slots: the part of ``slots`` to decay (slots that applied the decay earlier
+                are left out); None: all of ``slots``.
+
+        Returns:
+            ``(quality or None, (ids [k'] uint64, strengths [k'] float32) or None)``.
+
+        Raises:
+            MemoryInputError: rate outside [0, 1], k out of range or a bad slot
+                (INVALID_ARGUMENT); nothing is applied.
+        """
+        rate32 = None if rate is None else float(validate_rate(rate))
+        k = validate_k(k, self.k_max) if k else 0
+        starts, ends = self._run_bounds(slots)
+        if rate32 is not None and decay_slots is not None:
+            self.decay(rate32, decay_slots)  # a retry: part of the set applied it already
+            rate32 = None
+        return kernels.sweep_runs(self.strength, self.ids, starts, ends, rate32, want_quality, k)
+
     def count(self, slots: Sequence[int] | np.ndarray | None = None) -> int:
         """Return the number of memories in a slot set (None: all)."""
         starts, ends = self._run_bounds(slots)
@@ -301,7 +319,7 @@ class SlotStore:
 
     def slot_counts(self) -> np.ndarray:
         """Return [S] int64 memories per slot."""
-        return np.diff(slot_bounds(self.keys, self.slots))
+        return self._rows.length.copy()
 
     def held_slots(self) -> np.ndarray:
         """Return the slots holding at least one memory, ascending, int64."""
@@ -309,8 +327,44 @@ class SlotStore:
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(ids [N] uint64, strengths [N] float32)`` on host, sorted by id."""
-        order = np.argsort(self.ids, kind="stable")
-        return self.ids[order], kernels.to_host(self.strength)[order]
+        ids, strengths = self._rows.dense()
+        order = np.argsort(ids, kind="stable")
+        return ids[order], strengths[order]
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(ids [N] uint64, strengths [N] float32)`` host copies: what a snapshot saves.
+
+        Grouped by slot in ascending slot order, in no particular order within a slot.
+        """
+        return self._rows.dense()
+
+    def load(
+        self, ids: np.ndarray, strengths: np.ndarray, payloads: dict[int, bytes], seq: np.ndarray
+    ) -> None:
+        """Fill an empty store with memories (in any order), their payloads and slot seqs.
+
+        Args:
+            ids: [N] uint64, distinct.
+            strengths: [N] float32 in [0, 1] (not checked: a snapshot of this store's).
+            payloads: id -> payload, for ids among ``ids``.
+            seq: [S] uint64 sequence number of every slot.
+
+        Raises:
+            MemoryInputError: the store is not empty, seq has the wrong length, or ids repeat.
+        """
+        if len(self):
+            raise MemoryInputError(f"load: the store already holds {len(self)} memories")
+        if len(seq) != self.slots:
+            raise MemoryInputError(f"seq: {len(seq)} entries for {self.slots} slots")
+        ids = as_ids(ids)
+        keys = sort_key(ids, self.slots)
+        order = np.argsort(keys)
+        keys = keys[order]
+        if len(keys) > 1 and not bool((keys[1:] != keys[:-1]).all()):
+            raise MemoryInputError("ids: ids repeat")
+        self._rows.append(keys, ids[order], np.asarray(strengths, np.float32)[order])
+        self.payloads = dict(payloads)
+        self.seq = np.asarray(seq, np.uint64).copy()
 
     # --- slots: sequence numbers, export, import -------------------------------------------
 
@@ -326,21 +380,20 @@ class SlotStore:
         return seqs
 
     def export_slot(self, slot: int) -> SlotSnapshot:
-        """Copy out one slot's memories, payloads and sequence number (host arrays)."""
-        start, end = self._bounds_of(slot)
-        ids = self.ids[start:end].copy()
-        strengths = kernels.to_host(self.strength[start:end]).copy()
+        """Copy out one slot's memories in key order, payloads and sequence number (host)."""
+        slot = int(as_slots([slot], self.slots)[0])
+        start, end = self._rows.region(slot)
+        ids = self.ids[start:end]
+        # Key order: the copy is the same whatever order the rows were written in.
+        order = np.argsort(sort_key(ids, self.slots))
+        ids = ids[order]
+        strengths = kernels.to_host(self.strength[start:end])[order]
         payloads = {}
         if self.payloads:
             for i in ids.tolist():
                 if i in self.payloads:
                     payloads[i] = self.payloads[i]
-        return SlotSnapshot(int(slot), int(self.seq[slot]), ids, strengths, payloads)
-
-    def _bounds_of(self, slot: int) -> tuple[int, int]:
-        slot = int(as_slots([slot], self.slots)[0])
-        bounds = slot_bounds(self.keys, self.slots)
-        return int(bounds[slot]), int(bounds[slot + 1])
+        return SlotSnapshot(slot, int(self.seq[slot]), ids, strengths, payloads)
 
     def import_slot(self, snapshot: SlotSnapshot) -> None:
         """Replace whatever this store held for the snapshot's slot, and take its seq.
@@ -349,19 +402,10 @@ class SlotStore:
             MemoryInputError: an id belongs to another slot or repeats, a strength is out of
                 range, or a payload is too big or names an id not in the snapshot.
         """
-        slot, ids, strengths = self._validate_snapshot(snapshot)
-        start, end = self._bounds_of(slot)
-        drop = np.zeros(len(self.ids), bool)
-        drop[start:end] = True
-        self._remove(drop)
-        keys = sort_key(ids, self.slots)
-        order = np.argsort(keys)
-        self._insert(keys[order], ids[order], strengths[order], None)
-        self.payloads.update({int(i): bytes(p) for i, p in snapshot.payloads.items() if p})
-        self.seq[slot] = np.uint64(snapshot.seq)
+        self.import_slots([snapshot])
 
     def import_slots(self, snapshots: Sequence[SlotSnapshot]) -> None:
-        """``import_slot`` for many slots in one merge: O(N + K) instead of O(N) per slot.
+        """``import_slot`` for many slots at once: O(K) for K memories imported.
 
         Every snapshot is validated before anything changes; a slot given twice takes the
         last snapshot.
@@ -373,15 +417,12 @@ class SlotStore:
         checked = [(s, *self._validate_snapshot(s)) for s in last.values()]
         if not checked:
             return
-        drop = np.zeros(len(self.ids), bool)
-        for start, end in self._runs(np.fromiter(last, np.int64, len(last))):
-            drop[start:end] = True
-        self._remove(drop)
+        self._clear(np.fromiter(last, np.int64, len(last)), release=False)
         ids = np.concatenate([c[2] for c in checked])
         strengths = np.concatenate([c[3] for c in checked])
         keys = sort_key(ids, self.slots)
         order = np.argsort(keys)
-        self._insert(keys[order], ids[order], strengths[order], None)
+        self._rows.append(keys[order], ids[order], strengths[order])
         for snap, slot, _, _ in checked:
             self.payloads.update({int(i): bytes(p) for i, p in snap.payloads.items() if p})
             self.seq[slot] = np.uint64(snap.seq)
@@ -410,9 +451,14 @@ class SlotStore:
     def drop_slots(self, slots: Sequence[int] | np.ndarray) -> int:
         """Forget the memories of some slots and reset their seq to 0; return the count dropped."""
         chosen = np.unique(as_slots(slots, self.slots))
-        drop = np.zeros(len(self.ids), bool)
-        for start, end in self._runs(chosen):
-            drop[start:end] = True
-        self._remove(drop)
+        dropped = self._clear(chosen, release=True)
         self.seq[chosen] = np.uint64(0)
-        return int(drop.sum())
+        return dropped
+
+    def _clear(self, chosen: np.ndarray, release: bool) -> int:
+        """Forget the memories and payloads of distinct slots; see ``SlotRows.clear``."""
+        if self.payloads:
+            for start, end in self._runs(chosen):
+                for i in self.ids[start:end].tolist():
+                    self.payloads.pop(i, None)
+        return self._rows.clear(chosen, release)

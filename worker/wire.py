@@ -18,12 +18,11 @@ import numpy as np
 from shared.memory.slots import slot_of
 from shared.memory.validation import MemoryInputError
 from shared.proto import worker_pb2
+from shared.rpc.chunking import byte_ranges, memory_sizes
 from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from worker.store import SlotSnapshot
 
 __all__ = ["narrow", "receive_slots", "slot_messages", "sub_request"]
-
-BYTES_PER_MEMORY = 12  # uint64 id + float32 strength
 
 
 def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
@@ -98,21 +97,21 @@ def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotD
 
     Args:
         snap: the slot (ids [n] uint64, strengths [n] float32, payloads).
-        chunk_bytes: target message size, bytes (12 bytes a memory, payloads on top); an
-            empty slot is one message, so that its seq travels.
+        chunk_bytes: target message size, bytes, payloads counted (12 bytes a memory plus
+            its payload; a memory larger than that goes alone, so payload-heavy slots stay
+            under the message limit); an empty slot is one message, so that its seq travels.
     """
-    per = max(1, chunk_bytes // BYTES_PER_MEMORY)
     out = []
-    n = len(snap.ids)
-    for start in range(0, max(n, 1), per):
-        ids = snap.ids[start : start + per]
+    ranges = byte_ranges(memory_sizes(snap.ids, snap.payloads), chunk_bytes) or [(0, 0)]
+    for start, stop in ranges:
+        ids = snap.ids[start:stop]
         pids = [i for i in ids.tolist() if i in snap.payloads] if snap.payloads else []
         out.append(
             worker_pb2.SlotData(
                 slot=snap.slot,
                 seq=snap.seq,
                 ids=ids_to_bytes(ids),
-                strengths=f32_to_bytes(snap.strengths[start : start + per]),
+                strengths=f32_to_bytes(snap.strengths[start:stop]),
                 payload_ids=pids,
                 payloads=[snap.payloads[i] for i in pids],
                 first=start == 0,

@@ -115,6 +115,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """See ``MemoryServicer.TopK``."""
         return await self.memory.TopK(request, context)
 
+    async def Sweep(
+        self, request: worker_pb2.WorkerSweepRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSweepResponse:
+        """See ``MemoryServicer.Sweep``."""
+        return await self.memory.Sweep(request, context)
+
     async def Replicate(
         self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ReplicateResponse:

@@ -364,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.cli.data import add_data_commands
 
     add_data_commands(client_parser("data", "data sets in the coordinator's data roots"))
+    from shared.cli.memory_io import add_forget_worker_command
+
+    add_forget_worker_command(
+        client_parser("forget-worker", "forget a DEAD worker that will never return (admin)")
+    )
     return p
 
 

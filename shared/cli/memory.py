@@ -258,3 +258,7 @@ def add_memory_commands(parser: argparse.ArgumentParser) -> None:
     t = add_client_command(sub, "topk", "the K strongest memories", cmd_topk)
     t.add_argument("k", metavar="K", help="how many (1 .. the coordinator's topk_max)")
     t.add_argument("--json", action="store_true", help="print one JSON document")
+
+    from shared.cli.memory_io import add_memory_io_commands
+
+    add_memory_io_commands(sub)

@@ -38,6 +38,16 @@ from shared.client.datasets import (
 )
 from shared.client.direct import DirectFailed, DirectPath
 from shared.client.memory import MemoryRouter, Progress, RoutingError, get_result
+from shared.client.store_io import (
+    ExportProgress,
+    ExportStreamError,
+    export_to_file,
+    forget_doc,
+    load_export,
+    upsert_export,
+)
+from shared.memory.export_file import IMPORT_BATCH
+from shared.memory.files import MemoryFileError
 from shared.memory.validation import (
     MemoryInputError,
     as_ids,
@@ -571,14 +581,7 @@ class Client:
         q: common_pb2.QualityStats = await self._call(
             self._stub.Quality, coordinator_pb2.QualityRequest()
         )
-        return {
-            "count": q.count,
-            "sum": q.sum,
-            "mean": q.mean,
-            "min": q.min,
-            "max": q.max,
-            "histogram": list(q.histogram),
-        }
+        return _quality_dict(q)
 
     async def topk(self, k: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """Return the exact global top-k, strongest first, ties broken by smaller id.
@@ -595,6 +598,39 @@ class Client:
             self._stub.TopK, coordinator_pb2.TopKRequest(k=k)
         )
         return ids_from_bytes(r.ids), f32_from_bytes(r.strengths)
+
+    async def sweep(
+        self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None
+    ) -> tuple[int, dict[str, Any] | None, npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Decay every memory once, then summarize the store and take its top-k, in one call.
+
+        Equal to ``decay(rate)`` then ``quality()`` and ``topk(k)`` with no write in between,
+        but one RPC to the coordinator and one per worker (a memory iteration's step). The
+        decay is exactly-once as ``decay``'s (same ``op_id`` rules).
+
+        Args:
+            rate: subtracted from every strength, in [0, 1]; 0: no decay (a read).
+            k: top-k size, 0 (none) up to the coordinator's topk_max.
+            want_quality: also compute the statistics.
+            op_id: the decay's operation id, up to 64 bytes; None: a new random UUID.
+
+        Returns:
+            ``(memories decayed, quality as ``quality()`` returns it or None, top-k ids
+            [k'] uint64, strengths [k'] float32)``, k' = min(k, memories).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1] or k out of range;
+                PERMISSION_DENIED for a role other than admin; UNAVAILABLE.
+        """
+        if k < 0:
+            raise NeuroshardError(f"k: {k} must be >= 0", grpc.StatusCode.INVALID_ARGUMENT)
+        op_id = uuid.uuid4().bytes if op_id is None else op_id
+        r: coordinator_pb2.SweepResponse = await self._call(
+            self._stub.Sweep,
+            coordinator_pb2.SweepRequest(rate=rate, op_id=op_id, k=k, want_quality=want_quality),
+        )
+        q = _quality_dict(r.quality) if want_quality else None
+        return int(r.memories), q, ids_from_bytes(r.topk.ids), f32_from_bytes(r.topk.strengths)
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until the cluster has a slot map with no under-replicated slot, then fetch it.
@@ -617,6 +653,119 @@ class Client:
                     "the slot map did not settle in time", grpc.StatusCode.DEADLINE_EXCEEDED
                 )
             await asyncio.sleep(0.05)
+
+    # -- operator commands ----------------------------------------------------------------
+
+    async def export_memories(
+        self,
+        path: str | os.PathLike[str],
+        progress: ExportProgress | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Write every memory of the store to ``path``, a plain ``.npz`` (streamed).
+
+        The file (``shared/memory/export_file.py``) appears only once the export completed.
+        Each slot is a point-in-time copy from its primary; writes during the export may or
+        may not be in it.
+
+        Args:
+            path: the file to create or replace; its directory must exist.
+            progress: called after each chunk with (memories so far, memories expected).
+            timeout_s: deadline of the whole export, seconds; None: none.
+
+        Returns:
+            ``path``, ``memories``, ``payloads`` (payload bytes), ``file_bytes``, ``slots``
+            and ``slot_map_epoch`` (the map the export started with).
+
+        Raises:
+            NeuroshardError: UNAVAILABLE (a slot has no live primary, e.g. all its holders
+                are dead), PERMISSION_DENIED (a role other than reader, writer or admin),
+                INVALID_ARGUMENT (the file cannot be written), INTERNAL (a malformed stream).
+        """
+        try:
+            summary = await export_to_file(self._stub, path, timeout_s, progress)
+        except aio.AioRpcError as exc:
+            raise _error(exc, self.address, self._security) from None
+        except ExportStreamError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INTERNAL) from None
+        except OSError as exc:
+            raise NeuroshardError(
+                f"{path}: cannot write it ({exc.strerror or exc})", grpc.StatusCode.INVALID_ARGUMENT
+            ) from None
+        return summary.to_doc()
+
+    async def import_memories(
+        self,
+        path: str | os.PathLike[str],
+        batch: int = IMPORT_BATCH,
+        progress: Callable[[int], None] | None = None,
+        checked: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Upsert every memory of an export file (``export_memories``) into the store.
+
+        The whole file is read and checked first (format, dtypes, equal lengths, strengths
+        finite in [0, 1], unique ids, payload sizes): a bad file writes nothing. Then it is
+        upserted in batches; memories already stored under other ids are kept.
+
+        Args:
+            path: the export ``.npz``.
+            batch: memories per upsert call, >= 1.
+            progress: called with each batch's size once it is acknowledged.
+            checked: called with the number of memories once the file passed its checks.
+
+        Returns:
+            ``path``, ``memories`` (in the file), ``written`` (distinct ids written) and
+            ``payloads`` (whether the file carries payloads).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT naming the file and the array (nothing is
+                written), PERMISSION_DENIED (a role other than writer or admin),
+                UNAVAILABLE (a batch could not be delivered: batches before it are written;
+                importing again completes it).
+        """
+        if batch < 1:
+            raise NeuroshardError(f"batch: {batch} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
+        limit = await self._payload_limit()
+        try:
+            data = await load_export(path, limit)
+        except MemoryFileError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        if checked is not None:
+            checked(len(data.ids))
+
+        async def upsert(
+            ids: npt.NDArray[np.uint64], s: npt.NDArray[np.float32], p: list[bytes] | None
+        ) -> int:
+            return int(await self._routed(self._router.upsert(ids, s, p)))
+
+        written = await upsert_export(data, upsert, batch, progress)
+        return {
+            "path": str(path),
+            "memories": len(data.ids),
+            "written": written,
+            "payloads": data.offsets is not None,
+        }
+
+    async def forget_worker(self, name: str, confirm: bool = False) -> dict[str, Any]:
+        """Forget a DEAD worker that will never return (admin).
+
+        The slots of which it held the last trusted copy are re-created empty on live
+        workers; its other slots keep their copy. Without ``confirm`` nothing changes.
+
+        Returns:
+            ``worker``, ``forgotten`` (False for a dry run), ``lost_slots`` (list),
+            ``lost_memories`` (their memories per slot as its last heartbeat reported them;
+            None when unknown: no heartbeat since the coordinator started) and
+            ``slots_kept``.
+
+        Raises:
+            NeuroshardError: NOT_FOUND (unknown worker), FAILED_PRECONDITION (it is ALIVE or
+                DRAINING), PERMISSION_DENIED (a role other than admin).
+        """
+        reply = await self._call(
+            self._stub.ForgetWorker, coordinator_pb2.ForgetWorkerRequest(name=name, confirm=confirm)
+        )
+        return forget_doc(reply, name)
 
 
 class SyncClient:
@@ -857,9 +1006,50 @@ class SyncClient:
         """Return the exact global top-k ids and strengths (see ``Client.topk``)."""
         return self._run(self._client.topk(k))
 
+    def sweep(
+        self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None
+    ) -> tuple[int, dict[str, Any] | None, npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Decay once, then quality and top-k in one call (see ``Client.sweep``)."""
+        return self._run(self._client.sweep(rate, k, want_quality, op_id))
+
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until no slot is under-replicated (see ``Client.wait_ready``)."""
         self._run(self._client.wait_ready(timeout_s))
+
+    def export_memories(
+        self,
+        path: str | os.PathLike[str],
+        progress: ExportProgress | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Write the store to an ``.npz`` (see ``Client.export_memories``)."""
+        return self._run(self._client.export_memories(path, progress, timeout_s))
+
+    def import_memories(
+        self,
+        path: str | os.PathLike[str],
+        batch: int = IMPORT_BATCH,
+        progress: Callable[[int], None] | None = None,
+        checked: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Upsert an export file into the store (see ``Client.import_memories``)."""
+        return self._run(self._client.import_memories(path, batch, progress, checked))
+
+    def forget_worker(self, name: str, confirm: bool = False) -> dict[str, Any]:
+        """Forget a DEAD worker (see ``Client.forget_worker``)."""
+        return self._run(self._client.forget_worker(name, confirm))
+
+
+def _quality_dict(q: common_pb2.QualityStats) -> dict[str, Any]:
+    """A ``QualityStats`` as ``Client.quality`` returns it."""
+    return {
+        "count": q.count,
+        "sum": q.sum,
+        "mean": q.mean,
+        "min": q.min,
+        "max": q.max,
+        "histogram": list(q.histogram),
+    }
 
 
 async def _next(agen: AsyncIterator[T]) -> T:

@@ -139,6 +139,8 @@ def read_npz(path: str | Path, names: tuple[str, ...]) -> dict[str, npt.NDArray[
                 raise MemoryFileError(
                     f"{p}: {what}unreadable .npy header ({_detail(exc)})"
                 ) from None
+            except MemoryFileError:
+                raise  # _check_claim's, complete already (it is a ValueError too)
             except UNREADABLE as exc:  # e.g. an object array, refused without pickle
                 raise MemoryFileError(f"{p}: array {name!r}: {_detail(exc)}") from None
     return out

@@ -3,11 +3,13 @@
 Roles and what they may call (the gRPC health service is open to all, without a token):
 
 - ``reader``: Coordinator GetJob, ListJobs, WatchJob, GetClusterStatus, GetSlotMap, Quality,
-  TopK, ListDatasets, ReportFailure (a client's report of a worker it could not reach: the
-  coordinator only probes that worker); Worker Get.
+  TopK, ListDatasets, ExportMemories (``neuroshard memory export``), ReportFailure (a
+  client's report of a worker it could not reach: the coordinator only probes that
+  worker); Worker Get.
 - ``writer``: what ``reader`` may, and Coordinator SubmitJob, CancelJob, PutDataset; Worker
   Upsert, Reinforce, Delete.
-- ``admin``: everything, e.g. Coordinator Decay of the whole store, DrainWorker of any worker.
+- ``admin``: everything, e.g. Coordinator Decay and Sweep of the whole store, DrainWorker of
+  any worker, ForgetWorker. (``neuroshard memory import`` upserts through the workers: ``writer``.)
   The coordinator presents an ``admin`` token it signs itself (subject ``coordinator``).
 - ``worker`` (a worker daemon): Coordinator RegisterWorker, Heartbeat, ReportFailure,
   DrainWorker and FetchShard, each only under a worker name its token covers (``BOUND_FIELDS``,
@@ -53,6 +55,7 @@ _READER_COORDINATOR = frozenset(
         "TopK",
         "ListDatasets",
         "ReportFailure",  # from a person's token: a suspicion, checked by a probe
+        "ExportMemories",
     }
 )
 _WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset"}

@@ -9,17 +9,23 @@ processes on loopback (``shared.local_cluster.LocalCluster``), each memory on tw
 - load: generated memories upserted in batches of 100k (new ids: inserts);
 - upsert overwrite: batches of 100k existing ids with new strengths;
 - iterations: reinforce 100k accesses drawn from YCSB's scrambled Zipfian stream (theta
-  0.99, boost 0.05), decay 0.001, quality, top-100; each phase timed with ``perf_counter``;
-  drawing the access batch is not counted (as in the job);
+  0.99, boost 0.05), then decay 0.001, quality and top-100: by default as one ``sweep`` call
+  (the job's way: one RPC per worker), with ``iteration="separate"`` as three calls (decay,
+  quality, topk: the way before the sweep, and Redis's); each phase timed with
+  ``perf_counter``; drawing the access batch is not counted (as in the job);
 - reinforce throughput: the 100k accesses over the reinforce phase's time.
 
-Memory use is read from ``/proc/PID/status`` (VmRSS now, VmHWM peak) of the 4 daemons.
+Memory use is read from ``/proc/PID/status`` (VmRSS now, VmHWM peak) of the 4 daemons. CPU
+time per phase is read from ``/proc/PID/stat`` (utime + stime) of the 4 daemons and this
+process before and after each phase: CPU ms per operation summed over all processes, much
+less sensitive to other load on the machine than wall time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,7 +39,10 @@ from shared.client import Client
 
 BATCH = 100_000
 ALPHA, BOOST, DECAY_RATE, TOP_K, SEED = 0.99, 0.05, 0.001, 100, 0
-PHASES = ("reinforce", "decay", "quality", "topk")
+PHASES = ("reinforce", "decay", "quality", "topk")  # iteration="separate" (and Redis)
+SWEEP_PHASES = ("reinforce", "sweep")  # iteration="sweep": decay + quality + top-k in one call
+ITERATIONS = {"separate": PHASES, "sweep": SWEEP_PHASES}
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -42,15 +51,25 @@ class ClusterResult:
 
     memories: int
     workers: int
+    iteration: str = "sweep"
     start_s: float = 0.0
     load_s: float = 0.0
     insert_rates: list[float] = field(default_factory=list)  # per 100k batch of the load
     overwrite_rates: list[float] = field(default_factory=list)  # per 100k batch
     iteration_s: list[float] = field(default_factory=list)
-    phase_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    phase_s: dict[str, list[float]] = field(default_factory=dict)
+    cpu_s: dict[str, list[float]] = field(default_factory=dict)  # per phase, all processes
     rss_bytes: int = 0  # sum of the daemons' VmRSS after the run
     peak_rss_bytes: int = 0  # sum of the daemons' VmHWM
     top_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
+
+    def cpu_ms(self, what: str) -> float:
+        """Mean CPU time of a phase summed over the daemons and the client, ms.
+
+        A mean, not a median: /proc counts CPU time in clock ticks (10 ms), far coarser than
+        one phase, so only the total over all iterations is precise.
+        """
+        return float(np.mean(self.cpu_s[what]) * 1e3)
 
     def ms(self, what: str, q: float = 50) -> float:
         """Percentile ``q`` of an iteration's or a phase's time, ms."""
@@ -71,6 +90,18 @@ def _proc_kib(pid: int, key: str) -> int:
     except OSError:
         pass
     return 0
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """utime + stime of processes (``/proc/PID/stat`` fields 14 and 15), seconds."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total * _TICK_S
 
 
 def _memory_use(cluster: LocalCluster) -> tuple[int, int]:
@@ -104,25 +135,45 @@ async def _overwrite(c: Client, ids: np.ndarray, batches: int, r: ClusterResult)
 
 
 async def _iterate(
-    c: Client, stream: ScrambledZipfStream, iterations: int, warmup: int, r: ClusterResult
+    c: Client,
+    stream: ScrambledZipfStream,
+    iterations: int,
+    warmup: int,
+    r: ClusterResult,
+    pids: list[int],
 ) -> None:
     boosts = np.full(BATCH, BOOST, np.float32)
+    phases = ITERATIONS[r.iteration]
+    r.phase_s = {p: [] for p in phases}
+    r.cpu_s = {p: [] for p in phases}
+
+    async def sweep() -> None:
+        _, _, r.top_ids, _ = await c.sweep(DECAY_RATE, TOP_K)
+
+    async def top() -> None:
+        r.top_ids, _ = await c.topk(TOP_K)
+
+    steps = {
+        "decay": lambda: c.decay(DECAY_RATE),
+        "quality": c.quality,
+        "topk": top,
+        "sweep": sweep,
+    }
     for i in range(warmup + iterations):
         accessed = stream.next_batch(i)
-        t0 = time.perf_counter()
-        await c.reinforce(accessed, boosts)
-        t1 = time.perf_counter()
-        await c.decay(DECAY_RATE)
-        t2 = time.perf_counter()
-        await c.quality()
-        t3 = time.perf_counter()
-        r.top_ids, _ = await c.topk(TOP_K)
-        t4 = time.perf_counter()
+        steps["reinforce"] = lambda a=accessed: c.reinforce(a, boosts)
+        times, cpus = [], []
+        for p in phases:
+            cpu0, t0 = _cpu_s(pids), time.perf_counter()
+            await steps[p]()
+            times.append(time.perf_counter() - t0)
+            cpus.append(_cpu_s(pids) - cpu0)
         if i < warmup:
             continue
-        for p, s in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-            r.phase_s[p].append(s)
-        r.iteration_s.append(t4 - t0)
+        for p, t, cpu in zip(phases, times, cpus, strict=True):
+            r.phase_s[p].append(t)
+            r.cpu_s[p].append(cpu)
+        r.iteration_s.append(sum(times))
 
 
 async def _run(
@@ -140,7 +191,8 @@ async def _run(
         await c.wait_ready(timeout_s=60.0)
         await _load(c, ids, strengths, r)
         await _overwrite(c, ids, overwrites, r)
-        await _iterate(c, stream, iterations, warmup, r)
+        pids = [p.pid for p in [cluster.coordinator, *cluster.workers] if p is not None]
+        await _iterate(c, stream, iterations, warmup, r, [*pids, os.getpid()])
         r.rss_bytes, r.peak_rss_bytes = _memory_use(cluster)
 
 
@@ -151,15 +203,17 @@ def run_cluster_bench(
     overwrites: int = 5,
     workers: int = 3,
     log_dir: str | None = None,
+    iteration: str = "sweep",
 ) -> ClusterResult:
     """Start a local cluster, load ``n`` memories, time overwrites and iterations, stop it.
 
     Daemon logs go to ``log_dir`` (default: a temporary directory, removed afterwards).
+    ``iteration``: "sweep" (decay + quality + top-k in one call) or "separate" (three calls).
 
     Raises:
         shared.local_cluster.ClusterStartError: the cluster did not start.
     """
-    r = ClusterResult(memories=n, workers=workers)
+    r = ClusterResult(memories=n, workers=workers, iteration=iteration)
     t = time.perf_counter()
     logs = tempfile.TemporaryDirectory(prefix="bench-cluster-logs-") if log_dir is None else None
     with (

@@ -4,6 +4,11 @@ Run: ``.venv/bin/python -m tests.benchmarks.bench_kernels [N] [REPEATS]``. Not c
 pytest (testpaths exclude tests/benchmarks). Times are medians over ``repeats`` in
 milliseconds, on NumPy (CPU); every kernel runs once untimed first (numba compiles then).
 
+``--store TREE [TREE ...]`` instead times a worker's ``SlotStore`` of each source tree (e.g.
+a worktree of main and this one), each in its own process, trees interleaved, ``--rounds``
+rounds: ingest (``run_ingest_bench``) and the kernels through the store
+(``run_store_bench``), then prints medians per tree and their ratios.
+
 Baselines, per kernel:
 - decay: ``np.subtract`` then ``np.clip`` over the whole array (two passes over memory).
 - reinforce (100k Zipf-distributed rows, duplicates): ``np.add.at`` then ``np.clip`` of the
@@ -14,10 +19,15 @@ Baselines, per kernel:
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -178,8 +188,164 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# --- the store: ingest and kernels through SlotStore, main vs branch ------------------------
+
+INGEST_BATCH = 33_000  # what a worker receives of a 100k client batch with RF=2 and 3 workers
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall and CPU (this process, all threads) seconds of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run_ingest_bench(sizes: tuple[int, ...], batch: int, batches: int) -> dict[str, float]:
+    """Load a ``worker.store.SlotStore`` (1024 slots) from empty in batches of new ids.
+
+    At each size held: ``batches`` more batches of new ids, then ``batches`` overwrites of
+    ids held (random, with repeats). Returns rates (memories/s, wall and CPU) per phase; a
+    phase's rate is its memories over its total time, so a batch that lays the store out
+    again counts, and ``*_p50_ms`` the median batch.
+    """
+    from worker.store import SlotStore  # the tree under test (see _run_tree)
+
+    warm = SlotStore(1024)  # compile (or load numba's cache) before anything is timed
+    warm.upsert(np.arange(5000, dtype=np.uint64), np.zeros(5000, np.float32))
+    warm.upsert(np.arange(5000, dtype=np.uint64), np.ones(5000, np.float32))
+    warm.delete(np.arange(0, 5000, 3, dtype=np.uint64))
+    warm.get(np.arange(10, dtype=np.uint64))
+    rng = np.random.default_rng(1)
+    total = max(sizes) + batch * batches * len(sizes)
+    ids = np.unique(rng.integers(0, 2**64 - 1, total + total // 50, np.uint64, endpoint=True))
+    ids = rng.permutation(ids)[:total]
+    values = rng.random(total, dtype=np.float32)
+    store, held, out = SlotStore(1024), 0, {}
+
+    def load_to(n: int, tag: str) -> None:
+        nonlocal held
+        start, walls, cpus = held, [], []
+        while held < n:
+            end = min(n, held + batch)
+            w, c = _timed(lambda a=held, b=end: store.upsert(ids[a:b], values[a:b]))
+            walls.append(w)
+            cpus.append(c)
+            held = end
+        if not walls:
+            return
+        count = held - start
+        out[f"{tag}_rate"] = count / sum(walls)
+        out[f"{tag}_cpu_rate"] = count / max(sum(cpus), 1e-9)
+        out[f"{tag}_p50_ms"] = 1000 * statistics.median(walls)
+
+    for size in sorted(sizes):
+        load_to(size, "load" if size == max(sizes) else f"load_{size}")
+        load_to(held + batch * batches, f"new_{size}")
+        walls, cpus = [], []
+        for _ in range(batches):
+            pick = ids[rng.integers(0, held, batch)]
+            w, c = _timed(lambda p=pick: store.upsert(p, values[: len(p)]))
+            walls.append(w)
+            cpus.append(c)
+        out[f"overwrite_{size}_rate"] = batch * batches / sum(walls)
+        out[f"overwrite_{size}_cpu_rate"] = batch * batches / max(sum(cpus), 1e-9)
+        out[f"overwrite_{size}_p50_ms"] = 1000 * statistics.median(walls)
+    assert len(store) == held
+    return out
+
+
+def run_store_bench(n: int, repeats: int) -> dict[str, float]:
+    """Median ms of the kernels through a ``SlotStore`` of n memories (1024 slots).
+
+    decay, reinforce of 100k Zipf ids, quality and top-100 over every slot, and over a
+    third of the slots (a worker's primaries: what it serves in the memory job).
+    """
+    from worker.store import SlotStore
+
+    rng = np.random.default_rng(2)
+    ids = np.unique(rng.integers(0, 2**64 - 1, n + n // 50, np.uint64, endpoint=True))
+    ids = rng.permutation(ids)[:n]
+    store = SlotStore(1024)
+    for a in range(0, n, 1_000_000):
+        store.upsert(ids[a : a + 1_000_000], rng.random(len(ids[a : a + 1_000_000]), np.float32))
+    hot = ids[(rng.zipf(1.2, K_REINFORCE) - 1) % n]
+    boosts = rng.random(K_REINFORCE, dtype=np.float32) * np.float32(0.001)
+    third = list(range(0, 1024, 3))
+    fns: dict[str, Callable[[], object]] = {
+        "decay": lambda: store.decay(1e-4),
+        f"reinforce {K_REINFORCE // 1000}k Zipf": lambda: store.reinforce(hot, boosts),
+        "quality": lambda: store.quality(),
+        f"top-{K_TOP}": lambda: store.topk(K_TOP),
+        "decay, 1/3 of slots": lambda: store.decay(1e-4, third),
+        "quality, 1/3 of slots": lambda: store.quality(third),
+        f"top-{K_TOP}, 1/3 of slots": lambda: store.topk(K_TOP, third),
+        "get 1 id": lambda: store.get(ids[:1]),
+    }
+    return _medians_ms(fns, repeats)
+
+
+def _run_tree(tree: str, what: str, arg: str) -> dict[str, float]:
+    """Run one bench in a fresh process that imports ``worker`` from ``tree``."""
+    code = (
+        "import json, sys, importlib.util\n"
+        f"sys.path.insert(0, {tree!r})\n"
+        f"spec = importlib.util.spec_from_file_location('bench', {__file__!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"print(json.dumps(m.{what}(*json.loads({arg!r}))))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": tree}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
+    )
+    if done.returncode:
+        raise RuntimeError(f"{tree}: {done.stderr[-2000:]}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def compare_trees(trees: list[str], rounds: int, n: int, sizes: tuple[int, ...]) -> str:
+    """Ingest and store kernels of each tree, interleaved over rounds; a Markdown table."""
+    runs: dict[str, list[dict[str, float]]] = {t: [] for t in trees}
+    for _ in range(rounds):
+        for tree in trees:
+            got = _run_tree(tree, "run_ingest_bench", json.dumps([list(sizes), INGEST_BATCH, 20]))
+            got.update(_run_tree(tree, "run_store_bench", json.dumps([n, 7])))
+            runs[tree].append(got)
+    names = [Path(t).name for t in trees]
+    lines = [
+        "| metric | "
+        + " | ".join(f"{x} (median of {rounds})" for x in names)
+        + f" | {names[-1]} / {names[0]} |",
+        "|---|" + "---:|" * (len(trees) + 1),
+    ]
+    for key in runs[trees[0]][0]:
+        med = [statistics.median(r[key] for r in runs[t]) for t in trees]
+        unit = "memories/s" if key.endswith("rate") else "ms"
+        cells = " | ".join(f"{m:,.0f}" if unit == "memories/s" else f"{m:.2f}" for m in med)
+        lines.append(f"| {key} ({unit}) | {cells} | {med[-1] / med[0]:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Command line: the kernel table, or ``--store`` trees compared."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("n", nargs="?", type=int, default=10_000_000, help="memories")
+    parser.add_argument("repeats", nargs="?", type=int, default=5)
+    parser.add_argument("--store", nargs="+", metavar="TREE", help="source trees to compare")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--store)")
+    parser.add_argument(
+        "--sizes", default="3300000,6700000", help="store sizes held for ingest (--store)"
+    )
+    args = parser.parse_args()
+    if args.store:
+        sizes = tuple(int(x) for x in args.sizes.split(","))
+        print(f"load average {os.getloadavg()} at start")
+        print(compare_trees(args.store, args.rounds, args.n, sizes))
+        print(f"load average {os.getloadavg()} at end")
+        return
+    print(f"n={args.n:,} repeats={args.repeats} numba threads={numba.get_num_threads()}")
+    print(format_table(run_kernel_bench(args.n, args.repeats)))
+
+
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000_000
-    repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    print(f"n={n:,} repeats={repeats} numba threads={numba.get_num_threads()}")
-    print(format_table(run_kernel_bench(n, repeats)))
+    main()

@@ -8,9 +8,10 @@ Not collected by pytest. Three parts, one Markdown table each, against the goals
    ``--kernel-repeats``. Goal: decay within 1.5x of the fused pass.
 2. a local cluster of 3 worker processes (+ coordinator) with 1M and 10M memories
    (``bench_cluster.run_cluster_bench``): iteration latency p50/p99 over ``--iterations``
-   iterations (reinforce 100k Zipf ids, decay, quality, top-100) and upsert/reinforce
-   throughput through the client, batches of 100k. Goals: iteration at 1M under 15 ms p50;
-   upsert and reinforce at >= 1M memories/s.
+   iterations (reinforce 100k Zipf ids, then decay, quality, top-100: one sweep call, or
+   three calls with ``--iteration separate``), CPU ms per phase summed over all processes,
+   and upsert/reinforce throughput through the client, batches of 100k. Goals: iteration at
+   1M under 15 ms p50; upsert and reinforce at >= 1M memories/s.
 3. the 1M iteration on Redis (``bench_redis.run_redis_bench``), skipped with a message when
    redis-server is missing. Goal: ours 10x faster.
 4. single-key latency (``bench_latency.run_latency_bench``): ``SyncClient.get`` of one id and
@@ -45,6 +46,13 @@ GOAL_DECAY_VS_FUSED = 1.5
 GOAL_ITERATION_MS = 15.0
 GOAL_RATE = 1_000_000.0
 GOAL_VS_REDIS = 10.0
+PHASE_NAMES = {
+    "reinforce": "reinforce 100k",
+    "decay": "decay",
+    "quality": "quality",
+    "topk": f"top-{TOP_K}",
+    "sweep": f"sweep (decay + quality + top-{TOP_K})",
+}
 
 
 def _load() -> str:
@@ -151,10 +159,12 @@ def cluster_section(results: list[ClusterResult]) -> str:
             it_vs_goal,
         ),
         _row("iteration p99, ms", ms("iteration", 99), ".1f"),
-        _row("  reinforce 100k p50, ms", ms("reinforce"), ".1f"),
-        _row("  decay p50, ms", ms("decay"), ".1f"),
-        _row("  quality p50, ms", ms("quality"), ".1f"),
-        _row("  top-100 p50, ms", ms("topk"), ".1f"),
+    ]
+    phases = list(results[0].phase_s)
+    lines += [_row(f"  {PHASE_NAMES[p]} p50, ms", ms(p), ".1f") for p in phases]
+    lines += [
+        _row(f"  CPU ms per {PHASE_NAMES[p]}, all processes", [r.cpu_ms(p) for r in results], ".1f")
+        for p in phases
     ]
     for name, values in rates.items():
         ok = all(v >= GOAL_RATE for v in values)
@@ -187,15 +197,15 @@ def redis_section(ours: ClusterResult, redis: RedisResult) -> str:
         "| phase | ours p50 ms | Redis p50 ms | Redis / ours |",
         "|---|---:|---:|---:|",
     ]
-    for name, what in (
-        ("reinforce 100k", "reinforce"),
-        ("decay", "decay"),
-        ("quality", "quality"),
-        ("top-100", "topk"),
-        ("iteration", "iteration"),
-    ):
-        a, b = ours.ms(what), redis.ms(what)
-        lines.append(f"| {name} | {a:.1f} | {b:.1f} | {b / a:.1f}x |")
+    for what in ours.phase_s:
+        a = ours.ms(what)
+        if what == "sweep":  # Redis does the three phases one after the other
+            b = sum(redis.ms(p) for p in ("decay", "quality", "topk"))
+        else:
+            b = redis.ms(what)
+        lines.append(f"| {PHASE_NAMES[what]} | {a:.1f} | {b:.1f} | {b / a:.1f}x |")
+    a, b = ours.ms("iteration"), redis.ms("iteration")
+    lines.append(f"| iteration | {a:.1f} | {b:.1f} | {b / a:.1f}x |")
     a, b = ours.ms("iteration", 99), redis.ms("iteration", 99)
     lines.append(f"| iteration p99 | {a:.1f} | {b:.1f} | {b / a:.1f}x |")
     speedup = redis.ms("iteration") / ours.ms("iteration")
@@ -249,6 +259,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--redis-n", type=int, default=1_000_000, help="memories in the Redis part")
     p.add_argument("--latency-n", type=int, default=100_000, help="memories, latency part")
     p.add_argument("--latency-rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument(
+        "--iteration",
+        choices=("sweep", "separate"),
+        default="sweep",
+        help="cluster iteration: decay + quality + top-k as one sweep call, or three calls",
+    )
     p.add_argument("--out", help="also write the report (Markdown) to this file")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -269,14 +285,16 @@ def main(argv: list[str] | None = None) -> None:
         for n in (int(s) for s in args.sizes.split(",")):
             t = time.perf_counter()
             its = args.iterations if n < 10_000_000 else args.iterations_10m
-            clusters.append(run_cluster_bench(n, iterations=its))
+            clusters.append(run_cluster_bench(n, iterations=its, iteration=args.iteration))
             print(f"cluster {n:,}: {time.perf_counter() - t:.0f} s, {_load()}", flush=True)
         emit(cluster_section(clusters))
         emit(f"_{_load()}_")
     if "redis" in parts:
         ours = next((r for r in clusters if r.memories == args.redis_n), None)
         if ours is None:
-            ours = run_cluster_bench(args.redis_n, iterations=args.iterations)
+            ours = run_cluster_bench(
+                args.redis_n, iterations=args.iterations, iteration=args.iteration
+            )
         redis = run_redis_bench(args.redis_n, iterations=args.redis_iterations)
         emit(redis_section(ours, redis))
         emit(f"_{_load()}_")

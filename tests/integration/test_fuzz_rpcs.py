@@ -457,6 +457,9 @@ def _make_safe(method: Method, raw: bytes, c: Cluster) -> bytes | None:
     elif name == "Decay":
         if _valid_rate(msg.rate):
             msg.rate = 0.0  # a no-op decay still runs every step (fan-out, seqs, replicas)
+    elif name == "Sweep":
+        if _valid_rate(msg.rate):
+            msg.rate = 0.0  # statistics and top-k only (a decay's path is Decay's)
     elif name in ("Upsert", "Delete", "Reinforce"):
         if np.isin(np.frombuffer(msg.ids[: len(msg.ids) // 8 * 8], "<u8"), KEPT_IDS).any():
             return None  # would write a loaded memory: legitimate, but not this test's to do

@@ -88,6 +88,19 @@ R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.Ser
         ("admin", C + "Decay", True),
         ("admin", C + "DrainWorker", True),
         ("admin", W + "DumpSlots", True),
+        ("reader", C + "ExportMemories", True),  # memory export
+        ("writer", C + "ExportMemories", True),
+        ("admin", C + "ExportMemories", True),
+        ("worker", C + "ExportMemories", False),
+        ("admin", C + "ForgetWorker", True),  # forget-worker: admin only
+        ("writer", C + "ForgetWorker", False),
+        ("reader", C + "ForgetWorker", False),
+        ("worker", C + "ForgetWorker", False),
+        ("admin", C + "Sweep", True),  # a sweep decays the whole store: admin, like Decay
+        ("writer", C + "Sweep", False),
+        ("reader", C + "Sweep", False),
+        ("worker", C + "Sweep", False),
+        ("worker", W + "Sweep", True),
         ("client", C + "GetJob", False),  # the old role is no role
         ("reader", "/grpc.health.v1.Health/Check", True),
         ("reader", R1A + "ServerReflectionInfo", True),

@@ -237,12 +237,13 @@ def test_read_frames_yields_only_intact_records(buf: bytes) -> None:
 
 def _snapshot_bytes() -> bytes:
     store = loaded_store()
+    ids, strengths = store.rows()
     state = fmt.SnapshotState(
         S,
         3,
         store.seq.copy(),
-        store.ids.copy(),
-        np.asarray(store.strength).copy(),
+        ids,
+        strengths,
         dict(store.payloads),
         [(b"rid", [1, 2]), (b"", [])],
     )
