@@ -140,14 +140,24 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportFailure(
         self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.ReportFailureResponse:
-        """A primary reports a replica it could not update.
+        """A primary reports a replica it could not update, or a client a worker it could not reach.
 
-        The replica's copies of the reported slots stop being trusted.
+        From a primary (a ``reporter`` named, and a worker token when auth is on) the
+        replica's copies of the reported slots stop being trusted and it is probed. From a
+        client (no ``reporter``, or a reader, writer or admin token) the worker is only
+        probed: DEAD at once if the probe fails, untouched if it answers.
 
         Raises:
             grpc.aio.AbortError: FAILED_PRECONDITION when the reporter is not the primary of
-                every reported slot; INVALID_ARGUMENT for a slot out of range.
+                every reported slot; INVALID_ARGUMENT for a slot out of range, or a client's
+                report without a worker.
         """
+        principal = current_principal()
+        if not request.reporter or (principal is not None and principal.role != "worker"):
+            if not request.worker:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: empty")
+            self._cluster.failures.suspect(request.worker, request.reason)
+            return coordinator_pb2.ReportFailureResponse()
         try:
             slots = as_slots(list(request.slots), self._cluster.cfg.slots).tolist()
             self._cluster.report_failure(request.reporter, request.worker, request.reason, slots)

@@ -1,4 +1,4 @@
-"""Failure detection: heartbeat timeouts, failure reports from primaries, and probes.
+"""Failure detection: heartbeat timeouts, failure reports, and probes.
 
 A worker is declared DEAD when its heartbeats stop for ``heartbeat_timeout_s`` (a sweep runs
 a few times per timeout), unless the coordinator itself was paused (a sweep woken more than
@@ -6,10 +6,11 @@ half a timeout late: a GC pause, CPU starvation, a suspended process): heartbeat
 process while paused are no evidence against a worker, so every live worker gets a fresh
 timeout instead (Cassandra's gossiper does the same: it marks no node down after a local
 pause, ``Gossiper.MAX_LOCAL_PAUSE_IN_MS``). Otherwise one pause longer than the timeout
-declares every worker DEAD at once. A worker is also declared DEAD at once when a primary
-reports it could not update the worker's copies and the worker then fails a health probe
-within ``probe_timeout_s``. Either way the coordinator re-plans (``on_dead``), so the dead
-worker's slots fail over.
+declares every worker DEAD at once. A worker is also declared DEAD at once when it fails a
+health probe within ``probe_timeout_s`` after a report: a primary's that it could not update
+the worker's copies (``report_failure``), or a client's that it could not reach the worker
+(``suspect``). A report alone never kills a worker: only the probe that follows it can.
+Either way the coordinator re-plans (``on_dead``), so the dead worker's slots fail over.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class FailureDetector:
         self._probe_timeout_s = probe_timeout_s
         self._on_dead = on_dead
         self._probing: set[str] = set()
+        self.probes_total = 0  # probes started (tests and logs)
 
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
@@ -98,24 +100,52 @@ class FailureDetector:
                 f"{reporter} is not the primary of slot {orphaned[0]} at epoch "
                 f"{current.epoch}; its write there is not acknowledged"
             )
-        self._rebalancer.distrust(worker, chosen)
+        # A new probe re-plans when it ends, for the lost copies and, if the worker is dead,
+        # its other slots too (a pass started now would plan with it still alive); with a
+        # probe already running (maybe past its re-plan), re-plan now.
+        self._rebalancer.distrust(worker, chosen, replan=worker in self._probing)
+        self._probe_soon(worker)
+
+    def suspect(self, worker: str, reason: str) -> None:
+        """Probe a worker a client could not reach; DEAD at once if the probe fails too.
+
+        Nothing else changes: its copies stay trusted, and a worker that answers the probe
+        stays ALIVE whatever the report said. Reports of a worker already being probed, or
+        not ALIVE, or unknown, add nothing.
+
+        Args:
+            worker: the worker reported.
+            reason: why the reporter thinks it is down, for the log.
+        """
+        rec = self._membership.get(worker)
+        if rec is None or rec.state is not WorkerState.ALIVE or worker in self._probing:
+            return
+        log.info("worker_suspected", worker=worker, reason=reason)
+        self._probe_soon(worker)
+
+    def _probe_soon(self, worker: str) -> None:
+        """Start a probe of ``worker`` unless one is running."""
         if worker not in self._probing:
             self._probing.add(worker)
+            self.probes_total += 1
             task = asyncio.get_running_loop().create_task(self._probe(worker))
             task.add_done_callback(lambda _t: self._probing.discard(worker))
 
     async def _probe(self, name: str) -> None:
-        """Ask a worker reported unreachable for its health at once.
+        """Ask a worker reported unreachable for its health at once, then re-plan.
 
         If it does not answer within ``probe_timeout_s`` it is declared DEAD now rather than
         after the heartbeat timeout, so its slots fail over in milliseconds instead of seconds.
+        If it answers, the rebalancer re-plans for the copies a report distrusted.
         """
         rec = self._membership.get(name)
         if rec is None or rec.state is not WorkerState.ALIVE:
+            self._rebalancer.trigger()
             return
         stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
         try:
             await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
+            self._rebalancer.trigger()
             return
         except Exception as exc:
             reason = rpc.error_message(exc)
@@ -124,6 +154,8 @@ class FailureDetector:
                 "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"
             )
             self._on_dead()
+        else:
+            self._rebalancer.trigger()
 
     async def run(self) -> None:
         """Sweep for silent workers a few times per heartbeat timeout; runs until cancelled.

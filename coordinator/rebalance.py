@@ -34,6 +34,17 @@ from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.rebalance")
 
+# Memories one CopySlots request carries, about. The source holds its writes to the copied
+# slots while it snapshots and sends them and the target imports them (at 10M memories, 64
+# slots per request held every write ~0.5 s), but each request also costs the target a pass
+# over its whole store, so requests should not be much smaller either.
+COPY_CHUNK_MEMORIES = 131_072
+# After each copy request, wait this many times as long as it took before the next one of
+# the pair, so the writes held back by the copy get through (Ceph's osd_recovery_sleep does
+# the same): writes run at least 1 / (1 + 1 / ratio) of the time; the copy takes 1 + ratio
+# times as long.
+COPY_PAUSE_RATIO = 1.5
+
 
 class Rebalancer:
     """Owns the published slot map and moves the cluster toward rendezvous placement."""
@@ -90,14 +101,21 @@ class Rebalancer:
         self._save()
         self.trigger()
 
-    def distrust(self, name: str, slots: list[int] | None = None) -> None:
+    def distrust(self, name: str, slots: list[int] | None = None, replan: bool = True) -> None:
         """Stop treating ``name``'s copies of ``slots`` (None: all) as data, and re-plan.
 
         The change is saved before returning.
+
+        Args:
+            name: the worker.
+            slots: its copies concerned; None for all.
+            replan: re-plan now; False when the caller triggers it later (e.g. once a
+                probe decided whether the worker is dead, so one pass plans for both).
         """
         self.trust.distrust(name, slots)
         self._save()
-        self.trigger()
+        if replan:
+            self.trigger()
 
     def _save(self) -> None:
         if self.persist is not None:
@@ -120,7 +138,8 @@ class Rebalancer:
                 self._wake.set()
             except Exception as exc:  # a worker died mid-way: plan again from the new state
                 log.warning("rebalance_failed", error=f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(0.2)
+                if not self._wake.is_set():  # nothing new (e.g. a death) to plan with yet
+                    await asyncio.sleep(0.2)
                 self._wake.set()
             else:
                 if not self._wake.is_set():
@@ -225,20 +244,53 @@ class Rebalancer:
         return True
 
     async def _copy(self, copies: dict[tuple[str, str], list[int]]) -> int:
+        """Copy each (source, target) pair's slots, pairs at once, chunks in turn.
+
+        A pair's slots go in requests of about ``COPY_CHUNK_MEMORIES`` memories (by the
+        source's last reported count per slot held), with a pause of ``COPY_PAUSE_RATIO``
+        times a request's duration after it, so the writes the source holds while it sends
+        a chunk wait one chunk at most and then get through, rather than stalling for the
+        whole copy.
+
+        Returns:
+            Memories copied.
+        """
+
         async def one(src: str, dst: str, slots: list[int]) -> int:
             s, d = self._membership.get(src), self._membership.get(dst)
             if s is None or d is None:
                 raise RuntimeError(f"copy {src} -> {dst}: worker unknown")
-            reply = await self._clients.stub(src, s.address).CopySlots(
-                worker_pb2.CopySlotsRequest(
-                    epoch=self.current.epoch, slots=slots, target=dst, target_address=d.address
-                ),
-                timeout=max(self._timeout_s, 60.0),
-            )
-            return int(reply.memories)
+            copied, per = 0, self._slots_per_copy(src, s.memories)
+            loop, took_s = asyncio.get_running_loop(), 0.0
+            for i in range(0, len(slots), per):
+                await asyncio.sleep(took_s * COPY_PAUSE_RATIO)
+                t0 = loop.time()
+                reply = await self._clients.stub(src, s.address).CopySlots(
+                    worker_pb2.CopySlotsRequest(
+                        epoch=self.current.epoch,
+                        slots=slots[i : i + per],
+                        target=dst,
+                        target_address=d.address,
+                    ),
+                    timeout=max(self._timeout_s, 60.0),
+                )
+                copied += int(reply.memories)
+                took_s = loop.time() - t0
+            return copied
 
         counts = await asyncio.gather(*(one(s, d, sl) for (s, d), sl in copies.items()))
         return sum(counts)
+
+    def _slots_per_copy(self, src: str, memories: int) -> int:
+        """Slots per CopySlots request from ``src``: ~``COPY_CHUNK_MEMORIES`` memories.
+
+        Args:
+            src: the source worker.
+            memories: the memories it last reported holding (primary and replica copies).
+        """
+        primary, replica = self.current.counts().get(src, (0, 0))
+        per_slot = memories / max(primary + replica, 1)
+        return max(1, int(COPY_CHUNK_MEMORIES / max(per_slot, 1.0)))
 
     async def _publish(self, new: SlotMap) -> None:
         """Bump the epoch and push the map to the live workers; caller holds ``map_lock``.

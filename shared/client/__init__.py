@@ -36,7 +36,8 @@ from shared.client.datasets import (
     put_file,
     upload_timeout_s,
 )
-from shared.client.memory import MemoryRouter, RoutingError
+from shared.client.direct import DirectFailed, DirectPath
+from shared.client.memory import MemoryRouter, Progress, RoutingError, get_result
 from shared.client.store_io import (
     ExportProgress,
     ExportStreamError,
@@ -53,8 +54,8 @@ from shared.memory.validation import (
     validate_reinforce,
     validate_upsert,
 )
-from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from shared.rpc.codec import f32_from_bytes, ids_from_bytes
+from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc, worker_pb2
+from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.security.transport import ChannelSecurity, explain_unavailable
 
 DEFAULT_ADDRESS = "localhost:50051"
@@ -106,6 +107,39 @@ def _error(
     else:
         msg = exc.details() or code.name
     return NeuroshardError(msg, code)
+
+
+def _checked_upsert(
+    ids: npt.ArrayLike,
+    strengths: npt.ArrayLike,
+    payloads: Sequence[bytes] | None,
+    limit: int,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32], list[bytes] | None]:
+    """Validate an upsert as ``Client.upsert`` takes it; return what the router sends.
+
+    Args:
+        ids: [N] integers >= 0.
+        strengths: [N] in [0, 1].
+        payloads: None, or N bytes.
+        limit: the cluster's ``max_payload_bytes``.
+
+    Returns:
+        ids [N] uint64, strengths [N] float32, and N payloads as bytes (or None).
+
+    Raises:
+        NeuroshardError: INVALID_ARGUMENT naming the field and index.
+    """
+    with _refused_input():
+        ids_N, strengths_N, checked = validate_upsert(ids, strengths, payloads, limit)
+    if checked is not None and None in checked:
+        # The wire has no "leave this payload alone" per item: b"" removes a payload.
+        i = checked.index(None)
+        raise NeuroshardError(
+            f"payloads[{i}]: None; pass b'' to remove a payload, or payloads=None to "
+            "leave every payload alone",
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+    return ids_N, strengths_N, None if checked is None else [bytes(p or b"") for p in checked]
 
 
 @dataclass
@@ -431,6 +465,7 @@ class Client:
         ids: npt.ArrayLike,
         strengths: npt.ArrayLike,
         payloads: Sequence[bytes] | None = None,
+        progress: Progress | None = None,
     ) -> int:
         """Insert or overwrite memories; acknowledged once both copies applied them.
 
@@ -439,6 +474,9 @@ class Client:
             strengths: [N] float32 in [0, 1].
             payloads: None, or [N] bytes (b"" removes a payload), each at most the
                 cluster's ``max_payload_bytes``.
+            progress: called with the number of items of each part of the batch as its
+                primary acknowledges it (both copies applied it), while other parts may
+                still wait, e.g. for the failover of a dead worker; the calls add up to N.
 
         Returns:
             Distinct ids written.
@@ -448,25 +486,18 @@ class Client:
                 UNAVAILABLE when the batch could not be delivered.
         """
         limit = await self._payload_limit()
-        with _refused_input():
-            ids, strengths, checked = validate_upsert(ids, strengths, payloads, limit)
-        if checked is not None and None in checked:
-            # The wire has no "leave this payload alone" per item: b"" removes a payload.
-            i = checked.index(None)
-            raise NeuroshardError(
-                f"payloads[{i}]: None; pass b'' to remove a payload, or payloads=None to "
-                "leave every payload alone",
-                grpc.StatusCode.INVALID_ARGUMENT,
-            )
-        plain = None if checked is None else [bytes(p or b"") for p in checked]
-        return int(await self._routed(self._router.upsert(ids, strengths, plain)))
+        ids, strengths, plain = _checked_upsert(ids, strengths, payloads, limit)
+        return int(await self._routed(self._router.upsert(ids, strengths, plain, None, progress)))
 
-    async def reinforce(self, ids: npt.ArrayLike, boosts: npt.ArrayLike) -> int:
+    async def reinforce(
+        self, ids: npt.ArrayLike, boosts: npt.ArrayLike, progress: Progress | None = None
+    ) -> int:
         """Add boosts to the strengths of stored memories, then clip them to [0, 1].
 
         Args:
             ids: [N] uint64 (any integer array of non-negative values); duplicates add up.
             boosts: [N] float32, finite and >= 0.
+            progress: as ``upsert``.
 
         Returns:
             Ids found (unknown ids are skipped).
@@ -477,20 +508,21 @@ class Client:
         """
         with _refused_input():
             ids, boosts = validate_reinforce(ids, boosts)
-        return int(await self._routed(self._router.reinforce(ids, boosts)))
+        return int(await self._routed(self._router.reinforce(ids, boosts, None, progress)))
 
-    async def delete(self, ids: npt.ArrayLike) -> int:
+    async def delete(self, ids: npt.ArrayLike, progress: Progress | None = None) -> int:
         """Delete memories from both copies; return how many existed.
 
         Args:
             ids: [N] uint64 (any integer array of non-negative values).
+            progress: as ``upsert``.
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); UNAVAILABLE.
         """
         with _refused_input():
             ids = as_ids(ids)
-        return int(await self._routed(self._router.delete(ids)))
+        return int(await self._routed(self._router.delete(ids, None, progress)))
 
     async def get(
         self, ids: npt.ArrayLike, with_payloads: bool = False
@@ -741,6 +773,11 @@ class SyncClient:
 
     It runs its own event loop (``asyncio.Runner``), so it cannot be used from inside a
     running loop; use ``Client`` there. Each method is documented on ``Client``.
+
+    A keyed request whose ids all have one primary in the cached slot map (any single id)
+    is sent on a blocking channel from the calling thread (``shared.client.direct``), which
+    saves the event loop's turn around the round trip; on a stale map or a failover it is
+    sent again the async way, with the same request id.
     """
 
     def __init__(
@@ -752,6 +789,7 @@ class SyncClient:
         """Start the event loop and a ``Client(address, timeout_s, security=security)``."""
         self._runner = asyncio.Runner()
         self._client = self._runner.run(self._make(address, timeout_s, security))
+        self._direct = DirectPath(self._client._max_message_bytes, security)
 
     @staticmethod
     async def _make(
@@ -773,8 +811,32 @@ class SyncClient:
 
     def close(self) -> None:
         """Close the channels and the event loop."""
+        self._direct.close()
         self._runner.run(self._client.close())
         self._runner.close()
+
+    def _direct_call(self, ids: npt.NDArray[np.uint64], send: Callable[..., T]) -> T | None:
+        """Send a request for ``ids`` on the direct path when one primary holds them all.
+
+        Args:
+            ids: [N] uint64, validated.
+            send: ``send(stub, epoch, metadata)`` makes the blocking call.
+
+        Returns:
+            The reply; None when the async router must take the request (no cached map,
+            several primaries, or a status it retries).
+
+        Raises:
+            NeuroshardError: the worker refused the request (a status not retried).
+        """
+        m = self._client._router.cached_map
+        w = self._direct.owner(m, ids)
+        if m is None or w is None:
+            return None
+        try:
+            return self._direct.call(m, w, send)
+        except DirectFailed as exc:
+            raise NeuroshardError(str(exc), exc.code) from None
 
     def __getattr__(self, name: str) -> Any:
         """Reach the rest of ``Client``: attributes as they are, coroutines run to the end."""
@@ -845,21 +907,92 @@ class SyncClient:
         payloads: Sequence[bytes] | None = None,
     ) -> int:
         """Insert or overwrite memories; return distinct ids written (see ``Client.upsert``)."""
-        return self._run(self._client.upsert(ids, strengths, payloads))
+        m = self._client._router.cached_map
+        if m is None:  # the first call fetches the map (and its payload limit)
+            return self._run(self._client.upsert(ids, strengths, payloads))
+        ids_N, strengths_N, plain = _checked_upsert(ids, strengths, payloads, m.max_payload_bytes)
+        rid = uuid.uuid4().bytes
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Upsert(
+                worker_pb2.UpsertRequest(
+                    epoch=epoch,
+                    request_id=rid,
+                    ids=ids_to_bytes(ids_N),
+                    strengths=f32_to_bytes(strengths_N),
+                    payloads=plain or [],
+                ),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is not None:
+            return int(reply.applied)
+        router = self._client._router
+        return int(self._run(self._client._routed(router.upsert(ids_N, strengths_N, plain, rid))))
 
     def reinforce(self, ids: npt.ArrayLike, boosts: npt.ArrayLike) -> int:
         """Add boosts to stored strengths; return ids found (see ``Client.reinforce``)."""
-        return self._run(self._client.reinforce(ids, boosts))
+        with _refused_input():
+            ids_N, boosts_N = validate_reinforce(ids, boosts)
+        rid = uuid.uuid4().bytes
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Reinforce(
+                worker_pb2.ReinforceRequest(
+                    epoch=epoch,
+                    request_id=rid,
+                    ids=ids_to_bytes(ids_N),
+                    boosts=f32_to_bytes(boosts_N),
+                ),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is not None:
+            return int(reply.applied)
+        router = self._client._router
+        return int(self._run(self._client._routed(router.reinforce(ids_N, boosts_N, rid))))
 
     def delete(self, ids: npt.ArrayLike) -> int:
         """Delete memories; return how many existed (see ``Client.delete``)."""
-        return self._run(self._client.delete(ids))
+        with _refused_input():
+            ids_N = as_ids(ids)
+        rid = uuid.uuid4().bytes
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Delete(
+                worker_pb2.DeleteRequest(epoch=epoch, request_id=rid, ids=ids_to_bytes(ids_N)),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is not None:
+            return int(reply.applied)
+        return int(self._run(self._client._routed(self._client._router.delete(ids_N, rid))))
 
     def get(
         self, ids: npt.ArrayLike, with_payloads: bool = False
     ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
         """Read memories: found, strengths, payloads (see ``Client.get``)."""
-        return self._run(self._client.get(ids, with_payloads))
+        with _refused_input():
+            ids_N = as_ids(ids)
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Get(
+                worker_pb2.GetRequest(
+                    epoch=epoch, ids=ids_to_bytes(ids_N), with_payloads=with_payloads
+                ),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is None:
+            return self._run(self._client.get(ids_N, with_payloads))
+        try:
+            return get_result(len(ids_N), [(np.arange(len(ids_N)), reply)], with_payloads)
+        except RoutingError as exc:
+            raise NeuroshardError(str(exc), exc.code) from None
 
     def decay(self, rate: float, op_id: bytes | None = None) -> int:
         """Decay every memory by ``rate`` once; return memories decayed (see ``Client.decay``)."""

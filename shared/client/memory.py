@@ -3,7 +3,10 @@
 Keyed operations (upsert, get, delete, reinforce) are validated whole (a refused batch sends
 nothing), split stably by primary worker with the cached slot map, sent concurrently, and
 the parts a worker refuses because of a stale map (FAILED_PRECONDITION), a failover
-(UNAVAILABLE) or an ordering conflict (ABORTED) are retried after refreshing the map.
+(UNAVAILABLE) or an ordering conflict (ABORTED) are retried after refreshing the map. Only
+the failed parts wait: the others are acknowledged as their workers answer (``progress``),
+and a worker that could not be reached is reported to the coordinator, which probes it and
+fails its slots over at once if it is down (instead of after the heartbeat timeout).
 Bulk operations (decay, quality, top-k) go to the coordinator, which fans them out.
 
 Shape letters: N batch items, n items of one part (one worker's share of a batch).
@@ -22,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 from grpc import aio
 
+from shared.client.reports import FailureReports, Reporter
 from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
 from shared.proto import (
     common_pb2,
@@ -52,6 +56,11 @@ Send: TypeAlias = Callable[
 ]
 # Where the router gets the current slot map from
 SlotMapSource: TypeAlias = Callable[[], Awaitable[common_pb2.SlotMap]]
+# Called with the number of batch items of each part as its worker acknowledges it
+Progress: TypeAlias = Callable[[int], None]
+
+# Statuses of a worker that may be down: reported to the coordinator, which probes it
+_SUSPECT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class RoutingError(RuntimeError):
@@ -74,6 +83,8 @@ class MemoryRouter:
     The map is fetched on first use and refreshed whenever a part of a batch fails with a
     retryable status (a stale epoch, a failover, a fence). Every part of a batch, and every
     retry of it, carries the batch's request id, so a worker applies a write at most once.
+    A part that failed is sent again at once when the refreshed map has a new epoch (the
+    failover happened), after a jittered backoff otherwise.
     """
 
     def __init__(
@@ -83,6 +94,7 @@ class MemoryRouter:
         max_message_bytes: int,
         retry_budget_s: float = 30.0,
         security: ChannelSecurity | None = None,
+        report: Reporter | None = None,
     ) -> None:
         """Route with maps from the coordinator.
 
@@ -93,6 +105,9 @@ class MemoryRouter:
             max_message_bytes: message limit of the worker channels, bytes.
             retry_budget_s: how long a batch is retried before ``RoutingError``, seconds.
             security: TLS and token of the worker channels; None is plaintext.
+            report: tells the coordinator a worker could not be reached; default with a
+                coordinator stub: its ``ReportFailure`` (with no reporter: a suspicion the
+                coordinator checks with a probe); None with a map source: no reports.
         """
         if isinstance(coordinator, coordinator_pb2_grpc.CoordinatorStub):
             stub = coordinator
@@ -100,16 +115,29 @@ class MemoryRouter:
             async def fetch() -> common_pb2.SlotMap:
                 return await stub.GetSlotMap(coordinator_pb2.GetSlotMapRequest(), timeout=timeout_s)
 
-            coordinator = fetch
+            async def suspect(worker: str, reason: str) -> object:
+                return await stub.ReportFailure(
+                    coordinator_pb2.ReportFailureRequest(worker=worker, reason=reason),
+                    timeout=timeout_s,
+                )
+
+            coordinator, report = fetch, report or suspect
         self._fetch_map: SlotMapSource = coordinator
+        self._reports = FailureReports(report)
         self._timeout_s = timeout_s
         self._workers = WorkerClients(max_message_bytes, security)
         self._map: common_pb2.SlotMap | None = None
         self._retry_budget_s = retry_budget_s
 
     async def close(self) -> None:
-        """Close the channels to the workers."""
+        """Close the channels to the workers; reports still in flight are dropped."""
+        self._reports.cancel()
         await self._workers.close()
+
+    @property
+    def cached_map(self) -> common_pb2.SlotMap | None:
+        """The slot map routed with now, without fetching one (None before the first)."""
+        return self._map
 
     async def slot_map(self, refresh: bool = False) -> common_pb2.SlotMap:
         """Return the cached slot map, fetching it first when there is none or ``refresh``.
@@ -129,17 +157,20 @@ class MemoryRouter:
         return self._map
 
     async def route(
-        self, ids: npt.NDArray[np.uint64], call: Call[Reply]
+        self, ids: npt.NDArray[np.uint64], call: Call[Reply], progress: Progress | None = None
     ) -> list[tuple[Positions, Reply]]:
         """Deliver every position of ``ids`` to its slot's primary, retrying failed parts.
 
         Parts that fail with FAILED_PRECONDITION, UNAVAILABLE, ABORTED or DEADLINE_EXCEEDED
-        are retried after a map refresh, with jittered exponential backoff (20 ms doubling to
-        500 ms), until ``retry_budget_s`` has passed.
+        are retried after a map refresh: at once when the refreshed map has a new epoch,
+        else with jittered exponential backoff (20 ms doubling to 500 ms), until
+        ``retry_budget_s`` has passed. The other parts are not sent again.
 
         Args:
             ids: [N] uint64 the batch's ids (their slots choose the workers).
             call: sends one part: ``call(stub, epoch, positions)``.
+            progress: called with the size of each part as soon as its worker answered it,
+                while other parts may still be waiting (e.g. for a failover).
 
         Returns:
             ``(positions [n] int64, reply)`` for each delivered part; the positions of all
@@ -153,19 +184,24 @@ class MemoryRouter:
         deadline = loop.time() + self._retry_budget_s
         pending = np.arange(len(ids), dtype=np.int64)
         done: list[tuple[Positions, Reply]] = []
-        backoff_s, refresh = 0.02, False
+        backoff_s = 0.02
+        m = await self.slot_map()
         while len(pending):
-            m = await self.slot_map(refresh)
-            failed, last = await self._send_once(m, ids, pending, call, done)
+            failed, last = await self._send_once(m, ids, pending, call, done, progress)
             if not len(failed):
                 return done
             if loop.time() > deadline:
                 raise RoutingError(
                     f"{len(failed)} of {len(ids)} items not delivered: {last[1]}", last[0]
                 )
-            pending, refresh = failed, True
+            pending, sent_epoch = failed, m.epoch
+            m = await self.slot_map(refresh=True)
+            if m.epoch != sent_epoch:
+                backoff_s = 0.02  # the map moved on (e.g. a failover): send again now
+                continue
             await asyncio.sleep(backoff_s * random.uniform(0.5, 1.5))
             backoff_s = min(backoff_s * 2, 0.5)
+            m = await self.slot_map(refresh=True)
         return done
 
     async def _send_once(
@@ -175,10 +211,12 @@ class MemoryRouter:
         pending: Positions,
         call: Call[Reply],
         done: list[tuple[Positions, Reply]],
+        progress: Progress | None = None,
     ) -> tuple[Positions, tuple[grpc.StatusCode, str]]:
         """Send each pending position once to its primary by map ``m``.
 
-        Delivered parts are appended to ``done``.
+        Delivered parts are appended to ``done`` (and told to ``progress`` as they arrive);
+        workers that look down are reported (``FailureReports``).
 
         Returns:
             The positions to retry, and the last retryable status and details seen.
@@ -194,6 +232,7 @@ class MemoryRouter:
         owners = np.flatnonzero(np.bincount(owner + 1)) - 1
         parts = [pending[np.flatnonzero(owner == w)] for w in owners.tolist()]
         calls: list[Awaitable[Reply]] = []
+        names: list[str] = []
         if m.max_batch_items:  # workers refuse larger requests (INVALID_ARGUMENT)
             owners, parts = split_parts(
                 owners, parts, m.max_batch_items, lambda p: slot_of(ids[p], m.slots)
@@ -201,16 +240,20 @@ class MemoryRouter:
         for w, part in zip(owners.tolist(), parts, strict=True):
             if w < 0:
                 calls.append(_unassigned())
+                names.append("")
             else:
                 stub = self._workers.stub(m.workers[w], m.addresses[w])
-                calls.append(call(stub, m.epoch, part))
+                calls.append(_told(call(stub, m.epoch, part), len(part), progress))
+                names.append(m.workers[w])
         results = await asyncio.gather(*calls, return_exceptions=True)
         failed: list[Positions] = []
         last = (grpc.StatusCode.OK, "")
-        for part, r in zip(parts, results, strict=True):
+        for part, name, r in zip(parts, names, results, strict=True):
             if isinstance(r, aio.AioRpcError) and r.code() in _RETRY:
                 failed.append(part)
                 last = (r.code(), r.details() or r.code().name)
+                if name and r.code() in _SUSPECT:
+                    self._reports.suspect(name, last[1])
             elif isinstance(r, aio.AioRpcError):
                 raise RoutingError(r.details() or r.code().name, r.code())
             elif isinstance(r, BaseException):
@@ -221,7 +264,13 @@ class MemoryRouter:
 
     # -- keyed operations -------------------------------------------------------------------
 
-    async def _write(self, ids: npt.NDArray[np.uint64], send: Send, rid: bytes = b"") -> int:
+    async def _write(
+        self,
+        ids: npt.NDArray[np.uint64],
+        send: Send,
+        request_id: bytes | None,
+        progress: Progress | None,
+    ) -> int:
         """Route a keyed write of ``ids`` with ``send``; return the sum of ``applied``.
 
         One request id serves every part and every retry of the batch: workers dedup by it,
@@ -230,25 +279,29 @@ class MemoryRouter:
         Args:
             ids: [N] uint64.
             send: sends one part.
-            rid: the request id; empty: a new random one.
+            request_id: the batch's request id, when a first try already used one (the
+                blocking client's direct call); None: a new random one.
+            progress: as ``route``.
 
         Raises:
             RoutingError: as ``route``.
         """
-        rid = rid or uuid.uuid4().bytes
+        rid = request_id or uuid.uuid4().bytes
 
         async def call(
             stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
         ) -> worker_pb2.WriteResponse:
             return await send(stub, epoch, rid, idx)
 
-        return sum(int(r.applied) for _, r in await self.route(ids, call))
+        return sum(int(r.applied) for _, r in await self.route(ids, call, progress))
 
     async def upsert(
         self,
         ids: npt.NDArray[np.uint64],
         strengths: npt.NDArray[np.float32],
         payloads: list[bytes] | None,
+        request_id: bytes | None = None,
+        progress: Progress | None = None,
     ) -> int:
         """Upsert a validated batch; return the distinct ids written.
 
@@ -256,6 +309,9 @@ class MemoryRouter:
             ids: [N] uint64.
             strengths: [N] float32 in [0, 1].
             payloads: N payloads (b"" removes one), or None to leave payloads alone.
+            request_id: the write's id (a caller re-sending it after a crash passes the
+                same one: slots that applied it skip it); None: a new random one.
+            progress: as ``route``.
 
         Raises:
             RoutingError: as ``route``.
@@ -275,21 +331,22 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return await self._write(ids, send)
+        return await self._write(ids, send, request_id, progress)
 
     async def reinforce(
         self,
         ids: npt.NDArray[np.uint64],
         boosts: npt.NDArray[np.float32],
-        request_id: bytes = b"",
+        request_id: bytes | None = None,
+        progress: Progress | None = None,
     ) -> int:
         """Reinforce with a validated batch; return the ids found.
 
         Args:
             ids: [N] uint64; duplicates add their boosts.
             boosts: [N] float32, finite and >= 0.
-            request_id: the write's id (a caller re-sending it after a crash passes the
-                same one: slots that applied it skip it); empty: a new random one.
+            request_id: as ``_write``.
+            progress: as ``route``.
 
         Raises:
             RoutingError: as ``route``.
@@ -308,13 +365,20 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return await self._write(ids, send, request_id)
+        return await self._write(ids, send, request_id, progress)
 
-    async def delete(self, ids: npt.NDArray[np.uint64]) -> int:
+    async def delete(
+        self,
+        ids: npt.NDArray[np.uint64],
+        request_id: bytes | None = None,
+        progress: Progress | None = None,
+    ) -> int:
         """Delete memories; return how many existed.
 
         Args:
             ids: [N] uint64.
+            request_id: as ``_write``.
+            progress: as ``route``.
 
         Raises:
             RoutingError: as ``route``.
@@ -328,7 +392,7 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return await self._write(ids, send)
+        return await self._write(ids, send, request_id, progress)
 
     async def get(
         self, ids: npt.NDArray[np.uint64], with_payloads: bool
@@ -357,17 +421,37 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        found = np.zeros(len(ids), bool)
-        strengths = np.zeros(len(ids), np.float32)
-        payloads: list[bytes | None] = [None] * len(ids)
-        for idx, r in await self.route(ids, call):
-            f, s = _get_reply(r, len(idx), with_payloads)
-            found[idx] = f
-            strengths[idx] = s
-            if with_payloads:
-                for i, p, ok in zip(idx.tolist(), r.payloads, f.tolist(), strict=True):
-                    payloads[i] = p if ok and p else None
-        return found, strengths, payloads
+        return get_result(len(ids), await self.route(ids, call), with_payloads)
+
+
+def get_result(
+    n: int, parts: list[tuple[Positions, worker_pb2.GetResponse]], with_payloads: bool
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
+    """Put the workers' Get replies of a batch of n ids back in batch order.
+
+    Args:
+        n: the batch's size.
+        parts: ``(positions [n'] int64, reply)`` per worker; all positions are ``0..n-1``.
+        with_payloads: the payloads were asked for.
+
+    Returns:
+        found [n] bool, strengths [n] float32 (0 where missing), and n payloads (None where
+        missing, empty, or not asked for).
+
+    Raises:
+        RoutingError: a malformed reply (INTERNAL).
+    """
+    found = np.zeros(n, bool)
+    strengths = np.zeros(n, np.float32)
+    payloads: list[bytes | None] = [None] * n
+    for idx, r in parts:
+        f, s = _get_reply(r, len(idx), with_payloads)
+        found[idx] = f
+        strengths[idx] = s
+        if with_payloads:
+            for i, p, ok in zip(idx.tolist(), r.payloads, f.tolist(), strict=True):
+                payloads[i] = p if ok and p else None
+    return found, strengths, payloads
 
 
 def _get_reply(
@@ -392,6 +476,14 @@ def _get_reply(
     return np.frombuffer(r.found, np.uint8).astype(bool), s
 
 
+async def _told(call: Awaitable[Reply], n: int, progress: Progress | None) -> Reply:
+    """Await one part's call; on success tell ``progress`` its ``n`` items arrived."""
+    reply = await call
+    if progress is not None:
+        progress(n)
+    return reply
+
+
 async def _unassigned() -> NoReturn:
     """Fail like a call to a worker that is down: the slot has no primary in this map."""
     raise aio.AioRpcError(
@@ -402,4 +494,4 @@ async def _unassigned() -> NoReturn:
     )
 
 
-__all__ = ["MemoryRouter", "RoutingError", "ids_from_bytes"]
+__all__ = ["MemoryRouter", "Progress", "RoutingError", "get_result", "ids_from_bytes"]

@@ -3,7 +3,9 @@
 Roles and what they may call (the gRPC health service is open to all, without a token):
 
 - ``reader``: Coordinator GetJob, ListJobs, WatchJob, GetClusterStatus, GetSlotMap, Quality,
-  TopK, ListDatasets, ExportMemories (``neuroshard memory export``); Worker Get.
+  TopK, ListDatasets, ExportMemories (``neuroshard memory export``), ReportFailure (a
+  client's report of a worker it could not reach: the coordinator only probes that
+  worker); Worker Get.
 - ``writer``: what ``reader`` may, and Coordinator SubmitJob, CancelJob, PutDataset; Worker
   Upsert, Reinforce, Delete.
 - ``admin``: everything, e.g. Coordinator Decay and Sweep of the whole store, DrainWorker of
@@ -52,6 +54,7 @@ _READER_COORDINATOR = frozenset(
         "Quality",
         "TopK",
         "ListDatasets",
+        "ReportFailure",  # from a person's token: a suspicion, checked by a probe
         "ExportMemories",
     }
 )

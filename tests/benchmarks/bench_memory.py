@@ -14,6 +14,9 @@ Not collected by pytest. Three parts, one Markdown table each, against the goals
    1M under 15 ms p50; upsert and reinforce at >= 1M memories/s.
 3. the 1M iteration on Redis (``bench_redis.run_redis_bench``), skipped with a message when
    redis-server is missing. Goal: ours 10x faster.
+4. single-key latency (``bench_latency.run_latency_bench``): ``SyncClient.get`` of one id and
+   a one-id upsert beside Redis GET and SET, interleaved, p50/p99 and CPU per operation.
+   Goals (issue 12): get p50 <= 1 ms, upsert p50 <= 3 ms.
 
 The load average is printed before and after each part: on a shared machine, numbers taken
 at a load above the core count are contaminated and should be re-run.
@@ -35,6 +38,7 @@ import numpy as np
 from tests.benchmarks.bench_cluster import TOP_K, ClusterResult, run_cluster_bench
 from tests.benchmarks.bench_kernels import _row as _kernel_row
 from tests.benchmarks.bench_kernels import format_table, run_kernel_bench, topk_numba
+from tests.benchmarks.bench_latency import latency_section, run_latency_bench
 from tests.benchmarks.bench_redis import RedisResult, run_redis_bench
 from worker import kernels
 
@@ -245,7 +249,7 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="kernels,cluster,redis")
+    p.add_argument("--parts", default="kernels,cluster,redis,latency")
     p.add_argument("--sizes", default="1000000,10000000", help="cluster sizes, memories")
     p.add_argument("--kernel-n", type=int, default=10_000_000)
     p.add_argument("--kernel-repeats", type=int, default=7)
@@ -253,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iterations-10m", type=int, default=15, help="timed iterations at >= 10M")
     p.add_argument("--redis-iterations", type=int, default=10)
     p.add_argument("--redis-n", type=int, default=1_000_000, help="memories in the Redis part")
+    p.add_argument("--latency-n", type=int, default=100_000, help="memories, latency part")
+    p.add_argument("--latency-rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument(
         "--iteration",
         choices=("sweep", "separate"),
@@ -291,6 +297,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         redis = run_redis_bench(args.redis_n, iterations=args.redis_iterations)
         emit(redis_section(ours, redis))
+        emit(f"_{_load()}_")
+    if "latency" in parts:
+        emit(latency_section(run_latency_bench(args.latency_n, args.latency_rounds)))
         emit(f"_{_load()} at the end_")
     if args.out:
         Path(args.out).write_text("\n".join(report))

@@ -82,7 +82,9 @@ async def load(cluster: InProcessCluster, n: int = 5000):
     return client, ref, ids
 
 
-async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make_cluster):
+async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(
+    make_cluster, monkeypatch: pytest.MonkeyPatch
+):
     cluster = await make_cluster(
         workers=3,
         slots=S,
@@ -95,6 +97,15 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make
     coord = cluster.coordinator.cluster
     held = sum(coord.rebalancer.current.counts()["worker-1"])
     copies_before = coord.rebalancer.copies_total
+    # The restart comes before a failover: the probe that a failure report starts would
+    # declare the crashed worker dead at once, so probes wait until it is back.
+    back, probe = asyncio.Event(), coord.failures._probe
+
+    async def probe_once_back(name: str) -> None:
+        await back.wait()
+        await probe(name)
+
+    monkeypatch.setattr(coord.failures, "_probe", probe_once_back)
     writer = Writer(client, ref, ids)
     task = asyncio.create_task(writer.run())
     await wait_until(lambda: writer.acked >= 3, what="writes before the crash")
@@ -109,6 +120,7 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(make
         what="a primary reporting the copies it can no longer update",
     )
     restarted = await cluster.add_worker("worker-1")
+    back.set()
     await settled(cluster, 3)
     acked = writer.acked
     await wait_until(lambda: writer.acked >= acked + 3, what="writes after the restart")

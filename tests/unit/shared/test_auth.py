@@ -76,7 +76,7 @@ R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.Ser
         ("writer", C + "DrainWorker", False),
         ("writer", C + "RegisterWorker", False),
         ("writer", C + "Heartbeat", False),
-        ("writer", C + "ReportFailure", False),
+        ("writer", C + "ReportFailure", True),  # a suspicion: the coordinator only probes
         ("writer", C + "FetchShard", False),
         ("writer", W + "Replicate", False),
         ("writer", W + "Decay", False),

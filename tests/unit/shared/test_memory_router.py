@@ -6,6 +6,7 @@ tests see which worker each id was sent to, with which epoch, in how many reques
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import grpc
@@ -29,6 +30,7 @@ class FakeStub:
     def __init__(self, name: str) -> None:
         self.name = name
         self.epoch = 0  # the worker's map epoch; 0 accepts any
+        self.down = False  # answer every call UNAVAILABLE, as a killed worker's channel does
         self.upserts: list[worker_pb2.UpsertRequest] = []
 
     async def Upsert(  # noqa: N802 - the proto's RPC name
@@ -36,6 +38,10 @@ class FakeStub:
         req: worker_pb2.UpsertRequest,
         timeout: float,  # noqa: ASYNC109 - the keyword of a grpc stub call
     ) -> worker_pb2.WriteResponse:
+        if self.down:
+            raise aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(), details="refused"
+            )
         if req.epoch < self.epoch:
             raise aio.AioRpcError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -240,3 +246,102 @@ async def test_the_map_is_fetched_once_and_cached(stubs: dict[str, FakeStub]) ->
     await router.upsert(*upsert_args(10))
 
     assert fetches == 1
+
+
+def promoted_map(dead: str, epoch: int) -> common_pb2.SlotMap:
+    """``make_map`` after a failover: the dead worker's primary slots go to their replicas."""
+    m = make_map(epoch=epoch)
+    d = WORKERS.index(dead)
+    m.primary[:] = [r if p == d else p for p, r in zip(m.primary, m.replica, strict=True)]
+    return m
+
+
+async def test_only_the_dead_primarys_part_waits_for_the_failover(
+    stubs: dict[str, FakeStub],
+) -> None:
+    # Arrange: w1 is down; the coordinator promotes its replicas once w1 is reported
+    stubs["w1"].down = True
+    current = make_map(epoch=1)
+    events: list[tuple[str, object]] = []
+
+    async def fetch() -> common_pb2.SlotMap:
+        return current
+
+    async def report(worker: str, reason: str) -> None:
+        nonlocal current
+        events.append(("reported", worker))
+        current = promoted_map(worker, epoch=2)
+        events.append(("promoted", 2))
+
+    router = MemoryRouter(fetch, timeout_s=1.0, max_message_bytes=1 << 20, report=report)
+    ids, strengths, payloads = upsert_args(300)
+    owner = slot_of(ids, SLOTS) % 3
+
+    # Act
+    applied = await router.upsert(
+        ids, strengths, payloads, progress=lambda n: events.append(("acked", n))
+    )
+
+    # Assert: w0's and w2's parts were acknowledged before the report and the promotion;
+    # w1's part after, sent once more to its promoted replica w2 with the same request id
+    assert applied == 300
+    first = events.index(("reported", "w1"))
+    acked_before = sorted(n for kind, n in events[:first] if kind == "acked")
+    assert acked_before == sorted([int((owner == 0).sum()), int((owner == 2).sum())])
+    assert events[first + 1 :] == [("promoted", 2), ("acked", int((owner == 1).sum()))]
+    assert [r.epoch for r in stubs["w2"].upserts] == [1, 2]
+    assert len({r.request_id for s in stubs.values() for r in s.upserts}) == 1
+
+
+async def test_a_changed_map_resends_at_once_and_an_unchanged_one_backs_off(
+    stubs: dict[str, FakeStub], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Arrange: w1 is down for two rounds under the same map, then the map moves on
+    stubs["w1"].down = True
+    maps = [make_map(epoch=1)] * 4 + [promoted_map("w1", epoch=2)]
+    sleeps: list[float] = []
+
+    async def no_sleep(s: float) -> None:
+        sleeps.append(s)
+
+    monkeypatch.setattr(memory.asyncio, "sleep", no_sleep)
+    router = router_with(*maps)
+
+    # Act
+    await router.upsert(*upsert_args(100))
+
+    # Assert: the router slept twice while the map stayed at epoch 1, not after epoch 2
+    assert len(sleeps) == 2
+    assert [r.epoch for r in stubs["w2"].upserts] == [1, 2]
+
+
+async def test_a_worker_is_reported_at_most_every_quarter_second(
+    stubs: dict[str, FakeStub], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Arrange: w1 stays down; three rounds of retries under the same map
+    stubs["w1"].down = True
+    reports: list[str] = []
+
+    async def fetch() -> common_pb2.SlotMap:
+        return make_map()
+
+    async def report(worker: str, reason: str) -> None:
+        reports.append(worker)
+
+    real_sleep = asyncio.sleep
+
+    async def no_sleep(s: float) -> None:
+        await real_sleep(0)
+
+    monkeypatch.setattr(memory.asyncio, "sleep", no_sleep)
+    router = MemoryRouter(
+        fetch, timeout_s=1.0, max_message_bytes=1 << 20, retry_budget_s=0.05, report=report
+    )
+
+    # Act
+    with pytest.raises(RoutingError):
+        await router.upsert(*upsert_args(100))
+    await real_sleep(0)  # let the background report run
+
+    # Assert: one report however many retries (the coordinator probes once)
+    assert reports == ["w1"]

@@ -1,0 +1,92 @@
+"""SyncClient's direct path: single-primary requests on a blocking channel, and its fallback.
+
+The blocking client runs in a thread (it has its own event loop) against an in-process
+cluster served by the test's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from shared.client import SyncClient
+from shared.client.direct import DirectPath
+
+pytestmark = pytest.mark.integration
+
+
+class Counting(DirectPath):
+    """A direct path that counts replies, and can pretend a reply was lost."""
+
+    replies = 0
+    lose_next = False
+
+    def call(self, m, w, send):  # type: ignore[no-untyped-def]
+        reply = super().call(m, w, send)
+        if reply is not None and Counting.lose_next:
+            Counting.lose_next = False
+            return None  # the worker applied it; the client saw no answer
+        Counting.replies += reply is not None
+        return reply
+
+
+@pytest.fixture
+def counting(monkeypatch: pytest.MonkeyPatch) -> type[Counting]:
+    import shared.client as client_module
+
+    Counting.replies, Counting.lose_next = 0, False
+    monkeypatch.setattr(client_module, "DirectPath", Counting)
+    return Counting
+
+
+async def test_single_ids_go_direct_and_read_back_what_was_written(
+    make_cluster, counting: type[Counting]
+) -> None:
+    # Arrange
+    cluster = await make_cluster(workers=3, slots=64)
+    ids = np.arange(1, 41, dtype=np.uint64) * 7919
+    strengths = np.linspace(0.1, 0.9, 40, dtype=np.float32)
+
+    def work() -> tuple[list[float], list[bool], int]:
+        with SyncClient(cluster.address, timeout_s=10) as c:
+            c.wait_ready(30)
+            c.upsert(ids[:2], strengths[:2])  # fetches the map (the async way)
+            for i in range(2, 40):
+                assert c.upsert(ids[i : i + 1], strengths[i : i + 1]) == 1
+            found, got, _ = zip(*(c.get(ids[i : i + 1]) for i in range(40)), strict=True)
+            assert c.delete(ids[:1]) == 1
+            return [float(g[0]) for g in got], [bool(f[0]) for f in found], c.get(ids)[0].sum()
+
+    # Act
+    got, found, left = await asyncio.to_thread(work)
+
+    # Assert: 38 upserts, 40 gets and a delete answered on the direct path, all correct
+    assert found == [True] * 40
+    np.testing.assert_array_equal(np.array(got, np.float32), strengths)
+    assert counting.replies == 38 + 40 + 1
+    assert left == 39
+
+
+async def test_a_write_whose_reply_was_lost_is_applied_once(
+    make_cluster, counting: type[Counting]
+) -> None:
+    # Arrange: one stored id
+    cluster = await make_cluster(workers=3, slots=64)
+    one = np.array([7919], np.uint64)
+
+    def work() -> float:
+        with SyncClient(cluster.address, timeout_s=10) as c:
+            c.wait_ready(30)
+            c.upsert(one, np.array([0.5], np.float32))
+            counting.lose_next = True
+            # Act: the direct reinforce is applied but its reply "lost"; the async router
+            # sends it again with the same request id
+            c.reinforce(one, np.array([0.25], np.float32))
+            return float(c.get(one)[1][0])
+
+    got = await asyncio.to_thread(work)
+
+    # Assert: the workers de-duplicated the second send
+    assert got == np.float32(0.75)
