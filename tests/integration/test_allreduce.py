@@ -113,10 +113,13 @@ async def test_refused_model_fails_the_job_with_the_workers_reason(make_cluster)
         final = await client.wait(job.job_id)
     assert final.state == "FAILED"
     assert "refused the job" in final.error and "allowed_imports" in final.error
-    # Refused before any training process started (nothing imported the module there).
+    # Refused before any training process started (nothing imported the module there): no
+    # child of this process (the in-process worker's) runs the training child.
+    import os
     import subprocess
 
-    procs = subprocess.run(["pgrep", "-f", "worker.allreduce_child"], capture_output=True)  # noqa: ASYNC221
+    mine = ["pgrep", "-P", str(os.getpid()), "-f", "worker.allreduce_child"]
+    procs = subprocess.run(mine, capture_output=True)  # noqa: ASYNC221
     assert procs.stdout == b""
 
 
