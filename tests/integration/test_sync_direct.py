@@ -34,7 +34,7 @@ class Counting(DirectPath):
 
 @pytest.fixture
 def counting(monkeypatch: pytest.MonkeyPatch) -> type[Counting]:
-    import shared.client as client_module
+    import shared.client.sync_client as client_module
 
     Counting.replies, Counting.lose_next = 0, False
     monkeypatch.setattr(client_module, "DirectPath", Counting)

@@ -1,0 +1,303 @@
+"""``SyncClient``: the blocking wrapper of ``Client`` for scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from shared.client.async_client import (
+    Client,
+    JobInfo,
+    NeuroshardError,
+    _checked_upsert,
+    _next,
+    _refused_input,
+)
+from shared.client.direct import DirectFailed, DirectPath
+from shared.client.memory import RoutingError, get_result
+from shared.client.store_io import ExportProgress
+from shared.memory.export_file import IMPORT_BATCH
+from shared.memory.validation import as_ids, validate_reinforce
+from shared.proto import worker_pb2
+from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.security.transport import ChannelSecurity
+
+T = TypeVar("T")
+
+
+class SyncClient:
+    """Blocking wrapper of ``Client`` for scripts: the same methods, without ``await``.
+
+    It runs its own event loop (``asyncio.Runner``), so it cannot be used from inside a
+    running loop; use ``Client`` there. Each method is documented on ``Client``.
+
+    A keyed request whose ids all have one primary in the cached slot map (any single id)
+    is sent on a blocking channel from the calling thread (``shared.client.direct``), which
+    saves the event loop's turn around the round trip; on a stale map or a failover it is
+    sent again the async way, with the same request id.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout_s: float = 30.0,
+        security: ChannelSecurity | None = None,
+    ) -> None:
+        """Start the event loop and a ``Client(address, timeout_s, security=security)``."""
+        self._runner = asyncio.Runner()
+        self._client = self._runner.run(self._make(address, timeout_s, security))
+        self._direct = DirectPath(self._client._max_message_bytes, security)
+
+    @staticmethod
+    async def _make(
+        address: str | None, timeout_s: float, security: ChannelSecurity | None
+    ) -> Client:
+        """Make the client inside the loop (grpc.aio channels bind to the running loop)."""
+        return Client(address, timeout_s, security=security)
+
+    def _run(self, work: Coroutine[Any, Any, T]) -> T:
+        return self._runner.run(work)
+
+    def __enter__(self) -> SyncClient:
+        """Return the client itself; leaving the block closes it."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close the client."""
+        self.close()
+
+    def close(self) -> None:
+        """Close the channels and the event loop."""
+        self._direct.close()
+        self._runner.run(self._client.close())
+        self._runner.close()
+
+    def _direct_call(self, ids: npt.NDArray[np.uint64], send: Callable[..., T]) -> T | None:
+        """Send a request for ``ids`` on the direct path when one primary holds them all.
+
+        Args:
+            ids: [N] uint64, validated.
+            send: ``send(stub, epoch, metadata)`` makes the blocking call.
+
+        Returns:
+            The reply; None when the async router must take the request (no cached map,
+            several primaries, or a status it retries).
+
+        Raises:
+            NeuroshardError: the worker refused the request (a status not retried).
+        """
+        m = self._client._router.cached_map
+        w = self._direct.owner(m, ids)
+        if m is None or w is None:
+            return None
+        try:
+            return self._direct.call(m, w, send)
+        except DirectFailed as exc:
+            raise NeuroshardError(str(exc), exc.code) from None
+
+    def __getattr__(self, name: str) -> Any:
+        """Reach the rest of ``Client``: attributes as they are, coroutines run to the end."""
+        attr = getattr(self._client, name)
+        if not callable(attr) or name == "watch":
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._runner.run(attr(*args, **kwargs))
+
+        return call
+
+    def submit(self, spec: dict[str, Any]) -> JobInfo:
+        """Submit a job spec (see ``Client.submit``)."""
+        return self._run(self._client.submit(spec))
+
+    def get_job(self, job_id: str) -> JobInfo:
+        """Return a job's current state (see ``Client.get_job``)."""
+        return self._run(self._client.get_job(job_id))
+
+    def jobs(self) -> list[JobInfo]:
+        """List the jobs the caller may see (see ``Client.jobs``)."""
+        return self._run(self._client.jobs())
+
+    def cancel(self, job_id: str) -> JobInfo:
+        """Cancel a job (see ``Client.cancel``)."""
+        return self._run(self._client.cancel(job_id))
+
+    def watch(self, job_id: str) -> Iterator[tuple[JobInfo, dict[str, Any]]]:
+        """Follow a job until it ends (see ``Client.watch``).
+
+        Yields:
+            ``(job, progress)`` at every event.
+        """
+        agen = self._client.watch(job_id).__aiter__()
+        while True:
+            try:
+                yield self._runner.run(_next(agen))
+            except StopAsyncIteration:
+                return
+
+    def wait(self, job_id: str) -> JobInfo:
+        """Wait until a job ends; return its final state (see ``Client.wait``)."""
+        return self._run(self._client.wait(job_id))
+
+    def put_dataset(
+        self,
+        path: str | os.PathLike[str],
+        name: str | None = None,
+        replace: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Upload a local ``.npz`` to the coordinator (see ``Client.put_dataset``)."""
+        return self._run(self._client.put_dataset(path, name, replace, progress))
+
+    def list_datasets(self) -> list[dict[str, Any]]:
+        """List the files in the coordinator's data roots (see ``Client.list_datasets``)."""
+        return self._run(self._client.list_datasets())
+
+    def status(self) -> dict[str, Any]:
+        """Return the cluster's status (see ``Client.status``)."""
+        return self._run(self._client.status())
+
+    def upsert(
+        self,
+        ids: npt.ArrayLike,
+        strengths: npt.ArrayLike,
+        payloads: Sequence[bytes] | None = None,
+    ) -> int:
+        """Insert or overwrite memories; return distinct ids written (see ``Client.upsert``)."""
+        m = self._client._router.cached_map
+        if m is None:  # the first call fetches the map (and its payload limit)
+            return self._run(self._client.upsert(ids, strengths, payloads))
+        ids_N, strengths_N, plain = _checked_upsert(ids, strengths, payloads, m.max_payload_bytes)
+        rid = uuid.uuid4().bytes
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Upsert(
+                worker_pb2.UpsertRequest(
+                    epoch=epoch,
+                    request_id=rid,
+                    ids=ids_to_bytes(ids_N),
+                    strengths=f32_to_bytes(strengths_N),
+                    payloads=plain or [],
+                ),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is not None:
+            return int(reply.applied)
+        router = self._client._router
+        return int(self._run(self._client._routed(router.upsert(ids_N, strengths_N, plain, rid))))
+
+    def reinforce(self, ids: npt.ArrayLike, boosts: npt.ArrayLike) -> int:
+        """Add boosts to stored strengths; return ids found (see ``Client.reinforce``)."""
+        with _refused_input():
+            ids_N, boosts_N = validate_reinforce(ids, boosts)
+        rid = uuid.uuid4().bytes
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Reinforce(
+                worker_pb2.ReinforceRequest(
+                    epoch=epoch,
+                    request_id=rid,
+                    ids=ids_to_bytes(ids_N),
+                    boosts=f32_to_bytes(boosts_N),
+                ),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is not None:
+            return int(reply.applied)
+        router = self._client._router
+        return int(self._run(self._client._routed(router.reinforce(ids_N, boosts_N, rid))))
+
+    def delete(self, ids: npt.ArrayLike) -> int:
+        """Delete memories; return how many existed (see ``Client.delete``)."""
+        with _refused_input():
+            ids_N = as_ids(ids)
+        rid = uuid.uuid4().bytes
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Delete(
+                worker_pb2.DeleteRequest(epoch=epoch, request_id=rid, ids=ids_to_bytes(ids_N)),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is not None:
+            return int(reply.applied)
+        return int(self._run(self._client._routed(self._client._router.delete(ids_N, rid))))
+
+    def get(
+        self, ids: npt.ArrayLike, with_payloads: bool = False
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
+        """Read memories: found, strengths, payloads (see ``Client.get``)."""
+        with _refused_input():
+            ids_N = as_ids(ids)
+        reply = self._direct_call(
+            ids_N,
+            lambda stub, epoch, md: stub.Get(
+                worker_pb2.GetRequest(
+                    epoch=epoch, ids=ids_to_bytes(ids_N), with_payloads=with_payloads
+                ),
+                timeout=self._client.timeout_s,
+                metadata=md,
+            ),
+        )
+        if reply is None:
+            return self._run(self._client.get(ids_N, with_payloads))
+        try:
+            return get_result(len(ids_N), [(np.arange(len(ids_N)), reply)], with_payloads)
+        except RoutingError as exc:
+            raise NeuroshardError(str(exc), exc.code) from None
+
+    def decay(self, rate: float, op_id: bytes | None = None) -> int:
+        """Decay every memory by ``rate`` once; return memories decayed (see ``Client.decay``)."""
+        return self._run(self._client.decay(rate, op_id))
+
+    def quality(self) -> dict[str, Any]:
+        """Summarize every strength in the cluster (see ``Client.quality``)."""
+        return self._run(self._client.quality())
+
+    def topk(self, k: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Return the exact global top-k ids and strengths (see ``Client.topk``)."""
+        return self._run(self._client.topk(k))
+
+    def sweep(
+        self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None
+    ) -> tuple[int, dict[str, Any] | None, npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Decay once, then quality and top-k in one call (see ``Client.sweep``)."""
+        return self._run(self._client.sweep(rate, k, want_quality, op_id))
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until no slot is under-replicated (see ``Client.wait_ready``)."""
+        self._run(self._client.wait_ready(timeout_s))
+
+    def export_memories(
+        self,
+        path: str | os.PathLike[str],
+        progress: ExportProgress | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Write the store to an ``.npz`` (see ``Client.export_memories``)."""
+        return self._run(self._client.export_memories(path, progress, timeout_s))
+
+    def import_memories(
+        self,
+        path: str | os.PathLike[str],
+        batch: int = IMPORT_BATCH,
+        progress: Callable[[int], None] | None = None,
+        checked: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Upsert an export file into the store (see ``Client.import_memories``)."""
+        return self._run(self._client.import_memories(path, batch, progress, checked))
+
+    def forget_worker(self, name: str, confirm: bool = False) -> dict[str, Any]:
+        """Forget a DEAD worker (see ``Client.forget_worker``)."""
+        return self._run(self._client.forget_worker(name, confirm))
