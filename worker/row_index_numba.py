@@ -1,12 +1,13 @@
 """Compiled loops of the store's row index (``worker/slot_rows.py``): a hash table id -> row.
 
 The table is open addressing with linear probing over [T] int32 cells holding a row number
-(-1: empty). A key's home cell is its top log2(T) bits (``key >> tshift``); keys are
-``sort_key(id)`` (splitmix64, uniform), so this is as good a hash as the low bits, and it is
-order-preserving: a batch looked up in key order walks the table front to back, and the
-cells of one slot (the top bits of a key) form one contiguous stretch of the table, which
-stays in cache while that slot's rows are probed. A cell is matched by comparing the id
-stored at its row (``ids_buf[row]``), so the table needs no copy of the keys.
+(-1: empty). A key's home cell is the top log2(T) bits of the key times 2^64/phi (Fibonacci
+hashing, Knuth TAOCP vol. 3, 6.4), so keys that share their top bits (the slot: the keys of
+the few slots one copy imports, or of the slots one worker holds) still spread over the whole
+table; the key's own top bits would pile them into the table's stretch for those slots, one
+cluster of every key imported, and probes quadratic in the batch (a 131k-memory slot copy
+into an empty worker took minutes). A cell is matched by comparing the id stored at its row
+(``ids_buf[row]``), so the table needs no copy of the keys.
 
 Deletion shifts later cells of the cluster back (Knuth, TAOCP vol. 3, 6.4, Algorithm R), so
 there are no tombstones and probe lengths depend only on the load.
@@ -26,6 +27,7 @@ import numpy as np
 
 F = TypeVar("F", bound=Callable[..., Any])
 EMPTY = -1
+FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio, odd
 
 
 def _njit(**options: Any) -> Callable[[F], F]:
@@ -58,12 +60,18 @@ def sort_keys(ids: np.ndarray, bits: int) -> np.ndarray:  # pragma: no cover - c
 
 
 @_njit(cache=True, nogil=True)
+def _home(key: np.uint64, tshift: np.uint64) -> np.int64:  # pragma: no cover - compiled
+    """The home cell of key: the top log2(T) bits of key * FIB (mod 2^64)."""
+    return np.int64((key * FIB) >> tshift)
+
+
+@_njit(cache=True, nogil=True)
 def _find(  # pragma: no cover - compiled
     table: np.ndarray, tshift: np.uint64, ids_buf: np.ndarray, key: np.uint64, id_: np.uint64
 ) -> np.int64:
     """Cell holding id_ (whose key is key), or -1 - the empty cell that ends its probe."""
     mask = table.shape[0] - 1
-    c = np.int64(key >> tshift)
+    c = _home(key, tshift)
     while True:
         row = table[c]
         if row == EMPTY:
@@ -79,7 +87,7 @@ def lookup(  # pragma: no cover - compiled
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ids [M] uint64 (keys [M] their sort keys): ``(rows [M] int64, found [M] bool)``.
 
-    Rows are -1 where not found. Keys in ascending order make the probes cache-friendly.
+    Rows are -1 where not found.
     """
     m = keys.shape[0]
     rows = np.full(m, -1, np.int64)
@@ -97,7 +105,7 @@ def _link(  # pragma: no cover - compiled
     table: np.ndarray, tshift: np.uint64, key: np.uint64, row: int
 ) -> None:
     mask = table.shape[0] - 1
-    c = np.int64(key >> tshift)
+    c = _home(key, tshift)
     while table[c] != EMPTY:
         c = (c + 1) & mask
     table[c] = row
@@ -152,7 +160,7 @@ def unlink(  # pragma: no cover - compiled
             row = table[k]
             if row == EMPTY:
                 break
-            home = np.int64(sort_key1(ids_buf[row], bits) >> tshift)
+            home = _home(sort_key1(ids_buf[row], bits), tshift)
             # Move cell k into the hole i unless its home lies cyclically in (i, k].
             if (i <= k and (home <= i or home > k)) or (i > k and home <= i and home > k):
                 table[i] = row

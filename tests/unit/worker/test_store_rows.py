@@ -18,7 +18,7 @@ from shared.memory.slots import slot_of, sort_key
 from shared.memory.validation import MemoryInputError
 from tests.memory_reference import ReferenceStore
 from worker import row_index_numba as row_index
-from worker.store import SlotStore
+from worker.store import SlotSnapshot, SlotStore
 
 
 def assert_store_equals(store: SlotStore, ref: ReferenceStore) -> None:
@@ -225,3 +225,38 @@ def test_a_layout_repoints_cells_that_wrapped_past_the_end_of_the_table(slots: i
     assert store.delete(last_home[::2]) == 3
     assert ref.delete(last_home[::2]) == 3
     assert_store_equals(store, ref)
+
+
+def _longest_cluster(table: np.ndarray) -> int:
+    """The longest run of occupied cells of a linear-probing table (cyclic)."""
+    used = np.concatenate([table, table]) != row_index.EMPTY  # a run may wrap around
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], used.astype(np.int8), [0]])))
+    return int((edges[1::2] - edges[::2]).max(initial=0))
+
+
+def test_a_copy_of_few_slots_into_an_empty_store_spreads_over_the_table() -> None:
+    # Arrange: 64k memories of 4 slots out of 1024, as one slot copy brings them to a worker
+    # that holds nothing yet (the table is sized for these memories alone).
+    slots = 1024
+    rng = np.random.default_rng(7)
+    pool = rng.integers(0, 2**63, 2_000_000, np.uint64)
+    chosen = [3, 4, 500, 1023]
+    snaps = []
+    for s in chosen:
+        ids = np.unique(pool[slot_of(pool, slots) == s])[:16_000]
+        snaps.append(
+            SlotSnapshot(
+                s, 1, ids[np.argsort(sort_key(ids, slots))], np.full(len(ids), 0.5, np.float32), {}
+            )
+        )
+    store = SlotStore(slots)
+
+    # Act
+    store.import_slots(snaps)
+
+    # Assert: probe clusters stay short (hashing the key's top bits, which are its slot, put
+    # all 64k into one cluster and made the import take minutes), and every id is found.
+    assert _longest_cluster(store._rows.table) < 500
+    ids = np.concatenate([s.ids for s in snaps])
+    found, strengths, _ = store.get(ids)
+    assert found.all() and (strengths == 0.5).all()
