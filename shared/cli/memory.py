@@ -8,12 +8,11 @@ so does a request the cluster refuses as INVALID_ARGUMENT (``shared.cli.main``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -63,6 +62,7 @@ def _uint64(text: str, what: str) -> int:
 @_usage_errors
 def cmd_load(args: argparse.Namespace) -> int:
     """Upsert the memories of an .npz (ids, strengths) in batches, with a progress bar."""
+    from shared.cli.output import memories_bar
     from shared.client import SyncClient
     from shared.memory.files import load_memories
 
@@ -73,7 +73,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     security = client_security_of(args)
     with (
         SyncClient(args.coordinator, security=security) as client,
-        _bar("loading", len(ids)) as advance,
+        memories_bar("loading", len(ids)) as advance,
     ):
         for start in range(0, len(ids), args.batch):
             end = min(start + args.batch, len(ids))
@@ -83,21 +83,6 @@ def cmd_load(args: argparse.Namespace) -> int:
     rate = len(ids) / seconds if seconds > 0 else 0.0
     print(f"loaded {len(ids)} memories from {args.file} in {seconds:.2f} s ({rate:.0f}/s)")
     return EXIT_OK
-
-
-@contextlib.contextmanager
-def _bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar on stderr when it is a terminal; yields ``advance(n)``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-    from shared.cli.output import err_console
-
-    columns = (what, BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(
-        *columns, console=err_console, disable=not err_console.is_terminal, transient=True
-    ) as progress:
-        task = progress.add_task(what, total=total)
-        yield lambda n: progress.advance(task, n)
 
 
 @_usage_errors

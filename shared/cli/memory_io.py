@@ -15,7 +15,7 @@ import argparse
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from shared.cli.common import EXIT_FAILED, EXIT_OK
 from shared.cli.security import add_client_command, client_security_of
@@ -68,6 +68,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     import the file again to complete it.
     """
     from shared.cli.common import CliError
+    from shared.cli.output import memories_bar
     from shared.client import SyncClient
 
     if args.batch < 1:
@@ -80,7 +81,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         advance: list[Callable[[int], None]] = []  # the bar, once the file is checked
 
         def checked(n: int) -> None:
-            advance.append(stack.enter_context(_bar("importing", n)))
+            advance.append(stack.enter_context(memories_bar("importing", n)))
 
         doc = client.import_memories(args.file, args.batch, lambda n: advance[0](n), checked)
     doc["seconds"] = round(time.perf_counter() - t0, 3)
@@ -94,21 +95,6 @@ def cmd_import(args: argparse.Namespace) -> int:
         f"{doc['seconds']:.2f} s ({rate:.0f}/s)"
     )
     return EXIT_OK
-
-
-@contextlib.contextmanager
-def _bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar of memories on stderr when it is a terminal; yields ``advance(n)``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-    from shared.cli.output import err_console
-
-    columns = (what, BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(
-        *columns, console=err_console, disable=not err_console.is_terminal, transient=True
-    ) as progress:
-        task = progress.add_task(what, total=total)
-        yield lambda n: progress.advance(task, n)
 
 
 def cmd_forget_worker(args: argparse.Namespace) -> int:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from shared.client import JobInfo, SyncClient
@@ -221,3 +230,18 @@ def print_jobs(jobs: list[JobInfo]) -> None:
     for j in jobs:
         table.add_row(j.job_id, j.kind, j.state, ",".join(j.workers), j.error)
     out_console.print(table)
+
+
+@contextlib.contextmanager
+def memories_bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar of ``total`` memories on stderr when it is a terminal (else nothing).
+
+    Yields:
+        ``advance(n)``: count n more memories done.
+    """
+    columns = (what, BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(
+        *columns, console=err_console, disable=not err_console.is_terminal, transient=True
+    ) as progress:
+        task = progress.add_task(what, total=total)
+        yield lambda n: progress.advance(task, n)
