@@ -10,26 +10,12 @@ import pytest
 
 from shared.memory.slots import slot_of
 from shared.proto import common_pb2, worker_pb2
+from tests.unit.worker.node_pair import Wire, pair_map
 from worker.journal_format import KIND_OP, replay
 from worker.memory_node import MemoryNode
 from worker.store import SlotStore
 
 SLOTS = 8
-
-
-class Wire:
-    """Delivers forwards to the named nodes' ``apply_replicated``; counts them."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, MemoryNode] = {}
-        self.forwards: list[worker_pb2.ReplicateRequest] = []
-
-    async def forward(self, target: str, address: str, req: worker_pb2.ReplicateRequest) -> None:
-        self.forwards.append(req)
-        await self.nodes[target].apply_replicated(req)
-
-    async def report(self, target: str, slots: list[int], reason: str) -> None:
-        raise AssertionError(f"unexpected report {target} {slots} {reason}")
 
 
 @pytest.fixture
@@ -47,14 +33,7 @@ def _node(wire: Wire, name: str) -> MemoryNode:
 
 def _map(epoch: int, primary: int) -> common_pb2.SlotMap:
     """Worker ``primary`` (0: 'p', 1: 'r') holds every slot's primary, the other its replica."""
-    return common_pb2.SlotMap(
-        epoch=epoch,
-        slots=SLOTS,
-        workers=["p", "r"],
-        addresses=["p:1", "r:1"],
-        primary=[primary] * SLOTS,
-        replica=[1 - primary] * SLOTS,
-    )
+    return pair_map(SLOTS, epoch, primary)
 
 
 async def _load(node: MemoryNode, ids: np.ndarray) -> None:

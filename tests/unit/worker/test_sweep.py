@@ -11,6 +11,7 @@ import pytest
 from shared.memory.stats import EMPTY_QUALITY
 from shared.memory.validation import MemoryInputError
 from shared.proto import common_pb2, worker_pb2
+from tests.unit.worker.node_pair import Wire, pair_map
 from tests.unit.worker.test_kernels import _runs_case, bits
 from worker import kernels
 from worker.journal import Journal, lock_data_dir, recover
@@ -123,21 +124,6 @@ def test_store_sweep_equals_decay_then_quality_and_topk() -> None:
 # --- the node: exactly once, replicated -----------------------------------------------------
 
 
-class Wire:
-    """Delivers forwards to the named nodes' ``apply_replicated``; counts them."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, MemoryNode] = {}
-        self.forwards: list[worker_pb2.ReplicateRequest] = []
-
-    async def forward(self, target: str, address: str, req: worker_pb2.ReplicateRequest) -> None:
-        self.forwards.append(req)
-        await self.nodes[target].apply_replicated(req)
-
-    async def report(self, target: str, slots: list[int], reason: str) -> None:
-        raise AssertionError(f"unexpected report {target} {slots} {reason}")
-
-
 @pytest.fixture
 def pair() -> Iterator[tuple[Wire, MemoryNode, MemoryNode]]:
     wire = Wire()
@@ -149,14 +135,7 @@ def pair() -> Iterator[tuple[Wire, MemoryNode, MemoryNode]]:
 
 
 async def _loaded(p: MemoryNode, r: MemoryNode, ids: np.ndarray) -> np.ndarray:
-    m = common_pb2.SlotMap(
-        epoch=1,
-        slots=SLOTS,
-        workers=["p", "r"],
-        addresses=["p:1", "r:1"],
-        primary=[0] * SLOTS,
-        replica=[1] * SLOTS,
-    )
+    m = pair_map(SLOTS)
     for node in (p, r):
         await node.apply_slot_map(m)
     strengths = np.linspace(0, 1, len(ids), dtype=np.float32)

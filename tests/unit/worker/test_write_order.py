@@ -10,7 +10,8 @@ import random
 import numpy as np
 
 from shared.memory.slots import slot_of
-from shared.proto import common_pb2, worker_pb2
+from shared.proto import worker_pb2
+from tests.unit.worker.node_pair import pair_map
 from worker.journal import Journal, lock_data_dir
 from worker.memory_node import MemoryNode
 from worker.store import SlotStore
@@ -44,14 +45,7 @@ async def test_concurrent_writes_keep_each_slots_order_on_the_replica(tmp_path) 
     # Arrange: 'p' primary of every slot, 'r' its replica, both journaling with fsync always.
     wire = SlowWire(seed=1)
     p, r = _node(wire, "p", tmp_path), _node(wire, "r", tmp_path)
-    m = common_pb2.SlotMap(
-        epoch=1,
-        slots=SLOTS,
-        workers=["p", "r"],
-        addresses=["p:1", "r:1"],
-        primary=[0] * SLOTS,
-        replica=[1] * SLOTS,
-    )
+    m = pair_map(SLOTS)
     for node in (p, r):
         await node.apply_slot_map(m)
     rng = np.random.default_rng(2)
