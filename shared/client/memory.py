@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn, TypeAlias, TypeVar
 
 import grpc
@@ -320,14 +320,9 @@ class MemoryRouter:
         async def send(
             stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
+            part = [payloads[i] for i in idx.tolist()] if payloads is not None else None
             return await stub.Upsert(
-                worker_pb2.UpsertRequest(
-                    epoch=epoch,
-                    request_id=rid,
-                    ids=ids_to_bytes(ids[idx]),
-                    strengths=f32_to_bytes(strengths[idx]),
-                    payloads=[payloads[i] for i in idx.tolist()] if payloads is not None else [],
-                ),
+                upsert_request(epoch, rid, ids[idx], strengths[idx], part),
                 timeout=self._timeout_s,
             )
 
@@ -356,13 +351,7 @@ class MemoryRouter:
             stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
             return await stub.Reinforce(
-                worker_pb2.ReinforceRequest(
-                    epoch=epoch,
-                    request_id=rid,
-                    ids=ids_to_bytes(ids[idx]),
-                    boosts=f32_to_bytes(boosts[idx]),
-                ),
-                timeout=self._timeout_s,
+                reinforce_request(epoch, rid, ids[idx], boosts[idx]), timeout=self._timeout_s
             )
 
         return await self._write(ids, send, request_id, progress)
@@ -422,6 +411,32 @@ class MemoryRouter:
             )
 
         return get_result(len(ids), await self.route(ids, call), with_payloads)
+
+
+def upsert_request(
+    epoch: int,
+    rid: bytes,
+    ids: npt.NDArray[np.uint64],
+    strengths: npt.NDArray[np.float32],
+    payloads: Sequence[bytes] | None,
+) -> worker_pb2.UpsertRequest:
+    """One worker's Upsert: ids [n] uint64, strengths [n] float32, payloads (n or None)."""
+    return worker_pb2.UpsertRequest(
+        epoch=epoch,
+        request_id=rid,
+        ids=ids_to_bytes(ids),
+        strengths=f32_to_bytes(strengths),
+        payloads=list(payloads) if payloads is not None else [],
+    )
+
+
+def reinforce_request(
+    epoch: int, rid: bytes, ids: npt.NDArray[np.uint64], boosts: npt.NDArray[np.float32]
+) -> worker_pb2.ReinforceRequest:
+    """One worker's Reinforce: ids [n] uint64, boosts [n] float32 (finite, >= 0)."""
+    return worker_pb2.ReinforceRequest(
+        epoch=epoch, request_id=rid, ids=ids_to_bytes(ids), boosts=f32_to_bytes(boosts)
+    )
 
 
 def get_result(

@@ -20,12 +20,12 @@ from shared.client.async_client import (
     _refused_input,
 )
 from shared.client.direct import DirectFailed, DirectPath
-from shared.client.memory import RoutingError, get_result
+from shared.client.memory import RoutingError, get_result, reinforce_request, upsert_request
 from shared.client.store_io import ExportProgress
 from shared.memory.export_file import IMPORT_BATCH
 from shared.memory.validation import as_ids, validate_reinforce
 from shared.proto import worker_pb2
-from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.rpc.codec import ids_to_bytes
 from shared.security.transport import ChannelSecurity
 
 T = TypeVar("T")
@@ -178,13 +178,7 @@ class SyncClient:
         reply = self._direct_call(
             ids_N,
             lambda stub, epoch, md: stub.Upsert(
-                worker_pb2.UpsertRequest(
-                    epoch=epoch,
-                    request_id=rid,
-                    ids=ids_to_bytes(ids_N),
-                    strengths=f32_to_bytes(strengths_N),
-                    payloads=plain or [],
-                ),
+                upsert_request(epoch, rid, ids_N, strengths_N, plain),
                 timeout=self._client.timeout_s,
                 metadata=md,
             ),
@@ -202,12 +196,7 @@ class SyncClient:
         reply = self._direct_call(
             ids_N,
             lambda stub, epoch, md: stub.Reinforce(
-                worker_pb2.ReinforceRequest(
-                    epoch=epoch,
-                    request_id=rid,
-                    ids=ids_to_bytes(ids_N),
-                    boosts=f32_to_bytes(boosts_N),
-                ),
+                reinforce_request(epoch, rid, ids_N, boosts_N),
                 timeout=self._client.timeout_s,
                 metadata=md,
             ),
