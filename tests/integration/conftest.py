@@ -6,10 +6,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from grpc import aio
+from grpc_health.v1 import health, health_pb2_grpc
 
 from tests.integration.cli_helpers import CLI, REPO, processes_mentioning
 from tests.integration.security_helpers import POOL_PATTERN, Material
@@ -66,3 +68,14 @@ async def secure(make_cluster, material: Material):
         )
 
     return make
+
+
+@pytest.fixture
+async def health_server() -> AsyncIterator[int]:
+    """A grpc.aio server with only the health service, on port 0; yields its port."""
+    server = aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield port
+    await server.stop(None)

@@ -7,14 +7,13 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.cli.local_cluster import LocalCluster
 from shared.client import SyncClient
@@ -22,17 +21,6 @@ from shared.net.link_proxy import LinkProxy, LinkSettings
 from tests.integration.cli_helpers import CLI, REPO, processes_mentioning, run_cli
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def health_server() -> AsyncIterator[int]:
-    """A grpc.aio server with only the health service, on port 0; yields its port."""
-    server = aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield port
-    await server.stop(None)
 
 
 async def test_grpc_health_check_through_a_slow_link(health_server: int) -> None:

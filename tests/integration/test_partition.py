@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 import pytest
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.client.memory import MemoryRouter, RoutingError
 from shared.memory.slots import slot_of
@@ -45,18 +44,8 @@ BATCH = 8  # ids per write
 # -- the link's cut and heal -------------------------------------------------------------------
 
 
-@pytest.fixture
-async def health_port() -> AsyncIterator[int]:
-    server = aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield port
-    await server.stop(None)
-
-
-async def test_a_cut_link_refuses_calls_until_healed(health_port: int) -> None:
-    proxy = LinkProxy("127.0.0.1", 0, "127.0.0.1", health_port, LinkSettings())
+async def test_a_cut_link_refuses_calls_until_healed(health_server: int) -> None:
+    proxy = LinkProxy("127.0.0.1", 0, "127.0.0.1", health_server, LinkSettings())
     port = await proxy.start()
     try:
         async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -75,10 +64,10 @@ async def test_a_cut_link_refuses_calls_until_healed(health_port: int) -> None:
         await proxy.stop()
 
 
-async def test_the_link_command_cuts_on_sigusr1_and_heals_on_sigusr2(health_port: int) -> None:
+async def test_the_link_command_cuts_on_sigusr1_and_heals_on_sigusr2(health_server: int) -> None:
     proc = await asyncio.create_subprocess_exec(
         *CLI,
-        *["link", "--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{health_port}"],
+        *["link", "--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{health_server}"],
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         cwd=REPO,
