@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -29,8 +29,12 @@ from shared.memory.validation import (
 )
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
-from shared.security.auth import current_principal, may_see_job
+from shared.security.auth import address_error, current_principal, may_see_job
 from shared.security.confinement import ImportNotAllowed, PathRefused
+from shared.security.tokens import Principal
+
+# Mints a data-plane token for a caller: (token, expiry in Unix seconds).
+DataTokenMinter = Callable[[Principal], tuple[str, float]]
 
 _WORKER_STATE = {
     WorkerState.ALIVE: common_pb2.WORKER_STATE_ALIVE,
@@ -58,9 +62,16 @@ def job_to_pb(job: JobRecord) -> coordinator_pb2.Job:
 class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     """Thin RPC layer over ``Cluster``; the data set RPCs come from ``DataRpcs``."""
 
-    def __init__(self, cluster: Cluster) -> None:
-        """Serve ``cluster``'s state and decisions."""
+    def __init__(self, cluster: Cluster, data_tokens: DataTokenMinter | None = None) -> None:
+        """Serve ``cluster``'s state and decisions.
+
+        Args:
+            cluster: the coordinator's state.
+            data_tokens: mints the data-plane tokens GetSlotMap hands to callers with a
+                token (``DaemonSecurity.data_token_minter``); None without auth.
+        """
         self._cluster = cluster
+        self._data_tokens = data_tokens
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: aio.ServicerContext[Any, Any]
@@ -68,10 +79,15 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         """Register (or re-register) a worker; the reply carries the slot count and limits.
 
         Raises:
-            grpc.aio.AbortError: INVALID_ARGUMENT for an empty name or address.
+            grpc.aio.AbortError: INVALID_ARGUMENT for an empty name or address;
+                PERMISSION_DENIED for an address whose host the worker's certificate does
+                not name (the name itself is bound to the certificate by the interceptor).
         """
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
+        refused = address_error(current_principal(), request.address)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         self._cluster.register_worker(
             request.name,
             request.address,
@@ -134,8 +150,20 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     async def GetSlotMap(
         self, request: coordinator_pb2.GetSlotMapRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.SlotMap:
-        """The current slot map with worker addresses (clients route with it)."""
-        return self._cluster.rebalancer.wire_map()
+        """The current slot map with worker addresses (clients route with it).
+
+        With auth on, a caller with a token also gets a data-plane token for its keyed
+        calls to workers (``SlotMap.data_token``): its subject, role reader or writer,
+        audience ``neuroshard-data``, ``auth.data_token_ttl_s`` at most.
+        """
+        slot_map = self._cluster.rebalancer.wire_map()
+        principal = current_principal()
+        if self._data_tokens is not None and principal is not None and not principal.is_daemon:
+            try:
+                slot_map.data_token, slot_map.data_token_expires_at = self._data_tokens(principal)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        return slot_map
 
     async def ReportFailure(
         self, request: coordinator_pb2.ReportFailureRequest, context: aio.ServicerContext[Any, Any]

@@ -53,12 +53,16 @@ class CoordinatorServer:
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         self.health = health.aio.HealthServicer()
         self.server = aio.server(
-            interceptors=server_interceptors(self.metrics, self.security.public_key),
+            interceptors=server_interceptors(self.metrics, self.security.auth_interceptor()),
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         # grpcio-tools writes the *_pb2_grpc modules without type annotations.
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(self.cluster), self.server
+            CoordinatorServicer(
+                self.cluster,
+                self.security.data_token_minter(cfg.auth.data_token_ttl_s if cfg.auth else 0),
+            ),
+            self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # grpcurl, Postman, Evans: services and descriptors without the .proto files

@@ -75,15 +75,21 @@ class TlsConfig(_Model):
         description="PEM CA certificate; peers (servers and clients) must be signed by it."
     )
     cert_file: str = Field(
-        description="PEM certificate of this daemon (server and client auth; "
-        "`neuroshard certs` makes one)."
+        description="PEM certificate of this daemon (server and client auth), naming it by "
+        "the URI spiffe://neuroshard/coordinator or spiffe://neuroshard/worker/NAME and the "
+        "hosts it is dialled at (`neuroshard certs` makes them)."
     )
     key_file: str = Field(description="PEM private key of cert_file.")
-    server_name: str | None = Field(
-        None,
-        description="Name expected in the servers' certificates instead of the host dialed "
-        "(e.g. one certificate shared by every pod).",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_shared_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "server_name" in data:
+            raise ValueError(
+                "server_name: no longer supported: every daemon has its own certificate, and "
+                "each dialer checks it against the host it dials (remove server_name)"
+            )
+        return data
 
 
 class AuthConfig(_Model):
@@ -99,15 +105,33 @@ class AuthConfig(_Model):
     )
     private_key_file: str | None = Field(
         None,
-        description="PEM Ed25519 private key that signs tokens: on the coordinator only, "
-        "which then signs its own admin token; never give it to a worker.",
+        description="PEM Ed25519 private key that signs tokens: on the coordinator only "
+        "(required there: it mints clients' data-plane tokens); never give it to a worker.",
     )
-    token_file: str | None = Field(
+    revoked_file: str | None = Field(
         None,
-        description="Token this daemon presents to the others: required on a worker (role "
-        "worker, subject its name or a name pattern); the coordinator signs its own when "
-        "private_key_file is set.",
+        description="File of revoked token ids (jti), one per line (`neuroshard token revoke` "
+        "appends); re-read within a second of a change. null: nothing revoked.",
     )
+    data_token_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=3600,
+        description="Lifetime of the data-plane tokens the coordinator mints for clients' "
+        "keyed calls to workers, seconds (coordinator only).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_daemon_token(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("token_file"):
+            raise ValueError(
+                "token_file: daemons present no tokens: they authenticate each other by "
+                "their TLS certificates (tls.cert_file); remove token_file"
+            )
+        if isinstance(data, dict) and "token_file" in data:
+            data = {k: v for k, v in data.items() if k != "token_file"}
+        return data
 
 
 class _DaemonConfig(_Model):
@@ -121,12 +145,14 @@ class _DaemonConfig(_Model):
     )
     tls: TlsConfig | None = Field(
         None,
-        description="{ca_file, cert_file, key_file, server_name}: mutual TLS; null: plaintext.",
+        description="{ca_file, cert_file, key_file}: mutual TLS, daemons known by their "
+        "certificates; null: plaintext.",
     )
     auth: AuthConfig | None = Field(
         None,
-        description="{public_key_file, private_key_file, token_file}: require Ed25519-signed "
-        "tokens; null: no auth.",
+        description="{public_key_file, private_key_file, revoked_file, data_token_ttl_s}: "
+        "require Ed25519-signed tokens of people and daemon certificates (needs tls); "
+        "null: no auth.",
     )
     log: LogConfig = Field(default_factory=LogConfig, description="level and format of logs.")
     insecure: bool = Field(

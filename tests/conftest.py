@@ -47,6 +47,8 @@ class InProcessCluster:
     address: str
     workers: list[WorkerServer] = field(default_factory=list)
     worker_overrides: dict[str, object] = field(default_factory=dict)
+    # Overrides that depend on the worker's name (e.g. its own certificate).
+    per_worker: Callable[[str], dict[str, object]] | None = None
 
     async def add_worker(self, name: str | None = None, **overrides: object) -> WorkerServer:
         name = name or f"worker-{len(self.workers)}"
@@ -56,7 +58,8 @@ class InProcessCluster:
             name=name,
             data_dir=str(self.root / name),
         )
-        cfg = WorkerConfig(**(fields | self.worker_overrides | overrides))  # type: ignore[arg-type]
+        own = self.per_worker(name) if self.per_worker is not None else {}
+        cfg = WorkerConfig(**(fields | self.worker_overrides | own | overrides))  # type: ignore[arg-type]
         w = WorkerServer(cfg)
         await w.start()
         self.workers.append(w)
@@ -83,7 +86,10 @@ async def make_cluster(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
     clusters: list[InProcessCluster] = []
 
     async def make(
-        workers: int = 3, worker_overrides: dict[str, object] | None = None, **overrides: object
+        workers: int = 3,
+        worker_overrides: dict[str, object] | None = None,
+        per_worker: Callable[[str], dict[str, object]] | None = None,
+        **overrides: object,
     ) -> InProcessCluster:
         opts: dict[str, object] = dict(
             listen="127.0.0.1:0", data_dir=str(tmp_path / "coord"), metrics_port=None, grace_s=0.5
@@ -96,6 +102,7 @@ async def make_cluster(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
             server,
             address,
             worker_overrides=dict(grace_s=0.5, **(worker_overrides or {})),
+            per_worker=per_worker,
         )
         clusters.append(c)
         for _ in range(workers):

@@ -78,7 +78,7 @@ class WorkerServer:
         )
         self.server = aio.server(
             interceptors=server_interceptors(
-                self.metrics, self.security.public_key, self.name, cfg.max_batch_items
+                self.metrics, self.security.auth_interceptor(), self.name, cfg.max_batch_items
             ),
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )

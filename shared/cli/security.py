@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from shared.security.transport import ChannelSecurity
 
-ROLES = ("worker", "reader", "writer", "admin")  # shared.tokens.ROLES (no jwt import here)
+ROLES = ("reader", "writer", "admin")  # shared.tokens.ROLES (no jwt import here)
 _ENV = {
     "tls_ca": "NEUROSHARD_TLS_CA",
     "tls_cert": "NEUROSHARD_TLS_CERT",
@@ -124,12 +124,13 @@ def add_daemon_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--auth-private-key-file",
         metavar="PEM",
-        help="coordinator only: the private key that signs its own token (auth.private_key_file)",
+        help="coordinator only: the private key that mints data-plane tokens "
+        "(auth.private_key_file)",
     )
     parser.add_argument(
-        "--auth-token-file",
+        "--auth-revoked-file",
         metavar="FILE",
-        help="token this daemon presents (auth.token_file; required on a worker)",
+        help="revoked token ids, one per line (auth.revoked_file)",
     )
 
 
@@ -156,10 +157,10 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["auth"] = {
             "public_key_file": args.auth_public_key_file,
             "private_key_file": args.auth_private_key_file,
-            "token_file": args.auth_token_file,
+            "revoked_file": args.auth_revoked_file,
         }
-    elif args.auth_private_key_file or args.auth_token_file:
-        flag = "--auth-private-key-file" if args.auth_private_key_file else "--auth-token-file"
+    elif args.auth_private_key_file or args.auth_revoked_file:
+        flag = "--auth-private-key-file" if args.auth_private_key_file else "--auth-revoked-file"
         raise ConfigError(f"{flag}: needs --auth-public-key-file")
     return out
 
@@ -179,28 +180,47 @@ def client_security_of(args: argparse.Namespace) -> ChannelSecurity:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    """Run ``neuroshard certs DIR --hosts a,b``: write a development CA and certificates."""
-    from shared.security.certs import write_dev_certs
+    """Run ``neuroshard certs DIR --hosts a,b --workers w0,w1``: a development CA and certificates.
+
+    Without ``--add-worker`` it writes a new CA, the coordinator's, the client's and the
+    named workers' certificates; with it, one more worker's from the CA already in DIR.
+
+    Raises:
+        ConfigError: a worker name that is not valid, or (``--add-worker``) no CA in DIR.
+    """
+    from shared.config import ConfigError
+    from shared.security.certs import CertPaths, issue_worker, write_dev_certs
 
     hosts = [h for h in (args.hosts or "").split(",") if h.strip()]
-    paths = write_dev_certs(args.dir, hosts)
-    print(f"CA:     {paths.ca_cert} (key {paths.ca_key})")
-    print(
-        f"node:   {paths.node_cert} (key {paths.node_key}), hosts: "
-        f"{', '.join([*hosts, 'localhost', '127.0.0.1'])}"
-    )
-    print(f"client: {paths.client_cert} (key {paths.client_key})")
+    names = ", ".join([*hosts, "localhost", "127.0.0.1"])
+    try:
+        if args.add_worker:
+            cert, key = issue_worker(CertPaths.under(args.dir), args.add_worker, hosts)
+            print(f"worker {args.add_worker}: {cert} (key {key}), hosts: {names}")
+            return 0
+        workers = [w.strip() for w in (args.workers or "").split(",") if w.strip()]
+        paths = write_dev_certs(args.dir, hosts, workers)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"DIR: {exc.filename}: no CA here (run neuroshard certs DIR)") from None
+    except ValueError as exc:
+        raise ConfigError(f"--workers: {exc}") from None
+    print(f"CA:          {paths.ca_cert} (key {paths.ca_key})")
+    print(f"coordinator: {paths.coordinator_cert} (key {paths.coordinator_key}), hosts: {names}")
+    for w in workers:
+        cert, key = paths.worker(w)
+        print(f"worker {w}: {cert} (key {key}), hosts: {names}")
+    print(f"client:      {paths.client_cert} (key {paths.client_key})")
     return 0
 
 
 def cmd_token_create(args: argparse.Namespace) -> int:
     """Run ``neuroshard token create``: print a token signed with the private key.
 
-    Flags: ``--role R --subject S [--names P] [--ttl 7d] --private-key-file F``.
+    Flags: ``--role R --subject S [--ttl 7d] --private-key-file F``.
 
     Raises:
-        ConfigError: a bad role, subject, pattern or lifetime, or an unreadable key (exit
-            code 2); the message names the flag.
+        ConfigError: a bad role, subject or lifetime (over the role's cap), or an unreadable
+            key (exit code 2); the message names the flag.
     """
     from shared.config import ConfigError
     from shared.security.tokens import KeyFileError, create_token, parse_ttl, read_private_key
@@ -208,12 +228,39 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     try:
         ttl_s = parse_ttl(args.ttl)
         key = read_private_key(args.private_key_file, "--private-key-file")
-        print(create_token(key, args.role, args.subject, ttl_s, names=args.names))
+        print(create_token(key, args.role, args.subject, ttl_s))
     except (ValueError, KeyFileError) as exc:  # KeyFileError is a ValueError
         message = str(exc)
-        if message.startswith(("subject:", "names:", "ttl:")):
+        if message.startswith(("subject:", "ttl:", "role:")):
             message = "--" + message
         raise ConfigError(message) from None
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    """Run ``neuroshard token revoke TOKEN_OR_ID --file F``: append its id to a revocation list.
+
+    Daemons whose ``auth.revoked_file`` is F refuse the token within a second.
+
+    Raises:
+        ConfigError: a token without an id, or a file that cannot be written.
+    """
+    from shared.config import ConfigError
+    from shared.security.tokens import TokenError, token_id
+
+    value = args.token.strip()
+    try:
+        jti = token_id(value) if value.count(".") == 2 else value
+    except TokenError as exc:
+        raise ConfigError(f"TOKEN: {exc}") from None
+    if not jti or any(c.isspace() or c == "#" for c in jti):
+        raise ConfigError(f"TOKEN: not a token or a token id: {value!r}")
+    try:
+        with open(args.file, "a", encoding="utf-8") as f:
+            f.write(jti + "\n")
+    except OSError as exc:
+        raise ConfigError(f"--file: {args.file}: {exc.strerror or exc}") from None
+    print(f"revoked {jti} (in {args.file})", file=sys.stderr)
     return 0
 
 
@@ -250,14 +297,26 @@ def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     c.add_argument(
         "dir",
         metavar="DIR",
-        help="directory to write ca.crt, node.crt, client.crt and their keys into",
+        help="directory to write ca.crt, coordinator.crt, workers/NAME.crt, client.crt and "
+        "their keys into",
     )
     c.add_argument(
         "--hosts",
         default="",
         metavar="NAME,...",
-        help="host names and IPs of the node certificate (localhost and 127.0.0.1 "
+        help="host names and IPs of the daemon certificates (localhost and 127.0.0.1 "
         "are always added; wildcards like *.svc allowed)",
+    )
+    c.add_argument(
+        "--workers",
+        default="",
+        metavar="NAME,...",
+        help="worker names to issue certificates for (identity spiffe://neuroshard/worker/NAME)",
+    )
+    c.add_argument(
+        "--add-worker",
+        metavar="NAME",
+        help="issue one more worker certificate from the CA already in DIR",
     )
     c.set_defaults(func=cmd_certs)
 
@@ -269,15 +328,14 @@ def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     tc = tsub.add_parser("create", help="print a token signed with the private key")
     tc.add_argument("--role", required=True, choices=ROLES)
     tc.add_argument(
-        "--subject", required=True, help="who the token is for (a person, or a worker's name)"
+        "--subject", required=True, help="who the token is for (a person or a program)"
     )
     tc.add_argument(
-        "--names",
-        metavar="PATTERN",
-        help="worker tokens: also register as names matching PATTERN (fnmatch, e.g. "
-        "'neuroshard-worker-*' for a StatefulSet's pods)",
+        "--ttl",
+        default="1h",
+        help="lifetime: 90s, 30m, 1h, 7d (default 1h; at most 30d for reader and writer, "
+        "7d for admin)",
     )
-    tc.add_argument("--ttl", default="1h", help="lifetime: 90s, 30m, 1h, 7d (default 1h)")
     tc.add_argument(
         "--private-key-file",
         required=True,
@@ -285,3 +343,12 @@ def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
         help="the coordinator's auth.private_key_file",
     )
     tc.set_defaults(func=cmd_token_create)
+    tr = tsub.add_parser("revoke", help="add a token's id to a revocation list")
+    tr.add_argument("token", metavar="TOKEN", help="the token, or its id (jti)")
+    tr.add_argument(
+        "--file",
+        required=True,
+        metavar="FILE",
+        help="the daemons' auth.revoked_file (created if missing)",
+    )
+    tr.set_defaults(func=cmd_token_revoke)

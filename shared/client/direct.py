@@ -93,7 +93,8 @@ class DirectPath:
 
         Args:
             max_message_bytes: message limit of every channel, bytes.
-            security: TLS files and token; None is plaintext without a token.
+            security: TLS files and token (the router's ``worker_security``: the data-plane
+                token of its map); None is plaintext without a token.
         """
         self._options = message_options(max_message_bytes)
         self._security = security

@@ -15,7 +15,9 @@ Shape letters: N batch items, n items of one part (one worker's share of a batch
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import NoReturn, TypeAlias, TypeVar
@@ -104,7 +106,10 @@ class MemoryRouter:
             timeout_s: deadline of each RPC, seconds.
             max_message_bytes: message limit of the worker channels, bytes.
             retry_budget_s: how long a batch is retried before ``RoutingError``, seconds.
-            security: TLS and token of the worker channels; None is plaintext.
+            security: TLS and token of the caller; None is plaintext. The token goes only to
+                the coordinator: worker channels present the data-plane token of the last
+                slot map (``SlotMap.data_token``), renewed at half its lifetime; without a
+                token (a daemon, known by its certificate) they present none.
             report: tells the coordinator a worker could not be reached; default with a
                 coordinator stub: its ``ReportFailure`` (with no reporter: a suspicion the
                 coordinator checks with a probe); None with a map source: no reports.
@@ -125,9 +130,23 @@ class MemoryRouter:
         self._fetch_map: SlotMapSource = coordinator
         self._reports = FailureReports(report)
         self._timeout_s = timeout_s
-        self._workers = WorkerClients(max_message_bytes, security)
+        self.worker_security = security
+        if security is not None and security.token is not None:
+            self.worker_security = ChannelSecurity(
+                security.tls, self.data_token, security.server_name
+            )
+        self._workers = WorkerClients(max_message_bytes, self.worker_security)
         self._map: common_pb2.SlotMap | None = None
+        self._renew_at = math.inf  # when the map's data-plane token is half used (Unix s)
         self._retry_budget_s = retry_budget_s
+
+    def data_token(self) -> str:
+        """The data-plane token of the cached slot map ("" before the first map)."""
+        return self._map.data_token if self._map is not None else ""
+
+    def token_stale(self) -> bool:
+        """Whether the data-plane token is past half its lifetime (the next route renews it)."""
+        return time.time() >= self._renew_at
 
     async def close(self) -> None:
         """Close the channels to the workers; reports still in flight are dropped."""
@@ -142,10 +161,13 @@ class MemoryRouter:
     async def slot_map(self, refresh: bool = False) -> common_pb2.SlotMap:
         """Return the cached slot map, fetching it first when there is none or ``refresh``.
 
+        A map whose data-plane token is past half its lifetime is fetched again too.
+
         Raises:
             RoutingError: the coordinator sent a map that cannot be routed with (UNAVAILABLE).
         """
-        if self._map is None or refresh:
+        if self._map is None or refresh or self.token_stale():
+            fetched_at = time.time()
             m = await self._fetch_map()
             try:
                 validate_slot_map(m)
@@ -154,6 +176,9 @@ class MemoryRouter:
                     f"the coordinator's slot map is unusable: {exc}", grpc.StatusCode.UNAVAILABLE
                 ) from None
             self._map = m
+            self._renew_at = (
+                (fetched_at + m.data_token_expires_at) / 2 if m.data_token else math.inf
+            )
         return self._map
 
     async def route(

@@ -52,7 +52,10 @@ class SyncClient:
         """Start the event loop and a ``Client(address, timeout_s, security=security)``."""
         self._runner = asyncio.Runner()
         self._client = self._runner.run(self._make(address, timeout_s, security))
-        self._direct = DirectPath(self._client._max_message_bytes, security)
+        # Workers get the data-plane token of the router's map, never the caller's own token.
+        self._direct = DirectPath(
+            self._client._max_message_bytes, self._client._router.worker_security
+        )
 
     @staticmethod
     async def _make(
@@ -94,7 +97,7 @@ class SyncClient:
         """
         m = self._client._router.cached_map
         w = self._direct.owner(m, ids)
-        if m is None or w is None:
+        if m is None or w is None or self._client._router.token_stale():
             return None
         try:
             return self._direct.call(m, w, send)

@@ -6,8 +6,10 @@
    every outcome, refusals by the interceptors below it included.
 2. ``DecodeGuardInterceptor``: request bytes that do not parse are INVALID_ARGUMENT (grpc.aio
    alone answers UNKNOWN), before any code reads a request field.
-3. ``AuthInterceptor`` (when auth is on): bearer token and role, checked from the metadata
-   before the request is deserialized (UNAUTHENTICATED, PERMISSION_DENIED).
+3. ``AuthInterceptor`` (when auth is on): a bearer token (people), checked from the metadata
+   before the request is deserialized, or a daemon's certificate identity, read from the
+   call's TLS auth context before the servicer runs (UNAUTHENTICATED, PERMISSION_DENIED);
+   streams end when their token expires.
 4. ``BatchLimitInterceptor`` (workers): keyed memory requests over ``max_batch_items`` are
    INVALID_ARGUMENT before the servicer runs.
 5. ``MetricsInterceptor``: serialized request and response bytes per method.
@@ -27,8 +29,10 @@ request and response message types ``Req`` and ``Resp`` only.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -55,7 +59,14 @@ from shared.security.auth import (
     method_name,
     set_principal,
 )
-from shared.security.tokens import Principal, TokenError, verify_token
+from shared.security.identity import PeerIdentities
+from shared.security.tokens import (
+    AUD_COORDINATOR,
+    Principal,
+    RevocationList,
+    TokenError,
+    verify_token,
+)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -473,34 +484,67 @@ def refusal_handler(
     return _handler(kind, refuse, None, None)
 
 
-class AuthInterceptor(aio.ServerInterceptor):
-    """Check the bearer token of every RPC but health checks, before its request is parsed.
+_MISSING_TOKEN = "missing bearer token: pass --token, --token-file or $NEUROSHARD_TOKEN"
 
-    A call without a valid token is UNAUTHENTICATED; a role that may not call the method
-    (``may_call``), or a worker token naming another worker in a bound field
-    (``BOUND_FIELDS``), is PERMISSION_DENIED. An accepted caller becomes
-    ``current_principal()`` for the servicer.
+
+class AuthInterceptor(aio.ServerInterceptor):
+    """Authenticate every RPC but health checks and enforce ``shared.security.auth``'s table.
+
+    A call with a bearer token is a person's or program's: the token (EdDSA signature, expiry,
+    lifetime cap, revocation, and an audience this daemon accepts) is checked from the
+    metadata before the request is parsed. A call without a token is a daemon's: with TLS the
+    identity in the peer's certificate (``shared.security.identity``) names it, read from the
+    call's auth context before the servicer runs; without TLS, or with a certificate that
+    names no daemon, it is UNAUTHENTICATED. A caller whose role may not call the method
+    (``may_call``), or a worker naming another worker in a bound field (``BOUND_FIELDS``), is
+    PERMISSION_DENIED. An accepted caller becomes ``current_principal()`` for the servicer;
+    a stream authorised by a token ends (UNAUTHENTICATED) when the token expires.
     """
 
-    def __init__(self, public_key: Ed25519PublicKey, cache_size: int = 1024) -> None:
-        """Verify tokens with ``public_key``; remember up to ``cache_size`` verified ones."""
+    def __init__(
+        self,
+        public_key: Ed25519PublicKey,
+        audience: str = AUD_COORDINATOR,
+        revoked: RevocationList | None = None,
+        tls: bool = True,
+        cache_size: int = 1024,
+    ) -> None:
+        """Verify tokens with ``public_key`` for ``audience``, refusing the ``revoked`` ids.
+
+        Args:
+            public_key: the coordinator's token-verifying key.
+            audience: the token audience this daemon accepts (``tokens.AUD_COORDINATOR`` on
+                the coordinator, ``tokens.AUD_DATA`` on a worker).
+            revoked: the revocation list (``auth.revoked_file``); None revokes nothing.
+            tls: whether the server requires client certificates (daemons are known by
+                them); without TLS every call needs a token.
+            cache_size: how many verified tokens to remember until they expire.
+        """
         self._public_key = public_key
+        self._audience = audience
+        self._revoked = revoked if revoked is not None else RevocationList(None)
+        self._tls = tls
+        self._identities = PeerIdentities()
         # Verified tokens until they expire: an Ed25519 check through PyJWT costs ~100-300 us,
-        # and a daemon presents the same token on thousands of calls. Keyed by the whole
+        # and a client presents the same token on thousands of calls. Keyed by the whole
         # token (with its signature), so only a token that was verified once can hit.
         self._verified: dict[str, Principal] = {}
         self._cache_size = cache_size
 
     def _verify(self, token: str) -> Principal:
-        """Run ``verify_token`` through the cache.
+        """Run ``verify_token`` through the cache (a hit is still checked for revocation).
 
         Raises:
             TokenError: as ``verify_token`` (UNAUTHENTICATED).
         """
         hit = self._verified.get(token)
         if hit is not None and hit.expires_at > time.time():
+            if hit.token_id in self._revoked:
+                raise TokenError(f"token {hit.token_id} is revoked")
             return hit
-        principal = verify_token(self._public_key, token)
+        principal = verify_token(
+            self._public_key, token, audience=self._audience, revoked=self._revoked
+        )
         if len(self._verified) >= self._cache_size:
             self._verified.clear()
         self._verified[token] = principal
@@ -509,7 +553,7 @@ class AuthInterceptor(aio.ServerInterceptor):
     def authorize(
         self, details: grpc.HandlerCallDetails
     ) -> tuple[Principal | None, grpc.StatusCode, str]:
-        """Decide whether the caller of an RPC may call its method, from its metadata only.
+        """Decide on a call that carries a token, from its metadata only.
 
         Args:
             details: the method name and the invocation metadata with the token.
@@ -521,11 +565,7 @@ class AuthInterceptor(aio.ServerInterceptor):
         """
         token = bearer_token(details.invocation_metadata)
         if token is None:
-            return (
-                None,
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing bearer token: pass --token, --token-file or $NEUROSHARD_TOKEN",
-            )
+            return None, grpc.StatusCode.UNAUTHENTICATED, _MISSING_TOKEN
         if not token:
             return (
                 None,
@@ -536,13 +576,26 @@ class AuthInterceptor(aio.ServerInterceptor):
             principal = self._verify(token)
         except TokenError as exc:
             return None, grpc.StatusCode.UNAUTHENTICATED, str(exc)
-        if not may_call(principal.role, details.method):
-            return (
-                principal,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"role {principal.role} may not call {method_name(details.method)}",
-            )
-        return principal, grpc.StatusCode.OK, ""
+        return principal, *self._permission(principal, details.method)
+
+    @staticmethod
+    def _permission(principal: Principal, full_method: str) -> tuple[grpc.StatusCode, str]:
+        """OK, or PERMISSION_DENIED and its message, for ``principal`` calling the method."""
+        if may_call(principal, full_method):
+            return grpc.StatusCode.OK, ""
+        return (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{principal.describe()} may not call {method_name(full_method)}",
+        )
+
+    def _daemon(self, context: Context, full_method: str) -> tuple[Principal | None, str]:
+        """The daemon principal of a call without a token, or None and why it is refused."""
+        identity = self._identities.of_context(context)
+        if identity is None:
+            return None, _MISSING_TOKEN + " (no daemon identity in the client certificate)"
+        principal = Principal(identity.name, identity.kind, math.inf, hosts=identity.hosts)
+        code, message = self._permission(principal, full_method)
+        return (principal, "") if code is grpc.StatusCode.OK else (None, message)
 
     async def intercept_service(
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
@@ -552,40 +605,66 @@ class AuthInterceptor(aio.ServerInterceptor):
         full = handler_call_details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
-        principal, code, message = self.authorize(handler_call_details)
-        if code is not grpc.StatusCode.OK:
-            return refusal_handler(handler, code, message, principal)
+        has_token = bearer_token(handler_call_details.invocation_metadata) is not None
+        principal: Principal | None = None
+        if has_token or not self._tls:
+            principal, code, message = self.authorize(handler_call_details)
+            if code is not grpc.StatusCode.OK:
+                return refusal_handler(handler, code, message, principal)
         method = method_name(full)
         bound = full.startswith(COORDINATOR) and method in BOUND_FIELDS
+        streaming = _kind_of(handler)[0] != "unary_unary"
 
         @asynccontextmanager
         async def around(request: Any, context: Context) -> AsyncIterator[None]:
-            set_principal(principal)
-            if bound and principal is not None:
-                denied = bound_name_error(principal, method, request)
+            caller = principal
+            if caller is None:  # a daemon, known by its certificate
+                caller, refused = self._daemon(context, full)
+                if caller is None:
+                    code = (
+                        grpc.StatusCode.UNAUTHENTICATED
+                        if refused.startswith(_MISSING_TOKEN)
+                        else grpc.StatusCode.PERMISSION_DENIED
+                    )
+                    await context.abort(code, refused)
+            set_principal(caller)
+            if bound and caller is not None:
+                denied = bound_name_error(caller, method, request)
                 if denied is not None:
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
-            yield
+            if not streaming or caller is None or math.isinf(caller.expires_at):
+                yield
+                return
+            try:
+                async with asyncio.timeout(caller.expires_at - time.time()):
+                    yield
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"token expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(caller.expires_at))}: "
+                    "stream ended",
+                )
 
         return wrap_handler(handler, around)
 
 
 def server_interceptors(
     metrics: Metrics,
-    public_key: Ed25519PublicKey | None,
+    auth: AuthInterceptor | None,
     worker_name: str | None = None,
     max_batch_items: int | None = None,
 ) -> list[aio.ServerInterceptor]:
     """Build a daemon's interceptor chain, outermost first.
 
     The request log sees every outcome (refusals included); request bytes are checked to
-    parse before anything reads a field; the token (when ``public_key`` is set: auth is on)
+    parse before anything reads a field; the caller (when ``auth`` is given: auth is on)
     before any work; on a worker (``max_batch_items`` set), keyed memory batches over the
     limit are refused before the servicer runs.
 
     Args:
         metrics: the daemon's metrics (rpc counts and bytes).
-        public_key: the coordinator's token-signing key, or None without auth.
+        auth: the daemon's ``AuthInterceptor`` (``DaemonSecurity.auth_interceptor``), or
+            None without auth.
         worker_name: this worker's name for log lines (None on the coordinator).
         max_batch_items: a worker's ``max_batch_items`` (None on the coordinator).
 
@@ -596,8 +675,8 @@ def server_interceptors(
         RequestLogInterceptor(metrics, worker_name=worker_name),
         DecodeGuardInterceptor(),
     ]
-    if public_key is not None:
-        chain.append(AuthInterceptor(public_key))
+    if auth is not None:
+        chain.append(auth)
     if max_batch_items is not None:
         chain.append(BatchLimitInterceptor(max_batch_items))
     chain.append(MetricsInterceptor(metrics))

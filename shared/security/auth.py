@@ -1,33 +1,41 @@
 """Roles, and what each may call: the policy ``rpc.interceptors.AuthInterceptor`` enforces.
 
-Roles and what they may call (the gRPC health service is open to all, without a token):
+Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
 
-- ``reader``: Coordinator GetJob, ListJobs, WatchJob, GetClusterStatus, GetSlotMap, Quality,
-  TopK, ListDatasets, ExportMemories (``neuroshard memory export``), ReportFailure (a
-  client's report of a worker it could not reach: the coordinator only probes that
-  worker); Worker Get.
-- ``writer``: what ``reader`` may, and Coordinator SubmitJob, CancelJob, PutDataset; Worker
-  Upsert, Reinforce, Delete.
-- ``admin``: everything, e.g. Coordinator Decay and Sweep of the whole store, DrainWorker of
-  any worker, ForgetWorker. (``neuroshard memory import`` upserts through the workers: ``writer``.)
-  The coordinator presents an ``admin`` token it signs itself (subject ``coordinator``).
-- ``worker`` (a worker daemon): Coordinator RegisterWorker, Heartbeat, ReportFailure,
-  DrainWorker and FetchShard, each only under a worker name its token covers (``BOUND_FIELDS``,
-  ``Principal.may_act_as``); every Worker RPC (workers call each other's internal RPCs).
+- **daemons**, known by the identity in their TLS client certificate
+  (``shared.security.identity``), never by a token:
+  - ``coordinator``: no Coordinator RPC at all; the Worker service's control RPCs
+    (``WORKER_CONTROL``: slot maps and copies, whole-store decay/sweep/quality/top-k, training,
+    allreduce), the slot inspections it shares with workers (DumpSlots for exports, SlotSeqs
+    for re-copies) and the keyed memory RPCs its memory jobs make (Upsert, Reinforce, Get,
+    Delete);
+  - ``worker``: Coordinator RegisterWorker, Heartbeat, ReportFailure, DrainWorker and
+    FetchShard, each only under the name its certificate carries (``BOUND_FIELDS``); the
+    Worker service's peer RPCs (``WORKER_PEER``: Replicate, ReceiveSlots, DumpSlots,
+    SlotSeqs) and nothing else.
+- **people and programs**, known by their bearer token (``shared.security.tokens``), whose
+  audience says where it may be presented:
+  - coordinator tokens (``aud`` ``neuroshard``), on the Coordinator service only:
+    ``reader``: GetJob, ListJobs, WatchJob, GetClusterStatus, GetSlotMap, Quality, TopK,
+    ListDatasets, ExportMemories, ReportFailure (a suspicion, confirmed by the coordinator
+    before it acts); ``writer``: those and SubmitJob, CancelJob, PutDataset; ``admin``:
+    every Coordinator RPC (Decay and Sweep of the whole store, DrainWorker, ForgetWorker).
+  - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
+    for at most an hour), on the Worker service's keyed RPCs only: ``reader`` Get;
+    ``writer`` Get, Upsert, Reinforce, Delete (an admin's data-plane token is a writer's).
+  So a worker that captures a client's data-plane token can replay it only to workers, with
+  the rights its holder has there, and no token a daemon sends exists to be captured.
 
-Server reflection (``grpc.reflection.v1alpha`` and ``v1`` ServerReflectionInfo, which grpcurl,
-Postman and Evans use to list and describe the services) is a read RPC of ``reader``,
-``writer`` and ``admin`` on both daemons. Not of ``worker``: daemons never need it, and a
-worker token is not a person's. Unlike health checks it is not open to all: the schema is
-the map of what the cluster can be asked.
+Server reflection (``grpc.reflection.v1alpha`` and ``v1`` ServerReflectionInfo) is a read RPC
+of people's coordinator tokens on both daemons (``reader``, ``writer``, ``admin``). Not of
+daemons: they never need it. The gRPC health service is open to all, without a token.
 
 People (readers and writers) see their own jobs only: ``may_see_job``.
 
-The token is checked from the request's metadata before its message is deserialized: a
-missing or invalid token (UNAUTHENTICATED) or a role that may not call the method
-(PERMISSION_DENIED) gets a stand-in handler that parses nothing and aborts, so the servicer
-and the message parser never run for it. A worker naming another worker in a bound field is
-PERMISSION_DENIED, naming both, before the servicer runs.
+A token is checked from the request's metadata before its message is deserialized; a
+daemon's certificate is read from the call's auth context when the call starts, before the
+servicer runs. A missing or invalid credential is UNAUTHENTICATED, a caller that may not call
+the method PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextvars import ContextVar, Token
 
-from shared.security.tokens import Principal
+from shared.security.tokens import AUD_COORDINATOR, AUD_DATA, Principal
 
 HEALTH_PREFIX = "/grpc.health."  # the health service: open to all, not logged or counted
 COORDINATOR = "/neuroshard.v1.Coordinator/"
@@ -54,7 +62,7 @@ _READER_COORDINATOR = frozenset(
         "Quality",
         "TopK",
         "ListDatasets",
-        "ReportFailure",  # from a person's token: a suspicion, checked by a probe
+        "ReportFailure",  # from a person's token: a suspicion, confirmed before it acts
         "ExportMemories",
     }
 )
@@ -62,17 +70,38 @@ _WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDatas
 _WORKER_COORDINATOR = frozenset(
     {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker", "FetchShard"}
 )
-_READER_WORKER = frozenset({"Get"})
-_WRITER_WORKER = _READER_WORKER | {"Upsert", "Reinforce", "Delete"}
+KEYED_READ = frozenset({"Get"})
+KEYED_WRITE = frozenset({"Get", "Upsert", "Reinforce", "Delete"})
+# Worker RPCs only the coordinator calls (commands), and those workers call on each other.
+WORKER_CONTROL = frozenset(
+    {
+        "ApplySlotMap",
+        "CopySlots",
+        "Decay",
+        "Sweep",
+        "Quality",
+        "TopK",
+        "StartTraining",
+        "RunAllreduce",
+        "ComputeGradients",
+        "StopTraining",
+    }
+)
+WORKER_PEER = frozenset({"Replicate", "ReceiveSlots", "DumpSlots", "SlotSeqs"})
+_SHARED_INSPECTIONS = frozenset({"DumpSlots", "SlotSeqs"})  # the coordinator's too
 
-# Per role: (Coordinator methods, Worker methods); None: every method of that service.
-_TABLE: dict[str, tuple[frozenset[str], frozenset[str] | None]] = {
-    "reader": (_READER_COORDINATOR, _READER_WORKER),
-    "writer": (_WRITER_COORDINATOR, _WRITER_WORKER),
-    "worker": (_WORKER_COORDINATOR, None),
+# Per (role, audience): (Coordinator methods, Worker methods). Daemons have no audience.
+_TABLE: dict[tuple[str, str], tuple[frozenset[str], frozenset[str]]] = {
+    ("coordinator", ""): (frozenset(), WORKER_CONTROL | _SHARED_INSPECTIONS | KEYED_WRITE),
+    ("worker", ""): (_WORKER_COORDINATOR, WORKER_PEER),
+    ("reader", AUD_COORDINATOR): (_READER_COORDINATOR, frozenset()),
+    ("writer", AUD_COORDINATOR): (_WRITER_COORDINATOR, frozenset()),
+    ("reader", AUD_DATA): (frozenset(), KEYED_READ),
+    ("writer", AUD_DATA): (frozenset(), KEYED_WRITE),
+    ("admin", AUD_DATA): (frozenset(), KEYED_WRITE),
 }
 
-# Coordinator methods whose request names a worker: a worker token may name only itself.
+# Coordinator methods whose request names a worker: a worker may name only itself.
 BOUND_FIELDS = {
     "RegisterWorker": "name",
     "Heartbeat": "name",
@@ -114,29 +143,31 @@ def reset_principal(token: Token[Principal | None]) -> None:
     _principal.reset(token)
 
 
-def may_call(role: str, full_method: str) -> bool:
-    """Tell whether ``role`` may call a method, by the table in the module docstring.
+def may_call(principal: Principal, full_method: str) -> bool:
+    """Tell whether ``principal`` may call a method, by the table in the module docstring.
 
     Job ownership (``may_see_job``) and worker names (``bound_name_error``) are checked
-    separately; this looks at the role alone.
+    separately; this looks at the role and audience alone.
 
     Args:
-        role: ``worker``, ``reader``, ``writer`` or ``admin``; any other role may call
-            nothing but the health service.
+        principal: the caller (a token's, or a daemon certificate's).
         full_method: ``/package.Service/Method`` as gRPC names it.
     """
-    if role == "admin" or full_method.startswith(HEALTH_PREFIX):
+    if full_method.startswith(HEALTH_PREFIX):
         return True
+    role, audience = principal.role, principal.audience
     if full_method.startswith(REFLECTION):
-        return role in _REFLECTION_ROLES
-    allowed = _TABLE.get(role)
+        return role in _REFLECTION_ROLES and audience == AUD_COORDINATOR
+    if role == "admin" and audience == AUD_COORDINATOR:
+        return full_method.startswith(COORDINATOR)
+    allowed = _TABLE.get((role, audience))
     if allowed is None:
         return False
     name = method_name(full_method)
     if full_method.startswith(COORDINATOR):
         return name in allowed[0]
     if full_method.startswith(WORKER):
-        return allowed[1] is None or name in allowed[1]
+        return name in allowed[1]
     return False
 
 
@@ -152,10 +183,10 @@ def may_see_job(owner: str) -> bool:
 
 
 def bound_name_error(principal: Principal, method: str, request: object) -> str | None:
-    """Say why a worker token may not make a request that names a worker, or return None.
+    """Say why a worker may not make a request that names a worker, or return None.
 
     The request's worker name (the field ``BOUND_FIELDS`` gives for ``method``) must be the
-    token's subject or match its ``names`` pattern; other roles and methods always pass.
+    name in the worker's certificate; other roles and methods always pass.
 
     Args:
         principal: the caller.
@@ -171,7 +202,35 @@ def bound_name_error(principal: Principal, method: str, request: object) -> str 
     name = getattr(request, field, "")
     if principal.may_act_as(name):
         return None
-    return f"{method}: the worker token of {principal.describe()} may not act as {field} {name!r}"
+    return f"{method}: {principal.describe()} (by its certificate) may not act as {field} {name!r}"
+
+
+def address_error(principal: Principal | None, address: str) -> str | None:
+    """Say why a worker may not register ``address``, or return None.
+
+    A worker known by its certificate may advertise only a host its certificate names
+    (DNS names, wildcards for one label, IP addresses), so that the coordinator and peers
+    that dial it check the same certificate. Other callers (auth off) pass.
+
+    Args:
+        principal: the caller of RegisterWorker.
+        address: the ``host:port`` the worker advertises.
+
+    Returns:
+        None when allowed, else the PERMISSION_DENIED message naming the host and the
+        certificate's names.
+    """
+    if principal is None or principal.role != "worker":
+        return None
+    from shared.security.identity import PeerIdentity
+
+    host = address.rpartition(":")[0] or address
+    if PeerIdentity("worker", principal.subject, principal.hosts).covers_host(host):
+        return None
+    return (
+        f"RegisterWorker: address {address!r}: host {host!r} is not among the names of "
+        f"worker {principal.subject!r}'s certificate ({', '.join(principal.hosts) or 'none'})"
+    )
 
 
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:

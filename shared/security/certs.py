@@ -1,15 +1,21 @@
-"""Development certificates for mutual TLS (``neuroshard certs DIR --hosts NAME,...``).
+"""Development certificates for mutual TLS (``neuroshard certs DIR --hosts H,... --workers W,...``).
 
 Writes, with the ``cryptography`` library (ECDSA P-256 keys, SHA-256 signatures):
 
 - ``ca.crt``, ``ca.key``: a self-signed CA (10 years);
-- ``node.crt``, ``node.key``: one certificate for every daemon, valid for server and client
-  authentication, with the given hosts plus ``localhost`` and ``127.0.0.1`` as subject
-  alternative names (wildcards such as ``*.neuroshard-worker`` allowed);
-- ``client.crt``, ``client.key``: a client-only certificate for the CLI and scripts.
+- ``coordinator.crt``, ``coordinator.key``: the coordinator's certificate, its identity
+  ``spiffe://neuroshard/coordinator`` in the subject alternative names
+  (``shared.security.identity``), valid for server and client authentication;
+- ``workers/NAME.crt``, ``workers/NAME.key``: one certificate per worker, identity
+  ``spiffe://neuroshard/worker/NAME`` (``issue_worker``, also later, from the CA in the
+  directory);
+- ``client.crt``, ``client.key``: a client-only certificate for the CLI and scripts (no
+  identity: a person's calls are authorised by their token).
 
-Private keys are written with mode 0600. Meant for development and tests; production
-deployments bring certificates from their own CA (cert-manager, Vault, ...).
+Daemon certificates name the given hosts plus ``localhost`` and ``127.0.0.1`` (wildcards
+such as ``*.neuroshard-worker`` allowed); a worker may register only an address whose host
+its certificate names. Private keys are written with mode 0600. Meant for development and
+tests; production deployments bring certificates from their own CA (cert-manager, SPIRE).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shared.security.identity import COORDINATOR, WORKER, identity_uri
+
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 _DAY = dt.timedelta(days=1)
 
@@ -36,10 +44,28 @@ class CertPaths:
 
     ca_cert: Path
     ca_key: Path
-    node_cert: Path
-    node_key: Path
+    coordinator_cert: Path
+    coordinator_key: Path
     client_cert: Path
     client_key: Path
+
+    @classmethod
+    def under(cls, directory: str | Path) -> CertPaths:
+        """The paths ``write_dev_certs(directory)`` writes (whether or not they exist)."""
+        d = Path(directory)
+        return cls(
+            d / "ca.crt",
+            d / "ca.key",
+            d / "coordinator.crt",
+            d / "coordinator.key",
+            d / "client.crt",
+            d / "client.key",
+        )
+
+    def worker(self, name: str) -> tuple[Path, Path]:
+        """The certificate and key paths of worker ``name`` (``issue_worker`` writes them)."""
+        d = self.ca_cert.parent / "workers"
+        return d / f"{name}.crt", d / f"{name}.key"
 
 
 def _name(common_name: str) -> x509.Name:
@@ -52,9 +78,9 @@ def _name(common_name: str) -> x509.Name:
     )
 
 
-def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
-    """Subject alternative names: IP addresses as such, anything else as a DNS name."""
-    names: list[x509.GeneralName] = []
+def _san(hosts: Iterable[str], uri: str | None = None) -> x509.SubjectAlternativeName:
+    """Subject alternative names: the identity ``uri``, IP addresses as such, others as DNS."""
+    names: list[x509.GeneralName] = [] if uri is None else [x509.UniformResourceIdentifier(uri)]
     for host in dict.fromkeys(hosts):  # dedupe, keep order
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
@@ -120,6 +146,7 @@ def issue(
     hosts: Iterable[str] = (),
     server: bool = True,
     days: int = 825,
+    uri: str | None = None,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """Sign a leaf certificate with the CA, usable for client authentication.
 
@@ -131,6 +158,8 @@ def issue(
             for as a server; none for a client-only certificate.
         server: also allow server authentication.
         days: validity, days (default 825, the most browsers accept).
+        uri: a daemon's identity URI (``identity.identity_uri``), added to the alternative
+            names; None for a person's or program's certificate.
 
     Returns:
         The certificate and its new ECDSA P-256 key.
@@ -148,8 +177,8 @@ def issue(
         )
     )
     hosts = list(hosts)
-    if hosts:
-        builder = builder.add_extension(_san(hosts), critical=False)
+    if hosts or uri:
+        builder = builder.add_extension(_san(hosts, uri), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
@@ -175,41 +204,91 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def write_dev_certs(directory: str | Path, hosts: Iterable[str] = ()) -> CertPaths:
-    """Create a CA, a node certificate and a client certificate under ``directory``.
+def _load_ca(paths: CertPaths) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """Read the CA certificate and key ``write_dev_certs`` wrote.
+
+    Raises:
+        OSError: a file cannot be read.
+        ValueError: a file is not PEM of the right kind, or the key is not an EC key.
+    """
+    cert = x509.load_pem_x509_certificate(paths.ca_cert.read_bytes())
+    key = serialization.load_pem_private_key(paths.ca_key.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{paths.ca_key}: not an EC private key")
+    return cert, key
+
+
+def _hosts(hosts: Iterable[str]) -> list[str]:
+    """The non-blank ``hosts`` plus localhost and 127.0.0.1."""
+    return [h.strip() for h in hosts if h.strip()] + list(DEFAULT_HOSTS)
+
+
+def issue_worker(paths: CertPaths, name: str, hosts: Iterable[str] = ()) -> tuple[Path, Path]:
+    """Sign a certificate for worker ``name`` with the CA under ``paths``; write it and its key.
+
+    Args:
+        paths: a directory ``write_dev_certs`` wrote (its CA signs).
+        name: the worker's name (its identity ``spiffe://neuroshard/worker/NAME``).
+        hosts: host names and IPs the worker is dialled at, besides localhost and 127.0.0.1.
+
+    Returns:
+        The certificate's and the key's paths (``paths.worker(name)``).
+
+    Raises:
+        ValueError: ``name`` is not a valid worker name, or the CA files are not valid.
+        OSError: the files cannot be read or written.
+    """
+    uri = identity_uri(WORKER, name)
+    ca_cert, ca_key = _load_ca(paths)
+    cert, key = issue(ca_cert, ca_key, f"neuroshard worker {name}", _hosts(hosts), uri=uri)
+    cert_path, key_path = paths.worker(name)
+    cert_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write(cert_path, _pem(cert))
+    _write(key_path, _key_pem(key), private=True)
+    return cert_path, key_path
+
+
+def write_dev_certs(
+    directory: str | Path, hosts: Iterable[str] = (), workers: Iterable[str] = ()
+) -> CertPaths:
+    """Create a CA, the coordinator's, the workers' and a client certificate under ``directory``.
 
     The directory is created if needed; existing files are replaced (tokens are not
     affected: they are signed with the token key pair, not with these).
 
     Args:
-        directory: where to write the six files.
-        hosts: the node certificate's host names and IPs besides localhost and 127.0.0.1
+        directory: where to write the files.
+        hosts: the daemon certificates' host names and IPs besides localhost and 127.0.0.1
             (blank entries are skipped).
+        workers: names of workers to issue certificates for now (``issue_worker`` adds more
+            later).
 
     Returns:
-        The paths written.
+        The paths written (``CertPaths.worker(name)`` gives a worker's).
 
     Raises:
         OSError: the directory cannot be written.
+        ValueError: a worker name is not valid.
     """
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    paths = CertPaths(
-        d / "ca.crt",
-        d / "ca.key",
-        d / "node.crt",
-        d / "node.key",
-        d / "client.crt",
-        d / "client.key",
-    )
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths = CertPaths.under(d)
     ca_cert, ca_key = make_ca()
-    node_hosts = [h.strip() for h in hosts if h.strip()] + list(DEFAULT_HOSTS)
-    node_cert, node_key = issue(ca_cert, ca_key, "neuroshard node", node_hosts, server=True)
+    coordinator_cert, coordinator_key = issue(
+        ca_cert,
+        ca_key,
+        "neuroshard coordinator",
+        _hosts(hosts),
+        server=True,
+        uri=identity_uri(COORDINATOR),
+    )
     client_cert, client_key = issue(ca_cert, ca_key, "neuroshard client", server=False)
     _write(paths.ca_cert, _pem(ca_cert))
     _write(paths.ca_key, _key_pem(ca_key), private=True)
-    _write(paths.node_cert, _pem(node_cert))
-    _write(paths.node_key, _key_pem(node_key), private=True)
+    _write(paths.coordinator_cert, _pem(coordinator_cert))
+    _write(paths.coordinator_key, _key_pem(coordinator_key), private=True)
     _write(paths.client_cert, _pem(client_cert))
     _write(paths.client_key, _key_pem(client_key), private=True)
+    for name in workers:
+        issue_worker(paths, name, hosts)
     return paths

@@ -1,11 +1,12 @@
 """Security material of a local cluster (``neuroshard up --secure``, ``demo --secure``).
 
-Under ``DATA_DIR``: ``certs/`` (CA, node and client certificates: ``shared.security.certs``),
-``auth/private.pem`` and ``auth/public.pem`` (the Ed25519 token key pair), ``auth/admin.token``
-and ``auth/writer.token`` (for people, 7 days), ``auth/workers/NAME.token`` (one ``worker``
-token per worker name, made when the worker starts), and ``client.env`` (``NEUROSHARD_*``
-variables for a shell, with the writer token: ``. DATA_DIR/client.env``). Certificates and the
-key pair of an earlier run are kept; tokens are signed anew each time.
+Under ``DATA_DIR``: ``certs/`` (the CA, the coordinator's and the client certificate, and
+``certs/workers/NAME.crt`` for each worker, made when the worker starts:
+``shared.security.certs``), ``auth/private.pem`` and ``auth/public.pem`` (the Ed25519 token key
+pair), ``auth/admin.token`` and ``auth/writer.token`` (for people, 7 days), and ``client.env``
+(``NEUROSHARD_*`` variables for a shell, with the writer token: ``. DATA_DIR/client.env``).
+Daemons carry no token: each is known by its own certificate. Certificates and the key pair of
+an earlier run are kept; people's tokens are signed anew each time.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.security.certs import CertPaths, write_dev_certs
+from shared.security.certs import CertPaths, issue_worker, write_dev_certs
 from shared.security.tokens import (
     PRIVATE_KEY_NAME,
     PUBLIC_KEY_NAME,
@@ -60,26 +61,18 @@ class SecureSetup:
         """``ROOT/client.env``, the shell settings ``write_env`` writes."""
         return self.root / "client.env"
 
-    def _tls_args(self) -> list[str]:
-        """The ``--tls-*`` flags of a daemon: the CA and the node certificate."""
-        c = self.certs
-        return [
-            "--tls-ca",
-            str(c.ca_cert),
-            "--tls-cert",
-            str(c.node_cert),
-            "--tls-key",
-            str(c.node_key),
-        ]
+    def _tls_args(self, cert: Path, key: Path) -> list[str]:
+        """The ``--tls-*`` flags of a daemon: the CA and the daemon's own certificate."""
+        return ["--tls-ca", str(self.certs.ca_cert), "--tls-cert", str(cert), "--tls-key", str(key)]
 
     def coordinator_args(self) -> list[str]:
         """Return the flags of ``neuroshard coordinator`` for this cluster.
 
-        Mutual TLS with the node certificate; tokens verified with the public key; the
-        private key, with which the coordinator signs its own admin token.
+        Mutual TLS with the coordinator's certificate; tokens verified with the public key;
+        the private key, with which the coordinator mints data-plane tokens.
         """
         return [
-            *self._tls_args(),
+            *self._tls_args(self.certs.coordinator_cert, self.certs.coordinator_key),
             "--auth-public-key-file",
             str(self.public_key_file),
             "--auth-private-key-file",
@@ -87,24 +80,22 @@ class SecureSetup:
         ]
 
     def worker_args(self, name: str) -> list[str]:
-        """Sign a worker token for ``name`` and return the flags of its ``neuroshard worker``.
+        """Issue worker ``name``'s certificate (if it has none) and return its flags.
 
-        Mutual TLS with the node certificate, the public key, and the new ``worker`` token
-        (7 days) written to ``ROOT/auth/workers/NAME.token``; the worker never sees the
-        private key.
+        Mutual TLS with the worker's own certificate (identity
+        ``spiffe://neuroshard/worker/NAME``) and the public key; the worker holds no token
+        and never sees the private key.
 
         Raises:
-            KeyFileError: the private key cannot be read.
+            ValueError: ``name`` is not a valid worker name.
         """
-        key = read_private_key(self.private_key_file)
-        token = create_token(key, "worker", name, TOKEN_TTL_S)
-        token_file = _write_token(self.root / "auth" / "workers" / f"{name}.token", token)
+        cert, key = self.certs.worker(name)
+        if not (cert.exists() and key.exists()):
+            cert, key = issue_worker(self.certs, name)
         return [
-            *self._tls_args(),
+            *self._tls_args(cert, key),
             "--auth-public-key-file",
             str(self.public_key_file),
-            "--auth-token-file",
-            str(token_file),
         ]
 
     def client_security(self, admin: bool = False) -> ChannelSecurity:
@@ -153,14 +144,8 @@ def prepare(data_dir: str | Path) -> SecureSetup:
     """
     root = Path(data_dir)
     cert_dir, auth_dir = root / "certs", root / "auth"
-    if (cert_dir / "node.key").exists():
-        certs = CertPaths(
-            *(
-                cert_dir / n
-                for n in ("ca.crt", "ca.key", "node.crt", "node.key", "client.crt", "client.key")
-            )
-        )
-    else:
+    certs = CertPaths.under(cert_dir)
+    if not certs.coordinator_key.exists():
         certs = write_dev_certs(cert_dir)
     private_file, public_file = auth_dir / PRIVATE_KEY_NAME, auth_dir / PUBLIC_KEY_NAME
     if not (private_file.exists() and public_file.exists()):

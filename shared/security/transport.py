@@ -2,11 +2,13 @@
 
 A daemon builds one ``DaemonSecurity`` from its config (``tls``, ``auth``): its server port
 (TLS that requires client certificates signed by the CA, or plaintext), its server
-interceptor (token check), and the ``ChannelSecurity`` of every channel it opens (to the
-coordinator, to peer workers: TLS with its own certificate, and its token: the coordinator's
-``admin`` token signed with its private key, a worker's ``worker`` token from a file). The client
-builds a ``ChannelSecurity`` from ``--tls-ca/--tls-cert/--tls-key`` and ``--token`` flags.
-Every channel goes through ``shared.rpc.channel``.
+interceptor (people's tokens, daemons' certificate identities), and the ``ChannelSecurity``
+of every channel it opens (to the coordinator, to peer workers): TLS with its own
+certificate, which names it (``shared.security.identity``), and no token: no bearer token
+travels between daemons. Each dialer checks the peer's certificate against the host it
+dials (gRPC's default; no name override). The client builds a ``ChannelSecurity`` from
+``--tls-ca/--tls-cert/--tls-key`` and ``--token`` flags. Every channel goes through
+``shared.rpc.channel``.
 """
 
 from __future__ import annotations
@@ -15,24 +17,31 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
 
 import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from grpc import aio
 
 from shared.config import AuthConfig, ConfigError, TlsConfig
+from shared.security.identity import COORDINATOR, WORKER, identity_of_pem
 from shared.security.tokens import (
+    AUD_COORDINATOR,
+    AUD_DATA,
     KeyFileError,
-    TokenError,
+    Principal,
+    RevocationList,
     TokenSource,
+    mint_data_token,
     read_private_key,
     read_public_key,
-    verify_token,
 )
+
+if TYPE_CHECKING:
+    from shared.rpc.interceptors import AuthInterceptor
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -345,7 +354,7 @@ class ChannelSecurity:
     """
 
     tls: TlsFiles | None = None
-    token: TokenSource | None = None
+    token: TokenFn | None = None
     server_name: str | None = None
     _creds: list[grpc.ChannelCredentials] = field(default_factory=list, repr=False, compare=False)
 
@@ -393,58 +402,42 @@ def explain_unavailable(details: str, security: ChannelSecurity | None) -> str:
     return text
 
 
-def _coordinator_token(auth: AuthConfig, public_key: Ed25519PublicKey, subject: str) -> TokenSource:
-    """The coordinator's own token source: signed with its private key, or read from a file.
+def _signing_key(auth: AuthConfig, public_key: Ed25519PublicKey) -> Ed25519PrivateKey:
+    """The coordinator's token-signing key, checked to belong to the public key.
 
     Raises:
-        ConfigError: the private key is not the public key's, or neither file is given.
-        KeyFileError: a key or token file cannot be read.
+        ConfigError: no private key given, or not the public key's.
+        KeyFileError: the key file cannot be read.
     """
-    if auth.private_key_file:
-        key = read_private_key(auth.private_key_file, "auth.private_key_file")
-        if _public_der(key.public_key()) != _public_der(public_key):
-            raise ConfigError(
-                f"auth.private_key_file: {auth.private_key_file} is not the private key of "
-                f"auth.public_key_file {auth.public_key_file}"
-            )
-        return TokenSource(private_key=key, role="admin", subject=subject)
-    if auth.token_file:
-        return TokenSource.from_file(auth.token_file, "auth.token_file")
-    raise ConfigError(
-        "auth.private_key_file: required on the coordinator, which signs its own token "
-        "(or give auth.token_file)"
-    )
+    if not auth.private_key_file:
+        raise ConfigError(
+            "auth.private_key_file: required on the coordinator, which mints the clients' "
+            "data-plane tokens"
+        )
+    key = read_private_key(auth.private_key_file, "auth.private_key_file")
+    if _public_der(key.public_key()) != _public_der(public_key):
+        raise ConfigError(
+            f"auth.private_key_file: {auth.private_key_file} is not the private key of "
+            f"auth.public_key_file {auth.public_key_file}"
+        )
+    return key
 
 
-def _worker_token(auth: AuthConfig, public_key: Ed25519PublicKey, name: str) -> TokenSource:
-    """A worker's token source, checked now rather than refused at registration.
+def _check_identity(files: TlsFiles, cert_file: str, kind: str, name: str) -> None:
+    """Check that this daemon's certificate names it (``spiffe://neuroshard/...``).
 
     Raises:
-        ConfigError: the worker holds the private key, has no token file, or its token is
-            invalid, not a worker token, or not for its name.
-        KeyFileError: the token file cannot be read.
+        ConfigError: the certificate names no daemon or another one (names the field).
     """
-    if auth.private_key_file:
+    identity = identity_of_pem(files.cert)
+    expected = "the coordinator" if kind == COORDINATOR else f"worker {name!r}"
+    if identity is None or identity.kind != kind or (kind == WORKER and identity.name != name):
+        found = "no daemon" if identity is None else f"{identity.kind} {identity.name!r}"
         raise ConfigError(
-            "auth.private_key_file: a worker must not hold the private key (it could mint "
-            "any token); give it auth.token_file, a worker token"
+            f"tls.cert_file: {cert_file} names {found}, not {expected} (a daemon certificate "
+            "carries the URI spiffe://neuroshard/coordinator or spiffe://neuroshard/worker/NAME; "
+            "neuroshard certs DIR --workers NAME makes them)"
         )
-    if not auth.token_file:
-        raise ConfigError(
-            "auth.token_file: required on a worker (neuroshard token create --role worker "
-            f"--subject {name or 'NAME'} ...)"
-        )
-    source = TokenSource.from_file(auth.token_file, "auth.token_file")
-    try:
-        principal = verify_token(public_key, source())
-    except TokenError as exc:
-        raise ConfigError(f"auth.token_file: {auth.token_file}: {exc}") from None
-    if principal.role != "worker" or not principal.may_act_as(name):
-        raise ConfigError(
-            f"auth.token_file: {auth.token_file} is a {principal.role} token for "
-            f"{principal.describe()}; worker {name!r} needs a worker token for its name"
-        )
-    return source
 
 
 @dataclass
@@ -454,12 +447,19 @@ class DaemonSecurity:
     Attributes:
         tls: the daemon's TLS files; None serves and dials in plaintext.
         public_key: verifies the tokens of callers; None accepts calls without tokens.
-        channel: how the daemon dials the others (its certificate and its own token).
+        channel: how the daemon dials the others (its certificate, no token).
+        signing_key: the coordinator's token-signing key (data-plane tokens); None on
+            workers and without auth.
+        revoked: the revocation list of ``auth.revoked_file``.
+        audience: the token audience this daemon accepts.
     """
 
     tls: TlsFiles | None
     public_key: Ed25519PublicKey | None
     channel: ChannelSecurity
+    signing_key: Ed25519PrivateKey | None = None
+    revoked: RevocationList = field(default_factory=lambda: RevocationList(None))
+    audience: str = AUD_COORDINATOR
 
     @classmethod
     def from_config(
@@ -470,37 +470,49 @@ class DaemonSecurity:
         *,
         coordinator: bool = False,
     ) -> DaemonSecurity:
-        """Load and check a daemon's TLS files, token keys and token.
+        """Load and check a daemon's TLS files and token keys.
 
-        The coordinator's own token is an ``admin`` token for ``subject`` it signs with
-        ``auth.private_key_file`` (1 h, renewed at half-life), or the one in
-        ``auth.token_file``; a worker presents ``auth.token_file``, which must be a valid
-        ``worker`` token covering its name ``subject``.
+        With auth on, TLS is required and the daemon's certificate must name it: the
+        coordinator's ``spiffe://neuroshard/coordinator``, a worker's
+        ``spiffe://neuroshard/worker/NAME`` for its own name. The coordinator needs the
+        private key (it mints data-plane tokens); a worker must not have it.
 
         Args:
             tls: the ``tls`` section; None serves and dials in plaintext.
-            auth: the ``auth`` section; None requires and presents no token.
-            subject: the coordinator's token subject, or the worker's name.
+            auth: the ``auth`` section; None requires no token and no daemon identity.
+            subject: the worker's name (unused on the coordinator).
             coordinator: whether this is the coordinator.
 
         Raises:
-            ConfigError: a file is missing or invalid, a worker has no token_file or holds the
-                private key, or a worker's token is not for it (names the field).
+            ConfigError: a file is missing or invalid, auth without tls, a certificate
+                that names another daemon, a worker holding the private key, a coordinator
+                without it (names the field).
         """
         files = None if tls is None else TlsFiles.load(tls.ca_file, tls.cert_file, tls.key_file)
-        public_key, token = None, None
+        public_key, signing_key = None, None
+        revoked = RevocationList(None)
         if auth is not None:
+            if files is None or tls is None:
+                raise ConfigError(
+                    "auth: needs tls: daemons authenticate each other by their certificates, "
+                    "and tokens must not travel in plaintext"
+                )
+            kind = COORDINATOR if coordinator else WORKER
+            _check_identity(files, tls.cert_file, kind, subject)
             try:
                 public_key = read_public_key(auth.public_key_file, "auth.public_key_file")
-                token = (
-                    _coordinator_token(auth, public_key, subject)
-                    if coordinator
-                    else _worker_token(auth, public_key, subject)
-                )
+                if coordinator:
+                    signing_key = _signing_key(auth, public_key)
+                elif auth.private_key_file:
+                    raise ConfigError(
+                        "auth.private_key_file: a worker must not hold the private key (it "
+                        "could mint any token); workers need only auth.public_key_file"
+                    )
             except KeyFileError as exc:
                 raise ConfigError(str(exc)) from None
-        server_name = tls.server_name if tls is not None else None
-        return cls(files, public_key, ChannelSecurity(files, token, server_name))
+            revoked = RevocationList(auth.revoked_file)
+        audience = AUD_COORDINATOR if coordinator else AUD_DATA
+        return cls(files, public_key, ChannelSecurity(files), signing_key, revoked, audience)
 
     @property
     def transport(self) -> str:
@@ -511,6 +523,28 @@ class DaemonSecurity:
     def auth(self) -> str:
         """``token`` or ``none`` (logged at start)."""
         return "none" if self.public_key is None else "token"
+
+    def auth_interceptor(self) -> AuthInterceptor | None:
+        """The daemon's ``AuthInterceptor`` (tokens and certificates), or None without auth."""
+        if self.public_key is None:
+            return None
+        from shared.rpc.interceptors import AuthInterceptor
+
+        return AuthInterceptor(
+            self.public_key, self.audience, self.revoked, tls=self.tls is not None
+        )
+
+    def data_token_minter(self, ttl_s: float) -> Callable[[Principal], tuple[str, float]] | None:
+        """Mint data-plane tokens of ``ttl_s`` seconds for callers (None without the key).
+
+        Returns:
+            ``mint(principal) -> (token, expires_at)``; it raises ValueError for a daemon or
+            an expiring caller (``tokens.mint_data_token``).
+        """
+        key = self.signing_key
+        if key is None:
+            return None
+        return lambda principal: mint_data_token(key, principal, ttl_s)
 
     def add_port(self, server: aio.Server, listen: str) -> int:
         """Bind ``listen`` on ``server`` with mutual TLS, or in plaintext without TLS files.

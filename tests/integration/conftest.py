@@ -14,7 +14,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2_grpc
 
 from tests.integration.cli_helpers import CLI, REPO, processes_mentioning
-from tests.integration.security_helpers import POOL_PATTERN, Material
+from tests.integration.security_helpers import Material
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,14 @@ def material(tmp_path: Path) -> Material:
 
 @pytest.fixture
 async def secure(make_cluster, material: Material):
-    """Factory of in-process clusters with mutual TLS and tokens on every daemon: the
-    coordinator signs its own admin token; workers share a worker token for ``worker-*``."""
+    """Factory of in-process clusters with mutual TLS and tokens on every daemon: each daemon
+    has its own certificate naming it; people's tokens are checked by the public key."""
 
     async def make(workers: int = 0, **overrides: object):
-        pool = material.token("worker", "worker-pool", names=POOL_PATTERN)
-        worker = {"tls": material.tls, "auth": material.worker_auth(pool, "pool")}
         return await make_cluster(
             workers=workers,
-            worker_overrides=worker,
+            worker_overrides={"auth": material.worker_auth},
+            per_worker=lambda name: {"tls": material.worker_tls(name)},
             tls=material.tls,
             auth=material.coordinator_auth,
             **overrides,

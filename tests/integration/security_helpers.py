@@ -16,11 +16,9 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shared.config import AuthConfig, TlsConfig
-from shared.security.certs import CertPaths, write_dev_certs
-from shared.security.tokens import create_token, read_private_key, write_keypair
+from shared.security.certs import CertPaths, issue_worker, write_dev_certs
+from shared.security.tokens import AUD_COORDINATOR, create_token, read_private_key, write_keypair
 from shared.security.transport import ChannelSecurity, client_security
-
-POOL_PATTERN = "worker-*"  # the in-process workers are worker-0, worker-1, ...
 
 
 @dataclass
@@ -43,11 +41,32 @@ class Material:
 
     @property
     def tls(self) -> TlsConfig:
+        """The coordinator's TLS (its certificate names it)."""
         return TlsConfig(
             ca_file=str(self.certs.ca_cert),
-            cert_file=str(self.certs.node_cert),
-            key_file=str(self.certs.node_key),
+            cert_file=str(self.certs.coordinator_cert),
+            key_file=str(self.certs.coordinator_key),
         )
+
+    def worker_cert(self, name: str, hosts: tuple[str, ...] = ()) -> tuple[Path, Path]:
+        """Worker ``name``'s certificate and key, issued on first use."""
+        cert, key = self.certs.worker(name)
+        if not cert.exists():
+            cert, key = issue_worker(self.certs, name, hosts)
+        return cert, key
+
+    def worker_tls(self, name: str) -> TlsConfig:
+        """Worker ``name``'s TLS (its own certificate, identity spiffe://neuroshard/worker/NAME)."""
+        cert, key = self.worker_cert(name)
+        return TlsConfig(ca_file=str(self.certs.ca_cert), cert_file=str(cert), key_file=str(key))
+
+    def daemon_client(self, name: str | None = None) -> ChannelSecurity:
+        """Dial as a daemon without a token: worker ``name``'s certificate, or the coordinator's."""
+        if name is None:
+            cert, key = self.certs.coordinator_cert, self.certs.coordinator_key
+        else:
+            cert, key = self.worker_cert(name)
+        return client_security(str(self.certs.ca_cert), str(cert), str(key))
 
     @property
     def coordinator_auth(self) -> AuthConfig:
@@ -56,21 +75,20 @@ class Material:
             private_key_file=str(self.private_key_file),
         )
 
-    def worker_auth(self, token: str, name: str = "worker") -> AuthConfig:
-        """Auth of a worker presenting ``token`` (written to a file named after ``name``)."""
-        path = self.root / "auth" / f"{name}.token"
-        path.write_text(token + "\n")
-        return AuthConfig(public_key_file=str(self.public_key_file), token_file=str(path))
+    @property
+    def worker_auth(self) -> AuthConfig:
+        """A worker's auth: the public key only (it is known by its certificate)."""
+        return AuthConfig(public_key_file=str(self.public_key_file))
 
     def token(
         self,
         role: str,
         subject: str = "tester",
         ttl_s: float = 300,
-        names: str | None = None,
         now: float | None = None,
+        audience: str = AUD_COORDINATOR,
     ) -> str:
-        return create_token(self.key, role, subject, ttl_s, names=names, now=now)
+        return create_token(self.key, role, subject, ttl_s, now=now, audience=audience)
 
     def client(self, token: str | None) -> ChannelSecurity:
         c = self.certs
