@@ -386,6 +386,14 @@ class WorkerConfig(_DaemonConfig):
         description="Most ids one keyed memory request (upsert, get, delete, reinforce) may "
         "carry; more is INVALID_ARGUMENT.",
     )
+    max_receive_slots_bytes: int = Field(
+        2 << 30,
+        ge=1024 * 1024,
+        description="Most bytes one incoming slot copy (a peer's ReceiveSlots stream of up to "
+        "64 slots) may bring; the stream is counted as it arrives and more is "
+        "RESOURCE_EXHAUSTED, nothing installed. Keep it above the largest 64 slots' memories "
+        "x (12 + payload) bytes, bytes.",
+    )
 
     _check_addr = field_validator("coordinator", "listen")(
         classmethod(lambda cls, v: _host_port(v))

@@ -20,7 +20,7 @@ async def test_payload_heavy_slots_are_cut_by_bytes_and_reassemble_whole() -> No
     snap = SlotSnapshot(5, 77, ids, np.linspace(0, 1, 10, dtype=np.float32), big)
 
     msgs = slot_messages(snap, 64_000)
-    (back,) = await receive_slots(_stream(msgs))
+    (back,) = await receive_slots(_stream(msgs), 1 << 30)
 
     assert max(m.ByteSize() for m in msgs) < 2 * 64_000  # one 40 kB payload at most each
     assert len(msgs) == 5 and [m.first for m in msgs] == [True] + [False] * 4
