@@ -250,6 +250,19 @@ class CoordinatorConfig(_DaemonConfig):
         "reinforce): published in the slot map, clients split larger batches; keep it equal "
         "to the workers' max_batch_items.",
     )
+    max_concurrent_exports: int = Field(
+        2,
+        ge=1,
+        description="ExportMemories streams served at once (all clients together); one more "
+        "is RESOURCE_EXHAUSTED. Each holds up to export_batch_bytes, count.",
+    )
+    export_batch_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Most bytes (ids, strengths and payloads) an export reads from the "
+        "primaries and holds at once; a batch that would exceed it is read again in fewer "
+        "slots (one slot is read whole whatever its size), bytes.",
+    )
     max_jobs_per_client: int = Field(
         100,
         ge=1,
