@@ -72,6 +72,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         """
         self._cluster = cluster
         self._data_tokens = data_tokens
+        self._exports = 0  # ExportMemories streams running (max_concurrent_exports)
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: aio.ServicerContext[Any, Any]
@@ -406,17 +407,33 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
 
         Raises:
             grpc.aio.AbortError: UNAVAILABLE when a slot has no live primary or a primary
-                failed past the retry budget.
+                failed past the retry budget; RESOURCE_EXHAUSTED when
+                ``max_concurrent_exports`` exports are running already.
         """
         c = self._cluster
+        limit = c.cfg.max_concurrent_exports
+        if self._exports >= limit:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._exports} exports are running, max_concurrent_exports is {limit}; "
+                "retry when one has finished",
+            )
         export = StoreExport(
-            c.rebalancer, c.membership, c.clients, c.cfg.rpc_timeout_s, c.cfg.chunk_bytes
+            c.rebalancer,
+            c.membership,
+            c.clients,
+            c.cfg.rpc_timeout_s,
+            c.cfg.chunk_bytes,
+            batch_bytes=c.cfg.export_batch_bytes,
         )
+        self._exports += 1
         try:
             async for chunk in export.chunks():
                 yield chunk
         except ExportUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            self._exports -= 1
 
     async def ForgetWorker(
         self, request: coordinator_pb2.ForgetWorkerRequest, context: aio.ServicerContext[Any, Any]

@@ -61,6 +61,20 @@ def iteration_op_id(job_id: str, iteration: int, phase: str) -> bytes:
     return f"{job_id}/{iteration}/{phase}".encode()
 
 
+def skip_batches(stream: ScrambledZipfStream | TraceStream, count: int) -> None:
+    """Draw and drop the first ``count`` batches of ``stream`` (a resumed run's skipped ones).
+
+    Each batch is dropped as soon as it is drawn, so skipping holds one batch ([B] uint64,
+    8B bytes) at a time whatever ``count`` is.
+
+    Args:
+        stream: the job's access stream, not drawn from yet.
+        count: iterations completed by earlier runs.
+    """
+    for i in range(count):
+        stream.next_batch(i)
+
+
 @dataclass
 class _Timings:
     """Seconds per phase per iteration, and what the last iteration saw."""
@@ -129,7 +143,7 @@ class MemoryJob:
         try:
             ids, strengths, stream = await asyncio.to_thread(self._prepare)
             # The access stream draws in order: a resumed run skips the batches drawn before.
-            await asyncio.to_thread(lambda: [stream.next_batch(i) for i in range(self.resumed_at)])
+            await asyncio.to_thread(skip_batches, stream, self.resumed_at)
             await self._wait_settled()
             load_s = 0.0 if self._loaded else await self._load(ids, strengths)
             self._checkpoint(self.resumed_at, force=True)

@@ -1,6 +1,8 @@
 """Stream the whole memory store out, slot batch by slot batch (``ExportMemories``).
 
-The coordinator reads each batch of consecutive slots (about ``BATCH_MEMORIES`` memories)
+The coordinator reads each batch of consecutive slots (about ``BATCH_MEMORIES`` memories,
+and at most ``batch_bytes`` of them: a read past that is dropped and done again in fewer
+slots)
 from the slots' primaries with the workers' ``DumpSlots`` (one call per primary,
 concurrently) while it holds the rebalancer's ``map_lock``, so no map is published
 meanwhile and each slot is read from the worker that is its primary, after any copy that
@@ -38,6 +40,11 @@ from shared.rpc.peers import WorkerClients
 # Memories read per hold of map_lock (~6 MB here, and what the primaries copy out at once):
 # fewer, larger batches cost fewer round trips; smaller ones hold up a rebalance less.
 BATCH_MEMORIES = 500_000
+BATCH_BYTES = 64 << 20  # the default of ``export_batch_bytes``
+
+
+class _BatchTooLarge(Exception):
+    """A batch's dumps passed the byte budget while being read (read it again, smaller)."""
 
 
 class ExportUnavailable(RuntimeError):
@@ -112,6 +119,7 @@ class StoreExport:
         chunk_bytes: int,
         retry_budget_s: float = 10.0,
         batch_memories: int = BATCH_MEMORIES,
+        batch_bytes: int = BATCH_BYTES,
     ) -> None:
         """Export through ``rebalancer``'s map.
 
@@ -125,6 +133,10 @@ class StoreExport:
                 a primary fails (a failover in progress), seconds.
             batch_memories: about how many memories a batch reads (by the heartbeats'
                 counts: slots per batch = slots * batch_memories / memories, at least 1).
+            batch_bytes: most bytes of ``SlotData`` a batch may hold (``export_batch_bytes``):
+                a read that passes it is dropped and done again in half the slots, and later
+                batches take as many slots as the bytes per memory seen so far allow. A
+                single slot is read whole.
         """
         self._rebalancer = rebalancer
         self._membership = membership
@@ -133,6 +145,7 @@ class StoreExport:
         self._chunk_bytes = chunk_bytes
         self._retry_budget_s = retry_budget_s
         self._batch_memories = batch_memories
+        self._batch_bytes = batch_bytes
 
     async def chunks(self) -> AsyncIterator[coordinator_pb2.ExportChunk]:
         """Yield the header, then the memories of every slot in slot order.
@@ -151,11 +164,30 @@ class StoreExport:
             )
         )
         per = max(1, min(current.slots, current.slots * self._batch_memories // max(memories, 1)))
-        for start in range(0, current.slots, per):
+        start = 0
+        while start < current.slots:
             slots = list(range(start, min(start + per, current.slots)))
-            batch = await self._read_retrying(slots)
-            for chunk in cut_chunks(batch, self._chunk_bytes, slots[-1] + 1):
+            try:
+                batch = await self._read_retrying(slots)
+            except _BatchTooLarge:
+                per = max(1, len(slots) // 2)
+                continue
+            start = slots[-1] + 1
+            per = self._next_per(per, batch, len(slots))
+            for chunk in cut_chunks(batch, self._chunk_bytes, start):
                 yield coordinator_pb2.ExportChunk(memories=chunk)
+            del batch
+
+    def _next_per(self, per: int, batch: Batch, slots: int) -> int:
+        """Slots of the next batch: at most ``per``, and what ``batch_bytes`` holds.
+
+        At the bytes per slot of the batch just read, so payload-heavy stores read fewer
+        slots at once.
+        """
+        nbytes = int(memory_sizes(batch.ids, batch.payloads).sum())
+        if nbytes == 0:
+            return per
+        return max(1, min(per, self._batch_bytes * slots // nbytes))
 
     async def _read_retrying(self, slots: list[int]) -> Batch:
         """``_read`` with jittered backoff (50 ms doubling to 1 s) for ``retry_budget_s``."""
@@ -187,11 +219,15 @@ class StoreExport:
                 if not self._alive(name):
                     self._no_primary(s, name, current.replica[s])
                 by_primary.setdefault(name, []).append(s)
+            budget = [self._batch_bytes if len(slots) > 1 else None]
             replies = await asyncio.gather(
-                *(self._dump(n, sl) for n, sl in by_primary.items()), return_exceptions=True
+                *(self._dump(n, sl, budget) for n, sl in by_primary.items()),
+                return_exceptions=True,
             )
         parts: dict[int, Batch] = {}
         for name, r in zip(by_primary, replies, strict=True):
+            if isinstance(r, _BatchTooLarge):
+                raise r
             if isinstance(r, BaseException):
                 detail = r.details() if isinstance(r, aio.AioRpcError) else str(r)
                 raise ExportUnavailable(f"primary {name} failed to send its slots: {detail}")
@@ -231,10 +267,19 @@ class StoreExport:
             retryable=False,
         )
 
-    async def _dump(self, name: str, slots: list[int]) -> dict[int, Batch]:
+    async def _dump(
+        self, name: str, slots: list[int], budget: list[int | None]
+    ) -> dict[int, Batch]:
         """Read ``slots`` from worker ``name`` (``DumpSlots``); slot -> its memories.
 
+        Args:
+            name: the primary.
+            slots: its slots of the batch.
+            budget: ``[bytes]`` the batch's dumps may still bring, shared by its concurrent
+                dumps and decreased by each message; ``[None]``: no limit (one slot).
+
         Raises:
+            _BatchTooLarge: the batch's dumps passed the budget (the call is cancelled).
             ExportUnavailable: a slot asked for did not come, or a chunk is malformed.
             grpc.aio.AioRpcError: the call failed.
         """
@@ -245,6 +290,11 @@ class StoreExport:
             worker_pb2.DumpSlotsRequest(slots=slots), timeout=self._timeout_s
         )
         async for msg in call:
+            if budget[0] is not None:
+                budget[0] -= msg.ByteSize()
+                if budget[0] < 0:
+                    call.cancel()
+                    raise _BatchTooLarge
             if msg.first:
                 out[msg.slot] = []
             out.setdefault(msg.slot, []).append(msg)

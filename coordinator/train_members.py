@@ -262,7 +262,7 @@ class Members:
             m.params_version = -1  # unknown until the call answers
             call = m.stub.ComputeGradients(_aiter(requests), timeout=self._step_timeout_s)
             counted = _Counted(call)
-            result, tensors_in = await read_gradients(counted)
+            result, tensors_in = await read_gradients(counted, order.tensors)
             bytes_down += counted.bytes
             if result.need_params:
                 m.sender = None  # the worker holds no usable base: send in full
@@ -330,9 +330,34 @@ class Members:
         }
 
 
-async def read_gradients(call: Any) -> tuple[worker_pb2.StepResult, dict[str, np.ndarray]]:
-    """Read a ComputeGradients response stream: the StepResult, then gradient and buffer chunks."""
-    result, grads = await read_header_and_tensors(call, "result", "grad")
+def reply_budget(tensors: dict[str, np.ndarray]) -> int:
+    """The most bytes a ComputeGradients reply may carry for a model's tensors.
+
+    12 bytes per element (top-k's int64 index and float32 value, the widest wire form of
+    ``shared/training/compression.py``) plus 64 per tensor (0-d scales).
+    """
+    return sum(12 * int(a.size) + 64 for a in tensors.values())
+
+
+async def read_gradients(
+    call: Any, tensors: dict[str, np.ndarray] | None = None
+) -> tuple[worker_pb2.StepResult, dict[str, np.ndarray]]:
+    """Read a ComputeGradients response stream: the StepResult, then gradient and buffer chunks.
+
+    Args:
+        call: the response stream.
+        tensors: the parameters and buffers sent (name -> array): each tensor of the reply
+            must be one of them with its shape (or a compressed part of one), and all
+            together within ``reply_budget``, checked before their bytes are kept; None: any.
+
+    Raises:
+        CodecError: a tensor not of the model or of another shape (INVALID_ARGUMENT).
+        BudgetExceeded: the reply's tensors exceed the budget (RESOURCE_EXHAUSTED).
+        RuntimeError: no StepResult came.
+    """
+    expected = None if tensors is None else {n: tuple(a.shape) for n, a in tensors.items()}
+    budget = None if tensors is None else reply_budget(tensors)
+    result, grads = await read_header_and_tensors(call, "result", "grad", expected, budget)
     if result is None:
         raise RuntimeError("worker closed the gradient stream without a result")
     return result, grads

@@ -276,6 +276,19 @@ class CoordinatorConfig(_DaemonConfig):
         "reinforce): published in the slot map, clients split larger batches; keep it equal "
         "to the workers' max_batch_items.",
     )
+    max_concurrent_exports: int = Field(
+        2,
+        ge=1,
+        description="ExportMemories streams served at once (all clients together); one more "
+        "is RESOURCE_EXHAUSTED. Each holds up to export_batch_bytes, count.",
+    )
+    export_batch_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Most bytes (ids, strengths and payloads) an export reads from the "
+        "primaries and holds at once; a batch that would exceed it is read again in fewer "
+        "slots (one slot is read whole whatever its size), bytes.",
+    )
     max_jobs_per_client: int = Field(
         100,
         ge=1,
@@ -411,6 +424,14 @@ class WorkerConfig(_DaemonConfig):
         le=1 << 26,
         description="Most ids one keyed memory request (upsert, get, delete, reinforce) may "
         "carry; more is INVALID_ARGUMENT.",
+    )
+    max_receive_slots_bytes: int = Field(
+        2 << 30,
+        ge=1024 * 1024,
+        description="Most bytes one incoming slot copy (a peer's ReceiveSlots stream of up to "
+        "64 slots) may bring; the stream is counted as it arrives and more is "
+        "RESOURCE_EXHAUSTED, nothing installed. Keep it above the largest 64 slots' memories "
+        "x (12 + payload) bytes, bytes.",
     )
 
     _check_addr = field_validator("coordinator", "listen")(

@@ -191,24 +191,37 @@ class MemoryNode:
     # -- reads (primary slots) ------------------------------------------------------------------
 
     async def get(
-        self, epoch: int, ids: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
-        """Look memories up in their primary slots.
+        self,
+        epoch: int,
+        ids: np.ndarray,
+        with_payloads: bool = False,
+        max_reply_bytes: int | None = None,
+    ) -> worker_pb2.GetResponse:
+        """Look memories up in their primary slots, once per distinct id.
+
+        The reply answers each distinct id once, in the order of its first occurrence in
+        ``ids`` (for ids without repeats: the request's order). De-duplication, the reply's
+        size check and its bytes are done on the store thread, off the event loop.
 
         Args:
             epoch: the epoch the request was routed with.
-            ids: [N] uint64.
+            ids: [N] uint64, repeats allowed.
+            with_payloads: also answer the payloads.
+            max_reply_bytes: the largest reply, bytes (``max_message_bytes``); None: no limit.
 
         Returns:
-            (found [N] bool, strengths [N] float32 (0 where not found), payloads [N]).
+            found [M] uint8, strengths [M] float32 (0 where not found) and, with payloads,
+            M payloads (empty where missing), for the M distinct ids.
 
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
+            BudgetExceeded: the reply would exceed ``max_reply_bytes`` (RESOURCE_EXHAUSTED);
+                nothing of it is built.
         """
         self.check_epoch(epoch)
         self._place.check_primary(ids)
         with self._ops.op("get"):
-            return await self._data.run(self._store.get, ids)
+            return await self._data.run(self._store.get_reply, ids, with_payloads, max_reply_bytes)
 
     async def quality(self, epoch: int) -> Quality:
         """Summarize the strengths of this worker's primary slots.

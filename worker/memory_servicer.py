@@ -17,9 +17,15 @@ from grpc import aio
 
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
-from shared.memory.validation import MemoryInputError, validate_op_id, validate_rate
+from shared.memory.validation import (
+    MemoryInputError,
+    validate_op_id,
+    validate_rate,
+    validate_request_id,
+)
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.rpc.limits import DEFAULT_MAX_RECEIVE_SLOTS_BYTES, BudgetExceeded
 from worker.journal import StorageFailed
 from worker.memory_node import SlotSender
 from worker.node_holder import NodeHolder, NotReady
@@ -44,6 +50,7 @@ _STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (SlotMapError, grpc.StatusCode.INVALID_ARGUMENT),
     (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
     (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 
@@ -69,17 +76,28 @@ def _same_length(ids: np.ndarray, **others: np.ndarray | list[bytes] | None) -> 
 class MemoryServicer:
     """The memory RPCs, served through ``WorkerServicer``."""
 
-    def __init__(self, nodes: NodeHolder, send_slots: SlotSender, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        nodes: NodeHolder,
+        send_slots: SlotSender,
+        chunk_bytes: int,
+        max_message_bytes: int | None = None,
+        max_receive_slots_bytes: int = DEFAULT_MAX_RECEIVE_SLOTS_BYTES,
+    ) -> None:
         """Build the memory RPCs over this worker's node and its way of sending copies.
 
         Args:
             nodes: this worker's memory node (made when the first slot map arrives).
             send_slots: streams slot copies to a peer (``CopySlots``).
             chunk_bytes: target size of one ``SlotData`` message of ``DumpSlots``, bytes.
+            max_message_bytes: the largest Get reply, bytes; None: no limit.
+            max_receive_slots_bytes: the most bytes one ``ReceiveSlots`` stream may bring.
         """
         self._nodes = nodes
         self._send_slots = send_slots
         self._chunk_bytes = chunk_bytes
+        self._max_message_bytes = max_message_bytes
+        self._max_receive_slots_bytes = max_receive_slots_bytes
 
     async def Upsert(
         self, request: worker_pb2.UpsertRequest, context: aio.ServicerContext[Any, Any]
@@ -89,13 +107,15 @@ class MemoryServicer:
         The reply comes once every copy applied the write and its record is durable.
 
         Raises:
-            INVALID_ARGUMENT: malformed bytes, lengths that differ or bad values (nothing
-                applied). FAILED_PRECONDITION: stale epoch, or a slot not primary here.
+            INVALID_ARGUMENT: malformed bytes, lengths that differ, bad values or a
+                request_id over 64 bytes (nothing applied). FAILED_PRECONDITION: stale
+                epoch, or a slot not primary here.
             UNAVAILABLE: not registered yet, or a copy failed and the coordinator could not
                 be told.
         """
 
         async def work() -> worker_pb2.WriteResponse:
+            validate_request_id(request.request_id)
             ids = ids_from_bytes(request.ids, "ids")
             strengths = f32_from_bytes(request.strengths, "strengths")
             payloads = list(request.payloads) if len(request.payloads) else None
@@ -115,6 +135,7 @@ class MemoryServicer:
         """
 
         async def work() -> worker_pb2.WriteResponse:
+            validate_request_id(request.request_id)
             ids = ids_from_bytes(request.ids, "ids")
             boosts = f32_from_bytes(request.boosts, "boosts")
             _same_length(ids, boosts=boosts)
@@ -133,6 +154,7 @@ class MemoryServicer:
         """
 
         async def work() -> worker_pb2.WriteResponse:
+            validate_request_id(request.request_id)
             ids = ids_from_bytes(request.ids, "ids")
             n = await self._nodes.get().delete(request, ids)
             return worker_pb2.WriteResponse(applied=n)
@@ -142,20 +164,22 @@ class MemoryServicer:
     async def Get(
         self, request: worker_pb2.GetRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.GetResponse:
-        """Read memories from their primary: found [N] uint8, strengths [N] float32.
+        """Read memories from their primary, once per distinct id.
+
+        The reply holds found [M] uint8, strengths [M] float32 and (with_payloads) M
+        payloads for the M distinct ids of the request, in the order of their first
+        occurrence: for a request without repeated ids, one per id in the request's order.
 
         Raises:
             INVALID_ARGUMENT: malformed ids. FAILED_PRECONDITION: stale epoch, or a slot not
-                primary here. UNAVAILABLE: not registered yet.
+                primary here. RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes
+                (nothing built). UNAVAILABLE: not registered yet.
         """
 
         async def work() -> worker_pb2.GetResponse:
             ids = ids_from_bytes(request.ids, "ids")
-            found, strengths, payloads = await self._nodes.get().get(request.epoch, ids)
-            return worker_pb2.GetResponse(
-                found=np.asarray(found, np.uint8).tobytes(),
-                strengths=f32_to_bytes(strengths),
-                payloads=[p or b"" for p in payloads] if request.with_payloads else [],
+            return await self._nodes.get().get(
+                request.epoch, ids, request.with_payloads, self._max_message_bytes
             )
 
         return await _guard(context, work)
@@ -296,12 +320,17 @@ class MemoryServicer:
     ) -> worker_pb2.ReceiveSlotsResponse:
         """Install streamed slot copies (each replaces what this worker held for its slot).
 
+        Every chunk is counted against ``max_receive_slots_bytes`` before it is kept, and
+        every slot must match its source's count and digest before any is installed.
+
         Raises:
-            INVALID_ARGUMENT: malformed chunks. UNAVAILABLE: not registered yet.
+            INVALID_ARGUMENT: malformed chunks, or a slot whose count or digest differ from
+                its source's (nothing installed). RESOURCE_EXHAUSTED: the stream exceeds
+                max_receive_slots_bytes (nothing installed). UNAVAILABLE: not registered yet.
         """
 
         async def work() -> worker_pb2.ReceiveSlotsResponse:
-            snaps = await receive_slots(request_iterator)
+            snaps = await receive_slots(request_iterator, self._max_receive_slots_bytes)
             return worker_pb2.ReceiveSlotsResponse(
                 memories=await self._nodes.get().import_snapshots(snaps)
             )

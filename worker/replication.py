@@ -26,7 +26,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from shared.memory.validation import MemoryInputError, as_slots
+from shared.memory.validation import (
+    MemoryInputError,
+    as_slots,
+    validate_op_id,
+    validate_request_id,
+)
 from shared.proto import worker_pb2
 from shared.rpc import error_message
 from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
@@ -348,15 +353,21 @@ def _forward_slots(req: worker_pb2.ReplicateRequest, num_slots: int) -> np.ndarr
     """Return [T] int64 the forward's slots.
 
     Raises:
-        MemoryInputError: a slot out of range, seqs not one per slot, or no op
-            (INVALID_ARGUMENT).
+        MemoryInputError: a slot out of range, seqs not one per slot, no op, or a request
+            or op id over 64 bytes (INVALID_ARGUMENT).
     """
     slots = as_slots(list(req.slots), num_slots)
-    if len(req.seqs) != len(slots) or req.WhichOneof("op") is None:
+    op = req.WhichOneof("op")
+    if len(req.seqs) != len(slots) or op is None:
         raise MemoryInputError(
             f"a forward needs one seq per slot and an op: {len(req.seqs)} seqs for "
-            f"{len(slots)} slots, op {req.WhichOneof('op')}"
+            f"{len(slots)} slots, op {op}"
         )
+    sub = getattr(req, op)
+    if op == "decay":
+        validate_op_id(sub.op_id)
+    else:
+        validate_request_id(sub.request_id, f"{op}.request_id")
     return slots
 
 

@@ -89,7 +89,13 @@ class WorkerServer:
         self.store_metrics = StoreMetrics(self.metrics)
         self.store_metrics.report_memories(self._memories_by_role)
         self.servicer = WorkerServicer(
-            MemoryServicer(self.nodes, self.links.send_slots, cfg.chunk_bytes),
+            MemoryServicer(
+                self.nodes,
+                self.links.send_slots,
+                cfg.chunk_bytes,
+                cfg.max_message_bytes,
+                cfg.max_receive_slots_bytes,
+            ),
             TrainingServicer(self.sessions, cfg.chunk_bytes),
             AllreduceServicer(self.allreduce, cfg.chunk_bytes),
         )

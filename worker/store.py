@@ -35,11 +35,24 @@ from shared.memory.validation import (
     validate_upsert,
     validate_values,
 )
+from shared.proto import worker_pb2
+from shared.rpc.codec import f32_to_bytes
+from shared.rpc.limits import BudgetExceeded
 from worker import kernels
 from worker import row_index_numba as row_index
 from worker.slot_rows import SlotRows
 
-__all__ = ["SlotSnapshot", "SlotStore"]
+__all__ = ["SlotSnapshot", "SlotStore", "distinct_in_order"]
+
+
+def distinct_in_order(ids: np.ndarray) -> np.ndarray:
+    """Return the distinct values of ``ids`` ([K] uint64) in order of first occurrence ([M])."""
+    if len(ids) < 2:
+        return ids
+    _, first = np.unique(ids, return_index=True)
+    if len(first) == len(ids):
+        return ids
+    return ids[np.sort(first)]
 
 
 @dataclass
@@ -263,6 +276,51 @@ class SlotStore:
             for i in np.flatnonzero(found).tolist():
                 payloads[i] = self.payloads.get(int(ids[i]))
         return found, strengths, payloads
+
+    def get_reply(
+        self, ids: np.ndarray, with_payloads: bool, max_bytes: int | None
+    ) -> worker_pb2.GetResponse:
+        """Answer a Get once per distinct id, refusing a reply larger than ``max_bytes``.
+
+        The size is counted from the distinct ids and their payloads' lengths before
+        anything of the reply is made.
+
+        Args:
+            ids: [K] uint64, repeats allowed.
+            with_payloads: answer the payloads too.
+            max_bytes: the largest reply, bytes; None: no limit.
+
+        Returns:
+            found [M] uint8, strengths [M] float32 and (with payloads) M payloads, for the M
+            distinct ids in the order of their first occurrence.
+
+        Raises:
+            MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
+            BudgetExceeded: the reply would exceed ``max_bytes`` (RESOURCE_EXHAUSTED).
+        """
+        ids = distinct_in_order(as_ids(ids))
+        rows, found = self._locate(ids)
+        m = len(ids)
+        size = 2 * (m + 11) + 4 * m  # found and strengths, with their tags and lengths
+        hits = np.flatnonzero(found).tolist() if with_payloads and self.payloads else []
+        payloads: list[bytes] = []
+        if with_payloads:
+            payloads = [b""] * m
+            for i in hits:
+                payloads[i] = self.payloads.get(int(ids[i]), b"")
+            size += sum(len(p) + 6 for p in payloads)  # tag + length varint (< 2**28)
+        if max_bytes is not None and size > max_bytes:
+            raise BudgetExceeded(
+                f"Get reply of {m} distinct ids would be {size} bytes, over max_message_bytes "
+                f"{max_bytes}; ask for fewer ids (or without payloads)"
+            )
+        strengths = np.zeros(m, np.float32)
+        strengths[found] = kernels.to_host(self.strength[self.xp.asarray(rows[found])])
+        return worker_pb2.GetResponse(
+            found=found.astype(np.uint8).tobytes(),
+            strengths=f32_to_bytes(strengths),
+            payloads=payloads,
+        )
 
     def quality(self, slots: Sequence[int] | np.ndarray | None = None) -> Quality:
         """Summarize the strengths of a slot set (None: all), see ``kernels.quality``."""

@@ -29,6 +29,7 @@ from grpc import aio
 
 from shared.client.reports import FailureReports, Reporter
 from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
+from shared.memory.validation import validate_request_id
 from shared.proto import (
     common_pb2,
     coordinator_pb2,
@@ -311,7 +312,7 @@ class MemoryRouter:
         Raises:
             RoutingError: as ``route``.
         """
-        rid = request_id or uuid.uuid4().bytes
+        rid = validate_request_id(request_id) if request_id else uuid.uuid4().bytes
 
         async def call(
             stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
@@ -424,18 +425,21 @@ class MemoryRouter:
         Raises:
             RoutingError: as ``route``, or INTERNAL for a malformed worker reply.
         """
+        # Workers answer each distinct id once: send each once, and map back to ids' order.
+        distinct, back = np.unique(ids, return_inverse=True)
 
         async def call(
             stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
         ) -> worker_pb2.GetResponse:
             return await stub.Get(
                 worker_pb2.GetRequest(
-                    epoch=epoch, ids=ids_to_bytes(ids[idx]), with_payloads=with_payloads
+                    epoch=epoch, ids=ids_to_bytes(distinct[idx]), with_payloads=with_payloads
                 ),
                 timeout=self._timeout_s,
             )
 
-        return get_result(len(ids), await self.route(ids, call), with_payloads)
+        result = get_result(len(distinct), await self.route(distinct, call), with_payloads)
+        return expand_result(result, back.reshape(-1))
 
 
 def upsert_request(
@@ -492,6 +496,23 @@ def get_result(
             for i, p, ok in zip(idx.tolist(), r.payloads, f.tolist(), strict=True):
                 payloads[i] = p if ok and p else None
     return found, strengths, payloads
+
+
+def expand_result(
+    result: tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]],
+    back: npt.NDArray[np.intp],
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
+    """Map a Get result over M distinct ids back to the N ids they came from.
+
+    Args:
+        result: found [M] bool, strengths [M] float32, M payloads.
+        back: [N] index into the distinct ids of each original id (``np.unique``'s inverse).
+
+    Returns:
+        found [N] bool, strengths [N] float32 and N payloads, in the original order.
+    """
+    found, strengths, payloads = result
+    return found[back], strengths[back], [payloads[i] for i in back.tolist()]
 
 
 def _get_reply(

@@ -20,7 +20,13 @@ from shared.client.async_client import (
     _refused_input,
 )
 from shared.client.direct import DirectFailed, DirectPath
-from shared.client.memory import RoutingError, get_result, reinforce_request, upsert_request
+from shared.client.memory import (
+    RoutingError,
+    expand_result,
+    get_result,
+    reinforce_request,
+    upsert_request,
+)
 from shared.client.store_io import ExportProgress
 from shared.memory.export_file import IMPORT_BATCH
 from shared.memory.validation import as_ids, validate_reinforce
@@ -232,11 +238,13 @@ class SyncClient:
         """Read memories: found, strengths, payloads (see ``Client.get``)."""
         with _refused_input():
             ids_N = as_ids(ids)
+        # Workers answer each distinct id once: send each once, and map back to ids' order.
+        distinct_M, back_N = np.unique(ids_N, return_inverse=True)
         reply = self._direct_call(
-            ids_N,
+            distinct_M,
             lambda stub, epoch, md: stub.Get(
                 worker_pb2.GetRequest(
-                    epoch=epoch, ids=ids_to_bytes(ids_N), with_payloads=with_payloads
+                    epoch=epoch, ids=ids_to_bytes(distinct_M), with_payloads=with_payloads
                 ),
                 timeout=self._client.timeout_s,
                 metadata=md,
@@ -245,9 +253,12 @@ class SyncClient:
         if reply is None:
             return self._run(self._client.get(ids_N, with_payloads))
         try:
-            return get_result(len(ids_N), [(np.arange(len(ids_N)), reply)], with_payloads)
+            result = get_result(
+                len(distinct_M), [(np.arange(len(distinct_M)), reply)], with_payloads
+            )
         except RoutingError as exc:
             raise NeuroshardError(str(exc), exc.code) from None
+        return expand_result(result, back_N.reshape(-1))
 
     def decay(self, rate: float, op_id: bytes | None = None) -> int:
         """Decay every memory by ``rate`` once; return memories decayed (see ``Client.decay``)."""

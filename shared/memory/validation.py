@@ -23,6 +23,7 @@ __all__ = [
     "validate_op_id",
     "validate_rate",
     "validate_reinforce",
+    "validate_request_id",
     "validate_upsert",
     "validate_values",
 ]
@@ -209,6 +210,28 @@ def validate_op_id(op_id: bytes) -> bytes:
     if len(op_id) > MAX_OP_ID_BYTES:
         raise MemoryInputError(f"op_id: {len(op_id)} bytes, at most {MAX_OP_ID_BYTES}")
     return bytes(op_id)
+
+
+# Client request ids are kept per slot (up to the dedup table's 8192 ids) and ride in every
+# copy and dump of the slot: 64 bytes bounds a slot's ids to 512 KiB (a UUID is 16).
+MAX_REQUEST_ID_BYTES = 64
+
+
+def validate_request_id(request_id: bytes, field: str = "request_id") -> bytes:
+    """Check a keyed write's request id (at most ``MAX_REQUEST_ID_BYTES``; empty means none).
+
+    Args:
+        request_id: the id, as sent.
+        field: the field, named in the error.
+
+    Raises:
+        MemoryInputError: longer than ``MAX_REQUEST_ID_BYTES`` (INVALID_ARGUMENT).
+    """
+    if len(request_id) > MAX_REQUEST_ID_BYTES:
+        raise MemoryInputError(
+            f"{field}: {len(request_id)} bytes exceeds the limit of {MAX_REQUEST_ID_BYTES} bytes"
+        )
+    return bytes(request_id)
 
 
 def validate_k(k: object, k_max: int) -> int:

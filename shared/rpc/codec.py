@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.proto import common_pb2
+from shared.rpc.limits import BudgetExceeded
 
 _WIRE_DTYPES = {
     "float32",
@@ -121,28 +122,95 @@ class ChunkAssembler:
     """Reassemble ``TensorChunk`` messages into named arrays, in arrival order.
 
     Chunks of several tensors may interleave; each tensor's chunks must arrive in offset
-    order. Feed every chunk to ``add``, then call ``result`` once the stream ended.
+    order. Feed every chunk to ``add``, then call ``result`` once the stream ended. Every
+    chunk is checked before its bytes are kept: its declared size must match its dtype and
+    shape, its data must not run past that size, and (when the receiver knows what to expect)
+    its tensor must be one of ``expected`` with that shape, within the call's byte budget.
     """
 
-    def __init__(self) -> None:
-        """Start with no tensors."""
+    def __init__(
+        self,
+        expected: dict[str, tuple[int, ...]] | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """Start with no tensors.
+
+        Args:
+            expected: name -> shape of every tensor the stream may carry (the model's
+                parameters and buffers). A name ``base#part`` (a compressed wire part,
+                ``shared/training/compression.py``) is allowed when ``base`` is expected, at
+                most 8 bytes per element of ``base`` (plus 8); a bare name must have its
+                expected shape exactly. None: any name and shape.
+            max_bytes: the most bytes all the stream's tensors may declare together; None:
+                no limit.
+        """
         self._parts: dict[str, list[bytes]] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self._received: dict[str, int] = {}
+        self._expected = expected
+        self._max_bytes = max_bytes
+        self._declared = 0
+
+    def _admit(self, chunk: common_pb2.TensorChunk) -> None:
+        """Check the first chunk of a tensor before anything of it is kept.
+
+        Raises:
+            CodecError: a dtype not on the wire, a size that does not match the dtype and
+                shape, an unexpected name, or a shape other than expected (INVALID_ARGUMENT).
+            BudgetExceeded: the stream's tensors together exceed ``max_bytes``
+                (RESOURCE_EXHAUSTED).
+        """
+        name, shape = chunk.name, tuple(chunk.shape)
+        if chunk.dtype not in _WIRE_DTYPES:
+            raise CodecError(f"tensor dtype {chunk.dtype!r} is not supported (tensor {name!r})")
+        if any(d < 0 for d in shape):
+            raise CodecError(
+                f"tensor shape {list(shape)[:8]} has a negative dimension (tensor {name!r})"
+            )
+        need = math.prod(shape) * np.dtype(chunk.dtype).itemsize
+        if chunk.total_bytes != need:
+            raise CodecError(
+                f"tensor of dtype {chunk.dtype} and shape {list(shape)[:8]} needs {need} bytes, "
+                f"got {chunk.total_bytes} (tensor {name!r})"
+            )
+        if self._expected is not None:
+            base, sep, _ = name.partition("#")
+            if base not in self._expected:
+                raise CodecError(f"tensor {name!r} is not one of the expected tensors")
+            want = self._expected[base]
+            if not sep and shape != tuple(want):
+                raise CodecError(f"tensor {name!r}: shape {list(shape)[:8]}, expected {list(want)}")
+            if sep and need > 8 * math.prod(want) + 8:
+                raise CodecError(
+                    f"tensor {name!r}: {need} bytes for a tensor of shape {list(want)}"
+                )
+        self._declared += need
+        if self._max_bytes is not None and self._declared > self._max_bytes:
+            raise BudgetExceeded(
+                f"tensor {name!r}: the stream's tensors declare {self._declared} bytes, over "
+                f"the call's budget of {self._max_bytes}"
+            )
 
     def add(self, chunk: common_pb2.TensorChunk) -> None:
         """Add one chunk to its tensor.
 
         Raises:
-            CodecError: a chunk out of order, or one whose dtype, shape or total size differs
-                from earlier chunks of its tensor (INVALID_ARGUMENT).
+            CodecError: a chunk out of order, one whose dtype, shape or total size differs
+                from earlier chunks of its tensor, data past the declared size, or a first
+                chunk ``_admit`` refuses (INVALID_ARGUMENT).
+            BudgetExceeded: as ``_admit`` (RESOURCE_EXHAUSTED).
         """
         got = self._received.get(chunk.name, 0)
         if chunk.offset != got:
             raise CodecError(f"chunk of {chunk.name!r} at offset {chunk.offset}, expected {got}")
         meta = (chunk.dtype, tuple(chunk.shape), chunk.total_bytes)
-        if self._meta.setdefault(chunk.name, meta) != meta:
+        if chunk.name not in self._meta:
+            self._admit(chunk)
+            self._meta[chunk.name] = meta
+        elif self._meta[chunk.name] != meta:
             raise CodecError(f"chunks of {chunk.name!r} disagree on dtype/shape/size")
+        if got + len(chunk.data) > chunk.total_bytes:
+            raise CodecError(f"tensor {chunk.name!r}: data runs past its {chunk.total_bytes} bytes")
         self._parts.setdefault(chunk.name, []).append(chunk.data)
         self._received[chunk.name] = got + len(chunk.data)
 
@@ -165,7 +233,11 @@ class ChunkAssembler:
 
 
 async def read_header_and_tensors(
-    stream: AsyncIterable[Any], header_field: str, chunk_field: str
+    stream: AsyncIterable[Any],
+    header_field: str,
+    chunk_field: str,
+    expected: dict[str, tuple[int, ...]] | None = None,
+    max_bytes: int | None = None,
 ) -> tuple[Any | None, dict[str, np.ndarray]]:
     """Read a stream of ``oneof {header, chunk}`` messages to its end.
 
@@ -177,15 +249,18 @@ async def read_header_and_tensors(
             ``TensorChunk`` field ``chunk_field`` in one oneof.
         header_field: the name of the header field.
         chunk_field: the name of the chunk field.
+        expected: name -> shape of the tensors the stream may carry (``ChunkAssembler``).
+        max_bytes: the most bytes the stream's tensors may declare together.
 
     Returns:
         The last header seen (None when none came) and the reassembled arrays by name.
 
     Raises:
-        CodecError: chunks out of order or incomplete (INVALID_ARGUMENT).
+        CodecError: chunks out of order, incomplete, or not as expected (INVALID_ARGUMENT).
+        BudgetExceeded: the tensors exceed ``max_bytes`` (RESOURCE_EXHAUSTED).
     """
     header = None
-    assembler = ChunkAssembler()
+    assembler = ChunkAssembler(expected, max_bytes)
     async for msg in stream:
         if msg.HasField(header_field):
             header = getattr(msg, header_field)

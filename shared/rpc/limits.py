@@ -8,6 +8,9 @@
   publishes its value in the slot map (``GetSlotMap``) and ``MemoryRouter`` splits larger
   batches to it, so clients do not send one (keep both values equal).
 - ``max_jobs_per_client`` (coordinator): checked by ``Cluster.submit`` (RESOURCE_EXHAUSTED).
+- Replies and streams a daemon assembles or builds are bounded before they are allocated
+  (``BudgetExceeded``): a Get reply by ``max_message_bytes``, a ``ReceiveSlots`` stream by
+  ``max_receive_slots_bytes``, a ComputeGradients reply by the model's tensor shapes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,16 @@ if TYPE_CHECKING:
     from shared.rpc import Options
 
 DEFAULT_MAX_BATCH_ITEMS = 1 << 20
+DEFAULT_MAX_RECEIVE_SLOTS_BYTES = 2 << 30
+
+
+class BudgetExceeded(ValueError):
+    """A reply or a stream would exceed a byte limit; nothing was allocated for the rest of it.
+
+    Maps to RESOURCE_EXHAUSTED; the message names the limit (a config key, or the tensor).
+    """
+
+
 KEYED_METHODS = {"/neuroshard.v1.Worker/" + m for m in ("Upsert", "Get", "Delete", "Reinforce")}
 
 

@@ -80,7 +80,7 @@ async def test_request_ids_travel_with_a_slot_split_in_chunks() -> None:
     snap = SlotSnapshot(3, 7, ids, np.full(len(ids), 0.5, np.float32), {}, [b"r1", b"d1"])
 
     msgs = slot_messages(snap, chunk_bytes=12 * 10)  # 4 chunks
-    (got,) = await receive_slots(_stream(msgs))
+    (got,) = await receive_slots(_stream(msgs), 1 << 30)
 
     assert len(msgs) == 4
     assert [list(m.request_ids) for m in msgs] == [[b"r1", b"d1"], [], [], []]

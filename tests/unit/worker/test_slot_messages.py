@@ -20,7 +20,7 @@ async def test_payload_heavy_slots_are_cut_by_bytes_and_reassemble_whole() -> No
     snap = SlotSnapshot(5, 77, ids, np.linspace(0, 1, 10, dtype=np.float32), big)
 
     msgs = slot_messages(snap, 64_000)
-    (back,) = await receive_slots(_stream(msgs))
+    (back,) = await receive_slots(_stream(msgs), 1 << 30)
 
     assert max(m.ByteSize() for m in msgs) < 2 * 64_000  # one 40 kB payload at most each
     assert len(msgs) == 5 and [m.first for m in msgs] == [True] + [False] * 4
@@ -35,3 +35,17 @@ def test_an_empty_slot_is_one_message_carrying_its_seq() -> None:
     (msg,) = slot_messages(snap, 1 << 20)
 
     assert (msg.slot, msg.seq, msg.first, msg.ids) == (3, 9, True, b"")
+
+
+async def test_a_slots_request_ids_are_cut_by_bytes_and_rejoined() -> None:
+    # Issue 19 #5: 8192 request ids of 64 bytes (512 KiB) rode in the first message.
+    rids = [i.to_bytes(8, "little") * 8 for i in range(8192)]
+    ids = np.arange(0, 4000, dtype=np.uint64)
+    snap = SlotSnapshot(0, 9, ids, np.full(len(ids), 0.5, np.float32), {}, rids)
+
+    msgs = slot_messages(snap, 16 * 1024)
+    (back,) = await receive_slots(_stream(msgs), 1 << 30)
+
+    assert max(m.ByteSize() for m in msgs) < 2 * 16 * 1024 + 1024
+    assert back.requests == rids
+    np.testing.assert_array_equal(back.ids, ids)
