@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from shared.client import NeuroshardError
+from shared.config import MlpSpec
+from shared.training.models import activation_bytes, build_model
 from tests.fixtures import ALLOWED_MODELS, models
 
 pytestmark = pytest.mark.integration
@@ -173,6 +175,66 @@ async def test_every_cap_is_resource_exhausted(make_cluster, caps, spec, cap) ->
 
     assert err.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert f"exceeds the coordinator's {cap}" in str(err)
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size (the in-process coordinator's), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+# Small specs that made the daemons allocate gigabytes (issue 19, finding 6), refused by the
+# default caps: (spec, status, the message's start, the cap it names).
+ALLOCATION_ATTACKS = {
+    "synthetic class centres and samples": (
+        {
+            "kind": "train",
+            "data": {"name": "synthetic", "samples": 20000, "features": 5000, "classes": 20000},
+            "steps": 1,
+        },
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "data: 2000160000 bytes to generate (samples 20000, features 5000, classes 20000) "
+        "exceeds the coordinator's max_synthetic_bytes 1073741824 bytes",
+    ),
+    "more classes than samples (the issue's 207-byte spec)": (
+        {"kind": "train", "data": {"name": "synthetic", "classes": 20000, "features": 5000}},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "data: classes: 20000 is more than samples (2000)",
+    ),
+    "one micro-batch's activations": (
+        {"kind": "train", "model": {"name": "mlp", "hidden": [65536]}, "batch_size": 65536},
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "batch_size: 34395914240 bytes of activations for 65536 rows exceeds the "
+        "coordinator's max_activation_bytes 1073741824 bytes",
+    ),
+    "a memory job's access batch": (
+        {"kind": "memory", "memories": 10, "access": {"batch": 10_000_000}},
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "access.batch: 960000000 bytes for 10000000 accesses exceeds the coordinator's "
+        "max_access_batch_bytes 268435456 bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", list(ALLOCATION_ATTACKS))
+async def test_small_specs_that_would_allocate_gigabytes_are_refused(make_cluster, attack) -> None:
+    spec, code, message = ALLOCATION_ATTACKS[attack]
+    # No worker: were the spec admitted, its job would wait instead of allocating gigabytes.
+    cluster = await make_cluster(workers=0)
+    async with cluster.client() as client:  # warm up the RPC path before measuring
+        await client.jobs()
+    # The first forward pass on the meta device imports torch's meta kernels (~75 MB, once per
+    # process, whatever the model): done before measuring what a spec costs.
+    activation_bytes(build_model(MlpSpec(hidden=[2]), (4,), 2, seed=0, device="meta"), (4,), 1)
+    before = _rss_bytes()
+
+    err = await _refused(cluster, spec)
+
+    assert err.code is code
+    assert message in str(err)
+    assert _rss_bytes() - before < 50 * 2**20
 
 
 async def test_a_worker_that_does_not_list_the_entry_refuses_it(make_cluster) -> None:
