@@ -16,6 +16,10 @@ import numpy as np
 
 MEMORIES_STREAM, SCRAMBLE_STREAM, ACCESS_STREAM = 0, 1, 2
 ID_SPACE = 2**63 - 1  # generated ids lie in [0, 2**63 - 1)
+# Bytes the coordinator holds per access of one batch, at most: the Zipf draw's float64 and
+# int64 temporaries, the ids and boosts, and the router's positions and owners (measured about
+# 75 at 10**7 accesses). Admission caps access.batch x ACCESS_BYTES (max_access_batch_bytes).
+ACCESS_BYTES = 96
 
 
 def generate_memories(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

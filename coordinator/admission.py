@@ -2,12 +2,15 @@
 
 See DESIGN.md, "Trust boundaries".
 
-In order: the spec's size (``max_spec_bytes``), its schema, its imports (``allowed_imports``),
-its file paths (confined to ``data_roots``), then estimates of what running it would cost,
-against the caps: the data set's bytes (``max_dataset_bytes``), the model's parameters
-(``max_model_params``, counted on a model built on torch's ``meta`` device, which allocates
-no storage), the training steps or memory iterations (``max_steps``) and the memories
-(``max_memories_per_job``). Nothing is imported, opened or allocated for a spec that an
+In order: the spec's size (``max_spec_bytes``), its schema, its entry points (listed in
+``allowed_models``, args bound to the factory's signature, nothing called), its file paths
+(confined to ``data_roots``), then estimates of what running it would cost, against the caps:
+the data set's bytes (``max_dataset_bytes``) and what generating a synthetic one takes
+(``max_synthetic_bytes``), the model's parameters (``max_model_params``) and one
+micro-batch's activations (``max_activation_bytes``), both from a model built and run on
+torch's ``meta`` device, which allocates no storage, the training steps or memory iterations
+(``max_steps``), the memories (``max_memories_per_job``) and one access batch
+(``max_access_batch_bytes``). Nothing is imported, opened or allocated for a spec that an
 earlier check refused.
 """
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from coordinator.access_stream import ACCESS_BYTES
 from shared.config import (
     BuiltinData,
     ConfigError,
@@ -27,13 +31,16 @@ from shared.config import (
     FileData,
     JobSpec,
     MemoryJobSpec,
+    TraceAccess,
     TrainJobSpec,
+    ZipfAccess,
     job_spec_from_json,
 )
-from shared.npz import UNREADABLE, npz_members
-from shared.security.confinement import check_imports, resolve_data_paths
-from shared.training.data import inner_total_steps, total_steps
-from shared.training.models import ModelError, build_model, count_params
+from shared.npz import UNREADABLE, NpyHeaderError, npz_members, read_npy_header
+from shared.security.confinement import resolve_data_paths
+from shared.training.data import inner_total_steps, synthetic_peak_bytes, total_steps
+from shared.training.entry_points import EntryPointError, check_entries
+from shared.training.models import ModelError, activation_bytes, build_model, count_params
 
 DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
 
@@ -54,10 +61,15 @@ class DataShape:
     num_classes: int
 
 
-def _cap(key: str, value: int, cap: int, cap_name: str, unit: str = "") -> None:
+def _cap(key: str, value: int, cap: int, cap_name: str, unit: str = "", what: str = "") -> None:
+    """Refuse ``value`` over ``cap``: ``KEY: VALUE UNIT WHAT exceeds ... CAP_NAME CAP UNIT``.
+
+    Raises:
+        LimitExceeded: value > cap (RESOURCE_EXHAUSTED).
+    """
     if value > cap:
         raise LimitExceeded(
-            f"{key}: {value}{unit} exceeds the coordinator's {cap_name} {cap}{unit}"
+            f"{key}: {value}{unit}{what} exceeds the coordinator's {cap_name} {cap}{unit}"
         )
 
 
@@ -66,17 +78,19 @@ def admit(spec_json: str, cfg: CoordinatorConfig) -> JobSpec:
 
     Args:
         spec_json: the spec as the SubmitJob RPC carries it (UTF-8 JSON).
-        cfg: the coordinator's config (caps, ``allowed_imports``, ``data_roots``).
+        cfg: the coordinator's config (caps, ``allowed_models``, ``data_roots``).
 
     Returns:
         The validated spec, unchanged (paths are resolved again when the job runs).
 
     Raises:
         LimitExceeded: over a cap (RESOURCE_EXHAUSTED).
-        ConfigError: invalid spec, a missing or malformed file inside the roots, or a model
-            that cannot be built for the data (INVALID_ARGUMENT).
+        ConfigError: invalid spec, a missing or malformed file inside the roots, a model
+            that cannot be built for the data, or an entry's args that do not fit its
+            signature (INVALID_ARGUMENT).
         PathRefused: a path outside the data roots (INVALID_ARGUMENT).
-        ImportNotAllowed: an import not in ``allowed_imports`` (PERMISSION_DENIED).
+        EntryPointRefused: an entry not in ``allowed_models``, or not a public function or
+            class defined in its listed module (PERMISSION_DENIED).
     """
     _cap(
         "spec",
@@ -86,14 +100,17 @@ def admit(spec_json: str, cfg: CoordinatorConfig) -> JobSpec:
         " bytes",
     )
     spec = job_spec_from_json(spec_json)
-    check_imports(spec, cfg.allowed_imports, "coordinator")
+    try:
+        check_entries(spec, {"allowed_models": cfg.allowed_models}, "coordinator")
+    except EntryPointError as exc:
+        raise ConfigError(str(exc)) from None
     paths = resolve_data_paths(spec, cfg.dataset_roots())
     for key, path in paths.items():
         _cap(key, _data_bytes(key, path), cfg.max_dataset_bytes, "max_dataset_bytes", " bytes")
     if isinstance(spec, TrainJobSpec):
         _admit_train(spec, paths.get("data.path"), cfg)
     else:
-        _admit_memory(spec, paths.get("load"), cfg)
+        _admit_memory(spec, paths.get("load"), paths.get("access.trace"), cfg)
     return spec
 
 
@@ -121,20 +138,30 @@ def _data_bytes(key: str, path: Path) -> int:
 
 
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
-    shape = data_shape(spec.data, path, cfg.max_dataset_bytes)
+    shape = data_shape(spec.data, path, cfg.max_dataset_bytes, cfg.max_synthetic_bytes)
     try:
         model = build_model(
             spec.model,
             shape.input_shape,
             shape.num_classes,
             spec.seed,
-            cfg.allowed_imports,
+            cfg.allowed_models,
             "coordinator",
             device="meta",
         )
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
     _cap("model", count_params(model), cfg.max_model_params, "max_model_params", " parameters")
+    activations = activation_bytes(model, shape.input_shape, spec.batch_size)
+    if activations is not None:
+        _cap(
+            "batch_size",
+            activations,
+            cfg.max_activation_bytes,
+            "max_activation_bytes",
+            " bytes",
+            f" of activations for {spec.batch_size} rows",
+        )
     n_train = shape.samples - math.ceil(shape.samples * spec.test_fraction)
     # diloco: the inner steps per worker, the work (its outer steps are fewer).
     count = inner_total_steps if spec.strategy == "diloco" else total_steps
@@ -143,11 +170,24 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
     _cap(key, steps, cfg.max_steps, "max_steps", " steps")
 
 
-def data_shape(data: BuiltinData | FileData, path: Path | None, max_bytes: int) -> DataShape:
+def data_shape(
+    data: BuiltinData | FileData,
+    path: Path | None,
+    max_bytes: int,
+    max_synthetic_bytes: int | None = None,
+) -> DataShape:
     """Samples, sample shape and classes of a job's data set, without loading ``x``.
 
+    Args:
+        data: the spec's ``data``.
+        path: the confined path of a file data set; None for a built-in one.
+        max_bytes: ``max_dataset_bytes``: a synthetic set's x as float32 must fit.
+        max_synthetic_bytes: ``max_synthetic_bytes``: what generating a synthetic set
+            takes (``synthetic_peak_bytes``) must fit; None: not checked.
+
     Raises:
-        LimitExceeded: a synthetic set larger than ``max_bytes`` as float32.
+        LimitExceeded: a synthetic set over either cap (RESOURCE_EXHAUSTED); the message
+            names the key and its samples, features and classes.
         ConfigError: a file whose arrays are missing or malformed (names the array).
     """
     if isinstance(data, BuiltinData):
@@ -160,6 +200,16 @@ def data_shape(data: BuiltinData | FileData, path: Path | None, max_bytes: int) 
             "max_dataset_bytes",
             " bytes",
         )
+        if max_synthetic_bytes is not None:
+            _cap(
+                "data",
+                synthetic_peak_bytes(data.samples, data.features, data.classes),
+                max_synthetic_bytes,
+                "max_synthetic_bytes",
+                " bytes",
+                f" to generate (samples {data.samples}, features {data.features}, "
+                f"classes {data.classes})",
+            )
         return DataShape(data.samples, (data.features,), data.classes)
     assert path is not None
     headers = npz_headers("data.path", path)
@@ -197,10 +247,25 @@ def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dty
     return out
 
 
-def _admit_memory(spec: MemoryJobSpec, load: Path | None, cfg: CoordinatorConfig) -> None:
+def _admit_memory(
+    spec: MemoryJobSpec, load: Path | None, trace: Path | None, cfg: CoordinatorConfig
+) -> None:
     if spec.topk > cfg.topk_max:
         raise ConfigError(f"topk: {spec.topk} exceeds the coordinator's topk_max {cfg.topk_max}")
     _cap("iterations", spec.iterations, cfg.max_steps, "max_steps")
+    batch = spec.access.batch if isinstance(spec.access, ZipfAccess) else None
+    if isinstance(spec.access, TraceAccess) and trace is not None:
+        batch = _trace_batch(trace)
+    if batch is not None:
+        key = "access.batch" if isinstance(spec.access, ZipfAccess) else "access.trace"
+        _cap(
+            key,
+            batch * ACCESS_BYTES,
+            cfg.max_access_batch_bytes,
+            "max_access_batch_bytes",
+            " bytes",
+            f" for {batch} accesses",
+        )
     if load is None:
         _cap("memories", spec.memories, cfg.max_memories_per_job, "max_memories_per_job")
         return
@@ -208,3 +273,16 @@ def _admit_memory(spec: MemoryJobSpec, load: Path | None, cfg: CoordinatorConfig
     if ids is not None:  # a missing array is reported, naming it, when the job loads the file
         count = math.prod(ids[0])
         _cap("load", count, cfg.max_memories_per_job, "max_memories_per_job", " memories")
+
+
+def _trace_batch(path: Path) -> int | None:
+    """B, the accesses per iteration of an ``.npy`` trace ([I, B] or [B]), from its header.
+
+    None when the header cannot be read: the job then fails naming the file when it loads it.
+    """
+    try:
+        with path.open("rb") as f:
+            shape = read_npy_header(f).shape
+    except (OSError, NpyHeaderError):
+        return None
+    return int(shape[-1]) if shape else None

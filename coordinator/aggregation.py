@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -138,7 +138,7 @@ class ParameterServer:
         self,
         spec: TrainJobSpec,
         dataset: Dataset,
-        allowed_imports: Sequence[str] = (),
+        allowed_models: Mapping[str, str] | None = None,
         total_steps: int = 1,
     ) -> None:
         """Build the model, optimizer and schedule (in a thread: it may import and allocate).
@@ -150,17 +150,18 @@ class ParameterServer:
                 (``make_outer_optimizer``) at a constant ``outer_lr``, and ``step`` neither
                 clips nor schedules (the workers' inner steps do).
             dataset: the job's data; the test split is used by ``evaluate``.
-            allowed_imports: the operator's ``allowed_imports`` for a model given as
-                ``package.module:callable``.
+            allowed_models: the operator's ``allowed_models`` for a model given as
+                ``{entry: NAME}``.
             total_steps: optimizer steps of the whole job, for the lr schedule (>= 1).
 
         Raises:
+            EntryPointRefused: the model's entry is not listed (PERMISSION_DENIED).
             ModelError: the model cannot be built (INVALID_ARGUMENT).
         """
         self.spec = spec
         self.dataset = dataset
         self.model: nn.Module = build_model(
-            spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_imports
+            spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_models
         )
         self.outer = spec.strategy == "diloco"
         if self.outer:  # the lr schedule and clipping are the workers' (inner steps)

@@ -174,7 +174,7 @@ class AllreduceJob:
             dataset.input_shape,
             dataset.num_classes,
             spec.seed,
-            self.cfg.allowed_imports,
+            self.cfg.allowed_models,
         )
         n_train = len(dataset.y_train)
         self._global_batch = global_batch_size(spec)

@@ -234,7 +234,7 @@ class Cluster:
         Raises:
             ConfigError: invalid spec, naming the field (INVALID_ARGUMENT).
             PathRefused: a path outside the data roots (INVALID_ARGUMENT).
-            ImportNotAllowed: an import not in ``allowed_imports`` (PERMISSION_DENIED).
+            EntryPointRefused: a model entry not in ``allowed_models`` (PERMISSION_DENIED).
             LimitExceeded: over an admission cap (RESOURCE_EXHAUSTED).
             JobQuotaExceeded: ``owner`` has ``max_jobs_per_client`` unfinished jobs
                 (RESOURCE_EXHAUSTED).

@@ -30,8 +30,9 @@ from shared.memory.validation import (
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
 from shared.security.auth import address_error, current_principal, may_see_job
-from shared.security.confinement import ImportNotAllowed, PathRefused
+from shared.security.confinement import PathRefused
 from shared.security.tokens import Principal
+from shared.training.entry_points import EntryPointRefused
 
 # Mints a data-plane token for a caller: (token, expiry in Unix seconds).
 DataTokenMinter = Callable[[Principal], tuple[str, float]]
@@ -305,8 +306,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
 
         Raises:
             grpc.aio.AbortError: INVALID_ARGUMENT for an invalid spec, or a path outside the
-                data roots (names the key); PERMISSION_DENIED for an import not in the
-                coordinator's ``allowed_imports``; RESOURCE_EXHAUSTED over an admission cap
+                data roots (names the key); PERMISSION_DENIED for a model entry not in
+                the coordinator's ``allowed_models``; RESOURCE_EXHAUSTED over an admission cap
                 (names the cap and the value), or with too many unfinished jobs.
         """
         principal = current_principal()
@@ -315,7 +316,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             job = await self._cluster.submit(request.spec_json, owner)
         except (ConfigError, PathRefused) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ImportNotAllowed as exc:
+        except EntryPointRefused as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except (JobQuotaExceeded, LimitExceeded) as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

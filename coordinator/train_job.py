@@ -186,7 +186,7 @@ class TrainJob:
         if spec.strategy == "diloco":
             run.per_epoch = outer_steps_per_epoch(inner_per_epoch, spec.inner_steps)
         ps = await asyncio.to_thread(
-            ParameterServer, spec, dataset, self.cfg.allowed_imports, run.total
+            ParameterServer, spec, dataset, self.cfg.allowed_models, run.total
         )
         start_step = await asyncio.to_thread(self._restore, ps, run.history)
         self._train_sets.open(

@@ -9,11 +9,13 @@ reference tables of the README from them.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -28,11 +30,52 @@ from pydantic import (
 T = TypeVar("T", bound=BaseModel)
 
 
-# Markers of spec fields that name code or files (``shared.security.confinement`` finds and checks
-# every field carrying one, so a new such field cannot be forgotten).
+# Markers of spec fields that name code or files: ``shared.security.confinement`` finds and
+# checks every data path, ``shared.training.entry_points.check_entries`` every entry point (with
+# the config table named by ENTRY_TABLE_KEY), so a new such field cannot be forgotten.
 TRUST_KEY = "neuroshard_trust"
-IMPORT_REF: dict[str, Any] = {TRUST_KEY: "import"}
+ENTRY_TABLE_KEY = "neuroshard_entry_table"
 DATA_PATH_REF: dict[str, Any] = {TRUST_KEY: "data_path"}
+MODEL_ENTRY_REF: dict[str, Any] = {TRUST_KEY: "entry", ENTRY_TABLE_KEY: "allowed_models"}
+
+# An entry point as the operator lists it: ``package.module:function`` (one public attribute of
+# a dotted module, no leading underscores), and an entry name as a spec gives it.
+_TARGET_PART = r"[A-Za-z][A-Za-z0-9_]*"
+ENTRY_TARGET_PATTERN = rf"^{_TARGET_PART}(\.{_TARGET_PART})*:{_TARGET_PART}$"
+ENTRY_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_]*$"
+
+
+def check_entry_target(target: str) -> str:
+    """Check an entry point's target ``package.module:function``; return it unchanged.
+
+    Raises:
+        ValueError: not a dotted module, a colon and ONE public attribute (no dots after
+            the colon, no leading underscore anywhere, so no dunder).
+    """
+    if not re.fullmatch(ENTRY_TARGET_PATTERN, target):
+        raise ValueError(
+            "expected 'package.module:function' (one public function or class defined in the "
+            f"module: no dots after ':', no leading underscores), got {target!r}"
+        )
+    return target
+
+
+def check_entry_name(name: str) -> str:
+    """Check an entry name (one identifier, no leading underscore); return it unchanged.
+
+    Raises:
+        ValueError: anything else, e.g. a dotted path or ``module:function``.
+    """
+    if not re.fullmatch(ENTRY_NAME_PATTERN, name):
+        raise ValueError(
+            f"expected the name of an entry point listed in allowed_models (letters, digits "
+            f"and _, not a module path), got {name!r}"
+        )
+    return name
+
+
+EntryName = Annotated[str, Field(max_length=128), AfterValidator(check_entry_name)]
+EntryTarget = Annotated[str, Field(max_length=512), AfterValidator(check_entry_target)]
 
 
 class ConfigError(ValueError):
@@ -43,10 +86,6 @@ class _Model(BaseModel):
     """Base of every model: unknown keys are refused, assignments are validated too."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-# A dotted Python module name, e.g. ``mymodels`` or ``mymodels.vision``.
-_MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
 def _host_port(value: str) -> str:
@@ -173,11 +212,24 @@ class _DaemonConfig(_Model):
         description="Plaintext port that serves only grpc.health.v1 (liveness/readiness "
         "probes under mutual TLS); null: none.",
     )
-    allowed_imports: list[Annotated[str, Field(pattern=_MODULE_PATTERN)]] = Field(
-        default_factory=list,
-        description="Modules, or package prefixes, a job's `model: {import: ...}` may name "
-        "(e.g. [mymodels] allows mymodels.resnet:build); empty: built-in models only.",
+    allowed_models: dict[EntryName, EntryTarget] = Field(
+        default_factory=dict,
+        description="Model entry points a job may name as `model: {entry: NAME, args: {...}}`: "
+        "NAME -> 'package.module:function', a function or class defined in that module "
+        "returning an nn.Module (e.g. {small_cnn: 'mymodels.vision:small_cnn'}); args are "
+        "checked against its signature; empty: built-in models only.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_allowed_imports(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "allowed_imports" in data:
+            raise ValueError(
+                "allowed_imports: removed; list model entry points instead, as allowed_models: "
+                "{NAME: 'package.module:function'}, and name them in a job as "
+                "model: {entry: NAME, args: {...}}"
+            )
+        return data
 
 
 class JobRetention(_Model):
@@ -320,6 +372,27 @@ class CoordinatorConfig(_DaemonConfig):
         1_000_000,
         ge=1,
         description="Most training steps (or memory-job iterations) one job may run.",
+    )
+    max_synthetic_bytes: int = Field(
+        1 << 30,
+        ge=1024,
+        description="Most memory a synthetic data set takes while each daemon generates it "
+        "(float64 class centres, 8 x classes x features, plus float64 samples and their "
+        "float32 copy, 12 x samples x features), bytes.",
+    )
+    max_activation_bytes: int = Field(
+        1 << 30,
+        ge=1024,
+        description="Most activation memory of one micro-batch of batch_size rows (the "
+        "outputs of every layer in a forward pass run on torch's meta device, which "
+        "allocates nothing), bytes.",
+    )
+    max_access_batch_bytes: int = Field(
+        256 << 20,
+        ge=1024,
+        description="Most memory the coordinator spends on one memory-job access batch "
+        "(access.batch, or a trace's row length, x 96 bytes per access: drawing the Zipf "
+        "ranks, ids and boosts, routing), bytes.",
     )
     job_retention: JobRetention = Field(
         default_factory=JobRetention,
@@ -475,30 +548,22 @@ class CnnSpec(_Model):
     )
 
 
-class ImportModelSpec(_Model):
-    """A model built by ``package.module:callable(**args)``, from a module the operator allowed.
+class EntryModelSpec(_Model):
+    """A model built by an entry point the operator listed in ``allowed_models``.
 
-    Written ``{import: ..., args: {...}}`` in YAML; ``import_`` in Python (``import`` is a
-    keyword).
+    Written ``{entry: NAME, args: {...}}``; the coordinator and every worker look NAME up in
+    their own ``allowed_models`` and check ``args`` against the factory's signature
+    (``shared.training.entry_points``).
     """
 
-    import_: str = Field(
-        alias="import",
-        max_length=512,
-        description="package.module:callable returning an nn.Module; the module must be in "
-        "allowed_imports of the coordinator and of the workers.",
-        json_schema_extra=IMPORT_REF,
+    entry: EntryName = Field(
+        description="Name of a model entry point in allowed_models of the coordinator and "
+        "of the workers.",
+        json_schema_extra=MODEL_ENTRY_REF,
     )
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments.")
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    @field_validator("import_")
-    @classmethod
-    def _target(cls, v: str) -> str:
-        module, sep, attr = v.partition(":")
-        if not sep or not module or not attr:
-            raise ValueError(f"expected 'package.module:callable', got {v!r}")
-        return v
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the entry point's factory."
+    )
 
 
 class BuiltinData(_Model):
@@ -508,6 +573,15 @@ class BuiltinData(_Model):
     samples: int = Field(2000, ge=10, description="synthetic only: number of samples.")
     features: int = Field(64, ge=1, description="synthetic only: features per sample.")
     classes: int = Field(10, ge=2, description="synthetic only: number of classes.")
+
+    @model_validator(mode="after")
+    def _classes_fit(self) -> BuiltinData:
+        if self.name == "synthetic" and self.classes > self.samples:
+            raise ValueError(
+                f"classes: {self.classes} is more than samples ({self.samples}); every class "
+                "needs a sample"
+            )
+        return self
 
 
 class FileData(_Model):
@@ -624,8 +698,8 @@ def _name_to_dict(v: Any) -> Any:
 ModelField = Annotated[
     Annotated[MlpSpec, Tag("mlp")]
     | Annotated[CnnSpec, Tag("cnn")]
-    | Annotated[ImportModelSpec, Tag("import")],
-    _tag_by_name("mlp", "import"),
+    | Annotated[EntryModelSpec, Tag("entry")],
+    _tag_by_name("mlp", "entry"),
 ]
 DataField = Annotated[
     Annotated[BuiltinData, Tag("digits")]
@@ -648,7 +722,8 @@ class TrainJobSpec(_Model):
     model: ModelField = Field(
         default_factory=MlpSpec,
         description="'mlp', 'cnn', {name: mlp, hidden: [...]}, "
-        "{name: cnn, channels: [...]} or {import: 'pkg.mod:fn', args: {...}}.",
+        "{name: cnn, channels: [...]} or {entry: NAME, args: {...}} (NAME listed in "
+        "allowed_models).",
     )
     data: DataField = Field(
         default_factory=BuiltinData,
@@ -784,6 +859,16 @@ class TrainJobSpec(_Model):
         classmethod(lambda cls, v: _name_to_dict(v))
     )
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _no_import(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "import" in v:
+            raise ValueError(
+                "'import' is no longer accepted; name an entry point the operator listed in "
+                "allowed_models: {entry: NAME, args: {...}}"
+            )
+        return v
+
     @model_validator(mode="after")
     def _epochs_or_steps(self) -> TrainJobSpec:
         if self.epochs is None and self.steps is None:
@@ -902,19 +987,23 @@ JobSpec = TrainJobSpec | MemoryJobSpec
 
 
 _UNION_FIELDS = {"model", "data", "access"}
-_UNION_TAGS = {"mlp", "cnn", "import", "digits", "synthetic", "path", "zipf", "trace"}
+_UNION_TAGS = {"mlp", "cnn", "entry", "digits", "synthetic", "path", "zipf", "trace"}
 
 
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     """The first error as ``dotted.key: message``, counting the others."""
     err = exc.errors()[0]
     parts: list[str] = []
+    tag_dropped = False
     for p in err["loc"]:
-        # Drop union tags pydantic inserts after a tagged-union field (model.mlp.hidden).
-        if parts and parts[-1] in _UNION_FIELDS and p in _UNION_TAGS:
+        # Drop the one union tag pydantic inserts after a tagged-union field (model.mlp.hidden);
+        # a field named like a tag after it stays (model.entry).
+        if parts and parts[-1] in _UNION_FIELDS and p in _UNION_TAGS and not tag_dropped:
+            tag_dropped = True
             continue
         if not str(p).startswith(("function-after", "tagged")):
             parts.append(str(p))
+            tag_dropped = False
     loc = ".".join(parts)
     msg = err["msg"].removeprefix("Value error, ")
     # A model-level check has no field: "FILE: message" (its message names the fields).

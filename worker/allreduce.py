@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +24,9 @@ import numpy as np
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.logging import get_logger
-from shared.security.confinement import check_imports
 from shared.security.exposure import is_loopback
 from shared.training.data import DataError
+from shared.training.models import check_model_entry
 from worker.child_pipe import MAX_LINE_BYTES, AsyncPipe, Frame, PipeClosed
 from worker.shards import ShardFetcher
 
@@ -157,7 +157,7 @@ class AllreduceSessions:
     def __init__(
         self,
         torch_threads: int,
-        allowed_imports: Sequence[str],
+        allowed_models: Mapping[str, str],
         name: str,
         fetcher: ShardFetcher | None,
         advertise_host: str,
@@ -166,14 +166,14 @@ class AllreduceSessions:
 
         Args:
             torch_threads: ``torch.set_num_threads`` of each child.
-            allowed_imports: modules a job's model may be imported from.
+            allowed_models: the model entry points a job may name.
             name: this worker's name, for messages.
             fetcher: gets a file data set's rows from the coordinator (None: refused).
             advertise_host: the host other workers reach this one at; a loopback host keeps
                 gloo on the loopback interface.
         """
         self._torch_threads = torch_threads
-        self._allowed_imports = tuple(allowed_imports)
+        self._allowed_models = dict(allowed_models)
         self._daemon = f"worker {name}".strip()
         self._fetcher = fetcher
         self._advertise_host = advertise_host
@@ -186,7 +186,8 @@ class AllreduceSessions:
 
         Raises:
             ConfigError: the spec is invalid or not a train spec (INVALID_ARGUMENT).
-            ImportNotAllowed: its model's module is not allowed here (PERMISSION_DENIED).
+            EntryPointRefused: its model's entry is not listed here (PERMISSION_DENIED).
+            ModelError: its model's args do not fit the entry (INVALID_ARGUMENT).
             DataError, ShardFetchError: its data cannot be had (INVALID_ARGUMENT, or
                 FetchShard's status).
             ChildFailed: the child refused the job (FAILED_PRECONDITION).
@@ -199,7 +200,7 @@ class AllreduceSessions:
             spec = job_spec_from_json(spec_json)
             if not isinstance(spec, TrainJobSpec):
                 raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
-            check_imports(spec, self._allowed_imports, self._daemon)
+            check_model_entry(spec, self._allowed_models, self._daemon)
             tmp = Path(tempfile.mkdtemp(prefix=f"neuroshard-{job_id[:16]}-"))
             try:
                 init = await self._init(job_id, spec, spec_json, tmp)
@@ -225,7 +226,7 @@ class AllreduceSessions:
             "data_path": data_path,
             "num_classes": num_classes,
             "torch_threads": self._torch_threads,
-            "allowed_imports": list(self._allowed_imports),
+            "allowed_models": self._allowed_models,
             "daemon": self._daemon,
         }
 

@@ -6,7 +6,7 @@ memory slots) down: the daemon kills the child instead. The child keeps its repl
 generations, which is what lets survivors go on from their newest state.
 
 Frames, daemon to child:
-    ``init`` {spec_json, data_path, num_classes, torch_threads, allowed_imports, daemon}
+    ``init`` {spec_json, data_path, num_classes, torch_threads, allowed_models, daemon}
     ``generation`` {generation, rank, world_size, master_addr, master_port, checkpoint_every,
     timeout_s} with the state to start from as payload (rank 0, when the coordinator sends one)
     ``stop`` {}: end the generation at the next control point (a rescale)
@@ -86,7 +86,7 @@ def _load_replica(init: dict[str, Any]) -> Replica:
         y,
         num_classes,
         resolve_device(spec.device),
-        tuple(init["allowed_imports"]),
+        dict(init["allowed_models"]),
         str(init["daemon"]),
     )
 

@@ -18,8 +18,9 @@ from grpc import aio
 
 from shared.config import ConfigError
 from shared.proto import worker_pb2
-from shared.security.confinement import ImportNotAllowed
 from shared.training.data import DataError
+from shared.training.entry_points import EntryPointRefused
+from shared.training.models import ModelError
 from worker.allreduce import AllreduceChild, AllreduceSessions, ChildFailed, GenerationOrder
 from worker.child_pipe import Frame
 from worker.shards import ShardFetchError
@@ -57,7 +58,7 @@ class AllreduceServicer:
         Raises:
             INVALID_ARGUMENT: no header first, a rank outside [0, world_size), a bad spec,
                 or data that cannot be loaded.
-            PERMISSION_DENIED: the model's module is not in this worker's allowed_imports.
+            PERMISSION_DENIED: the model's entry is not in this worker's allowed_models.
             FAILED_PRECONDITION: the child process refused the job or died.
             FetchShard's status: a file data set's rows could not be fetched.
         """
@@ -147,9 +148,9 @@ class AllreduceServicer:
     ) -> AllreduceChild:
         try:
             return await self._sessions.child(header.job_id, header.spec_json)
-        except (ConfigError, DataError) as exc:
+        except (ConfigError, DataError, ModelError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ImportNotAllowed as exc:
+        except EntryPointRefused as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ShardFetchError as exc:
             await context.abort(exc.code, str(exc))

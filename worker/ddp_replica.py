@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,7 @@ class Replica:
         y_train: npt.NDArray[np.int64],
         num_classes: int,
         device: torch.device,
-        allowed_imports: tuple[str, ...] = (),
+        allowed_models: Mapping[str, str] | None = None,
         daemon: str = "worker",
     ) -> None:
         """Build the model (seeded, as on every rank), optimizer, lr schedule and scaler.
@@ -81,11 +82,11 @@ class Replica:
             y_train: [N] int64 labels in [0, num_classes).
             num_classes: C.
             device: where the model, its state and the batches live.
-            allowed_imports: this worker's ``allowed_imports``.
+            allowed_models: this worker's ``allowed_models``.
             daemon: ``worker NAME``, for a refusal's message.
 
         Raises:
-            ImportNotAllowed, ModelError: as ``build_model``.
+            EntryPointRefused, ModelError: as ``build_model``.
         """
         self.spec, self.device = spec, device
         self.x, self.y = torch.from_numpy(x_train), torch.from_numpy(y_train)
@@ -94,7 +95,7 @@ class Replica:
         self.per_epoch = allreduce_steps_per_epoch(self.n_train, self.global_batch)
         self.total_steps = allreduce_total_steps(spec, self.n_train)
         model = build_model(
-            spec.model, tuple(x_train.shape[1:]), num_classes, spec.seed, allowed_imports, daemon
+            spec.model, tuple(x_train.shape[1:]), num_classes, spec.seed, allowed_models, daemon
         )
         if spec.sync_batchnorm:
             model = convert_sync_batchnorm(model, device)

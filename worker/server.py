@@ -66,7 +66,7 @@ class WorkerServer:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         # File data sets' rows come from the coordinator over its channel (no shared disk).
         fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
-        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_imports, self.name, fetcher)
+        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_models, self.name, fetcher)
         listen_host, _, _ = cfg.listen.rpartition(":")
         self.advertise_host = cfg.advertise_host or (
             "127.0.0.1" if listen_host in ("0.0.0.0", "[::]") else listen_host
@@ -74,7 +74,7 @@ class WorkerServer:
         # strategy allreduce: one child process per job, which joins the job's process group
         # (its gloo traffic goes to this host directly, never through advertise_address)
         self.allreduce = AllreduceSessions(
-            cfg.torch_threads, cfg.allowed_imports, self.name, fetcher, self.advertise_host
+            cfg.torch_threads, cfg.allowed_models, self.name, fetcher, self.advertise_host
         )
         self.server = aio.server(
             interceptors=server_interceptors(

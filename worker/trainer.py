@@ -14,7 +14,7 @@ calls it in a thread, and fetches the rows of file data sets (``worker.shards``)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,7 +71,7 @@ class Trainer:
         shard_index: int,
         shard_count: int,
         torch_threads: int = 1,
-        allowed_imports: Sequence[str] = (),
+        allowed_models: Mapping[str, str] | None = None,
         daemon: str = "worker",
         data: TrainData | None = None,
     ) -> None:
@@ -83,13 +83,13 @@ class Trainer:
             shard_index: this worker's shard in [0, shard_count).
             shard_count: number of shards (workers) of the job.
             torch_threads: ``torch.set_num_threads`` value. Note: this setting is process-wide.
-            allowed_imports: this worker's ``allowed_imports`` (an import model must be listed).
+            allowed_models: this worker's ``allowed_models`` (an entry model must be listed).
             daemon: ``worker NAME``, for a refusal's message.
             data: the job's training rows held here (at least this shard's); None makes a
                 built-in data set here.
 
         Raises:
-            ImportNotAllowed: the model's module is not allowed here (PERMISSION_DENIED).
+            EntryPointRefused: the model's entry is not listed here (PERMISSION_DENIED).
             DeviceUnavailable: ``device: cuda`` where torch sees no CUDA device
                 (FAILED_PRECONDITION).
             DataError: the job's data cannot be loaded, or ``data`` is None for a file data set
@@ -111,7 +111,7 @@ class Trainer:
             self.data.input_shape,
             self.data.num_classes,
             spec.seed,
-            allowed_imports,
+            allowed_models,
             daemon,
         ).to(self.device)
         self._params = dict(self.model.named_parameters())

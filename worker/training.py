@@ -8,16 +8,15 @@ given at StartTraining is fetched before the trainer is built, and a shard hande
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
-from shared.security.confinement import check_imports
 from shared.training.data import DataError, steps_per_epoch
-from shared.training.models import param_shapes
+from shared.training.models import check_model_entry, param_shapes
 from worker.compressed_link import CompressedLink
 from worker.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.trainer import GradResult, Trainer
@@ -33,7 +32,7 @@ class TrainingSessions:
     def __init__(
         self,
         torch_threads: int,
-        allowed_imports: Sequence[str] = (),
+        allowed_models: Mapping[str, str] | None = None,
         name: str = "",
         fetcher: ShardFetcher | None = None,
     ) -> None:
@@ -41,7 +40,7 @@ class TrainingSessions:
 
         Args:
             torch_threads: ``torch.set_num_threads`` of the torch thread (process-wide).
-            allowed_imports: modules a job's model may be imported from.
+            allowed_models: the model entry points a job may name.
             name: this worker's name, for messages.
             fetcher: gets file data sets' shards from the coordinator (None: file data sets
                 are refused).
@@ -49,7 +48,7 @@ class TrainingSessions:
         self._fetcher = fetcher
         self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, ShardRows]]] = {}
         self._torch_threads = torch_threads
-        self._allowed_imports = tuple(allowed_imports)
+        self._allowed_models = dict(allowed_models or {})
         self._daemon = f"worker {name}".strip()
         self._trainers: dict[str, Trainer] = {}
         self._links: dict[str, CompressedLink] = {}
@@ -62,8 +61,9 @@ class TrainingSessions:
 
         Raises:
             ConfigError: the spec is invalid or not a train spec (INVALID_ARGUMENT).
-            ImportNotAllowed: the spec imports a module this worker's ``allowed_imports``
+            EntryPointRefused: the spec names a model entry this worker's ``allowed_models``
                 does not list (PERMISSION_DENIED); nothing is imported or loaded.
+            ModelError: the entry's args do not fit its signature (INVALID_ARGUMENT).
             DeviceUnavailable: the job trains on cuda and this worker has none
                 (FAILED_PRECONDITION).
             DataError: the data set cannot be made, or the fetched shard is malformed
@@ -73,7 +73,7 @@ class TrainingSessions:
         spec = job_spec_from_json(spec_json)
         if not isinstance(spec, TrainJobSpec):
             raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
-        check_imports(spec, self._allowed_imports, self._daemon)
+        check_model_entry(spec, self._allowed_models, self._daemon)
         data = None  # a built-in data set is made on the torch thread by the Trainer
         if isinstance(spec.data, FileData):
             data, _rows = await self._fetch(job_id, (shard_index, shard_count))
@@ -85,7 +85,7 @@ class TrainingSessions:
             shard_index,
             shard_count,
             self._torch_threads,
-            self._allowed_imports,
+            self._allowed_models,
             self._daemon,
             data,
         )

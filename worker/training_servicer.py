@@ -20,8 +20,9 @@ from shared.rpc.codec import (
     rows_from_bytes,
     tensors_to_chunks,
 )
-from shared.security.confinement import ImportNotAllowed
 from shared.training.data import DataError
+from shared.training.entry_points import EntryPointRefused
+from shared.training.models import ModelError
 from worker.compressed_link import StaleBase
 from worker.shards import ShardFetchError, ShardMissing
 from worker.trainer import DeviceUnavailable
@@ -52,7 +53,7 @@ class TrainingServicer:
 
         Raises:
             INVALID_ARGUMENT: bad spec, shard index out of range, or unreadable data.
-            PERMISSION_DENIED: the model's module is not in this worker's ``allowed_imports``.
+            PERMISSION_DENIED: the model's entry is not in this worker's ``allowed_models``.
             FAILED_PRECONDITION: the job trains on cuda and this worker has no CUDA device.
             FetchShard's status: fetching the shard failed (NOT_FOUND, PERMISSION_DENIED,
                 UNAVAILABLE, ...).
@@ -66,9 +67,9 @@ class TrainingServicer:
             await self._sessions.start(
                 request.job_id, request.spec_json, request.shard_index, request.shard_count
             )
-        except (ConfigError, DataError) as exc:
+        except (ConfigError, DataError, ModelError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ImportNotAllowed as exc:
+        except EntryPointRefused as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except DeviceUnavailable as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

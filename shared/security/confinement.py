@@ -1,13 +1,13 @@
-"""What a job spec may make a daemon do: import allowed modules, open files in the data roots.
+"""What a job spec may make a daemon read: files in the data roots.
 
 The trust boundary of DESIGN.md: clients never cause code to run or files to be read that the
 operator did not allow.
 
-A spec field that names code or a file is marked in ``shared.config`` with
-``json_schema_extra=IMPORT_REF`` or ``DATA_PATH_REF``; :func:`spec_refs` finds every marked
-field of a spec, so a field added later is checked without anyone remembering to. The
-coordinator checks them all before a job is queued; a worker checks an import again before it
-builds a model, against its own ``allowed_imports``.
+A spec field that names a file is marked in ``shared.config`` with
+``json_schema_extra=DATA_PATH_REF``; :func:`spec_refs` finds every marked field of a spec, so a
+field added later is checked without anyone remembering to. The coordinator checks them all
+before a job is queued. Code is named only by entry points the operator listed
+(``shared.training.entry_points``).
 """
 
 from __future__ import annotations
@@ -19,16 +19,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from shared.config import DATA_PATH_REF, IMPORT_REF, TRUST_KEY
+from shared.config import DATA_PATH_REF, TRUST_KEY
 
 SpecT = TypeVar("SpecT", bound=BaseModel)
-
-
-class ImportNotAllowed(PermissionError):
-    """A spec names a module outside the daemon's ``allowed_imports`` (PERMISSION_DENIED).
-
-    The message names the spec key, the module and what is allowed.
-    """
 
 
 class PathRefused(ValueError):
@@ -48,8 +41,8 @@ def spec_refs(spec: BaseModel, prefix: str = "") -> Iterator[tuple[str, str, str
         prefix: prepended to every key (used by the recursion).
 
     Yields:
-        ``(key, kind, value)``: the dotted spec key (``model.import``, ``data.path``,
-        ``access.trace``), ``"import"`` or ``"data_path"``, and the value as a string.
+        ``(key, kind, value)``: the dotted spec key (``model.entry``, ``data.path``,
+        ``access.trace``), ``"entry"`` or ``"data_path"``, and the value as a string.
         Unset (None) fields are skipped.
     """
     for name, field in type(spec).model_fields.items():
@@ -61,56 +54,6 @@ def spec_refs(spec: BaseModel, prefix: str = "") -> Iterator[tuple[str, str, str
             yield key, str(kind), str(value)
         elif isinstance(value, BaseModel):
             yield from spec_refs(value, key + ".")
-
-
-def module_of(target: str) -> str:
-    """Return the module of an import target: ``package.module:callable`` -> ``package.module``."""
-    return target.partition(":")[0]
-
-
-def import_allowed(module: str, allowed: Sequence[str]) -> bool:
-    """Tell whether ``module`` is an entry of ``allowed`` or inside a package listed there.
-
-    ``mymodels`` allows ``mymodels`` and ``mymodels.vision``, not ``mymodels_extra``.
-    """
-    return any(module == a or module.startswith(a + ".") for a in allowed)
-
-
-def check_import(key: str, target: str, allowed: Sequence[str], daemon: str) -> None:
-    """Refuse an import target whose module ``allowed`` does not list.
-
-    Args:
-        key: the spec key, for the message (``model.import``).
-        target: ``package.module:callable``.
-        allowed: the daemon's ``allowed_imports``.
-        daemon: ``coordinator`` or ``worker NAME``, for the message.
-
-    Raises:
-        ImportNotAllowed: not allowed (PERMISSION_DENIED).
-    """
-    module = module_of(target)
-    if not import_allowed(module, allowed):
-        listed = ", ".join(allowed) if allowed else "nothing"
-        raise ImportNotAllowed(
-            f"{key}: module {module!r} is not in the {daemon}'s allowed_imports "
-            f"(allowed: {listed}); an operator must install the package and list it"
-        )
-
-
-def check_imports(spec: BaseModel, allowed: Sequence[str], daemon: str) -> None:
-    """Run :func:`check_import` on every import a spec names.
-
-    Args:
-        spec: a validated job spec.
-        allowed: the daemon's ``allowed_imports``.
-        daemon: ``coordinator`` or ``worker NAME``, for the message.
-
-    Raises:
-        ImportNotAllowed: the first import not allowed (PERMISSION_DENIED).
-    """
-    for key, kind, value in spec_refs(spec):
-        if kind == IMPORT_REF[TRUST_KEY]:
-            check_import(key, value, allowed, daemon)
 
 
 def _inside(path: Path, root: Path) -> bool:

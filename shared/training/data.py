@@ -29,6 +29,7 @@ from shared.training.partition import allreduce_total_steps
 # A class centre is this many noise standard deviations from the origin per feature, so that
 # the synthetic blobs are learnable to high accuracy but not trivially by one feature.
 _SYNTHETIC_SEPARATION = 1.0
+_SYNTHETIC_BLOCK_ROWS = 4096  # rows of class centres gathered at a time while adding them
 
 
 class DataError(ValueError):
@@ -89,15 +90,38 @@ def load_dataset(spec: BuiltinData | FileData, seed: int, test_fraction: float) 
     return _split(x, y, num_classes, seed, test_fraction)
 
 
+def synthetic_peak_bytes(samples: int, features: int, classes: int) -> int:
+    """Bytes ``load_dataset`` holds at once while it makes a synthetic set, at most.
+
+    The float64 class centres (8 x C x F), the float64 samples and their float32 copy
+    (12 x N x F), and the labels (8 x N); the split's copies come after the float64 samples
+    are freed and take less. What admission checks against ``max_synthetic_bytes``.
+
+    Args:
+        samples: N.
+        features: F.
+        classes: C.
+    """
+    return 8 * classes * features + 12 * samples * features + 8 * samples
+
+
 def _synthetic(
     samples: int, features: int, classes: int, seed: int
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
-    """Gaussian blobs: class centres ~ N(0, s^2 I), samples ~ N(centre, I)."""
+    """Gaussian blobs: class centres ~ N(0, s^2 I), samples ~ N(centre, I).
+
+    The centres are added to the noise in place, a block of rows at a time, so no [N, F]
+    temporary exists besides the samples (``synthetic_peak_bytes``); the values are those
+    of ``centres_CF[y] + noise``.
+    """
     rng = np.random.default_rng(seed)
     centres_CF = rng.normal(0.0, _SYNTHETIC_SEPARATION, size=(classes, features))
     y = np.arange(samples, dtype=np.int64) % classes
     rng.shuffle(y)
-    x = centres_CF[y] + rng.normal(0.0, 1.0, size=(samples, features))
+    x = rng.normal(0.0, 1.0, size=(samples, features))
+    for start in range(0, samples, _SYNTHETIC_BLOCK_ROWS):
+        rows = slice(start, start + _SYNTHETIC_BLOCK_ROWS)
+        x[rows] += centres_CF[y[rows]]
     return x.astype(np.float32), y
 
 

@@ -1,4 +1,4 @@
-"""Model construction for training jobs: the built-in mlp and cnn, or an imported callable.
+"""Model construction for training jobs: the built-in mlp and cnn, or a listed entry point.
 
 The built-ins hold no BatchNorm or Dropout: their forward pass depends only on the parameters
 and the batch, so averaging per-shard gradients equals one gradient over the global batch.
@@ -7,7 +7,6 @@ Initialisation is seeded without touching the caller's global RNG state.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -15,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.config import CnnSpec, ImportModelSpec, MlpSpec
-from shared.security.confinement import check_import
+from shared.config import CnnSpec, EntryModelSpec, MlpSpec, TrainJobSpec
+from shared.training.entry_points import EntryPointError, check_entries, resolve_entry_point
 
 # Input shapes the cnn accepts, with the number of 2x2 max-pools that suit each size.
 _CNN_POOLS: dict[tuple[int, ...], int] = {(1, 8, 8): 1, (1, 28, 28): 2}
@@ -26,12 +25,30 @@ class ModelError(ValueError):
     """A model cannot be built for the job's data; the message says why (INVALID_ARGUMENT)."""
 
 
+def check_model_entry(
+    spec: TrainJobSpec, allowed_models: Mapping[str, str], daemon: str = "coordinator"
+) -> None:
+    """Check every entry point a train spec names against a daemon's tables, calling nothing.
+
+    Lets a worker refuse a job before it loads data (``build_model`` checks again).
+
+    Raises:
+        EntryPointRefused: an entry not listed or not usable (PERMISSION_DENIED).
+        ModelError: an entry's args do not fit its signature, or its module cannot be
+            imported (INVALID_ARGUMENT).
+    """
+    try:
+        check_entries(spec, {"allowed_models": allowed_models}, daemon)
+    except EntryPointError as exc:
+        raise ModelError(str(exc)) from None
+
+
 def build_model(
-    spec: MlpSpec | CnnSpec | ImportModelSpec,
+    spec: MlpSpec | CnnSpec | EntryModelSpec,
     input_shape: Sequence[int],
     num_classes: int,
     seed: int,
-    allowed_imports: Sequence[str] = (),
+    allowed_models: Mapping[str, str] | None = None,
     daemon: str = "coordinator",
     device: str | torch.device = "cpu",
 ) -> nn.Module:
@@ -46,8 +63,10 @@ def build_model(
             float32 and returns [B, num_classes] float32 logits.
         num_classes: number of classes C >= 2.
         seed: seeds the parameter initialisation.
-        allowed_imports: the building daemon's ``allowed_imports``; an import model whose
-            module it does not list is refused before anything is imported.
+        allowed_models: the building daemon's ``allowed_models`` (entry name ->
+            ``package.module:function``); an entry it does not list is refused before
+            anything is imported, and the entry's args are checked against its signature
+            before it is called.
         daemon: ``coordinator`` or ``worker NAME``, for the refusal's message.
         device: ``"meta"`` builds shapes only, without allocating parameters (to count them
             before a job is admitted).
@@ -56,12 +75,20 @@ def build_model(
         The model in training mode, on ``device``, float32.
 
     Raises:
-        ImportNotAllowed: an import model's module is not allowed (PERMISSION_DENIED).
-        ModelError: the cnn gets an input shape it does not support, or an imported callable
-            cannot be imported, fails, or does not return an ``nn.Module`` (INVALID_ARGUMENT).
+        EntryPointRefused: an entry not listed, or not a public function or class defined
+            in its listed module (PERMISSION_DENIED).
+        ModelError: the cnn gets an input shape it does not support; an entry's args do not
+            fit its signature, its module cannot be imported, the call fails or does not
+            return an ``nn.Module`` (INVALID_ARGUMENT).
     """
-    if isinstance(spec, ImportModelSpec):
-        check_import("model.import", spec.import_, allowed_imports, daemon)
+    factory = None
+    if isinstance(spec, EntryModelSpec):
+        try:
+            factory = resolve_entry_point(
+                "model", spec.entry, allowed_models or {}, spec.args, daemon
+            )
+        except EntryPointError as exc:
+            raise ModelError(str(exc)) from None
     shape = tuple(int(d) for d in input_shape)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
@@ -70,7 +97,8 @@ def build_model(
         elif isinstance(spec, CnnSpec):
             model = _cnn(spec.channels, shape, num_classes)
         else:
-            model = _imported(spec)
+            assert factory is not None
+            model = _from_entry(spec.entry, factory)
     return model.float().train()
 
 
@@ -95,7 +123,7 @@ def _cnn(channels: Sequence[int], input_shape: tuple[int, ...], num_classes: int
     if pools is None:
         raise ModelError(
             f"model cnn: input shape {input_shape} is not supported; expected one of "
-            f"{sorted(_CNN_POOLS)} (single-channel 8x8 or 28x28 images); use mlp or import"
+            f"{sorted(_CNN_POOLS)} (single-channel 8x8 or 28x28 images); use mlp or an entry"
         )
     if len(channels) != 2:
         raise ModelError(f"model.channels: expected 2 conv widths, got {len(channels)}")
@@ -109,43 +137,17 @@ def _cnn(channels: Sequence[int], input_shape: tuple[int, ...], num_classes: int
     return nn.Sequential(*layers)
 
 
-def _imported(spec: ImportModelSpec) -> nn.Module:
-    """Call ``package.module:callable(**args)`` and check that it returns an nn.Module."""
-    target = spec.import_
-    factory = _resolve(target)
+def _from_entry(entry: str, factory: Callable[[], object]) -> nn.Module:
+    """Call a resolved entry point (args bound) and check that it returns an nn.Module."""
     try:
-        model = factory(**spec.args)
+        model = factory()
     except Exception as exc:
-        raise ModelError(f"model import {target!r}: call failed: {exc!r}") from None
+        raise ModelError(f"model.entry: {entry!r}: call failed: {exc!r}") from None
     if not isinstance(model, nn.Module):
         raise ModelError(
-            f"model import {target!r}: returned {type(model).__name__}, expected a torch.nn.Module"
+            f"model.entry: {entry!r}: returned {type(model).__name__}, expected a torch.nn.Module"
         )
     return model
-
-
-def _resolve(target: str) -> Callable[..., object]:
-    """Import ``package.module:attr.path`` and return the callable it names.
-
-    Raises:
-        ModelError: the module cannot be imported, an attribute is missing, or the object
-            is not callable (INVALID_ARGUMENT).
-    """
-    module_name, _, attr_path = target.partition(":")
-    try:
-        obj: object = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ModelError(
-            f"model import {target!r}: cannot import {module_name!r}: {exc!r}"
-        ) from None
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ModelError(f"model import {target!r}: {attr!r} not found") from None
-    if not callable(obj):
-        raise ModelError(f"model import {target!r}: {type(obj).__name__} is not callable")
-    return obj
 
 
 def count_params(model: nn.Module) -> int:
@@ -154,6 +156,43 @@ def count_params(model: nn.Module) -> int:
     The coordinator admits a job only if this is within ``max_model_params``.
     """
     return sum(p.numel() for p in model.parameters())
+
+
+def activation_bytes(model: nn.Module, input_shape: Sequence[int], rows: int) -> int | None:
+    """Estimate the activation memory of one forward pass of ``rows`` samples, bytes.
+
+    Runs the forward pass on torch's ``meta`` device (shapes only, nothing allocated) and adds
+    the input batch's bytes to the output bytes of every leaf module: the tensors autograd
+    keeps for the backward pass of one micro-batch, give or take the last layer's.
+
+    Args:
+        model: built on the meta device (``build_model(..., device="meta")``).
+        input_shape: shape of one sample.
+        rows: samples in the micro-batch (the job's ``batch_size``).
+
+    Returns:
+        The estimate in bytes, or None when the model's forward pass does not run on the meta
+        device (an operator's model with data-dependent code); then only the parameter cap
+        bounds it.
+    """
+    total = [rows * math.prod(input_shape) * 4]
+
+    def count(_m: nn.Module, _inputs: object, output: object) -> None:
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor):
+                total[0] += t.numel() * t.element_size()
+
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    handles = [m.register_forward_hook(count) for m in leaves]
+    try:
+        with torch.no_grad():
+            model(torch.empty((rows, *input_shape), device="meta"))
+    except Exception:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return total[0]
 
 
 def param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

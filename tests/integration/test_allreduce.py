@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.fixtures import ALLOWED_MODELS
 from tests.integration.test_failover import FAST_HEARTBEATS, kill_abruptly
 
 pytestmark = pytest.mark.integration
@@ -51,7 +52,7 @@ def reference_params(spec_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     g = spec.workers * spec.batch_size * spec.grad_accum_steps
     per_epoch = -(-n // g)
     model = build_model(
-        spec.model, ds.input_shape, ds.num_classes, spec.seed, allowed_imports=["tests.fixtures"]
+        spec.model, ds.input_shape, ds.num_classes, spec.seed, allowed_models=ALLOWED_MODELS
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
@@ -105,14 +106,14 @@ async def test_allreduce_equals_single_process_training(
 async def test_refused_model_fails_the_job_with_the_workers_reason(make_cluster) -> None:
     # The coordinator allows the import; the worker does not: nothing is imported there.
     cluster = await make_cluster(
-        workers=1, allowed_imports=["tests.fixtures"], worker_overrides={"allowed_imports": []}
+        workers=1, allowed_models=ALLOWED_MODELS, worker_overrides={"allowed_models": {}}
     )
-    spec = _spec(1, model={"import": "tests.fixtures.models:small_mlp"})
+    spec = _spec(1, model={"entry": "small_mlp"})
     async with cluster.client() as client:
         job = await client.submit(spec)
         final = await client.wait(job.job_id)
     assert final.state == "FAILED"
-    assert "refused the job" in final.error and "allowed_imports" in final.error
+    assert "refused the job" in final.error and "allowed_models" in final.error
     # Refused before any training process started (nothing imported the module there): no
     # child of this process (the in-process worker's) runs the training child.
     import os
@@ -153,15 +154,15 @@ async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster)
     assert [h["epoch"] for h in result["history"]] == list(range(1, result["epochs"] + 1))
 
 
-BN_MODEL = {"import": "tests.fixtures.models:bn_hidden_mlp"}
+BN_MODEL = {"entry": "bn_hidden_mlp"}
 
 
 async def test_sync_batchnorm_equals_single_process_batchnorm(make_cluster) -> None:
     # Arrange: BatchNorm statistics over the global batch, on CPU (CpuSyncBatchNorm).
     cluster = await make_cluster(
         workers=2,
-        allowed_imports=["tests.fixtures"],
-        worker_overrides={"allowed_imports": ["tests.fixtures"]},
+        allowed_models=ALLOWED_MODELS,
+        worker_overrides={"allowed_models": ALLOWED_MODELS},
     )
     spec = _spec(2, model=BN_MODEL, sync_batchnorm=True)
     async with cluster.client() as client:
@@ -179,8 +180,8 @@ async def test_plain_allreduce_keeps_rank0_statistics_that_moved(make_cluster) -
     # Without sync_batchnorm, DDP broadcasts rank 0's buffers: trained, not initial, values.
     cluster = await make_cluster(
         workers=2,
-        allowed_imports=["tests.fixtures"],
-        worker_overrides={"allowed_imports": ["tests.fixtures"]},
+        allowed_models=ALLOWED_MODELS,
+        worker_overrides={"allowed_models": ALLOWED_MODELS},
     )
     spec = _spec(2, model=BN_MODEL)
     async with cluster.client() as client:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.access_stream import ScrambledZipfStream, generate_memories
+from coordinator.memory_job import reinforce_chunk
 from shared.client import NeuroshardError
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore
@@ -158,3 +159,50 @@ async def test_missing_files_and_big_topk_are_refused_at_submission(
             assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
             assert str(err.value).endswith(reason)
         assert await client.jobs() == []
+
+
+@pytest.mark.parametrize(
+    ("limits", "memories", "chunk"),
+    [
+        # A hot id holds about a third of the batch: one slot's part is larger than a worker
+        # takes, which the router cannot cut (it keeps a slot's items together).
+        ({"max_batch_items": 1_000}, 10, 1_000),
+        # One memory, one slot: the whole batch (1.2 MB) would be one message over 1 MiB.
+        ({"max_message_bytes": 1 << 20}, 1, None),
+    ],
+)
+async def test_an_access_batch_is_sent_in_requests_the_workers_take(
+    make_cluster, limits: dict[str, int], memories: int, chunk: int | None
+) -> None:
+    batch = 5_000 if chunk else 100_000
+    worker_limits = {"max_batch_items": limits.get("max_batch_items", 1 << 20)}
+    cluster = await make_cluster(workers=2, slots=SLOTS, worker_overrides=worker_limits, **limits)
+    spec = {
+        "kind": "memory",
+        "workers": 2,
+        "memories": memories,
+        "iterations": 3,
+        "seed": 5,
+        "access": {"distribution": "zipf", "alpha": 0.99, "batch": batch, "boost": 0.0001},
+        "decay_rate": 0.001,
+        "topk": 10,
+    }
+
+    job, _ = await _run(cluster, spec)
+
+    assert job.state == "SUCCEEDED", job.error
+    assert job.result["accesses"] == 3 * batch
+    # The reference applies the same requests: the batch cut in chunks, in order.
+    step = chunk or reinforce_chunk(1 << 20, 1 << 20)
+    assert step < batch
+    ref = ReferenceStore(slots=SLOTS)
+    ids, strengths = generate_memories(memories, seed=5)
+    ref.upsert(ids, strengths)
+    stream = ScrambledZipfStream(np.unique(ids), 0.99, batch, seed=5)
+    boosts = np.full(batch, 0.0001, np.float32)
+    for i in range(3):
+        accessed = stream.next_batch(i)
+        for start in range(0, batch, step):
+            ref.reinforce(accessed[start : start + step], boosts[start : start + step])
+        ref.decay(0.001)
+    await assert_cluster_equals(cluster, ref)

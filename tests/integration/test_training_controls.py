@@ -19,11 +19,12 @@ from shared.config import TrainJobSpec
 from shared.training.controls import lr_factor
 from shared.training.data import batch_indices, load_dataset, steps_per_epoch
 from shared.training.models import build_model
+from tests.fixtures import ALLOWED_MODELS
 from tests.fixtures.models import bn_mlp
 
 pytestmark = pytest.mark.integration
 
-ALLOWED = {"allowed_imports": ["tests.fixtures"]}
+ALLOWED = {"allowed_models": ALLOWED_MODELS}
 
 
 async def run(cluster, spec: dict[str, Any]):
@@ -66,7 +67,7 @@ async def test_batchnorm_statistics_of_two_workers_reach_the_saved_model(make_cl
     # Arrange: BatchNorm on the raw inputs, so its statistics depend on the rows alone.
     cluster = await make_cluster(workers=2, worker_overrides=ALLOWED, **ALLOWED)
     steps = 30  # crosses an epoch (23 steps): shorter last batches weigh less
-    model = {"import": "tests.fixtures.models:bn_mlp"}
+    model = {"entry": "bn_mlp"}
     job = {"kind": "train", "workers": 2, "steps": steps, "model": model}
     spec = TrainJobSpec.model_validate(job)
     data = load_dataset(spec.data, spec.seed, spec.test_fraction)

@@ -1,5 +1,5 @@
-"""Admission: every cap, import and path refusal happens before a job exists, and names the
-key, the value and the cap."""
+"""Admission: every cap, entry-point and path refusal happens before a job exists, and names
+the key, the value and the cap."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from coordinator.admission import LimitExceeded, admit
 from coordinator.cluster import Cluster
 from shared.config import ConfigError, CoordinatorConfig
 from shared.metrics import Metrics
-from shared.security.confinement import ImportNotAllowed, PathRefused
+from shared.security.confinement import PathRefused
+from shared.training.entry_points import EntryPointRefused
 
 
 def _cfg(tmp_path: Path, **caps: Any) -> CoordinatorConfig:
@@ -70,6 +71,36 @@ def _memory(**kw: Any) -> str:
             r"^data.samples: 25600 bytes exceeds the coordinator's max_dataset_bytes 4096 bytes",
         ),
         (
+            {"max_synthetic_bytes": 4_000_000},
+            _train(data={"name": "synthetic", "samples": 200, "features": 1000, "classes": 200}),
+            # centres 8 x 200 x 1000 + samples 12 x 200 x 1000 + labels 8 x 200
+            r"^data: 4001600 bytes to generate \(samples 200, features 1000, classes 200\) "
+            r"exceeds the coordinator's "
+            r"max_synthetic_bytes 4000000 bytes$",
+        ),
+        (
+            {},  # the issue's spec, with samples raised so that every class has one
+            _train(
+                data={"name": "synthetic", "samples": 20000, "features": 5000, "classes": 20000}
+            ),
+            r"^data: 2000160000 bytes to generate \(samples 20000, features 5000, classes "
+            r"20000\) exceeds the coordinator's "
+            r"max_synthetic_bytes 1073741824 bytes$",
+        ),
+        (
+            {"max_activation_bytes": 1 << 20},
+            _train(model={"name": "mlp", "hidden": [1024]}, batch_size=512),
+            # digits: input 64 + Flatten 64 + Linear 1024 + ReLU 1024 + Linear 10, float32
+            r"^batch_size: 4476928 bytes of activations for 512 rows exceeds the "
+            r"coordinator's max_activation_bytes 1048576 bytes$",
+        ),
+        (
+            {},
+            _memory(memories=10, access={"batch": 10_000_000}),
+            r"^access.batch: 960000000 bytes for 10000000 accesses exceeds the coordinator's "
+            r"max_access_batch_bytes 268435456 bytes$",
+        ),
+        (
             {"max_memories_per_job": 1000},
             _memory(memories=1001),
             r"^memories: 1001 exceeds the coordinator's max_memories_per_job 1000$",
@@ -112,16 +143,23 @@ def test_a_file_data_set_is_admitted_from_its_headers(tmp_path: Path) -> None:
     assert spec.kind == "train"
 
 
-def test_imports_are_refused_before_anything_is_imported(tmp_path: Path) -> None:
-    cfg = _cfg(tmp_path)
-    spec = _train(model={"import": "neuroshard_no_such_pkg.evil:build", "args": {}})
+def test_entries_are_refused_before_anything_is_imported(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, allowed_models={"other": "neuroshard_no_such_pkg.evil:build"})
 
-    with pytest.raises(ImportNotAllowed, match="model.import: module 'neuroshard_no_such_pkg"):
-        admit(spec, cfg)
-    with pytest.raises(ImportNotAllowed, match="model.import: module 'os' is not in"):
+    with pytest.raises(EntryPointRefused, match="^model.entry: 'evil' is not in the coordinator"):
+        admit(_train(model={"entry": "evil", "args": {}}), cfg)
+    with pytest.raises(ConfigError, match="^model: 'import' is no longer accepted"):
         admit(_train(model={"import": "os:system", "args": {"command": "touch x"}}), cfg)
 
     assert "neuroshard_no_such_pkg" not in sys.modules
+
+
+def test_entry_args_are_checked_against_the_signature(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, allowed_models={"tiny": "tests.fixtures.vision:tiny_linear"})
+
+    with pytest.raises(ConfigError, match="^model.entry: 'tiny' .*unknown argument 'command'"):
+        admit(_train(model={"entry": "tiny", "args": {"features": 64, "command": "x"}}), cfg)
+    admit(_train(model={"entry": "tiny", "args": {"features": 64}}), cfg)
 
 
 @pytest.mark.parametrize(
@@ -170,7 +208,7 @@ async def test_a_refused_spec_queues_no_job(tmp_path: Path) -> None:
     try:
         for spec, error in [
             (_train(steps=6), LimitExceeded),
-            (_train(model={"import": "os:system"}), ImportNotAllowed),
+            (_train(model={"entry": "system"}), EntryPointRefused),
             (_train(data={"path": "/etc/passwd"}), PathRefused),
             ("{not json", ConfigError),
         ]:

@@ -13,10 +13,11 @@ from shared.config import TrainJobSpec
 from shared.training.controls import lr_factor
 from shared.training.data import Dataset, batch_indices, load_dataset, steps_per_epoch
 from shared.training.models import build_model
+from tests.fixtures import ALLOWED_MODELS
 from worker.trainer import Trainer
 
-BN_MODEL = {"import": "tests.fixtures.models:bn_mlp"}
-ALLOWED = ["tests.fixtures"]
+BN_MODEL = {"entry": "bn_mlp"}
+ALLOWED = ALLOWED_MODELS
 
 
 def make_spec(**overrides: object) -> TrainJobSpec:

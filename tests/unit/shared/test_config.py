@@ -29,7 +29,13 @@ BAD_COORDINATOR_YAML = [
         "heartbeat_interval_s: fast\n",
         "heartbeat_interval_s: Input should be a valid number, unable to parse string as a number",
     ),
-    ("allowed_imports: mymodels\n", "allowed_imports: Input should be a valid list"),
+    ("allowed_models: mymodels\n", "allowed_models: Input should be a valid dictionary"),
+    (
+        "allowed_imports: [mymodels]\n",
+        "allowed_imports: removed; list model entry points instead, as allowed_models: "
+        "{NAME: 'package.module:function'}, and name them in a job as "
+        "model: {entry: NAME, args: {...}}",
+    ),
     ("log: {level: loud}\n", "log.level: Input should be 'debug', 'info', 'warning' or 'error'"),
     ("slots: 1000\n", "slots: must be a power of two, got 1000"),
     ("slots: 131072\n", "slots: Input should be less than or equal to 65536"),

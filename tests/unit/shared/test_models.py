@@ -1,4 +1,4 @@
-"""Built-in and imported models: shapes, seeded initialisation, clear errors."""
+"""Built-in and entry-point models: shapes, seeded initialisation, clear errors."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from shared.config import CnnSpec, ImportModelSpec, MlpSpec
-from shared.security.confinement import ImportNotAllowed
+from shared.config import CnnSpec, EntryModelSpec, MlpSpec
+from shared.training.entry_points import EntryPointRefused
 from shared.training.models import (
     ModelError,
+    activation_bytes,
     build_model,
     check_param_arrays,
     count_params,
@@ -81,31 +82,36 @@ def test_cnn_rejects_other_input_shapes() -> None:
         build_model(CnnSpec(channels=[4, 8, 16]), (1, 8, 8), 10, seed=0)
 
 
-def test_import_builds_a_seeded_module() -> None:
-    spec = ImportModelSpec.model_validate(
-        {"import": f"{__name__}:tiny_linear", "args": {"features": 64, "classes": 10}}
-    )
+ENTRIES = {
+    "tiny": f"{__name__}:tiny_linear",
+    "not_a_module": f"{__name__}:not_a_module",
+    "broken": f"{__name__}:broken",
+    "missing_pkg": "no_such_pkg.mod:fn",
+}
 
-    allowed = ["tests.unit"]  # a package prefix
 
-    a = build_model(spec, (64,), 10, seed=1, allowed_imports=allowed)
-    b = build_model(spec, (64,), 10, seed=1, allowed_imports=allowed)
+def test_an_entry_builds_a_seeded_module() -> None:
+    spec = EntryModelSpec(entry="tiny", args={"features": 64, "classes": 10})
+
+    a = build_model(spec, (64,), 10, seed=1, allowed_models=ENTRIES)
+    b = build_model(spec, (64,), 10, seed=1, allowed_models=ENTRIES)
 
     assert isinstance(a, nn.Linear) and torch.equal(a.weight, b.weight)
 
 
-def test_import_not_allowed_is_refused_before_importing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unlisted_entry_is_refused_before_importing(monkeypatch: pytest.MonkeyPatch) -> None:
     imported: list[str] = []
     real_import = importlib.import_module
     monkeypatch.setattr(
         importlib, "import_module", lambda name, *a: imported.append(name) or real_import(name)
     )
-    spec = ImportModelSpec.model_validate({"import": "os:system", "args": {"command": "true"}})
+    spec = EntryModelSpec(entry="system", args={"command": "true"})
 
     with pytest.raises(
-        ImportNotAllowed, match=r"model.import: module 'os' is not in the worker w0"
+        EntryPointRefused,
+        match=r"^model.entry: 'system' is not in the worker w0's allowed_models \(listed: mine\)",
     ):
-        build_model(spec, (64,), 10, seed=0, allowed_imports=["mymodels"], daemon="worker w0")
+        build_model(spec, (64,), 10, seed=0, allowed_models={"mine": "m:f"}, daemon="worker w0")
 
     assert imported == []
 
@@ -118,22 +124,41 @@ def test_meta_device_counts_params_without_allocating() -> None:
 
 
 @pytest.mark.parametrize(
-    ("target", "message"),
+    ("entry", "message"),
     [
-        ("no_such_pkg.mod:fn", "cannot import 'no_such_pkg.mod'"),
-        (f"{__name__}:missing", "'missing' not found"),
-        (f"{__name__}:not_a_module", "returned str, expected a torch.nn.Module"),
-        (f"{__name__}:broken", "call failed: RuntimeError('boom')"),
-        (f"{__name__}:tiny_linear", "call failed"),  # missing keyword arguments
+        ("missing_pkg", "cannot import 'no_such_pkg.mod'"),
+        ("not_a_module", "returned str, expected a torch.nn.Module"),
+        ("broken", "call failed: RuntimeError('boom')"),
+        ("tiny", "missing required argument 'features' in args"),  # checked before the call
     ],
 )
-def test_import_errors_name_the_import_string(target: str, message: str) -> None:
-    spec = ImportModelSpec.model_validate({"import": target})
+def test_entry_errors_name_the_entry(entry: str, message: str) -> None:
+    spec = EntryModelSpec(entry=entry)
 
     with pytest.raises(ModelError) as err:
-        build_model(spec, (64,), 10, seed=0, allowed_imports=["tests", "no_such_pkg"])
+        build_model(spec, (64,), 10, seed=0, allowed_models=ENTRIES)
 
-    assert target in str(err.value) and message in str(err.value)
+    assert f"model.entry: {entry!r}" in str(err.value) and message in str(err.value)
+
+
+def test_activation_bytes_counts_every_layer_output_on_meta() -> None:
+    model = build_model(MlpSpec(hidden=[32]), (1, 8, 8), 10, seed=0, device="meta")
+
+    got = activation_bytes(model, (1, 8, 8), rows=100)
+
+    # input 64, Flatten 64, Linear 32, ReLU 32, Linear 10: float32 per row
+    assert got == 100 * (64 + 64 + 32 + 32 + 10) * 4
+
+
+def test_activation_bytes_is_none_when_the_forward_does_not_run_on_meta() -> None:
+    class ItemNet(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * float(x.sum().item())
+
+    with torch.device("meta"):
+        model = ItemNet(4, 2)
+
+    assert activation_bytes(model, (4,), rows=8) is None
 
 
 def test_check_param_arrays_names_the_offender() -> None:

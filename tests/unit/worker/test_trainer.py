@@ -10,9 +10,10 @@ from torch import nn
 from shared.config import TrainJobSpec
 from shared.training.data import batch_indices, load_dataset
 from shared.training.models import build_model
+from tests.fixtures import ALLOWED_MODELS
 from worker.trainer import DeviceUnavailable, Trainer, TrainerError
 
-BN_MODEL = {"import": "tests.fixtures.models:bn_mlp"}
+BN_MODEL = {"entry": "bn_mlp"}
 
 
 def make_spec(**overrides: object) -> TrainJobSpec:
@@ -164,7 +165,7 @@ def test_reduced_precision_gradients_are_close_to_fp32(precision: str) -> None:
 
 
 def test_buffers_come_back_with_the_running_statistics_of_the_batch() -> None:
-    t = Trainer(make_spec(model=BN_MODEL), 0, 3, allowed_imports=["tests.fixtures"])
+    t = Trainer(make_spec(model=BN_MODEL), 0, 3, allowed_models=ALLOWED_MODELS)
     t.set_params(params_of(t), 0)
     rows = batch_indices(1437, 0, 3, 32, 0, 0, 0)
     x = t.data.rows((0, 3)).x[rows].reshape(32, -1).astype(np.float64)
