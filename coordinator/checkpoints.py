@@ -6,6 +6,7 @@ Both strategies write the same layout, ``DATA_DIR/checkpoints/JOB.ckpt``: 8 byte
 step to resume from (little-endian), then the strategy's state (torch.save bytes). A write
 goes to a temporary file that is fsynced, renamed over the old checkpoint, and the directory
 fsynced, so a power cut leaves the old checkpoint or the new one, never a torn file.
+Directories are created 0700 and files 0600: they hold users' models.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from shared.fsync import fsync_dir
+from shared.private_files import create_private, private_dir
 
 
 def write_checkpoint(path: Path, step: int, state: bytes) -> None:
@@ -30,9 +32,9 @@ def write_checkpoint(path: Path, step: int, state: bytes) -> None:
     Raises:
         OSError: the disk refused the write or the fsync.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
+    with create_private(tmp) as f:
         f.write(step.to_bytes(8, "little"))
         f.write(state)
         f.flush()
@@ -55,5 +57,6 @@ def save_model(model: nn.Module, path: Path) -> None:
     Raises:
         OSError: the file cannot be written.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), path)
+    private_dir(path.parent)
+    with create_private(path) as f:
+        torch.save(model.state_dict(), f)

@@ -12,7 +12,7 @@ from typing import Any
 
 from coordinator.admission import admit
 from coordinator.allreduce_job import AllreduceJob
-from coordinator.dataset_store import remove_stale_uploads
+from coordinator.dataset_store import UploadGate, remove_stale_uploads
 from coordinator.events import EventLog
 from coordinator.failure_detector import FailureDetector
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
@@ -60,6 +60,10 @@ class Cluster:
         stale = remove_stale_uploads(cfg.dataset_roots()[0])
         if stale:
             log.info("stale_uploads_removed", files=len(stale))
+        # `data put`: uploads in progress and the first data root's bytes, bounded
+        self.uploads = UploadGate(
+            cfg.dataset_roots()[0], cfg.max_concurrent_uploads, cfg.max_data_root_bytes
+        )
         self.clients = WorkerClients(cfg.max_message_bytes, security)
         self.links = LinkStats()  # per-worker RTT, step times, health (train jobs, probes)
         self.link_probe = LinkProbe(

@@ -22,9 +22,12 @@ from coordinator.dataset_check import DatasetInvalid, DatasetTooLarge
 from coordinator.dataset_store import (
     DatasetExists,
     DatasetNameError,
+    DatasetNotOwned,
     StoredDataset,
     Upload,
+    Uploader,
     UploadError,
+    UploadLimit,
     list_datasets,
 )
 from coordinator.train_sets import BadShard, NotJobMember, ShardNotServed
@@ -42,6 +45,8 @@ _STATUS: dict[type[Exception], grpc.StatusCode] = {
     UploadError: grpc.StatusCode.INVALID_ARGUMENT,
     DatasetTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DatasetExists: grpc.StatusCode.ALREADY_EXISTS,
+    DatasetNotOwned: grpc.StatusCode.PERMISSION_DENIED,
+    UploadLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ShardNotServed: grpc.StatusCode.NOT_FOUND,
     NotJobMember: grpc.StatusCode.PERMISSION_DENIED,
     BadShard: grpc.StatusCode.INVALID_ARGUMENT,
@@ -62,6 +67,7 @@ def info_to_pb(stored: StoredDataset) -> coordinator_pb2.DatasetInfo:
         bytes=stored.bytes,
         sha256=stored.sha256,
         kind=stored.kind,
+        owner=stored.owner,
         arrays=[
             coordinator_pb2.DatasetArray(name=a.name, dtype=a.dtype, shape=list(a.shape))
             for a in stored.arrays
@@ -82,15 +88,23 @@ class DataRpcs:
         """Store a streamed .npz as NAME.npz in the first data root.
 
         Replies ``accepted`` to the header, then ``stored`` once the bytes are in place.
-        Nothing is left in the data root when the upload is refused or cancelled.
+        Nothing is left in the data root when the upload is refused or cancelled. Under
+        auth the caller's subject is recorded as the data set's owner.
 
         Raises:
             grpc.aio.AbortError: INVALID_ARGUMENT for no header first, a bad ``name``, a
-                byte count other than declared, or not a valid data set; RESOURCE_EXHAUSTED
-                over ``max_dataset_bytes`` (names the cap and the size); ALREADY_EXISTS when
-                the name is taken and ``replace`` is false.
+                byte count other than declared, or not a valid data set (a corrupt archive
+                included); RESOURCE_EXHAUSTED over ``max_dataset_bytes`` (names the cap and
+                the size), with ``max_concurrent_uploads`` uploads in progress, or past
+                ``max_data_root_bytes`` (each names its key); ALREADY_EXISTS when the name is
+                taken and ``replace`` is false; PERMISSION_DENIED replacing a data set of
+                another subject (only its owner or an admin may).
         """
         cfg = self._cluster.cfg
+        principal = current_principal()
+        uploader = (
+            None if principal is None else Uploader(principal.subject, principal.role == "admin")
+        )
         upload: Upload | None = None
         try:
             async for msg in request_iterator:
@@ -105,6 +119,8 @@ class DataRpcs:
                         h.total_bytes,
                         cfg.max_dataset_bytes,
                         h.replace,
+                        gate=self._cluster.uploads,
+                        uploader=uploader,
                     )
                     yield coordinator_pb2.DatasetReply(accepted=coordinator_pb2.DatasetAccepted())
                 elif upload is None:
@@ -120,26 +136,29 @@ class DataRpcs:
         finally:
             if upload is not None:
                 upload.discard()  # a cancelled or failed stream leaves nothing (no-op if kept)
-        principal = current_principal()
         log.info(
             "dataset_stored",
             name=stored.name,
             bytes=stored.bytes,
             sha256=stored.sha256,
             kind=stored.kind,
-            owner=principal.subject if principal else None,
+            owner=stored.owner or None,
         )
         yield coordinator_pb2.DatasetReply(stored=info_to_pb(stored))
 
     async def ListDatasets(
         self, request: coordinator_pb2.ListDatasetsRequest, context: aio.ServicerContext[Any, Any]
     ) -> coordinator_pb2.ListDatasetsResponse:
-        """The .npz and .npy files in the data roots (relative path, bytes, mtime, root)."""
+        """The .npz and .npy files in the data roots (relative path, bytes, mtime, root, owner)."""
         entries = await asyncio.to_thread(list_datasets, self._cluster.cfg.dataset_roots())
         return coordinator_pb2.ListDatasetsResponse(
             datasets=[
                 coordinator_pb2.DatasetEntry(
-                    path=e.path, bytes=e.bytes, modified_at=e.modified_at, root=e.root
+                    path=e.path,
+                    bytes=e.bytes,
+                    modified_at=e.modified_at,
+                    root=e.root,
+                    owner=e.owner,
                 )
                 for e in entries
             ]

@@ -1,28 +1,38 @@
 """Validation of an uploaded data set (``neuroshard data put``) before the coordinator keeps it.
 
-A data set is an ``.npz`` archive whose every member is an ``.npy`` array, read without
-pickles (``np.load(allow_pickle=False)``), of one of two kinds:
+A data set is an ``.npz`` archive whose every member is an ``.npy`` array, of one of two kinds:
 
-- ``train``: ``x`` [N, ...] float32 and ``y`` [N] int64, checked by
-  ``shared.training.data.load_training_npz`` (what a train job's ``data: {path}`` needs);
-- ``memory``: ``ids`` [N] uint64 and ``strengths`` [N] float32 in [0, 1], checked by
-  ``shared.memory.files.load_memories`` (what a memory job's ``load`` needs).
+- ``train``: ``x`` [N, ...] float32 (finite) and ``y`` [N] int64 (labels >= 0, at least two
+  classes): what a train job's ``data: {path}`` needs (``shared.training.data``);
+- ``memory``: ``ids`` [N] non-negative integers and ``strengths`` [N] numbers in [0, 1]: what a
+  memory job's ``load`` needs (``shared.memory.files``).
 
-Every member's header is read before any array is loaded, so an archive that would
-decompress to more than ``max_dataset_bytes`` (a zip bomb) is refused without allocating it.
+Nothing is loaded whole: every member's header is read first (so an archive that would
+decompress to more than ``max_dataset_bytes`` is refused before anything is inflated), then
+the arrays a kind needs are streamed through ``zipfile`` in pieces of ``CHUNK_BYTES`` and
+checked piece by piece, so validating a compressed archive costs a few chunks of memory
+whatever it inflates to. No pickle is ever read: an object dtype is refused from its header.
+A corrupt archive (bad zip structure, a corrupt deflate stream, a CRC mismatch, a truncated
+member, an unsupported compression method) is ``DatasetInvalid`` (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from shared.memory.files import MemoryFileError, load_memories
-from shared.training.data import DataError, load_training_npz
+from shared.memory.validation import MemoryInputError, as_ids, validate_values
+from shared.npz import UNREADABLE, NpyHeader, read_npy_header
+
+CHUNK_BYTES = 1 << 20  # bytes of one array inflated and checked at a time
 
 
 class DatasetInvalid(ValueError):
@@ -53,79 +63,190 @@ class ArrayInfo:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
-def array_headers(path: Path, label: str) -> list[ArrayInfo]:
-    """Name, dtype and shape of every member of an ``.npz``, from the headers only.
+@dataclass(frozen=True)
+class _Member:
+    """A member of the archive: its zip entry and what its ``.npy`` header declares."""
 
-    Args:
-        path: the archive.
-        label: how messages name the data set (``NAME.npz``), never the coordinator's path.
-
-    Raises:
-        DatasetInvalid: not a zip archive, a member that is not an ``.npy`` array, an
-            unreadable header, or an object dtype (would need pickle).
-    """
-    out: list[ArrayInfo] = []
-    try:
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    raise DatasetInvalid(f"{label}: member {info.filename!r} is not an .npy array")
-                with zf.open(info) as f:
-                    version = np.lib.format.read_magic(f)
-                    if version == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(f)
-                name = info.filename[: -len(".npy")]
-                if dtype.hasobject:
-                    raise DatasetInvalid(
-                        f"{label}: array {name!r} holds Python objects (pickles are refused)"
-                    )
-                out.append(ArrayInfo(name, dtype.name, tuple(int(d) for d in shape)))
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        if isinstance(exc, DatasetInvalid):
-            raise
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DatasetInvalid(
-            f"{label}: not a readable .npz archive (as np.savez writes): {detail}"
-        ) from None
-    if not out:
-        raise DatasetInvalid(f"{label}: the archive holds no arrays")
-    return out
+    info: zipfile.ZipInfo
+    header: NpyHeader
 
 
 def check_dataset(path: Path, label: str, max_bytes: int) -> tuple[str, list[ArrayInfo]]:
     """Validate a data set file; return its kind (``train`` or ``memory``) and its arrays.
 
+    Memory used is a few ``CHUNK_BYTES`` whatever the archive inflates to.
+
     Args:
         path: the file as received (a temporary name).
-        label: how messages name the data set (``NAME.npz``).
+        label: how messages name the data set (``NAME.npz``), never the coordinator's path.
         max_bytes: ``max_dataset_bytes``; also caps the arrays' total size once loaded.
 
     Raises:
         DatasetTooLarge: the arrays would take more than ``max_bytes`` once loaded
             (RESOURCE_EXHAUSTED).
-        DatasetInvalid: unreadable, pickled, or neither a training set nor a memory set
-            (INVALID_ARGUMENT).
+        DatasetInvalid: unreadable or corrupt, pickled, or neither a training set nor a
+            memory set (INVALID_ARGUMENT).
     """
-    arrays = array_headers(path, label)
-    loaded = sum(a.nbytes for a in arrays)
-    if loaded > max_bytes:
-        raise DatasetTooLarge(
-            f"{label}: its arrays take {loaded} bytes once loaded, over the coordinator's "
-            f"max_dataset_bytes {max_bytes} bytes"
-        )
-    names = {a.name for a in arrays}
     try:
-        if names & {"x", "y"}:
-            load_training_npz(path)
-            return "train", arrays
-        if names & {"ids", "strengths"}:
-            load_memories(path)
-            return "memory", arrays
-    except (DataError, MemoryFileError) as exc:
-        raise DatasetInvalid(str(exc).replace(str(path), label)) from None
+        with zipfile.ZipFile(path) as zf:
+            members = _headers(zf, label)
+            arrays = [ArrayInfo(n, m.header.dtype.name, m.header.shape) for n, m in members.items()]
+            loaded = sum(a.nbytes for a in arrays)
+            if loaded > max_bytes:
+                raise DatasetTooLarge(
+                    f"{label}: its arrays take {loaded} bytes once loaded, over the "
+                    f"coordinator's max_dataset_bytes {max_bytes} bytes"
+                )
+            if members.keys() & {"x", "y"}:
+                _check_training(zf, label, members)
+                return "train", arrays
+            if members.keys() & {"ids", "strengths"}:
+                _check_memories(zf, label, members)
+                return "memory", arrays
+    except (DatasetInvalid, DatasetTooLarge):
+        raise
+    except UNREADABLE as exc:  # zlib.error, BadZipFile (CRC), EOFError, OSError, ...
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise DatasetInvalid(
+            f"{label}: not a readable .npz archive (as np.savez writes): {detail}"
+        ) from None
     raise DatasetInvalid(
         f"{label}: expected arrays x and y (a training set) or ids and strengths (a memory "
-        f"set), found {', '.join(sorted(names))}"
+        f"set), found {', '.join(sorted(members))}"
     )
+
+
+def _headers(zf: zipfile.ZipFile, label: str) -> dict[str, _Member]:
+    """Every member's ``.npy`` header, by array name (headers only: nothing inflated past them).
+
+    Raises:
+        DatasetInvalid: a member that is not an ``.npy`` array, an object dtype (would need
+            pickle), no arrays at all.
+        NpyHeaderError and the other ``UNREADABLE`` errors: a corrupt member (the caller
+            reports them).
+    """
+    out: dict[str, _Member] = {}
+    for info in zf.infolist():
+        if not info.filename.endswith(".npy"):
+            raise DatasetInvalid(f"{label}: member {info.filename!r} is not an .npy array")
+        with zf.open(info) as f:
+            header = read_npy_header(f)
+        name = info.filename[: -len(".npy")]
+        if header.dtype.hasobject:
+            raise DatasetInvalid(
+                f"{label}: array {name!r} holds Python objects (pickles are refused)"
+            )
+        have = info.file_size - header.header_bytes
+        if have != header.data_bytes:  # np.save writes exactly the header and the data
+            raise DatasetInvalid(
+                f"{label}: array {name!r} claims shape {header.shape} ({header.data_bytes} "
+                f"bytes) but its member holds {have} bytes of data"
+            )
+        out[name] = _Member(info, header)
+    if not out:
+        raise DatasetInvalid(f"{label}: the archive holds no arrays")
+    return out
+
+
+def _chunks(zf: zipfile.ZipFile, label: str, name: str, m: _Member) -> Iterator[npt.NDArray[Any]]:
+    """Yield the array's items in storage order, at most ``CHUNK_BYTES`` of them at a time.
+
+    Each piece is a 1-D view of bytes just inflated (``np.frombuffer``): checks on it cost
+    about its size. The member holds exactly the header and the data (``_headers``), so
+    reading it to its end inflates no more than the array, and makes ``zipfile`` check the
+    member's CRC.
+
+    Raises:
+        DatasetInvalid: the member's stream ends before the data its header claims.
+    """
+    itemsize = m.header.dtype.itemsize
+    left = m.header.data_bytes
+    step = max(itemsize, CHUNK_BYTES // max(itemsize, 1) * itemsize)
+    with zf.open(m.info) as f:
+        read_npy_header(f)  # leaves f at the data
+        while left > 0:
+            want = min(step, left)
+            data = f.read(want)
+            if len(data) != want:
+                raise DatasetInvalid(
+                    f"{label}: array {name!r} claims shape {m.header.shape} "
+                    f"({m.header.data_bytes} bytes) but the archive holds fewer"
+                )
+            left -= want
+            yield np.frombuffer(data, m.header.dtype)
+        f.read(1)  # at the end (b""): zipfile checks the member's CRC there
+
+
+def _check_training(zf: zipfile.ZipFile, label: str, members: dict[str, _Member]) -> None:
+    """Refuse what is not a training set: arrays, dtypes, shapes, NaN/inf, labels.
+
+    Raises:
+        DatasetInvalid: naming the array and what is wrong with it.
+    """
+    missing = [k for k in ("x", "y") if k not in members]
+    if missing:
+        raise DatasetInvalid(f"{label}: missing array {missing[0]!r} (found: {sorted(members)})")
+    x, y = members["x"].header, members["y"].header
+    if x.dtype != np.float32:
+        raise DatasetInvalid(f"{label}: array 'x' must be float32, got {x.dtype}")
+    if y.dtype != np.int64:
+        raise DatasetInvalid(f"{label}: array 'y' must be int64, got {y.dtype}")
+    if len(x.shape) < 2:
+        raise DatasetInvalid(f"{label}: array 'x' must be [N, ...] with ndim >= 2, got {x.shape}")
+    if len(y.shape) != 1:
+        raise DatasetInvalid(f"{label}: array 'y' must be [N], got shape {y.shape}")
+    if x.shape[0] != y.shape[0]:
+        raise DatasetInvalid(
+            f"{label}: arrays 'x' and 'y' differ in length ({x.shape[0]} != {y.shape[0]})"
+        )
+    if y.shape[0] == 0:
+        raise DatasetInvalid(f"{label}: arrays 'x' and 'y' are empty")
+    for piece in _chunks(zf, label, "x", members["x"]):
+        if not np.isfinite(piece).all():
+            raise DatasetInvalid(f"{label}: array 'x' contains NaN or infinite values")
+    low, high = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    for piece in _chunks(zf, label, "y", members["y"]):
+        low, high = min(low, int(piece.min())), max(high, int(piece.max()))
+    if low < 0:
+        raise DatasetInvalid(f"{label}: array 'y' has labels out of range (min {low} < 0)")
+    if high < 1:
+        raise DatasetInvalid(f"{label}: array 'y' needs at least 2 classes (labels 0..C-1)")
+
+
+_INDEXED = re.compile(r"^(\w+)\[(\d+)\]")
+
+
+def _check_memories(zf: zipfile.ZipFile, label: str, members: dict[str, _Member]) -> None:
+    """Refuse what is not a memory set: ids non-negative integers, strengths in [0, 1].
+
+    The checks are ``shared.memory.validation``'s, applied piece by piece; an error names the
+    index in the whole array.
+
+    Raises:
+        DatasetInvalid: naming the array, and the first bad index.
+    """
+    for name in ("ids", "strengths"):
+        if name not in members:
+            has = ", ".join(members) or "no arrays"
+            raise DatasetInvalid(f"{label}: no array {name!r} (has: {has})")
+    ids, strengths = members["ids"].header, members["strengths"].header
+    for name, h in (("ids", ids), ("strengths", strengths)):
+        if len(h.shape) != 1:
+            raise DatasetInvalid(f"{label}: {name}: expected a 1-D array, got shape {h.shape}")
+    if ids.shape != strengths.shape:
+        raise DatasetInvalid(
+            f"{label}: ids and strengths differ in length ({ids.shape[0]} != {strengths.shape[0]})"
+        )
+    offset = 0
+    try:
+        for piece in _chunks(zf, label, "ids", members["ids"]):
+            as_ids(piece)
+            offset += len(piece)
+        offset = 0
+        for piece in _chunks(zf, label, "strengths", members["strengths"]):
+            validate_values(piece, "strengths", piece, unit_range=True)
+            offset += len(piece)
+    except MemoryInputError as exc:
+        at = offset
+        message = _INDEXED.sub(lambda m: f"{m[1]}[{int(m[2]) + at}]", str(exc))
+        raise DatasetInvalid(f"{label}: {message}") from None

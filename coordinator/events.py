@@ -42,6 +42,11 @@ class EventLog:
         )
 
     @property
+    def capacity(self) -> int:
+        """Events kept at most."""
+        return self._ring.maxlen or 0
+
+    @property
     def last_seq(self) -> int:
         """The sequence number of the newest event (0 before any): grows on every ``add``."""
         return int(self._ring[-1]["seq"]) if self._ring else 0

@@ -18,6 +18,7 @@ from typing import Any
 from coordinator.jobs import JobRecord, JobState
 from coordinator.slot_map import SlotMap
 from shared.config import job_spec_from_json
+from shared.private_files import private_dir, touch_private
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -64,7 +65,9 @@ class StateStore:
     def __init__(self, data_dir: str | Path) -> None:
         """Open (or create) ``<data_dir>/coordinator.db``; note whether the last run crashed."""
         path = Path(data_dir) / "coordinator.db"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
+        # 0600 before SQLite opens it: its -wal and -shm files take the database's mode
+        touch_private(path)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")

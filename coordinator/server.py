@@ -17,6 +17,7 @@ from shared import rpc
 from shared.config import CoordinatorConfig
 from shared.logging import get_logger
 from shared.metrics import Metrics
+from shared.private_files import private_dir
 from shared.proto import coordinator_pb2_grpc
 from shared.rpc.interceptors import server_interceptors
 from shared.rpc.limits import server_options
@@ -68,7 +69,7 @@ class CoordinatorServer:
         # grpcurl, Postman, Evans: services and descriptors without the .proto files
         enable_reflection(self.server, SERVICE_NAME)
         self.address = ""
-        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        private_dir(Path(cfg.data_dir))  # 0700: specs, models, checkpoints, data sets
         self.metrics_port: int | None = None
         self.probe_server: aio.Server | None = None
         self.probe_port: int | None = None

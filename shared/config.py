@@ -278,6 +278,18 @@ class CoordinatorConfig(_DaemonConfig):
         description="Address the dashboard binds (loopback unless set; beyond loopback it "
         "needs tls and auth, or insecure: true, as the gRPC listen address does).",
     )
+    dashboard_host_names: list[str] = Field(
+        default_factory=list,
+        description="Host names (or addresses) browsers may reach the dashboard by, besides "
+        "localhost, 127.0.0.1, ::1 and dashboard_host; a request naming another Host "
+        "(e.g. a DNS-rebinding page) is refused with 421.",
+    )
+    dashboard_max_sessions: int = Field(
+        1000,
+        ge=1,
+        description="Most dashboard login sessions kept at once; a login beyond it ends the "
+        "session closest to expiry.",
+    )
     heartbeat_interval_s: float = Field(
         0.5, gt=0, le=60, description="Seconds between worker heartbeats."
     )
@@ -393,6 +405,19 @@ class CoordinatorConfig(_DaemonConfig):
         description="Most memory the coordinator spends on one memory-job access batch "
         "(access.batch, or a trace's row length, x 96 bytes per access: drawing the Zipf "
         "ranks, ids and boosts, routing), bytes.",
+    )
+    max_concurrent_uploads: int = Field(
+        4,
+        ge=1,
+        description="Most `data put` uploads in progress at once (all clients together); "
+        "one more is RESOURCE_EXHAUSTED until one ends.",
+    )
+    max_data_root_bytes: int = Field(
+        16 << 30,
+        ge=1024,
+        description="Most bytes the first data root (where `data put` writes) may hold, "
+        "uploads in progress counted at their declared size; an upload that would pass it "
+        "is RESOURCE_EXHAUSTED, bytes.",
     )
     job_retention: JobRetention = Field(
         default_factory=JobRetention,

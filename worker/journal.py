@@ -38,6 +38,7 @@ import numpy as np
 from shared.fsync import fsync_dir
 from shared.logging import get_logger
 from shared.memory.validation import MemoryInputError
+from shared.private_files import create_private, open_private, private_dir
 from shared.proto import worker_pb2
 from worker import journal_format as fmt
 from worker.dedup import RecentRequests
@@ -64,8 +65,8 @@ def lock_data_dir(data_dir: Path) -> int:
     Raises:
         JournalError: another worker (process or in-process server) uses the directory.
     """
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    private_dir(data_dir)  # 0700: the journal holds payloads
+    fd = open_private(data_dir / "LOCK", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -264,7 +265,7 @@ class Journal:
             self._ticker.start()
 
     def _open_segment(self, gen: int) -> int:
-        fd = os.open(segment_path(self.dir, gen), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = open_private(segment_path(self.dir, gen))
         os.write(fd, fmt.LOG_HEADER.pack(fmt.LOG_MAGIC, self.slots, gen))
         if self.policy != "never":
             os.fsync(fd)
@@ -416,7 +417,7 @@ class Journal:
         t0 = time.perf_counter()
         try:
             tmp = self.dir / SNAPSHOT_TMP
-            with open(tmp, "wb") as f:
+            with create_private(tmp) as f:
                 for piece in fmt.encode_snapshot(state):
                     f.write(piece)
                 f.flush()

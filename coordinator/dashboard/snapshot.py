@@ -5,6 +5,10 @@ primary and replica as indices into ``slots.workers``, the epoch, the under-repl
 ``jobs`` (state, progress, per train job its epoch history, per memory job its recent
 iteration latencies and strength histogram), ``store`` (count, mean, 10-bin histogram,
 top-10, polled by ``StorePoller``) and ``events`` (the cluster's event log, newest first).
+
+A snapshot is built for one viewer: jobs, their counts and the events about jobs are only
+those the viewer may see (``may_see``, the rule GetJob and ListJobs apply: an admin sees
+all, others their own jobs); workers, slots and the store are everyone's to read.
 """
 
 from __future__ import annotations
@@ -107,24 +111,41 @@ class SnapshotBuilder:
         self.events = cluster.events
         self._latency_ms: dict[str, deque[tuple[int, float]]] = {}
 
-    def build(self, store: dict[str, Any] | None = None) -> dict[str, Any]:
+    def build(
+        self,
+        store: dict[str, Any] | None = None,
+        may_see: Callable[[str], bool] | None = None,
+    ) -> dict[str, Any]:
         """One JSON-ready snapshot of the cluster (see the module docstring).
 
         Args:
             store: ``StorePoller.latest``; None when not polled.
+            may_see: tells whether the viewer may see a job of the owner given (a token's
+                subject); None: every job (no auth).
         """
         c = self._cluster
         summary = c.slot_summary()
+        jobs = [j for j in c.jobs.list() if may_see is None or may_see(j.owner)]
+        by_state = {s: 0 for s in c.jobs.counts()}
+        for j in jobs:
+            by_state[j.state.value] += 1
+        visible = {j.job_id for j in jobs}
+        # Events about a job only for its viewers (a pruned job's: nobody but no-auth viewers)
+        events = [
+            e
+            for e in c.events.recent(c.events.capacity)
+            if may_see is None or "job_id" not in e or e["job_id"] in visible
+        ][:EVENTS_SHOWN]
         doc: dict[str, Any] = _finite(
             {
                 "time": time.time(),
                 "workers": self.workers(summary),
                 "slots": self.slot_grid(summary),
-                "jobs": [self.job(j) for j in c.jobs.list()[-JOBS_SHOWN:]][::-1],
-                "jobs_by_state": c.jobs.counts(),
+                "jobs": [self.job(j) for j in jobs[-JOBS_SHOWN:]][::-1],
+                "jobs_by_state": by_state,
                 "memories": sum(w.memories for w in c.membership.alive()),
                 "store": store or {"polled": False},
-                "events": c.events.recent(EVENTS_SHOWN),
+                "events": events,
             }
         )
         return doc

@@ -105,11 +105,11 @@ def _print_listing(listed: list[dict[str, Any]]) -> None:
         out_console.print("no data sets (neuroshard data put FILE.npz adds one)")
         return
     table = Table()
-    for col in ("path", "bytes", "modified", "root"):
+    for col in ("path", "bytes", "modified", "root", "owner"):
         table.add_column(col)
     for e in listed:
         when = dt.datetime.fromtimestamp(e["modified_at"]).isoformat(timespec="seconds")
-        table.add_row(e["path"], str(e["bytes"]), when, str(e["root"]))
+        table.add_row(e["path"], str(e["bytes"]), when, str(e["root"]), e.get("owner") or "-")
     out_console.print(table)
 
 

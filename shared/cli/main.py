@@ -37,6 +37,7 @@ from shared.config import (
     load_config,
 )
 from shared.logging import configure_logging
+from shared.private_files import restrict_umask
 
 # The two daemons' configs; each daemon's ``serve`` takes its own.
 DaemonConfig = TypeVar("DaemonConfig", CoordinatorConfig, WorkerConfig)
@@ -73,6 +74,7 @@ def _run_daemon(
         **daemon_overrides(args),
     )
     configure_logging(cfg.log)
+    restrict_umask()  # data dirs 0700, files 0600: also what libraries create (SQLite, torch)
     main = serve(cfg, args.ready_file)
     run_event_loop(main)
     return EXIT_OK

@@ -106,7 +106,8 @@ def info_from_pb(info: coordinator_pb2.DatasetInfo) -> dict[str, Any]:
 
     Returns:
         ``name``, ``path`` (in the data root), ``bytes``, ``sha256`` (hex), ``kind``
-        (``train`` or ``memory``) and ``arrays`` (name, dtype, shape of each).
+        (``train`` or ``memory``), ``arrays`` (name, dtype, shape of each) and ``owner``
+        (the uploading token's subject, "" without auth).
     """
     return {
         "name": info.name,
@@ -115,6 +116,7 @@ def info_from_pb(info: coordinator_pb2.DatasetInfo) -> dict[str, Any]:
         "sha256": info.sha256,
         "kind": info.kind,
         "arrays": [{"name": a.name, "dtype": a.dtype, "shape": list(a.shape)} for a in info.arrays],
+        "owner": info.owner,
     }
 
 
@@ -123,9 +125,16 @@ def entries_from_pb(reply: coordinator_pb2.ListDatasetsResponse) -> list[dict[st
 
     Returns:
         One dict per file: ``path`` (relative to its root), ``bytes``, ``modified_at``
-        (Unix seconds) and ``root`` (index into the coordinator's data roots).
+        (Unix seconds), ``root`` (index into the coordinator's data roots) and ``owner`` (the
+        subject that uploaded it; "" when put there otherwise).
     """
     return [
-        {"path": e.path, "bytes": e.bytes, "modified_at": e.modified_at, "root": e.root}
+        {
+            "path": e.path,
+            "bytes": e.bytes,
+            "modified_at": e.modified_at,
+            "root": e.root,
+            "owner": e.owner,
+        }
         for e in reply.datasets
     ]

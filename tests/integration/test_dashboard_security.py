@@ -1,7 +1,9 @@
 """The dashboard's security paths against a real in-process coordinator on a bound port.
 
-Under ``auth`` the page asks for a reader/writer/admin token and keeps it in an HttpOnly,
-SameSite=Strict cookie (Secure under ``tls``), checked again on every request; under ``tls``
+Under ``auth`` the page asks for a reader/writer/admin token (the form protected by a
+double-submitted CSRF token) and opens a session whose opaque id is kept in an HttpOnly,
+SameSite=Strict cookie named after the port (Secure under ``tls``), checked again on every
+request; under ``tls``
 the page is HTTPS with the node certificate; beyond loopback it needs tls and auth (or
 ``insecure``); and it is read-only. Every refusal also checks that nothing happened: no
 cookie set, no data served, no state changed, no port bound, no data directory created.
@@ -17,7 +19,6 @@ import contextlib
 import json
 import socket
 import ssl
-import time
 from collections.abc import AsyncIterator, Callable
 from http.cookies import SimpleCookie
 from pathlib import Path
@@ -30,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding
 from structlog.testing import capture_logs
 
-from coordinator.dashboard.http_server import COOKIE
+from coordinator.dashboard.http_server import cookie_name, csrf_cookie_name
 from coordinator.server import CoordinatorServer
 from shared.client import Client
 from shared.config import CoordinatorConfig
@@ -49,12 +50,49 @@ def _url(cluster: Any, path: str) -> str:
     return f"{dashboard.scheme}://127.0.0.1:{dashboard.port}{path}"
 
 
-def _cookie_header(token: str) -> dict[str, str]:
-    return {"Cookie": f"{COOKIE}={token}"}
+def _cookie_header(cluster: Any, value: str) -> dict[str, str]:
+    """A session cookie holding ``value``, as a browser would send it."""
+    return {"Cookie": f"{cookie_name(cluster.coordinator.dashboard.port)}={value}"}
 
 
 def _set_cookies(response: aiohttp.ClientResponse) -> list[str]:
     return response.headers.getall("Set-Cookie", [])
+
+
+def _session_cookies(response: aiohttp.ClientResponse, cluster: Any) -> list[str]:
+    """The Set-Cookie headers of the session cookie (not the login form's CSRF cookie)."""
+    name = cookie_name(cluster.coordinator.dashboard.port)
+    return [c for c in _set_cookies(response) if c.startswith(f"{name}=")]
+
+
+async def _login_form(http: aiohttp.ClientSession, cluster: Any) -> tuple[str, dict[str, str]]:
+    """Load the login page as a browser does; return its CSRF field and the cookie to send."""
+    name = csrf_cookie_name(cluster.coordinator.dashboard.port)
+    async with http.get(_url(cluster, "/")) as page:
+        html = await page.text()
+        cookie = SimpleCookie(next(c for c in _set_cookies(page) if c.startswith(f"{name}=")))[name]
+    field = html.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+    return field, {"Cookie": f"{name}={cookie.value}"}
+
+
+async def _login(
+    http: aiohttp.ClientSession, cluster: Any, token: str
+) -> tuple[int, list[str], str, dict[str, str]]:
+    """Log in through the form; return status, session Set-Cookies, body, the session header."""
+    csrf, cookie = await _login_form(http, cluster)
+    async with http.post(
+        _url(cluster, "/login"),
+        data={"token": token, "csrf": csrf},
+        headers=cookie,
+        allow_redirects=False,
+    ) as response:
+        status, body = response.status, await response.text()
+        session = _session_cookies(response, cluster)
+    header = {}
+    if session:
+        name = cookie_name(cluster.coordinator.dashboard.port)
+        header = {"Cookie": f"{name}={SimpleCookie(session[0])[name].value}"}
+    return status, session, body, header
 
 
 def trust_ca(material: Material) -> ssl.SSLContext:
@@ -144,10 +182,7 @@ async def test_login_refuses_and_sets_no_cookie(
     before = coordinator_state(cluster)
 
     # Act
-    async with http.post(
-        _url(cluster, "/login"), data={"token": tokens[case]}, allow_redirects=False
-    ) as response:
-        got_status, cookies, body = response.status, _set_cookies(response), await response.text()
+    got_status, cookies, body, _ = await _login(http, cluster, tokens[case])
 
     # Assert
     assert got_status == status
@@ -164,6 +199,9 @@ async def test_login_refuses_and_sets_no_cookie(
         ("worker role", lambda m: m.token("worker", "worker-0")),
         ("expired", lambda m: forged_tokens(m)["expired"]),
         ("alg none", lambda m: forged_tokens(m)["alg none"]),
+        # the cookie holds a session id: a valid token (stolen, or guessed format) opens nothing
+        ("a valid admin token", lambda m: m.token("admin", "root")),
+        ("a guessed session id", lambda m: "A" * 43),
     ],
 )
 async def test_a_bad_cookie_is_refused_on_every_path(
@@ -171,7 +209,7 @@ async def test_a_bad_cookie_is_refused_on_every_path(
 ) -> None:
     # Arrange: a cookie a browser could be made to send, never issued by this dashboard
     cluster = await dashboard_cluster(tls=False, auth=True)
-    cookie = _cookie_header(token(material))
+    cookie = _cookie_header(cluster, token(material))
 
     # Act
     async with http.get(_url(cluster, "/"), headers=cookie) as page:
@@ -199,12 +237,18 @@ async def test_reader_login_sets_a_strict_httponly_cookie_that_opens_the_data(
     token = material.token("reader", "alice")
 
     # Act
+    csrf, csrf_cookie = await _login_form(http, cluster)
     async with http.post(
-        _url(cluster, "/login"), data={"token": token}, allow_redirects=False
+        _url(cluster, "/login"),
+        data={"token": token, "csrf": csrf},
+        headers=csrf_cookie,
+        allow_redirects=False,
     ) as login:
         login_status, location = login.status, login.headers["Location"]
-        set_cookies = _set_cookies(login)
-    cookie = _cookie_header(token)
+        set_cookies = _session_cookies(login, cluster)
+    name = cookie_name(cluster.coordinator.dashboard.port)
+    session_id = SimpleCookie(set_cookies[0])[name].value
+    cookie = {"Cookie": f"{name}={session_id}"}
     async with http.get(_url(cluster, "/"), headers=cookie) as page:
         page_html = await page.text()
     async with http.get(_url(cluster, "/snapshot"), headers=cookie) as snap:
@@ -213,11 +257,14 @@ async def test_reader_login_sets_a_strict_httponly_cookie_that_opens_the_data(
         events_type = events.content_type
         first_push = (await events.content.readline()).decode()
 
-    # Assert: the Set-Cookie header, attribute by attribute
+    # Assert: the Set-Cookie header, attribute by attribute: an opaque id, never the token
     assert (login_status, location) == (303, "/")
     assert len(set_cookies) == 1
-    morsel = SimpleCookie(set_cookies[0])[COOKIE]
-    assert morsel.value == token
+    morsel = SimpleCookie(set_cookies[0])[name]
+    assert name == f"neuroshard_dashboard_{cluster.coordinator.dashboard.port}"
+    assert morsel.value != token and token not in set_cookies[0]
+    assert len(morsel.value) == 43  # 256 random bits, URL-safe base64
+    assert 0 < int(morsel["max-age"]) <= 301  # the session ends with the token
     assert morsel["httponly"] is True
     assert morsel["samesite"] == "Strict"
     assert morsel["path"] == "/"
@@ -237,12 +284,13 @@ async def test_reader_login_sets_a_strict_httponly_cookie_that_opens_the_data(
 async def test_event_stream_logs_out_when_the_cookie_expires_while_watching(
     dashboard_cluster, http, material: Material
 ) -> None:
-    # Arrange: a reader token that verification (5 s leeway) accepts for about 2 s more
+    # Arrange: a session opened with a reader token that expires in about 2 s
     cluster = await dashboard_cluster(tls=False, auth=True)
-    token = material.token("reader", "bob", ttl_s=10, now=time.time() - 13)
+    token = material.token("reader", "bob", ttl_s=2)
+    _, _, _, session = await _login(http, cluster, token)
 
     # Act: read the stream to its end (the client's 10 s timeout bounds it)
-    async with http.get(_url(cluster, "/events"), headers=_cookie_header(token)) as events:
+    async with http.get(_url(cluster, "/events"), headers=session) as events:
         status = events.status
         lines = [line.decode().rstrip("\n") async for line in events.content]
 
@@ -348,7 +396,8 @@ async def test_open_dashboard_is_served_with_insecure_or_with_tls_and_auth(
     # Act
     with capture_logs() as logs:
         cluster = await dashboard_cluster(tls=secure_cluster, auth=secure_cluster, **overrides)
-    async with http.get(_url(cluster, "/snapshot"), headers=_cookie_header(token)) as snap:
+    headers = (await _login(http, cluster, token))[3] if secure_cluster else {}
+    async with http.get(_url(cluster, "/snapshot"), headers=headers) as snap:
         status = snap.status
 
     # Assert
@@ -371,7 +420,7 @@ async def test_dashboard_is_read_only(dashboard_cluster, http, material: Materia
     admin = material.token("admin", "root")
     async with Client(cluster.address, security=material.client(admin)) as client:
         await client.wait_ready()
-    cookie = _cookie_header(admin)
+    cookie = (await _login(http, cluster, admin))[3]
     before = coordinator_state(cluster)
     requests = [
         ("POST", "/"),
@@ -410,3 +459,189 @@ async def test_dashboard_is_read_only(dashboard_cluster, http, material: Materia
         ("DELETE", "/workers/worker-0"): (404, []),
     }
     assert coordinator_state(cluster) == before
+
+
+# -- what a viewer sees: only their own jobs (finding 8) --------------------------------------
+
+
+async def test_snapshots_show_a_viewer_only_their_own_jobs_and_events(
+    dashboard_cluster, http, material: Material
+) -> None:
+    # Arrange: alice and bob each submit a job (no workers: both stay QUEUED)
+    cluster = await dashboard_cluster(tls=True, auth=True)
+    ids = {}
+    for who in ("alice", "bob"):
+        token = material.token("writer", who)
+        async with Client(cluster.address, security=material.client(token)) as client:
+            job = await client.submit(
+                {"kind": "train", "workers": 1, "steps": 1, "name": f"{who}-secret-run"}
+            )
+            ids[who] = job.job_id
+
+    async def seen_by(role: str, subject: str) -> tuple[dict, dict]:
+        session = (await _login(http, cluster, material.token(role, subject)))[3]
+        async with http.get(_url(cluster, "/snapshot"), headers=session) as snap:
+            snapshot = await snap.json()
+        async with http.get(_url(cluster, "/events"), headers=session) as events:
+            pushed = json.loads((await events.content.readline()).decode()[len("data: ") :])
+        return snapshot, pushed
+
+    # Act
+    views = {
+        "alice": await seen_by("reader", "alice"),
+        "bob": await seen_by("writer", "bob"),
+        "mallory": await seen_by("reader", "mallory"),
+        "admin": await seen_by("admin", "root"),
+    }
+
+    # Assert: in the snapshot and in the event stream alike
+    expected = {"alice": ["alice"], "bob": ["bob"], "mallory": [], "admin": ["bob", "alice"]}
+    for viewer, whose in expected.items():
+        for doc in views[viewer]:
+            assert [j["name"] for j in doc["jobs"]] == [f"{w}-secret-run" for w in whose]
+            assert doc["jobs_by_state"]["QUEUED"] == len(whose)
+            job_events = {e["job_id"] for e in doc["events"] if "job_id" in e}
+            assert job_events == {ids[w] for w in whose}
+            text = json.dumps(doc)
+            for other in {"alice", "bob"} - set(whose):
+                assert ids[other] not in text and f"{other}-secret" not in text
+
+
+# -- Host header: DNS rebinding (finding 12) -------------------------------------------------
+
+
+@pytest.mark.parametrize("auth", [False, True], ids=["token-less", "auth"])
+async def test_a_foreign_host_header_is_refused_on_every_path(
+    dashboard_cluster, http, material: Material, auth: bool
+) -> None:
+    # Arrange: a page of evil.example whose name now resolves to 127.0.0.1
+    cluster = await dashboard_cluster(tls=False, auth=auth)
+    evil = {"Host": f"evil.example:{cluster.coordinator.dashboard.port}"}
+    before = coordinator_state(cluster)
+
+    # Act
+    answers = {}
+    for method, path in [
+        ("GET", "/"),
+        ("GET", "/snapshot"),
+        ("GET", "/events"),
+        ("POST", "/login"),
+    ]:
+        async with http.request(
+            method,
+            _url(cluster, path),
+            headers=evil,
+            data={"token": material.token("admin", "root")} if method == "POST" else None,
+            allow_redirects=False,
+        ) as response:
+            answers[path] = (response.status, _set_cookies(response), await response.text())
+
+    # Assert: 421, no data, no cookie, no session
+    for status, cookies, body in answers.values():
+        assert status == 421
+        assert "Host header names no host this dashboard serves" in body
+        assert cookies == [] and '"workers"' not in body
+    assert len(cluster.coordinator.dashboard.sessions) == 0
+    assert coordinator_state(cluster) == before
+
+
+async def test_loopback_names_and_configured_host_names_are_served(dashboard_cluster, http) -> None:
+    cluster = await dashboard_cluster(
+        tls=False, auth=False, dashboard_host_names=["dash.example.org"]
+    )
+    port = cluster.coordinator.dashboard.port
+
+    statuses = []
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"DASH.example.org:{port}", "[::1]"):
+        async with http.get(_url(cluster, "/snapshot"), headers={"Host": host}) as snap:
+            statuses.append(snap.status)
+
+    assert statuses == [200, 200, 200, 200]
+
+
+# -- login CSRF (finding 12) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no csrf field or cookie", "the CSRF token of the form is missing or stale"),
+        ("a field that is not the cookie's", "the CSRF token of the form is missing or stale"),
+        ("a foreign Origin", "the form was posted from another origin"),
+        ("a cross-site fetch", "login refused: a cross-site request"),
+    ],
+)
+async def test_a_cross_site_login_is_refused_and_opens_no_session(
+    dashboard_cluster, http, material: Material, case: str, message: str
+) -> None:
+    # Arrange: the attacker's page posts its own admin token (login CSRF) into the victim's
+    # browser, which holds the victim's CSRF cookie
+    cluster = await dashboard_cluster(tls=False, auth=True)
+    csrf, cookie = await _login_form(http, cluster)
+    form = {"token": material.token("admin", "mallory"), "csrf": csrf}
+    headers = dict(cookie)
+    if case == "no csrf field or cookie":
+        headers, form = {}, {"token": form["token"]}
+    elif case == "a field that is not the cookie's":
+        form["csrf"] = "B" * 43
+    elif case == "a foreign Origin":
+        headers["Origin"] = "http://evil.example"
+    else:
+        headers["Sec-Fetch-Site"] = "cross-site"
+    before = coordinator_state(cluster)
+
+    # Act
+    async with http.post(
+        _url(cluster, "/login"), data=form, headers=headers, allow_redirects=False
+    ) as response:
+        status, body = response.status, await response.text()
+        session = _session_cookies(response, cluster)
+
+    # Assert
+    assert status == 403
+    assert message in body and LOGIN_FORM in body
+    assert session == []
+    assert len(cluster.coordinator.dashboard.sessions) == 0
+    assert coordinator_state(cluster) == before
+
+
+async def test_a_same_origin_login_with_its_csrf_token_opens_a_session(
+    dashboard_cluster, http, material: Material
+) -> None:
+    cluster = await dashboard_cluster(tls=False, auth=True)
+    csrf, cookie = await _login_form(http, cluster)
+    headers = cookie | {
+        "Origin": f"http://127.0.0.1:{cluster.coordinator.dashboard.port}",
+        "Sec-Fetch-Site": "same-origin",
+    }
+
+    async with http.post(
+        _url(cluster, "/login"),
+        data={"token": material.token("reader", "alice"), "csrf": csrf},
+        headers=headers,
+        allow_redirects=False,
+    ) as response:
+        status, session = response.status, _session_cookies(response, cluster)
+
+    assert status == 303 and len(session) == 1
+    assert len(cluster.coordinator.dashboard.sessions) == 1
+
+
+# -- sessions are bounded (finding 12) -------------------------------------------------------
+
+
+async def test_sessions_beyond_dashboard_max_sessions_end_the_oldest(
+    dashboard_cluster, http, material: Material
+) -> None:
+    cluster = await dashboard_cluster(tls=False, auth=True, dashboard_max_sessions=2)
+
+    sessions = []
+    for ttl in (100, 200, 300):  # the first expires soonest
+        sessions.append((await _login(http, cluster, material.token("reader", "a", ttl)))[3])
+    statuses = []
+    for session in sessions:
+        async with http.get(_url(cluster, "/snapshot"), headers=session) as snap:
+            statuses.append(snap.status)
+
+    assert statuses == [401, 200, 200]
+    assert len(cluster.coordinator.dashboard.sessions) == 2
