@@ -197,13 +197,13 @@ def gloo_interface(host: str) -> str:
     """
     infos = socket.getaddrinfo(host.strip("[]"), 0, proto=socket.IPPROTO_TCP)
     wanted = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
-    for name, addresses in _interface_addresses().items():
+    for name, addresses in interface_addresses().items():
         if wanted & addresses:
             return name
     raise OSError(f"{host} is not an address of any interface of this machine")
 
 
-def _interface_addresses() -> dict[str, set[ipaddress.IPv4Address | ipaddress.IPv6Address]]:
+def interface_addresses() -> dict[str, set[ipaddress.IPv4Address | ipaddress.IPv6Address]]:
     """Each interface's IPv4 (SIOCGIFADDR) and IPv6 (/proc/net/if_inet6) addresses (Linux)."""
     import fcntl
     import struct
