@@ -41,10 +41,11 @@ import ipaddress
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
-import torch.distributed as dist
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from torch.distributed import Store  # type: ignore[attr-defined]
 
 NONCE_BYTES = 12  # AES-GCM's 96-bit nonce, drawn at random for every value
 MIN_SECRET_HEX = 32  # a secret shorter than 128 bits is refused
@@ -54,15 +55,15 @@ class RendezvousTampered(RuntimeError):
     """A rendezvous value did not authenticate: written by someone without the secret."""
 
 
-class SealedStore(dist.Store):  # type: ignore[misc]
-    """A ``dist.Store`` over another whose key names are HMACs and values are AES-GCM sealed.
+class SealedStore(Store):
+    """A torch ``Store`` over another whose key names are HMACs and values are AES-GCM sealed.
 
     The process group is given this store directly: a ``PrefixStore`` around a Python store
     fails in torch 2.13 (``clone`` is not forwarded), and the hashed names make a prefix
     unneeded anyway (the generation is part of what is hashed).
     """
 
-    def __init__(self, inner: dist.Store, secret: str, generation: int) -> None:
+    def __init__(self, inner: Store, secret: str, generation: int) -> None:
         """Seal every key of ``inner`` with a key derived from ``secret``.
 
         Args:
@@ -77,7 +78,8 @@ class SealedStore(dist.Store):  # type: ignore[misc]
         if len(secret) < MIN_SECRET_HEX:
             raise ValueError(f"rendezvous_secret: at least {MIN_SECRET_HEX} hex digits needed")
         root = bytes.fromhex(secret)
-        self._inner = inner
+        # Any: torch's stubs type values as str, but the store carries bytes (std::string)
+        self._inner: Any = inner
         self._name_key = hmac.digest(root, b"neuroshard-rendezvous-names", "sha256")
         self._aead = AESGCM(hmac.digest(root, b"neuroshard-rendezvous-seal", "sha256"))
         self._generation = generation
@@ -158,7 +160,7 @@ class SealedStore(dist.Store):  # type: ignore[misc]
     def clone(self) -> SealedStore:
         """A store on its own connection, with the same secret (torch asks for one)."""
         twin = SealedStore.__new__(SealedStore)
-        dist.Store.__init__(twin)
+        Store.__init__(twin)
         twin._inner = self._inner.clone()
         twin._name_key, twin._aead = self._name_key, self._aead
         twin._generation = self._generation
