@@ -27,6 +27,7 @@ import pytest
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from coordinator.allreduce_generation import Generation
+from shared.client import Client
 from shared.proto import worker_pb2, worker_pb2_grpc
 from tests.integration.test_allreduce import _max_diff, _spec, reference_params
 from worker.rendezvous_store import interface_addresses
@@ -113,9 +114,22 @@ def _outsider(port: int) -> dict[str, Any]:
 async def test_outsider_reaches_no_socket_and_reads_no_key_of_a_generation(
     make_cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    cluster = await make_cluster(workers=2)  # a loopback cluster as `neuroshard up` runs it
+    await _attack_during_a_job(cluster.client(), monkeypatch)
+
+
+async def test_same_on_a_cluster_with_mutual_tls_and_tokens(
+    secure, material, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = await secure(workers=2)  # as `neuroshard up --secure` runs it
+    admin = material.client(material.token("admin"))
+    await _attack_during_a_job(Client(cluster.address, security=admin), monkeypatch)
+
+
+async def _attack_during_a_job(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a 2-worker job; attack its generation's rendezvous; assert nothing reached it."""
     # Arrange: a spy on the coordinator's rendezvous attacks at the moment rank 0's store
     # is up, before rank 1 is told where it is.
-    cluster = await make_cluster(workers=2)
     spec = _spec(2)
     attacks: list[dict[str, Any]] = []
     rendezvous = Generation._rendezvous_rank0
@@ -130,7 +144,7 @@ async def test_outsider_reaches_no_socket_and_reads_no_key_of_a_generation(
 
     monkeypatch.setattr(Generation, "_rendezvous_rank0", spy)
 
-    async with cluster.client() as client:
+    async with client:
         # Act
         final = await client.wait((await client.submit(spec)).job_id)
 
