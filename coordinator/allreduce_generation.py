@@ -4,16 +4,19 @@ The coordinator is the rendezvous. It opens ``RunAllreduce`` on every rank, whic
 reuses) the job's child process there, and waits until all have loaded; then it tells rank 0
 to make the generation's store, which answers with its port, and gives every other rank rank
 0's ``host:port``, so no address is configured anywhere and nobody waits on a store while a
-peer is still importing torch. While the ranks train, their events
-(progress, rank 0's states, each rank's end) reach ``on_event``; a rank whose call breaks, or
-whose worker the coordinator declares DEAD, has failed. The generation is over when every
-call has ended or failed: the survivors say which step their replica holds.
+peer is still importing torch. Each generation has a fresh secret, sent to its ranks in
+their headers, that seals the store's keys against anyone else who reaches its port. While
+the ranks train, their events (progress, rank 0's states, each rank's end) reach
+``on_event``; a rank whose call breaks, or whose worker the coordinator declares DEAD, has
+failed. The generation is over when every call has ended or failed: the survivors say which
+step their replica holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +110,10 @@ class Generation:
         self._clients, self._chunk_bytes = clients, chunk_bytes
         self._on_event, self._is_alive, self._want_rescale = on_event, is_alive, want_rescale
         self._calls: dict[str, Any] = {}
+        # Shared by this generation's ranks only (over the coordinator's channels, mutual TLS
+        # when TLS is on): it seals the keys of the generation's rendezvous store, so a peer
+        # that reaches the store cannot read or forge them (worker/rendezvous_store.py).
+        self._secret = secrets.token_hex(32)
         self.outcome = GenerationOutcome()
 
     async def run(self) -> GenerationOutcome:
@@ -197,6 +204,7 @@ class Generation:
             state_follows=bool(state),
             checkpoint_every_steps=self.plan.checkpoint_every,
             timeout_s=self.plan.timeout_s,
+            rendezvous_secret=self._secret,
         )
         await self._send(w.name, worker_pb2.AllreduceInput(header=header))
         for i in range(0, len(state), self._chunk_bytes):

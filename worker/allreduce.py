@@ -48,6 +48,7 @@ class GenerationOrder:
         master_addr: rank 0's store as ``host:port`` (empty on rank 0, which makes it).
         checkpoint_every: steps between the checkpoints rank 0 sends.
         timeout_s: deadline of the rendezvous and of each collective, seconds.
+        secret: the generation's rendezvous secret, hex (``worker.rendezvous_store``).
     """
 
     generation: int
@@ -56,6 +57,7 @@ class GenerationOrder:
     master_addr: str
     checkpoint_every: int
     timeout_s: float
+    secret: str
 
 
 class AllreduceChild:
@@ -120,6 +122,7 @@ class AllreduceChild:
             "master_port": int(port or 0),
             "checkpoint_every": order.checkpoint_every,
             "timeout_s": order.timeout_s,
+            "secret": order.secret,
         }
         try:
             await self.pipe.write(Frame("generation", fields, state))
@@ -169,8 +172,8 @@ class AllreduceSessions:
             allowed_models: the model entry points a job may name.
             name: this worker's name, for messages.
             fetcher: gets a file data set's rows from the coordinator (None: refused).
-            advertise_host: the host other workers reach this one at; a loopback host keeps
-                gloo on the loopback interface.
+            advertise_host: the host other workers reach this one at: rank 0's store and
+                every rank's gloo listen there only.
         """
         self._torch_threads = torch_threads
         self._allowed_models = dict(allowed_models)
@@ -204,7 +207,7 @@ class AllreduceSessions:
             tmp = Path(tempfile.mkdtemp(prefix=f"neuroshard-{job_id[:16]}-"))
             try:
                 init = await self._init(job_id, spec, spec_json, tmp)
-                child = await AllreduceChild.start(job_id, init, self._env())
+                child = await AllreduceChild.start(job_id, init, dict(os.environ))
             finally:  # the child has loaded its rows (or failed): the file has served
                 shutil.rmtree(tmp, ignore_errors=True)
             self._children[job_id] = child
@@ -228,13 +231,8 @@ class AllreduceSessions:
             "torch_threads": self._torch_threads,
             "allowed_models": self._allowed_models,
             "daemon": self._daemon,
+            "bind_host": self._advertise_host,
         }
-
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if "GLOO_SOCKET_IFNAME" not in env and is_loopback(self._advertise_host):
-            env["GLOO_SOCKET_IFNAME"] = "lo"
-        return env
 
     def stop(self, job_id: str) -> None:
         """Kill a job's child (idempotent)."""

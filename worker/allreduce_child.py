@@ -6,9 +6,12 @@ memory slots) down: the daemon kills the child instead. The child keeps its repl
 generations, which is what lets survivors go on from their newest state.
 
 Frames, daemon to child:
-    ``init`` {spec_json, data_path, num_classes, torch_threads, allowed_models, daemon}
+    ``init`` {spec_json, data_path, num_classes, torch_threads, allowed_models, daemon,
+    bind_host}: ``bind_host`` is the worker's advertised host, where rank 0's store and
+    every rank's gloo listen (``worker.rendezvous_store``)
     ``generation`` {generation, rank, world_size, master_addr, master_port, checkpoint_every,
-    timeout_s} with the state to start from as payload (rank 0, when the coordinator sends one)
+    timeout_s, secret} with the state to start from as payload (rank 0, when the coordinator
+    sends one); ``secret`` seals the generation's store keys
     ``stop`` {}: end the generation at the next control point (a rescale)
 Frames, child to daemon:
     ``ready`` {port}: rank 0's store listens (the coordinator tells the other ranks)
@@ -34,13 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from shared.config import TrainJobSpec, job_spec_from_json
 from shared.training.controls import resolve_device
 from shared.training.data import load_dataset
 from worker.child_pipe import BlockingPipe, Frame, PipeClosed
 from worker.ddp_replica import Replica, StepStats
+from worker.rendezvous_store import SealedStore, bound_listener, gloo_interface
 
 # Steps between control points (a small all-reduce of the stop flag and progress sums: one
 # more latency-bound collective, so not every step);
@@ -101,26 +105,35 @@ def _backend(replica: Replica) -> str:
 class _Generation:
     """One generation: rendezvous, state broadcast, DDP, steps until done, stop or failure."""
 
-    def __init__(self, pipe: BlockingPipe, inbox: _Inbox, replica: Replica, cmd: Frame) -> None:
+    def __init__(
+        self, pipe: BlockingPipe, inbox: _Inbox, replica: Replica, bind_host: str, cmd: Frame
+    ) -> None:
         self.pipe, self.inbox, self.replica = pipe, inbox, replica
+        self.bind_host = bind_host
         f = cmd.fields
         self.rank, self.world = int(f["rank"]), int(f["world_size"])
         self.timeout = datetime.timedelta(seconds=float(f["timeout_s"]))
         self.checkpoint_every = int(f["checkpoint_every"])
         self.master = (str(f["master_addr"]), int(f["master_port"]))
-        self.prefix = f"gen{int(f['generation'])}"
+        self.generation = int(f["generation"])
+        self.secret = str(f["secret"])
         self.state = cmd.payload
 
     def run(self) -> None:
         held, done, reason = self.replica.step, False, ""
         try:
-            store = self._store()
+            # gloo (and NCCL's bootstrap) listen on the interface of the advertised host, not
+            # every interface; an operator's own setting wins.
+            interface = gloo_interface(self.bind_host)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+            store = SealedStore(self._store(), self.secret, self.generation)
             # Ranks name their process group's keys by a process-wide counter: every rank
             # starts a generation from 0, whatever its earlier generations did.
             _c10d()._world.group_count = 0
             dist.init_process_group(
                 _backend(self.replica),
-                store=PrefixStore(self.prefix, store),
+                store=store,
                 rank=self.rank,
                 world_size=self.world,
                 timeout=self.timeout,
@@ -135,9 +148,24 @@ class _Generation:
         self.pipe.write(Frame("ended", {"held_step": held, "done": done, "reason": reason}))
 
     def _store(self) -> TCPStore:
+        """Rank 0: a store listening on the advertised host only; others: a client of it.
+
+        TCPStore's own server would listen on every interface whatever host it is given,
+        so rank 0 binds the socket and hands its descriptor over (``master_listen_fd``).
+        """
         if self.rank == 0:
-            store = TCPStore("0.0.0.0", 0, None, True, self.timeout, wait_for_workers=False)
-            self.pipe.write(Frame("ready", {"port": store.port}))
+            sock = bound_listener(self.bind_host)
+            port = int(sock.getsockname()[1])
+            store = TCPStore(
+                self.bind_host,
+                port,
+                None,
+                True,
+                self.timeout,
+                wait_for_workers=False,
+                master_listen_fd=sock.detach(),
+            )
+            self.pipe.write(Frame("ready", {"port": port}))
             return store
         host, port = self.master
         return TCPStore(host, port, None, False, self.timeout)
@@ -285,7 +313,7 @@ def main() -> None:
         cmd = inbox.frames.get()
         if cmd.type == "generation":
             inbox.stop.clear()
-            _Generation(pipe, inbox, replica, cmd).run()
+            _Generation(pipe, inbox, replica, str(init.fields["bind_host"]), cmd).run()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from shared.training.entry_points import EntryPointRefused
 from shared.training.models import ModelError
 from worker.allreduce import AllreduceChild, AllreduceSessions, ChildFailed, GenerationOrder
 from worker.child_pipe import Frame
+from worker.rendezvous_store import MIN_SECRET_HEX
 from worker.shards import ShardFetchError
 
 __all__ = ["AllreduceServicer"]
@@ -56,8 +57,8 @@ class AllreduceServicer:
         was; one cancelled during the generation kills it.
 
         Raises:
-            INVALID_ARGUMENT: no header first, a rank outside [0, world_size), a bad spec,
-                or data that cannot be loaded.
+            INVALID_ARGUMENT: no header first, a rank outside [0, world_size), no
+                rendezvous_secret (or not hex), a bad spec, or data that cannot be loaded.
             PERMISSION_DENIED: the model's entry is not in this worker's allowed_models.
             FAILED_PRECONDITION: the child process refused the job or died.
             FetchShard's status: a file data set's rows could not be fetched.
@@ -73,6 +74,7 @@ class AllreduceServicer:
             master,
             max(header.checkpoint_every_steps, 1),
             header.timeout_s if header.timeout_s > 0 else 60.0,
+            header.rendezvous_secret,
         )
         stops = asyncio.create_task(_forward_stops(request_iterator, child))
         ended = False
@@ -131,6 +133,12 @@ class AllreduceServicer:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"rank {header.rank} is not below world_size {header.world_size}",
             )
+        if not _is_secret(header.rendezvous_secret):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rendezvous_secret: expected at least {MIN_SECRET_HEX} hex digits (an even "
+                f"number), got {len(header.rendezvous_secret)} characters",
+            )
         chunks: list[bytes] = []
         if header.state_follows:
             async for msg in requests:
@@ -181,6 +189,17 @@ class AllreduceServicer:
         if frame.type == "ended":
             return [worker_pb2.AllreduceEvent(ended=worker_pb2.AllreduceEnded(**f))]
         return []
+
+
+def _is_secret(secret: str) -> bool:
+    """Whether ``secret`` is an even number (>= MIN_SECRET_HEX) of hex digits."""
+    if len(secret) < MIN_SECRET_HEX or len(secret) % 2:
+        return False
+    try:
+        bytes.fromhex(secret)
+    except ValueError:
+        return False
+    return True
 
 
 async def _forward_stops(

@@ -2,6 +2,13 @@
 
 It prints the address it listens on as one line on stdout (``HOST:PORT``, the real port
 when ``--listen`` asks for port 0), logs to stderr, and runs until SIGINT or SIGTERM.
+
+The link follows the daemons' exposure rule (``shared.security.exposure``): it has no TLS and
+no authentication of its own and relays whatever reaches it to its target, so a
+``--listen`` host other than loopback would publish the target (a plaintext loopback
+worker, say) to every machine that can reach this one. It refuses such a host unless told
+``--insecure``, and then warns at start. ``--max-connections`` caps the connections it
+relays at once.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from shared.cli.common import EXIT_OK, EXIT_USAGE, CliError, run_event_loop
 from shared.config import ConfigError, format_validation_error
 from shared.logging import configure_logging, get_logger
 from shared.net.link_proxy import LinkProxy, LinkSettings
+from shared.security.exposure import is_loopback
 
 log = get_logger("link")
 
@@ -43,6 +51,18 @@ def add_link_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--bandwidth-mbit", type=float, help="cap of each direction, Mbit/s")
     p.add_argument(
         "--reset-every-mb", type=float, help="reset a connection after this many MB (both ways)"
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=LinkSettings.model_fields["max_connections"].default,
+        help="most connections relayed at once; more are reset and counted (default: %(default)s)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a --listen host other than loopback: anyone who reaches it reaches the "
+        "target through this link, which has no TLS or authentication of its own",
     )
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_link)
@@ -71,6 +91,7 @@ def settings_of(args: argparse.Namespace) -> LinkSettings:
         "jitter_ms": args.jitter_ms,
         "bandwidth_mbit": args.bandwidth_mbit,
         "reset_every_mb": args.reset_every_mb,
+        "max_connections": args.max_connections,
     }
     try:
         return LinkSettings.model_validate(fields)
@@ -85,17 +106,48 @@ def cmd_link(args: argparse.Namespace) -> int:
         0 after a signal.
 
     Raises:
-        CliError: a flag is not HOST:PORT, or the listen address cannot be bound.
+        CliError: a flag is not HOST:PORT, a non-loopback ``--listen`` without
+            ``--insecure``, or the listen address cannot be bound (exit code 2).
         ConfigError: an invalid link setting (exit code 2).
     """
     listen_host, listen_port = _host_port("--listen", args.listen)
     target_host, target_port = _host_port("--target", args.target)
     settings = settings_of(args)
+    check_link_listen(args.listen, listen_host, args.insecure)
     configure_logging()
+    if not is_loopback(listen_host):
+        log.warning(
+            "insecure_listen",
+            daemon="link",
+            listen=args.listen,
+            target=args.target,
+            hint="anyone who reaches this port reaches the target through the link",
+        )
     proxy = LinkProxy(listen_host, listen_port, target_host, target_port, settings)
     main = _serve(proxy, args.ready_file)
     run_event_loop(main)
     return EXIT_OK
+
+
+def check_link_listen(listen: str, host: str, insecure: bool) -> None:
+    """Refuse a ``--listen`` host beyond loopback unless ``--insecure`` (as the daemons do).
+
+    Args:
+        listen: the ``--listen`` value, for the message.
+        host: its host part.
+        insecure: the ``--insecure`` flag.
+
+    Raises:
+        CliError: ``host`` is not loopback and ``insecure`` is false (exit code 2).
+    """
+    if is_loopback(host) or insecure:
+        return
+    raise CliError(
+        f"--listen: {listen} is reachable from other machines, and the link relays them to "
+        "its target with no TLS or authentication of its own; listen on 127.0.0.1, or pass "
+        "--insecure to accept the risk (e.g. when the target serves mutual TLS itself)",
+        EXIT_USAGE,
+    )
 
 
 async def _serve(proxy: LinkProxy, ready_file: str | None) -> None:

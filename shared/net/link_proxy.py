@@ -21,6 +21,10 @@ A link can be cut (``cut``: a network partition): its open connections are abort
 ones are accepted and aborted at once, until ``heal``. Peers see connection resets and
 refusals, as across a partition whose routers answer with resets (a silent one would make
 them wait for their deadlines instead).
+
+At most ``settings.max_connections`` connections are relayed at once: one more is aborted
+on arrival, before the proxy dials the target or allocates its buffers, and counted in
+``refused_over_cap``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class LinkCounters:
     connections: int = 0
     resets: int = 0
     refused: int = 0  # connections aborted on arrival while the link was cut
+    refused_over_cap: int = 0  # aborted on arrival: max_connections were already open
 
 
 class _Reset(Exception):
@@ -195,6 +200,17 @@ class LinkProxy:
             self.counters.refused += 1
             _abort(client_w)
             return
+        if len(self._tasks) >= self.settings.max_connections:
+            self.counters.refused_over_cap += 1
+            if self.counters.refused_over_cap == 1 or self.counters.refused_over_cap % 100 == 0:
+                log.warning(
+                    "link_connection_refused",
+                    reason="max_connections",
+                    max_connections=self.settings.max_connections,
+                    refused_over_cap=self.counters.refused_over_cap,
+                )
+            _abort(client_w)
+            return
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -211,7 +227,9 @@ class LinkProxy:
             await self._relay(_Connection(client_w, target_w), client_r, target_r)
         except asyncio.CancelledError:
             # stop() cancels the connections; the stream server's callback would log the
-            # cancellation as an error of this task, so it ends here (both sockets aborted).
+            # cancellation as an error of this task, so it ends here (both sockets aborted;
+            # the client's also when the cancellation came while dialing the target).
+            _abort(client_w)
             return
         finally:
             self._tasks.discard(task)

@@ -16,12 +16,13 @@ BYTES_PER_MB = 1_000_000
 
 
 class LinkSettings(BaseModel):
-    """One emulated link: delay, jitter, bandwidth cap and periodic resets, per connection.
+    """One emulated link: delay, jitter, bandwidth cap, resets, and a cap on connections.
 
-    Every setting applies to each direction on its own: a latency of L ms delays the bytes
-    from the client to the target by L and the bytes back by L, so a round trip through the
-    proxy takes 2L longer than without it (``netem delay L`` on both ends' egress does the
-    same). The proxy never reorders bytes within a connection, jitter or not.
+    Every setting but ``max_connections`` (the most connections relayed at once) applies to
+    each direction on its own: a latency of L ms delays the bytes from the client to the
+    target by L and the bytes back by L, so a round trip through the proxy takes 2L longer
+    than without it (``netem delay L`` on both ends' egress does the same). The proxy never
+    reorders bytes within a connection, jitter or not.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -51,6 +52,14 @@ class LinkSettings(BaseModel):
         description="Abort (TCP RST) a connection once this many megabytes (10**6 bytes) have "
         "passed through it, both directions counted; null: never.",
     )
+    max_connections: int = Field(
+        64,
+        ge=1,
+        le=10_000,
+        description="Most connections relayed at once, connections; one more is accepted and "
+        "aborted at once (the client sees a TCP RST) and counted (refused_over_cap). Bounds "
+        "the proxy's memory: each connection buffers up to 2 x 8 MiB (both directions).",
+    )
 
     def describe(self) -> str:
         """Return a short human description, e.g. ``100 ms ±5 ms, 20 Mbit/s, reset every 4 MB``."""
@@ -68,7 +77,7 @@ class LinkSettings(BaseModel):
             args += ["--bandwidth-mbit", f"{self.bandwidth_mbit!r}"]
         if self.reset_every_mb is not None:
             args += ["--reset-every-mb", f"{self.reset_every_mb!r}"]
-        return args
+        return [*args, "--max-connections", str(self.max_connections)]
 
 
 def parse_links(data: object, where: str = "links") -> list[LinkSettings | None]:

@@ -380,9 +380,17 @@ def seeds(method: Method, c: Cluster) -> list[Any]:
         return [[header, *chunks], [header]]
     if method.name == "RunAllreduce":
         spec = json.dumps({**TINY_TRAIN, "strategy": "allreduce"})
-        head = worker_pb2.AllreduceHeader(job_id="fuzz-other", spec_json=spec, world_size=1)
+        secret = "ab" * 32  # a well-formed rendezvous_secret
+        head = worker_pb2.AllreduceHeader(
+            job_id="fuzz-other", spec_json=spec, world_size=1, rendezvous_secret=secret
+        )
         with_state = worker_pb2.AllreduceHeader(
-            job_id="fuzz-other", spec_json=spec, world_size=2, rank=1, state_follows=True
+            job_id="fuzz-other",
+            spec_json=spec,
+            world_size=2,
+            rank=1,
+            state_follows=True,
+            rendezvous_secret=secret,
         )
         return [
             [worker_pb2.AllreduceInput(header=head)],

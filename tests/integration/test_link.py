@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.cli.local_cluster import LocalCluster
 from shared.client import SyncClient
 from shared.net.link_proxy import LinkProxy, LinkSettings
+from tests.conftest import wait_until
 from tests.integration.cli_helpers import CLI, REPO, processes_mentioning, run_cli
 
 pytestmark = pytest.mark.integration
@@ -149,3 +151,108 @@ def test_up_with_links_prints_the_coordinator_and_each_link(tmp_path: Path) -> N
     assert f"worker-0: advertised at {worker['address']} -> 127.0.0.1:" in stderr
     assert "(2 ms, 100 Mbit/s)" in stderr
     assert processes_mentioning(str(tmp_path / "d")) == []
+
+
+# --- exposure and the connection cap (issue 19, finding 15) -----------------------------------
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "192.0.2.2:0"])
+def test_link_refuses_to_listen_beyond_loopback_without_insecure(listen: str) -> None:
+    # Act: a link that would publish a plaintext loopback target to the network.
+    run = run_cli("link", "--listen", listen, "--target", "127.0.0.1:1", timeout=60)
+
+    # Assert: refused with the flag that allows it named; it never listened.
+    assert run.returncode == 2, run.stderr
+    assert f"--listen: {listen} is reachable from other machines" in run.stderr
+    assert "pass --insecure to accept the risk" in run.stderr
+    assert run.stdout == "" and "link_started" not in run.stderr
+
+
+def test_link_refuses_a_cap_below_one() -> None:
+    run = run_cli("link", "--listen", "127.0.0.1:0", "--target", "127.0.0.1:1",
+                  "--max-connections", "0", timeout=60)  # fmt: skip
+    assert run.returncode == 2
+    assert "max_connections: Input should be greater than or equal to 1" in run.stderr
+    assert run.stdout == ""
+
+
+async def _refused(port: int) -> bool:
+    """Connect to 127.0.0.1:port; True when the proxy resets the connection on arrival."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionResetError:  # reset before the handshake was seen to complete
+        return True
+    try:
+        return await asyncio.wait_for(reader.read(1), 10) == b""
+    except ConnectionResetError:
+        return True
+    finally:
+        await _close(writer)
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+
+
+async def test_cap_refuses_the_connection_past_max_connections(health_server: int) -> None:
+    # Arrange: a link relaying at most 2 connections, both held open.
+    proxy = LinkProxy("127.0.0.1", 0, "127.0.0.1", health_server, LinkSettings(max_connections=2))
+    port = await proxy.start()
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    try:
+        await wait_until(lambda: proxy.counters.connections == 2, what="2 relayed connections")
+
+        # Act: a third connection.
+        refused = await _refused(port)
+
+        # Assert: reset on arrival, counted, never relayed to the target.
+        assert refused
+        assert proxy.counters.refused_over_cap == 1
+        assert proxy.counters.connections == 2
+        # A connection that ends makes room for the next one.
+        await _close(held.pop()[1])
+        await wait_until(lambda: len(proxy._tasks) == 1, what="the closed connection to end")
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        await wait_until(lambda: proxy.counters.connections == 3, what="a new relayed connection")
+        await _close(writer)
+    finally:
+        for _, w in held:
+            await _close(w)
+        await proxy.stop()
+
+
+async def test_insecure_link_listens_openly_warns_and_keeps_its_cap(health_server: int) -> None:
+    # Arrange: the operator accepts the risk of a link on every interface, capped at 1.
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        *["link", "--listen", "0.0.0.0:0", "--target", f"127.0.0.1:{health_server}"],
+        *["--insecure", "--max-connections", "1"],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        address = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+        port = int(address.rpartition(":")[2])
+        assert address.startswith("0.0.0.0:")
+        # Act: one connection relayed (a health check), a second one while it is open.
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            refused = await _refused(port)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+
+    # Assert: served, the second connection reset, a warning at start, counts at the end.
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING and refused
+    assert proc.returncode == 0, stderr
+    events = [json.loads(line) for line in stderr.decode().splitlines() if line.startswith("{")]
+    warning = next(e for e in events if e["event"] == "insecure_listen")
+    assert warning["level"] == "warning" and warning["daemon"] == "link"
+    stopped = next(e for e in events if e["event"] == "link_stopped")
+    assert stopped["connections"] == 1 and stopped["refused_over_cap"] == 1
