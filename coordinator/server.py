@@ -63,7 +63,7 @@ class CoordinatorServer:
                 self.cluster,
                 self.security.data_token_minter(cfg.auth.data_token_ttl_s if cfg.auth else 0),
             ),
-            self.server
+            self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # grpcurl, Postman, Evans: services and descriptors without the .proto files

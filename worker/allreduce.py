@@ -24,7 +24,6 @@ import numpy as np
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.logging import get_logger
-from shared.security.exposure import is_loopback
 from shared.training.data import DataError
 from shared.training.models import check_model_entry
 from worker.child_pipe import MAX_LINE_BYTES, AsyncPipe, Frame, PipeClosed

@@ -327,9 +327,7 @@ def add_security_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     tk.set_defaults(func=cmd_token_keygen)
     tc = tsub.add_parser("create", help="print a token signed with the private key")
     tc.add_argument("--role", required=True, choices=ROLES)
-    tc.add_argument(
-        "--subject", required=True, help="who the token is for (a person or a program)"
-    )
+    tc.add_argument("--subject", required=True, help="who the token is for (a person or a program)")
     tc.add_argument(
         "--ttl",
         default="1h",

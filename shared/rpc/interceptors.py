@@ -639,10 +639,9 @@ class AuthInterceptor(aio.ServerInterceptor):
                 async with asyncio.timeout(caller.expires_at - time.time()):
                     yield
             except TimeoutError:
+                expired = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(caller.expires_at))
                 await context.abort(
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    f"token expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(caller.expires_at))}: "
-                    "stream ended",
+                    grpc.StatusCode.UNAUTHENTICATED, f"token expired at {expired}: stream ended"
                 )
 
         return wrap_handler(handler, around)

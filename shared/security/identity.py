@@ -86,7 +86,7 @@ def _dns_match(pattern: str, host: str) -> bool:
 
 
 def identity_uri(kind: str, name: str = "") -> str:
-    """Return the identity URI of a daemon: ``spiffe://neuroshard/coordinator`` or ``.../worker/NAME``.
+    """Return a daemon's identity URI: ``spiffe://neuroshard/coordinator``, ``.../worker/NAME``.
 
     Raises:
         ValueError: an unknown kind, or a worker name that is not a valid name.
@@ -120,7 +120,8 @@ def identity_of(cert: x509.Certificate) -> PeerIdentity | None:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return None
-    found = [p for p in map(_parse_uri, san.get_values_for_type(x509.UniformResourceIdentifier)) if p]
+    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    found = [p for p in map(_parse_uri, uris) if p]
     if len(found) != 1:
         return None
     hosts = [*san.get_values_for_type(x509.DNSName)]
