@@ -487,6 +487,71 @@ def refusal_handler(
 _MISSING_TOKEN = "missing bearer token: pass --token, --token-file or $NEUROSHARD_TOKEN"
 
 
+def _parse_late(handler: Handler[Req, Resp], bound_method: str | None) -> Handler[Req, Resp]:
+    """The handler with its request bytes parsed inside the behavior, not before it.
+
+    A daemon's identity is read from the call's auth context, which only the behavior's
+    ``context`` carries; parsing inside the behavior (after ``AuthInterceptor``'s check, which
+    runs first) keeps a refused call's bytes unparsed. Bytes that do not parse are
+    INVALID_ARGUMENT; a bound method's worker name (``BOUND_FIELDS``) is checked against the
+    caller right after parsing.
+
+    Args:
+        handler: the method's handler (with its request deserializer).
+        bound_method: the Coordinator method's name when its request names a worker.
+    """
+    kind, behavior = _kind_of(handler)
+    deser = handler.request_deserializer
+    parse: Deserializer = tolerant(deser) if deser is not None else (lambda data: data)
+
+    async def parsed(raw: bytes, context: Context) -> Any:
+        request = parse(raw)
+        if isinstance(request, UndecodableRequest):
+            await _refuse(context, request)
+        caller = current_principal()
+        if bound_method is not None and caller is not None:
+            denied = bound_name_error(caller, bound_method, request)
+            if denied is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
+        return request
+
+    wrapped: Behavior
+    if kind.startswith("unary_"):
+        if inspect.isasyncgenfunction(behavior):
+
+            async def one_to_stream(raw: bytes, context: Context) -> AsyncIterator[Any]:
+                async for reply in behavior(await parsed(raw, context), context):
+                    yield reply
+
+            wrapped = one_to_stream
+        else:
+
+            async def one(raw: bytes, context: Context) -> Any:
+                return await behavior(await parsed(raw, context), context)
+
+            wrapped = one
+    else:
+
+        async def requests(raws: AsyncIterator[bytes], context: Context) -> AsyncIterator[Any]:
+            async for raw in raws:
+                yield await parsed(raw, context)
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def many_to_stream(raws: Any, context: Context) -> AsyncIterator[Any]:
+                async for reply in behavior(requests(raws, context), context):
+                    yield reply
+
+            wrapped = many_to_stream
+        else:
+
+            async def many(raws: Any, context: Context) -> Any:
+                return await behavior(requests(raws, context), context)
+
+            wrapped = many
+    return _handler(kind, wrapped, None, handler.response_serializer)
+
+
 class AuthInterceptor(aio.ServerInterceptor):
     """Authenticate every RPC but health checks and enforce ``shared.security.auth``'s table.
 
@@ -614,6 +679,8 @@ class AuthInterceptor(aio.ServerInterceptor):
         method = method_name(full)
         bound = full.startswith(COORDINATOR) and method in BOUND_FIELDS
         streaming = _kind_of(handler)[0] != "unary_unary"
+        if principal is None:  # a daemon's call: known once its certificate is read
+            handler = _parse_late(handler, method if bound else None)
 
         @asynccontextmanager
         async def around(request: Any, context: Context) -> AsyncIterator[None]:
@@ -628,8 +695,8 @@ class AuthInterceptor(aio.ServerInterceptor):
                     )
                     await context.abort(code, refused)
             set_principal(caller)
-            if bound and caller is not None:
-                denied = bound_name_error(caller, method, request)
+            if bound and principal is not None:
+                denied = bound_name_error(principal, method, request)
                 if denied is not None:
                     await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
             if not streaming or caller is None or math.isinf(caller.expires_at):

@@ -1,10 +1,16 @@
-"""Identities against real servers: roles, worker names bound to tokens, job visibility, and
-refusals decided from metadata alone. Every refusal is checked to have changed nothing."""
+"""Identities against real servers: roles, daemons known by their certificates (worker names
+and addresses bound to them, no token sent between daemons), token audiences, job visibility,
+and refusals decided before a request is parsed. Every refusal is checked to have changed
+nothing."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2_grpc
 
 from shared.client import Client, NeuroshardError
 from shared.proto import (
@@ -16,6 +22,8 @@ from shared.proto import (
 )
 from shared.rpc import channel
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.security.tokens import AUD_DATA, verify_token
+from shared.security.transport import TlsFiles
 from tests.conftest import wait_until
 from tests.integration.security_helpers import Material, coordinator_state, worker_state
 
@@ -48,11 +56,13 @@ async def _seeded(secure, material: Material, workers: int = 2):
     return cluster
 
 
-async def test_a_worker_token_cannot_act_as_another_worker(secure, material: Material) -> None:
-    # Arrange: worker-0's own token in the hands of whoever wants to be worker-1
+async def test_a_worker_certificate_cannot_act_as_another_worker(
+    secure, material: Material
+) -> None:
+    # Arrange: worker-0's own certificate in the hands of whoever wants to be worker-1
     cluster = await _seeded(secure, material)
     before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
-    stolen = material.client(material.token("worker", "worker-0"))
+    stolen = material.daemon_client("worker-0")
     calls = {
         "RegisterWorker": coordinator_pb2.RegisterWorkerRequest(
             name="worker-1", address="127.0.0.1:1", incarnation="evil"
@@ -70,7 +80,7 @@ async def test_a_worker_token_cannot_act_as_another_worker(secure, material: Mat
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         for method, request in calls.items():
             got[method] = await _code(getattr(stub, method)(request, timeout=5))
-        # control: the token works for its own name (repeating what worker-0 reports)
+        # control: the certificate works for its own name (repeating what worker-0 reports)
         memories = cluster.coordinator.cluster.membership.get("worker-0").memories
         own = await _code(
             stub.Heartbeat(
@@ -82,44 +92,185 @@ async def test_a_worker_token_cannot_act_as_another_worker(secure, material: Mat
         shard = stub.FetchShard(coordinator_pb2.FetchShardRequest(job_id="j", worker="worker-1"))
         got["FetchShard"] = await _code(shard.read())
 
-    # Assert: each refused naming both names; the token still works for its own name
+    # Assert: each refused naming both names; the certificate still works for its own name
     for method, (code, details) in got.items():
         assert code is grpc.StatusCode.PERMISSION_DENIED, (method, details)
-        assert details.startswith(f"{method}: the worker token of 'worker-0' may not act as")
+        assert details.startswith(
+            f"{method}: worker 'worker-0' (by its certificate) may not act as"
+        ), details
         assert "'worker-1'" in details
     assert own[0] is grpc.StatusCode.OK
     assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
 
 
-async def test_a_name_pattern_token_registers_matching_names_only(
+async def test_a_worker_registers_only_an_address_its_certificate_names(
     secure, material: Material
 ) -> None:
-    # Arrange: the shared token of a StatefulSet's pods
-    cluster = await secure(workers=0)
-    pool = material.token("worker", "neuroshard-worker", names="neuroshard-worker-*")
-    cluster.worker_overrides["auth"] = material.worker_auth(pool, "statefulset")
-
-    # Act: a pod with a matching name starts; the same token claims a name outside the pattern
-    await cluster.add_worker("neuroshard-worker-7")
+    # Arrange: a valid certificate for "evil" (localhost and 127.0.0.1 only)
+    cluster = await secure(workers=1)
     async with Client(cluster.address, security=material.client(material.token("admin"))) as c:
         await c.wait_ready()
     before = coordinator_state(cluster)
-    async with channel(cluster.address, security=material.client(pool)) as ch:
+
+    # Act: it claims to live at another host, where the coordinator would then send slots
+    async with channel(cluster.address, security=material.daemon_client("evil")) as ch:
         code, details = await _code(
             coordinator_pb2_grpc.CoordinatorStub(ch).RegisterWorker(
-                coordinator_pb2.RegisterWorkerRequest(name="other-7", address="127.0.0.1:1"),
+                coordinator_pb2.RegisterWorkerRequest(name="evil", address="192.0.2.7:50052"),
                 timeout=5,
             )
         )
 
     # Assert
     assert code is grpc.StatusCode.PERMISSION_DENIED
-    assert details == (
-        "RegisterWorker: the worker token of 'neuroshard-worker' (names "
-        "'neuroshard-worker-*') may not act as name 'other-7'"
-    )
+    assert details.startswith("RegisterWorker: address '192.0.2.7:50052': host '192.0.2.7' is")
+    assert "localhost, 127.0.0.1" in details
     assert coordinator_state(cluster) == before
-    assert [w[0] for w in before["workers"]] == ["neuroshard-worker-7"]
+
+
+async def test_each_daemon_identity_calls_only_its_own_rpcs(secure, material: Material) -> None:
+    # Arrange: the coordinator's certificate, and a worker's, each dialling on its own
+    cluster = await _seeded(secure, material)
+    before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
+    target, other = cluster.workers
+    epoch = worker_state(target)[0]
+    as_coordinator = material.daemon_client()
+    as_worker = material.daemon_client("worker-1")
+
+    # Act
+    got = {}
+    async with channel(cluster.address, security=as_coordinator) as ch:
+        c = coordinator_pb2_grpc.CoordinatorStub(ch)
+        got["coordinator: ListJobs"] = await _code(
+            c.ListJobs(coordinator_pb2.ListJobsRequest(), timeout=5)
+        )
+        got["coordinator: Decay"] = await _code(
+            c.Decay(coordinator_pb2.DecayRequest(rate=1.0), timeout=5)
+        )
+        got["coordinator: SubmitJob"] = await _code(
+            c.SubmitJob(coordinator_pb2.SubmitJobRequest(spec_json="{}"), timeout=5)
+        )
+    async with channel(target.address, security=as_coordinator) as ch:
+        got["coordinator: Replicate"] = await _code(
+            worker_pb2_grpc.WorkerStub(ch).Replicate(worker_pb2.ReplicateRequest(), timeout=5)
+        )
+    async with channel(target.address, security=as_worker) as ch:
+        w = worker_pb2_grpc.WorkerStub(ch)
+        got["worker: Decay"] = await _code(
+            w.Decay(worker_pb2.WorkerDecayRequest(rate=1.0, epoch=epoch), timeout=5)
+        )
+        got["worker: ApplySlotMap"] = await _code(
+            w.ApplySlotMap(common_pb2.SlotMap(epoch=10**6, slots=16), timeout=5)
+        )
+        got["worker: CopySlots"] = await _code(
+            w.CopySlots(worker_pb2.CopySlotsRequest(target=other.address, slots=[1]), timeout=5)
+        )
+        got["worker: Upsert"] = await _code(
+            w.Upsert(
+                worker_pb2.UpsertRequest(
+                    epoch=epoch, ids=ids_to_bytes([1]), strengths=f32_to_bytes([1.0])
+                ),
+                timeout=5,
+            )
+        )
+    async with channel(cluster.address, security=as_worker) as ch:
+        got["worker: ListJobs"] = await _code(
+            coordinator_pb2_grpc.CoordinatorStub(ch).ListJobs(
+                coordinator_pb2.ListJobsRequest(), timeout=5
+            )
+        )
+
+    # Assert
+    for case, (code, details) in got.items():
+        who, method = case.split(": ")
+        subject = "coordinator" if who == "coordinator" else "worker-1"
+        assert (code, details) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{who} '{subject}' may not call {method}",
+        ), case
+    assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
+
+
+async def test_tokens_are_bound_to_their_audience(secure, material: Material) -> None:
+    # Arrange: an admin's own token (coordinator audience), and a data-plane token
+    cluster = await _seeded(secure, material, workers=1)
+    before = coordinator_state(cluster), worker_state(cluster.workers[0])
+    worker = cluster.workers[0]
+    admin = material.client(material.token("admin", "ada"))
+    data = material.client(material.token("writer", "ada", audience=AUD_DATA))
+
+    # Act: the admin token replayed to a worker; the data token replayed to the coordinator
+    async with channel(worker.address, security=admin) as ch:
+        on_worker = await _code(
+            worker_pb2_grpc.WorkerStub(ch).Decay(worker_pb2.WorkerDecayRequest(rate=1.0))
+        )
+    async with channel(cluster.address, security=data) as ch:
+        on_coordinator = await _code(
+            coordinator_pb2_grpc.CoordinatorStub(ch).ListJobs(coordinator_pb2.ListJobsRequest())
+        )
+    # control: the client library gets a data-plane token and reads with it
+    async with Client(cluster.address, security=admin) as client:
+        found, _, _ = await client.get(list(range(100)))
+        data_token = client._router.data_token()
+
+    # Assert
+    assert on_worker[0] is grpc.StatusCode.UNAUTHENTICATED
+    assert on_worker[1] == (
+        "token is not for this daemon (audience 'neuroshard', expected 'neuroshard-data')"
+    )
+    assert on_coordinator[0] is grpc.StatusCode.UNAUTHENTICATED
+    assert "audience 'neuroshard-data', expected 'neuroshard'" in on_coordinator[1]
+    assert found.all()
+    principal = verify_token(material.key.public_key(), data_token, audience=AUD_DATA)
+    assert (principal.subject, principal.role) == ("ada", "writer")
+    assert principal.expires_at - time.time() <= 600 + 5
+    assert (coordinator_state(cluster), worker_state(cluster.workers[0])) == before
+
+
+async def test_no_token_travels_between_daemons(secure, material: Material) -> None:
+    """A registered worker (a valid certificate of its own) sees every call the coordinator
+    and its peers make to it: none carries a bearer token to capture and replay."""
+    # Arrange: a server posing as worker "evil", recording the metadata of every call
+    seen: list[tuple[str, tuple[tuple[str, str | bytes], ...]]] = []
+
+    class Recorder(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            seen.append((details.method, tuple(details.invocation_metadata or ())))
+            return await continuation(details)
+
+    cluster = await secure(workers=2)
+    evil = grpc.aio.server(interceptors=[Recorder()])
+    health = grpc_health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, evil)
+    tls = material.worker_tls("evil")
+    files = TlsFiles.load(tls.ca_file, tls.cert_file, tls.key_file)
+    creds = files.server_credentials()
+    port = evil.add_secure_port("127.0.0.1:0", creds)
+    await evil.start()
+    try:
+        # Act: register, heartbeat; the coordinator probes it and pushes slot maps
+        async with channel(cluster.address, security=material.daemon_client("evil")) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            await stub.RegisterWorker(
+                coordinator_pb2.RegisterWorkerRequest(name="evil", address=f"127.0.0.1:{port}"),
+                timeout=5,
+            )
+            hb = coordinator_pb2.HeartbeatRequest(name="evil")
+            await wait_until(
+                lambda: len({m for m, _ in seen}) >= 2,
+                timeout_s=cluster.coordinator.cfg.heartbeat_timeout_s * 4,
+                what="the coordinator's calls to evil",
+            )
+            await stub.Heartbeat(hb, timeout=5)
+    finally:
+        await evil.stop(0)
+
+    # Assert: the calls arrived (a probe and a slot map at least), none with a token
+    methods = {m for m, _ in seen}
+    assert any(m.startswith("/grpc.health.") for m in methods), methods
+    assert "/neuroshard.v1.Worker/ApplySlotMap" in methods, methods
+    for method, metadata in seen:
+        assert all(key != "authorization" for key, _ in metadata), (method, metadata)
 
 
 async def test_a_reader_cannot_write(secure, material: Material) -> None:
@@ -129,6 +280,7 @@ async def test_a_reader_cannot_write(secure, material: Material) -> None:
         job = await w.submit(QUEUED_JOB)
     before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
     reader = material.client(material.token("reader", "rita"))
+    reader_data = material.client(material.token("reader", "rita", audience=AUD_DATA))
     worker = cluster.workers[0]
     epoch = worker_state(worker)[0]
 
@@ -137,7 +289,7 @@ async def test_a_reader_cannot_write(secure, material: Material) -> None:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         submit = await _code(stub.SubmitJob(coordinator_pb2.SubmitJobRequest(spec_json="{}")))
         cancel = await _code(stub.CancelJob(coordinator_pb2.JobRequest(job_id=job.job_id)))
-    async with channel(worker.address, security=reader) as ch:
+    async with channel(worker.address, security=reader_data) as ch:
         wstub = worker_pb2_grpc.WorkerStub(ch)
         ids = ids_to_bytes(list(range(100)))
         upsert = await _code(
@@ -152,10 +304,10 @@ async def test_a_reader_cannot_write(secure, material: Material) -> None:
         found, strengths, _ = await r.get(list(range(100)))  # reading is allowed
 
     # Assert
-    assert submit == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call SubmitJob")
-    assert cancel == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call CancelJob")
-    assert upsert == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call Upsert")
-    assert delete == (grpc.StatusCode.PERMISSION_DENIED, "role reader may not call Delete")
+    assert submit == (grpc.StatusCode.PERMISSION_DENIED, "reader 'rita' may not call SubmitJob")
+    assert cancel == (grpc.StatusCode.PERMISSION_DENIED, "reader 'rita' may not call CancelJob")
+    assert upsert == (grpc.StatusCode.PERMISSION_DENIED, "reader 'rita' may not call Upsert")
+    assert delete == (grpc.StatusCode.PERMISSION_DENIED, "reader 'rita' may not call Delete")
     assert via_client.value.code is grpc.StatusCode.PERMISSION_DENIED
     assert found.all() and (strengths == 0.5).all()
     assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
@@ -177,8 +329,8 @@ async def test_a_writer_cannot_decay_the_store_or_drain_workers(secure, material
         )
 
     # Assert
-    assert decay == (grpc.StatusCode.PERMISSION_DENIED, "role writer may not call Decay")
-    assert drain == (grpc.StatusCode.PERMISSION_DENIED, "role writer may not call DrainWorker")
+    assert decay == (grpc.StatusCode.PERMISSION_DENIED, "writer 'wendy' may not call Decay")
+    assert drain == (grpc.StatusCode.PERMISSION_DENIED, "writer 'wendy' may not call DrainWorker")
     assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
 
 
@@ -190,6 +342,7 @@ async def test_people_cannot_call_worker_internal_rpcs(
     cluster = await _seeded(secure, material)
     before = coordinator_state(cluster), [worker_state(w) for w in cluster.workers]
     person = material.client(material.token(role, "pat"))
+    person_data = material.client(material.token(role, "pat", audience=AUD_DATA))
     target, other = cluster.workers
     evil_map = common_pb2.SlotMap(epoch=10**6, slots=16)
     slot = worker_pb2.SlotData(
@@ -197,7 +350,7 @@ async def test_people_cannot_call_worker_internal_rpcs(
     )
 
     # Act
-    async with channel(target.address, security=person) as ch:
+    async with channel(target.address, security=person_data) as ch:
         w = worker_pb2_grpc.WorkerStub(ch)
         got = {
             "ApplySlotMap": await _code(w.ApplySlotMap(evil_map, timeout=5)),
@@ -222,7 +375,10 @@ async def test_people_cannot_call_worker_internal_rpcs(
 
     # Assert
     for method, result in got.items():
-        assert result == (grpc.StatusCode.PERMISSION_DENIED, f"role {role} may not call {method}")
+        assert result == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{role} 'pat' may not call {method}",
+        )
     assert (coordinator_state(cluster), [worker_state(w) for w in cluster.workers]) == before
 
 
@@ -308,7 +464,10 @@ async def test_a_refused_request_is_never_deserialized(secure, material: Materia
         "expired": await raw(cluster.address, submit, forged),
         "reader": await raw(cluster.address, submit, material.token("reader")),
         "stream, writer": await raw(
-            cluster.workers[0].address, receive, material.token("writer"), stream=True
+            cluster.workers[0].address,
+            receive,
+            material.token("writer", audience=AUD_DATA),
+            stream=True,
         ),
         # control: a caller who may call it gets the bytes parsed, and refused as garbage
         "writer": await raw(cluster.address, submit, material.token("writer")),

@@ -19,7 +19,7 @@ from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2, work
 from shared.rpc import channel
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
 from shared.security.certs import write_dev_certs
-from shared.security.tokens import TokenSource
+from shared.security.tokens import AUD_DATA, TokenSource
 from shared.security.transport import ChannelSecurity, TlsFiles
 from tests.conftest import wait_until
 from tests.integration.cli_helpers import CLI, REPO
@@ -50,7 +50,7 @@ async def _status_code(address: str, security: ChannelSecurity | None) -> tuple[
     [
         ("no token", "UNAUTHENTICATED", "missing bearer token"),
         *[("forged: " + kind, "UNAUTHENTICATED", text) for kind, text in FORGED_MESSAGES.items()],
-        ("wrong role", "PERMISSION_DENIED", "role worker may not call GetClusterStatus"),
+        ("data-plane token", "UNAUTHENTICATED", "token is not for this daemon"),
         ("right role", "OK", ""),
     ],
 )
@@ -60,7 +60,7 @@ async def test_each_auth_outcome(secure, material: Material, case, code, message
     tokens = {"forged: " + kind: t for kind, t in forged_tokens(material).items()}
     tokens |= {
         "no token": None,
-        "wrong role": material.token("worker", "worker-0"),
+        "data-plane token": material.token("writer", audience=AUD_DATA),
         "right role": material.token("reader"),
     }
 
@@ -185,38 +185,42 @@ async def test_certificates_of_another_ca_are_refused(
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("writer token", "is a writer token for 'intruder'; worker 'intruder' needs a worker"),
-        ("another worker's token", "is a worker token for 'worker-0'; worker 'intruder'"),
-        ("expired worker token", "token expired at "),
-        ("no token file", "auth.token_file: required on a worker"),
+        ("another worker's certificate", "names worker 'worker-0', not worker 'intruder'"),
+        ("the coordinator's certificate", "names coordinator 'coordinator', not worker"),
+        ("a client certificate", "names no daemon, not worker 'intruder'"),
+        ("a worker token file", "token_file: daemons present no tokens"),
         ("the private key", "auth.private_key_file: a worker must not hold the private key"),
+        ("auth without tls", "auth: needs tls"),
     ],
 )
-async def test_a_worker_without_its_own_worker_token_does_not_start(
+async def test_a_worker_without_its_own_certificate_does_not_start(
     secure, material: Material, case: str, message: str
 ) -> None:
     # Arrange
     cluster = await secure()
-    tokens = {
-        "writer token": material.token("writer", "intruder"),
-        "another worker's token": material.token("worker", "worker-0"),
-        "expired worker token": material.token("worker", "intruder", ttl_s=10, now=0),
+    c = material.certs
+    worker0 = material.worker_tls("worker-0")
+    tls = {
+        "another worker's certificate": worker0,
+        "the coordinator's certificate": material.tls,
+        "a client certificate": worker0.model_copy(
+            update={"cert_file": str(c.client_cert), "key_file": str(c.client_key)}
+        ),
     }
-    if case in tokens:
-        auth = material.worker_auth(tokens[case], "intruder")
-    elif case == "no token file":
-        auth = material.worker_auth("unused").model_copy(update={"token_file": None})
-    else:
-        auth = material.coordinator_auth
-    cluster.worker_overrides["auth"] = auth
+    overrides: dict[str, object] = {"tls": tls.get(case, material.worker_tls("intruder"))}
+    if case == "a worker token file":
+        overrides["auth"] = {**material.worker_auth.model_dump(), "token_file": "/dev/null"}
+    elif case == "the private key":
+        overrides["auth"] = material.coordinator_auth
+    elif case == "auth without tls":
+        overrides["tls"] = None
 
     # Act
-    with pytest.raises(ConfigError) as info:
-        await cluster.add_worker("intruder")
+    with pytest.raises((ConfigError, ValueError)) as info:
+        await cluster.add_worker("intruder", **overrides)
 
     # Assert: refused before serving or registering anything
     assert message in str(info.value)
-    assert "\n" not in str(info.value)
     admin = material.client(material.token("admin"))
     async with Client(cluster.address, security=admin) as client:
         assert (await client.status())["workers"] == []
@@ -251,7 +255,7 @@ async def test_request_logs_carry_method_caller_worker_and_job(secure, material:
     assert (pushed["worker"], pushed["subject"], pushed["role"]) == (
         "worker-0",
         "coordinator",
-        "admin",
+        "coordinator",
     )
     registered = next(
         e for e in logs if e["event"] == "worker_registered" and e.get("rpc") == "RegisterWorker"
@@ -323,7 +327,7 @@ def test_up_secure_runs_a_memory_job(tmp_path: Path) -> None:
     """``neuroshard up --secure``: certs, key pair and tokens generated into the data dir;
     a memory job submitted with the settings of its ``client.env`` (a writer token)
     succeeds, the same token may not decay the whole store, and no worker is given the
-    private key."""
+    private key (nor any token: it is known by its own certificate)."""
     import os
     import subprocess
 
@@ -373,13 +377,13 @@ def test_up_secure_runs_a_memory_job(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert '"state": "SUCCEEDED"' in result.stdout
     assert decay.returncode == 1
-    assert "role writer may not call Decay" in decay.stderr
+    assert "writer 'local-writer' may not call Decay" in decay.stderr
     auth = data_dir / "auth"
     assert (data_dir / "certs" / "ca.crt").is_file() and (auth / "public.pem").is_file()
     assert (auth / "private.pem").stat().st_mode & 0o777 == 0o600
     assert len(worker_cmdlines) == 1
-    assert str(auth / "workers" / "worker-0.token") in worker_cmdlines[0]
-    assert "private.pem" not in worker_cmdlines[0]
+    assert str(data_dir / "certs" / "workers" / "worker-0.crt") in worker_cmdlines[0]
+    assert "private.pem" not in worker_cmdlines[0] and ".token" not in worker_cmdlines[0]
     assert processes_mentioning(str(data_dir)) == []
 
 
