@@ -16,6 +16,7 @@ from shared.memory.slots import slot_of
 from shared.proto import coordinator_pb2
 from shared.rpc.limits import batch_error, split_parts
 from shared.security.auth import (
+    address_error,
     bearer_token,
     bound_name_error,
     may_call,
@@ -23,16 +24,70 @@ from shared.security.auth import (
     reset_principal,
     set_principal,
 )
+from shared.security.tokens import AUD_COORDINATOR, AUD_DATA, Principal
 from shared.security.tokens import ROLES as TOKEN_ROLES
-from shared.security.tokens import Principal
 
 C, W = "/neuroshard.v1.Coordinator/", "/neuroshard.v1.Worker/"
 R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.ServerReflection/"
+INF = float("inf")
+
+
+def _caller(kind: str) -> Principal:
+    """A principal by short name: ``worker`` and ``coordinator`` are certificates' (no
+    audience), ``reader``/``writer``/``admin`` coordinator tokens', ``data-ROLE`` data-plane
+    tokens'; ``client`` is the role of old, which no token may carry."""
+    if kind == "worker":
+        return Principal("w0", "worker", INF, hosts=("localhost",))
+    if kind == "coordinator":
+        return Principal("coordinator", "coordinator", INF)
+    if kind.startswith("data-"):
+        return Principal("alice", kind.removeprefix("data-"), INF, AUD_DATA, "j")
+    return Principal("alice", kind, INF, AUD_COORDINATOR, "j")
+
+
+ALL_COORDINATOR = (
+    "RegisterWorker",
+    "Heartbeat",
+    "ReportFailure",
+    "DrainWorker",
+    "FetchShard",
+    "SubmitJob",
+    "GetJob",
+    "ListJobs",
+    "WatchJob",
+    "CancelJob",
+    "GetClusterStatus",
+    "GetSlotMap",
+    "Quality",
+    "TopK",
+    "Decay",
+    "Sweep",
+    "PutDataset",
+    "ListDatasets",
+    "ExportMemories",
+    "ForgetWorker",
+)
+WORKER_CONTROL = (
+    "ApplySlotMap",
+    "CopySlots",
+    "Decay",
+    "Sweep",
+    "Quality",
+    "TopK",
+    "StartTraining",
+    "RunAllreduce",
+    "ComputeGradients",
+    "StopTraining",
+)
+WORKER_PEER = ("Replicate", "ReceiveSlots", "DumpSlots", "SlotSeqs")
+KEYED = ("Get", "Upsert", "Reinforce", "Delete")
+ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
 
 
 @pytest.mark.parametrize(
-    ("role", "method", "allowed"),
+    ("caller", "method", "allowed"),
     [
+        # A worker's certificate: its own few Coordinator RPCs, and the peer RPCs on workers.
         ("worker", C + "RegisterWorker", True),
         ("worker", C + "Heartbeat", True),
         ("worker", C + "ReportFailure", True),
@@ -40,13 +95,53 @@ R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.Ser
         ("worker", C + "FetchShard", True),
         ("worker", C + "SubmitJob", False),
         ("worker", C + "GetJob", False),
+        ("worker", C + "ListJobs", False),
         ("worker", C + "GetClusterStatus", False),
+        ("worker", C + "GetSlotMap", False),
         ("worker", C + "Decay", False),
         ("worker", C + "PutDataset", False),
+        ("worker", C + "ExportMemories", False),
+        ("worker", C + "ForgetWorker", False),
+        ("worker", C + "Sweep", False),
         ("worker", W + "Replicate", True),
         ("worker", W + "ReceiveSlots", True),
-        ("worker", W + "ComputeGradients", True),
-        ("worker", W + "Upsert", True),
+        ("worker", W + "DumpSlots", True),
+        ("worker", W + "SlotSeqs", True),
+        # ... but never the coordinator's control RPCs, nor a client's keyed ones
+        ("worker", W + "ApplySlotMap", False),
+        ("worker", W + "CopySlots", False),
+        ("worker", W + "Decay", False),
+        ("worker", W + "Sweep", False),
+        ("worker", W + "StartTraining", False),
+        ("worker", W + "RunAllreduce", False),
+        ("worker", W + "ComputeGradients", False),
+        ("worker", W + "StopTraining", False),
+        ("worker", W + "Upsert", False),
+        ("worker", W + "Get", False),
+        ("worker", W + "Delete", False),
+        # The coordinator's certificate: no Coordinator RPC at all (a stolen coordinator
+        # identity is no admin), the workers' control RPCs, inspections and keyed calls.
+        ("coordinator", C + "GetJob", False),
+        ("coordinator", C + "SubmitJob", False),
+        ("coordinator", C + "Decay", False),
+        ("coordinator", C + "DrainWorker", False),
+        ("coordinator", C + "ForgetWorker", False),
+        ("coordinator", C + "RegisterWorker", False),
+        ("coordinator", C + "Heartbeat", False),
+        ("coordinator", C + "GetSlotMap", False),
+        ("coordinator", C + "ExportMemories", False),
+        ("coordinator", W + "ApplySlotMap", True),
+        ("coordinator", W + "CopySlots", True),
+        ("coordinator", W + "Decay", True),
+        ("coordinator", W + "StartTraining", True),
+        ("coordinator", W + "ComputeGradients", True),
+        ("coordinator", W + "DumpSlots", True),
+        ("coordinator", W + "SlotSeqs", True),
+        ("coordinator", W + "Upsert", True),
+        ("coordinator", W + "Get", True),
+        ("coordinator", W + "Replicate", False),
+        ("coordinator", W + "ReceiveSlots", False),
+        # People's coordinator tokens: the Coordinator service only.
         ("reader", C + "GetJob", True),
         ("reader", C + "ListJobs", True),
         ("reader", C + "WatchJob", True),
@@ -55,29 +150,29 @@ R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.Ser
         ("reader", C + "Quality", True),
         ("reader", C + "TopK", True),
         ("reader", C + "ListDatasets", True),
-        ("reader", W + "Get", True),
+        ("reader", C + "ReportFailure", True),  # a suspicion: the coordinator only probes
         ("reader", C + "SubmitJob", False),
         ("reader", C + "CancelJob", False),
         ("reader", C + "PutDataset", False),
         ("reader", C + "Decay", False),
+        ("reader", C + "RegisterWorker", False),
+        ("reader", W + "Get", False),  # workers see data-plane tokens only
         ("reader", W + "Upsert", False),
-        ("reader", W + "Reinforce", False),
-        ("reader", W + "Delete", False),
         ("writer", C + "GetJob", True),
         ("writer", C + "SubmitJob", True),
         ("writer", C + "CancelJob", True),
         ("writer", C + "PutDataset", True),
         ("writer", C + "TopK", True),
-        ("writer", W + "Upsert", True),
-        ("writer", W + "Reinforce", True),
-        ("writer", W + "Delete", True),
-        ("writer", W + "Get", True),
+        ("writer", C + "ReportFailure", True),
         ("writer", C + "Decay", False),
         ("writer", C + "DrainWorker", False),
         ("writer", C + "RegisterWorker", False),
         ("writer", C + "Heartbeat", False),
-        ("writer", C + "ReportFailure", True),  # a suspicion: the coordinator only probes
         ("writer", C + "FetchShard", False),
+        ("writer", W + "Get", False),
+        ("writer", W + "Upsert", False),
+        ("writer", W + "Reinforce", False),
+        ("writer", W + "Delete", False),
         ("writer", W + "Replicate", False),
         ("writer", W + "Decay", False),
         ("writer", W + "ApplySlotMap", False),
@@ -87,70 +182,190 @@ R1A, R1 = "/grpc.reflection.v1alpha.ServerReflection/", "/grpc.reflection.v1.Ser
         ("writer", W + "StartTraining", False),
         ("admin", C + "Decay", True),
         ("admin", C + "DrainWorker", True),
-        ("admin", W + "DumpSlots", True),
+        ("admin", C + "ForgetWorker", True),  # forget-worker: admin only
+        ("admin", C + "Sweep", True),  # a sweep decays the whole store: admin, like Decay
+        ("admin", C + "ExportMemories", True),
+        ("admin", W + "DumpSlots", False),  # an admin's token reaches no worker
+        ("admin", W + "Decay", False),
+        ("admin", W + "ApplySlotMap", False),
+        ("admin", W + "Upsert", False),
         ("reader", C + "ExportMemories", True),  # memory export
         ("writer", C + "ExportMemories", True),
-        ("admin", C + "ExportMemories", True),
-        ("worker", C + "ExportMemories", False),
-        ("admin", C + "ForgetWorker", True),  # forget-worker: admin only
         ("writer", C + "ForgetWorker", False),
         ("reader", C + "ForgetWorker", False),
-        ("worker", C + "ForgetWorker", False),
-        ("admin", C + "Sweep", True),  # a sweep decays the whole store: admin, like Decay
         ("writer", C + "Sweep", False),
         ("reader", C + "Sweep", False),
-        ("worker", C + "Sweep", False),
-        ("worker", W + "Sweep", True),
+        # Data-plane tokens: the keyed Worker RPCs only, by role; nothing on the coordinator.
+        ("data-reader", W + "Get", True),
+        ("data-reader", W + "Upsert", False),
+        ("data-reader", W + "Reinforce", False),
+        ("data-reader", W + "Delete", False),
+        ("data-reader", W + "DumpSlots", False),
+        ("data-reader", C + "GetJob", False),
+        ("data-reader", C + "GetSlotMap", False),
+        ("data-writer", W + "Get", True),
+        ("data-writer", W + "Upsert", True),
+        ("data-writer", W + "Reinforce", True),
+        ("data-writer", W + "Delete", True),
+        ("data-writer", W + "Replicate", False),
+        ("data-writer", W + "ReceiveSlots", False),
+        ("data-writer", W + "DumpSlots", False),
+        ("data-writer", W + "SlotSeqs", False),
+        ("data-writer", W + "Decay", False),
+        ("data-writer", W + "Sweep", False),
+        ("data-writer", W + "ApplySlotMap", False),
+        ("data-writer", C + "GetJob", False),
+        ("data-writer", C + "SubmitJob", False),
+        ("data-admin", W + "Upsert", True),  # an admin's data-plane token is a writer's
+        ("data-admin", W + "Decay", False),
+        ("data-admin", W + "DumpSlots", False),
+        ("data-admin", C + "Decay", False),
+        ("data-admin", C + "GetJob", False),
         ("client", C + "GetJob", False),  # the old role is no role
+        ("client", W + "Get", False),
+        # Health is open; reflection is for people's coordinator tokens only.
         ("reader", "/grpc.health.v1.Health/Check", True),
+        ("coordinator", "/grpc.health.v1.Health/Check", True),
+        ("data-reader", "/grpc.health.v1.Health/Watch", True),
         ("reader", R1A + "ServerReflectionInfo", True),
         ("reader", R1 + "ServerReflectionInfo", True),
         ("writer", R1A + "ServerReflectionInfo", True),
         ("admin", R1A + "ServerReflectionInfo", True),
         ("worker", R1A + "ServerReflectionInfo", False),  # daemons never need it
+        ("coordinator", R1 + "ServerReflectionInfo", False),
+        ("data-writer", R1A + "ServerReflectionInfo", False),
         ("client", R1A + "ServerReflectionInfo", False),
         ("reader", "/grpc.reflection.v1alpha.Other/ServerReflectionInfo", False),
         ("writer", "/other.Service/Call", False),
+        ("admin", "/other.Service/Call", False),
+        ("coordinator", "/other.Service/Call", False),
         ("writer", "/neuroshard.v1.CoordinatorX/GetJob", False),
+        ("admin", "/neuroshard.v1.CoordinatorX/GetJob", False),
+        ("data-writer", "/neuroshard.v1.WorkerX/Upsert", False),
     ],
 )
-def test_role_table(role: str, method: str, allowed: bool) -> None:
-    assert may_call(role, method) is allowed
+def test_role_table(caller: str, method: str, allowed: bool) -> None:
+    assert may_call(_caller(caller), method) is allowed
+
+
+def test_the_coordinator_identity_may_call_no_coordinator_rpc() -> None:
+    coordinator = _caller("coordinator")
+    assert not [m for m in ALL_COORDINATOR if may_call(coordinator, C + m)]
+    allowed = {m for m in ALL_WORKER if may_call(coordinator, W + m)}
+    assert allowed == set(WORKER_CONTROL) | {"DumpSlots", "SlotSeqs"} | set(KEYED)
+
+
+def test_the_worker_service_is_split_by_caller() -> None:
+    def allowed(kind: str) -> set[str]:
+        return {m for m in ALL_WORKER if may_call(_caller(kind), W + m)}
+
+    assert allowed("worker") == set(WORKER_PEER)
+    assert allowed("data-reader") == {"Get"}
+    assert allowed("data-writer") == allowed("data-admin") == set(KEYED)
+    for kind in ("reader", "writer", "admin", "client"):
+        assert allowed(kind) == set(), kind
+
+
+def test_tokens_reach_only_the_daemon_of_their_audience() -> None:
+    for role in ("reader", "writer", "admin"):
+        data = _caller(f"data-{role}")
+        assert not [m for m in ALL_COORDINATOR if may_call(data, C + m)], role
+    admin = _caller("admin")
+    assert all(may_call(admin, C + m) for m in ALL_COORDINATOR)
+
+
+@pytest.mark.parametrize(
+    "principal",
+    [
+        Principal("w0", "worker", INF, AUD_COORDINATOR),  # a daemon role with an audience
+        Principal("w0", "worker", INF, AUD_DATA),
+        Principal("alice", "admin", INF),  # a token role without an audience
+        Principal("alice", "reader", INF, "elsewhere"),
+    ],
+    ids=["worker+coordinator aud", "worker+data aud", "admin without aud", "foreign aud"],
+)
+def test_a_role_in_the_wrong_audience_may_call_nothing(principal: Principal) -> None:
+    calls = [C + m for m in ALL_COORDINATOR] + [W + m for m in ALL_WORKER]
+    assert not [m for m in calls if may_call(principal, m)]
 
 
 @pytest.mark.parametrize(
     ("method", "message", "denied"),
     [
-        ("RegisterWorker", coordinator_pb2.RegisterWorkerRequest(name="w0"), False),
-        ("RegisterWorker", coordinator_pb2.RegisterWorkerRequest(name="worker-1"), True),
-        ("RegisterWorker", coordinator_pb2.RegisterWorkerRequest(), True),
-        ("Heartbeat", coordinator_pb2.HeartbeatRequest(name="worker-1"), True),
-        ("ReportFailure", coordinator_pb2.ReportFailureRequest(reporter="w0", worker="x"), False),
-        ("ReportFailure", coordinator_pb2.ReportFailureRequest(reporter="x", worker="w0"), True),
-        ("DrainWorker", coordinator_pb2.DrainWorkerRequest(name="worker-1"), True),
-        ("FetchShard", coordinator_pb2.FetchShardRequest(worker="worker-1"), True),
-        ("GetJob", coordinator_pb2.JobRequest(job_id="w0"), False),  # not bound
+        ("RegisterWorker", coordinator_pb2.RegisterWorkerRequest(name="w0"), None),
+        (
+            "RegisterWorker",
+            coordinator_pb2.RegisterWorkerRequest(name="worker-1"),
+            "name 'worker-1'",
+        ),
+        ("RegisterWorker", coordinator_pb2.RegisterWorkerRequest(), "name ''"),
+        ("RegisterWorker", coordinator_pb2.RegisterWorkerRequest(name="W0"), "name 'W0'"),
+        ("Heartbeat", coordinator_pb2.HeartbeatRequest(name="w0"), None),
+        ("Heartbeat", coordinator_pb2.HeartbeatRequest(name="worker-1"), "name 'worker-1'"),
+        ("ReportFailure", coordinator_pb2.ReportFailureRequest(reporter="w0", worker="x"), None),
+        (
+            "ReportFailure",
+            coordinator_pb2.ReportFailureRequest(reporter="x", worker="w0"),
+            "reporter 'x'",
+        ),
+        ("DrainWorker", coordinator_pb2.DrainWorkerRequest(name="w0"), None),
+        ("DrainWorker", coordinator_pb2.DrainWorkerRequest(name="worker-1"), "name 'worker-1'"),
+        ("FetchShard", coordinator_pb2.FetchShardRequest(worker="w0"), None),
+        ("FetchShard", coordinator_pb2.FetchShardRequest(worker="worker-1"), "worker 'worker-1'"),
+        ("GetJob", coordinator_pb2.JobRequest(job_id="w0"), None),  # not bound
     ],
 )
-def test_worker_requests_are_bound_to_the_token(method: str, message: object, denied: bool) -> None:
-    w0 = Principal("w0", "worker", 0.0)
+def test_worker_requests_are_bound_to_the_certificates_name(
+    method: str, message: object, denied: str | None
+) -> None:
+    # A worker's certificate names it: it may act as that name only (another worker's name is
+    # what a stolen worker token used to allow).
+    w0 = _caller("worker")
     error = bound_name_error(w0, method, message)
-    assert (error is not None) is denied
-    if denied:
-        assert error is not None and error.startswith(f"{method}: the worker token of 'w0'")
-    admin = Principal("root", "admin", 0.0)
+    if denied is None:
+        assert error is None
+    else:
+        assert error == f"{method}: worker 'w0' (by its certificate) may not act as {denied}"
+    admin = _caller("admin")
     assert bound_name_error(admin, method, message) is None  # admin may act for any worker
 
 
-def test_a_name_pattern_token_covers_matching_names_only() -> None:
-    pool = Principal("pool", "worker", 0.0, "neuroshard-worker-*")
-    ok = coordinator_pb2.RegisterWorkerRequest(name="neuroshard-worker-2")
-    bad = coordinator_pb2.RegisterWorkerRequest(name="neuroshard-coordinator")
-    assert bound_name_error(pool, "RegisterWorker", ok) is None
-    assert bound_name_error(pool, "RegisterWorker", bad) == (
-        "RegisterWorker: the worker token of 'pool' (names 'neuroshard-worker-*') may not act "
-        "as name 'neuroshard-coordinator'"
-    )
+@pytest.mark.parametrize(
+    ("hosts", "address", "ok"),
+    [
+        (("localhost", "127.0.0.1"), "127.0.0.1:5000", True),
+        (("localhost", "127.0.0.1"), "localhost:5000", True),
+        (("localhost", "127.0.0.1"), "LOCALHOST:5000", True),
+        (("localhost", "127.0.0.1"), "10.0.0.7:5000", False),
+        (("localhost", "127.0.0.1"), "worker-1.svc:5000", False),
+        (("localhost", "127.0.0.1"), "127.0.0.2:5000", False),
+        (("*.workers.svc",), "w0.workers.svc:1", True),
+        (("*.workers.svc",), "a.w0.workers.svc:1", False),  # a wildcard is one label
+        (("*.workers.svc",), "workers.svc:1", False),
+        (("::1",), "[::1]:5000", True),
+        (("::1",), "[0:0::1]:5000", True),  # compared as addresses
+        (("127.0.0.1",), "[::1]:5000", False),
+        ((), "127.0.0.1:5000", False),
+    ],
+)
+def test_a_worker_registers_only_an_address_its_certificate_names(
+    hosts: tuple[str, ...], address: str, ok: bool
+) -> None:
+    worker = Principal("w0", "worker", INF, hosts=hosts)
+    error = address_error(worker, address)
+    if ok:
+        assert error is None
+    else:
+        host = address.rpartition(":")[0]
+        assert error == (
+            f"RegisterWorker: address {address!r}: host {host!r} is not among the names of "
+            f"worker 'w0''s certificate ({', '.join(hosts) or 'none'})"
+        )
+
+
+def test_only_workers_have_their_address_checked() -> None:
+    assert address_error(None, "anywhere:1") is None  # auth off
+    assert address_error(_caller("admin"), "anywhere:1") is None
 
 
 def test_job_visibility_follows_the_subject() -> None:
@@ -184,7 +399,7 @@ def _daemon_args(**kw: object) -> argparse.Namespace:
         tls_key=None,
         auth_public_key_file=None,
         auth_private_key_file=None,
-        auth_token_file=None,
+        auth_revoked_file=None,
     )
     return argparse.Namespace(**{**base, **kw})
 
@@ -196,14 +411,20 @@ def test_daemon_flags_become_config_sections() -> None:
     )
     assert got == {
         "tls": {"ca_file": "a", "cert_file": "b", "key_file": "c"},
-        "auth": {"public_key_file": "p", "private_key_file": None, "token_file": None},
+        "auth": {"public_key_file": "p", "private_key_file": None, "revoked_file": None},
     }
-    worker = daemon_overrides(_daemon_args(auth_public_key_file="p", auth_token_file="t"))
-    assert worker["auth"]["token_file"] == "t"
+    coordinator = daemon_overrides(
+        _daemon_args(auth_public_key_file="p", auth_private_key_file="k", auth_revoked_file="r")
+    )
+    assert coordinator["auth"] == {
+        "public_key_file": "p",
+        "private_key_file": "k",
+        "revoked_file": "r",
+    }
     with pytest.raises(ConfigError, match="give all three"):
         daemon_overrides(_daemon_args(tls_ca="a"))
-    with pytest.raises(ConfigError, match="^--auth-token-file: needs --auth-public-key-file"):
-        daemon_overrides(_daemon_args(auth_token_file="t"))
+    with pytest.raises(ConfigError, match="^--auth-revoked-file: needs --auth-public-key-file"):
+        daemon_overrides(_daemon_args(auth_revoked_file="r"))
     with pytest.raises(ConfigError, match="^--auth-private-key-file: needs"):
         daemon_overrides(_daemon_args(auth_private_key_file="k"))
 
@@ -268,6 +489,7 @@ def test_verified_tokens_are_cached_until_they_expire(monkeypatch) -> None:
     token = create_token(key, "writer", "alice", 60)
     first = auth._verify(token)
     assert auth._verify(token) is first  # from the cache
+    assert first.audience == "neuroshard" and first.token_id
     # Another character inside the signature (its last ones also carry base64 padding bits)
     i = len(token) - 10
     tampered = token[:i] + ("A" if token[i] != "A" else "B") + token[i + 1 :]
@@ -279,6 +501,20 @@ def test_verified_tokens_are_cached_until_they_expire(monkeypatch) -> None:
 
     monkeypatch.setattr(jwt.api_jwt, "datetime", _FrozenDatetime(now + 3600))
     with pytest.raises(TokenError, match="expired"):
+        auth._verify(token)
+
+
+def test_a_cached_token_is_refused_once_revoked(tmp_path: Path) -> None:
+    from shared.rpc.interceptors import AuthInterceptor
+    from shared.security.tokens import RevocationList, TokenError, create_token, token_id
+
+    key = Ed25519PrivateKey.generate()
+    revoked = tmp_path / "revoked"
+    auth = AuthInterceptor(key.public_key(), revoked=RevocationList(revoked, 0.0))
+    token = create_token(key, "admin", "root", 60)
+    assert auth._verify(token).subject == "root"  # now cached
+    revoked.write_text(f"# leaked\n{token_id(token)}\n")
+    with pytest.raises(TokenError, match=f"^token {token_id(token)} is revoked$"):
         auth._verify(token)
 
 
@@ -320,16 +556,67 @@ def _explode(data: bytes) -> object:
     ],
 )
 @pytest.mark.parametrize(
-    ("role", "code"),
-    [(None, grpc.StatusCode.UNAUTHENTICATED), ("reader", grpc.StatusCode.PERMISSION_DENIED)],
+    ("token_of", "method", "audience", "code", "message"),
+    [
+        # no token on a server without TLS (no certificate can name a daemon)
+        (None, W + "Replicate", AUD_DATA, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token"),
+        # a person's coordinator token at a worker: its audience is wrong there
+        (
+            ("admin", AUD_COORDINATOR),
+            W + "Replicate",
+            AUD_DATA,
+            grpc.StatusCode.UNAUTHENTICATED,
+            "token is not for this daemon (audience 'neuroshard', expected 'neuroshard-data')",
+        ),
+        # a data-plane token (what a worker sees) replayed to the coordinator
+        (
+            ("writer", AUD_DATA),
+            C + "SubmitJob",
+            AUD_COORDINATOR,
+            grpc.StatusCode.UNAUTHENTICATED,
+            "token is not for this daemon (audience 'neuroshard-data', expected 'neuroshard')",
+        ),
+        # right audience, wrong method
+        (
+            ("reader", AUD_DATA),
+            W + "Upsert",
+            AUD_DATA,
+            grpc.StatusCode.PERMISSION_DENIED,
+            "reader 'r' may not call Upsert",
+        ),
+        (
+            ("writer", AUD_DATA),
+            W + "Replicate",
+            AUD_DATA,
+            grpc.StatusCode.PERMISSION_DENIED,
+            "writer 'r' may not call Replicate",
+        ),
+        (
+            ("reader", AUD_COORDINATOR),
+            C + "Decay",
+            AUD_COORDINATOR,
+            grpc.StatusCode.PERMISSION_DENIED,
+            "reader 'r' may not call Decay",
+        ),
+    ],
+    ids=[
+        "no token",
+        "coordinator token at a worker",
+        "data token at the coordinator",
+        "data reader writes",
+        "data writer replicates",
+        "reader decays",
+    ],
 )
-async def test_a_refused_call_gets_a_handler_that_parses_nothing(make, role, code) -> None:
+async def test_a_refused_call_gets_a_handler_that_parses_nothing(
+    make, token_of, method, audience, code, message
+) -> None:
     # Arrange: a servicer handler whose deserializer and behavior must never run
     from shared.rpc.interceptors import AuthInterceptor
     from shared.security.tokens import create_token
 
     key = Ed25519PrivateKey.generate()
-    token = create_token(key, role, "r", 60) if role else None
+    token = create_token(key, token_of[0], "r", 60, audience=token_of[1]) if token_of else None
 
     async def behavior(request: object, context: object) -> None:
         raise AssertionError("the servicer ran")
@@ -339,10 +626,10 @@ async def test_a_refused_call_gets_a_handler_that_parses_nothing(make, role, cod
     async def continuation(details: object) -> grpc.RpcMethodHandler:
         return original
 
-    # Act
-    got = await AuthInterceptor(key.public_key()).intercept_service(
-        continuation, _Details(W + "Replicate", token)
-    )
+    # Act: token calls are decided from the metadata (on a TLS server too); a call without a
+    # token is refused here only without TLS (with it, the certificate decides, per call)
+    interceptor = AuthInterceptor(key.public_key(), audience, tls=token is not None)
+    got = await interceptor.intercept_service(continuation, _Details(method, token))
 
     # Assert: same kind, no deserializer, a behavior that aborts with the refusal
     kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
@@ -362,3 +649,63 @@ async def test_a_refused_call_gets_a_handler_that_parses_nothing(make, role, cod
     with pytest.raises(_Aborted) as info:
         await behavior_of(b"\xff garbage", _Context())
     assert info.value.args[0] is code
+    assert info.value.args[1].startswith(message)
+
+
+class _TlsContext:
+    """A server context whose auth context holds the peer's certificate, as gRPC's does."""
+
+    def __init__(self, pem: bytes | None) -> None:
+        self._pem = pem
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {"x509_pem_cert": [self._pem]} if self._pem else {}
+
+
+@pytest.fixture(scope="module")
+def dev_certs(tmp_path_factory: pytest.TempPathFactory):
+    from shared.security.certs import write_dev_certs
+
+    return write_dev_certs(tmp_path_factory.mktemp("certs"), ["node.example"], ["w0"])
+
+
+@pytest.mark.parametrize(
+    ("whose", "method", "who", "message"),
+    [
+        ("w0", W + "Replicate", ("w0", "worker"), ""),
+        ("w0", C + "Heartbeat", ("w0", "worker"), ""),
+        ("w0", W + "Decay", None, "worker 'w0' may not call Decay"),
+        ("w0", W + "Upsert", None, "worker 'w0' may not call Upsert"),
+        ("w0", C + "GetJob", None, "worker 'w0' may not call GetJob"),
+        ("coordinator", W + "ApplySlotMap", ("coordinator", "coordinator"), ""),
+        ("coordinator", C + "GetJob", None, "coordinator 'coordinator' may not call GetJob"),
+        ("coordinator", W + "Replicate", None, "coordinator 'coordinator' may not call Replicate"),
+        ("client", W + "Replicate", None, "missing bearer token"),
+        ("client", C + "GetJob", None, "missing bearer token"),
+        (None, C + "GetJob", None, "missing bearer token"),
+    ],
+)
+def test_a_call_without_a_token_is_the_certificates(
+    dev_certs, whose: str | None, method: str, who: tuple[str, str] | None, message: str
+) -> None:
+    # Arrange
+    from shared.rpc.interceptors import AuthInterceptor
+
+    pem = {
+        "w0": dev_certs.worker("w0")[0],
+        "coordinator": dev_certs.coordinator_cert,
+        "client": dev_certs.client_cert,
+    }
+    context = _TlsContext(pem[whose].read_bytes() if whose else None)
+    auth = AuthInterceptor(Ed25519PrivateKey.generate().public_key())
+
+    # Act
+    principal, refused = auth._daemon(context, method)
+
+    # Assert
+    if who is None:
+        assert principal is None and refused.startswith(message)
+    else:
+        assert principal is not None and (principal.subject, principal.role) == who
+        assert principal.is_daemon and principal.audience == "" and refused == ""
+        assert "node.example" in principal.hosts and "127.0.0.1" in principal.hosts
