@@ -14,7 +14,7 @@ from coordinator.admission import admit
 from coordinator.allreduce_job import AllreduceJob
 from coordinator.dataset_store import UploadGate, remove_stale_uploads
 from coordinator.events import EventLog
-from coordinator.failure_detector import FailureDetector
+from coordinator.failure_detector import FailureDetector, ReportLimiter
 from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.link_probe import LinkProbe
 from coordinator.link_stats import LinkStats
@@ -97,6 +97,8 @@ class Cluster:
             cfg.probe_timeout_s,
             on_dead=self._on_membership_change,
         )
+        # Clients' failure reports: 10 at once, then report_rate_per_s a second per caller.
+        self.reports = ReportLimiter(cfg.report_rate_per_s, burst=10)
         self.rebalancer.events = self.events
         self.state = StateStore(cfg.data_dir)
         self._restore()

@@ -172,20 +172,29 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.ReportFailureResponse:
         """A primary reports a replica it could not update, or a client a worker it could not reach.
 
-        From a primary (a ``reporter`` named, and a worker token when auth is on) the
+        From a primary (a ``reporter`` named, and a worker certificate when auth is on) the
         replica's copies of the reported slots stop being trusted and it is probed. From a
         client (no ``reporter``, or a reader, writer or admin token) the worker is only
-        probed: DEAD at once if the probe fails, untouched if it answers.
+        probed, and DEAD only if it has also missed a heartbeat
+        (``FailureDetector.suspect``); clients' reports are rate-limited per caller.
 
         Raises:
             grpc.aio.AbortError: FAILED_PRECONDITION when the reporter is not the primary of
                 every reported slot; INVALID_ARGUMENT for a slot out of range, or a client's
-                report without a worker.
+                report without a worker; RESOURCE_EXHAUSTED for a client's report over
+                ``report_rate_per_s``.
         """
         principal = current_principal()
         if not request.reporter or (principal is not None and principal.role != "worker"):
             if not request.worker:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: empty")
+            subject = principal.subject if principal is not None else context.peer()
+            if not self._cluster.reports.allow(subject):
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"ReportFailure: more than report_rate_per_s "
+                    f"{self._cluster.cfg.report_rate_per_s} reports a second from {subject!r}",
+                )
             self._cluster.failures.suspect(request.worker, request.reason)
             return coordinator_pb2.ReportFailureResponse()
         try:

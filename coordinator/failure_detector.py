@@ -16,6 +16,7 @@ Either way the coordinator re-plans (``on_dead``), so the dead worker's slots fa
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,6 +32,33 @@ log = get_logger("coordinator.failure_detector")
 
 class NotSlotPrimary(Exception):
     """A failure report from a worker that is not the slots' primary (FAILED_PRECONDITION)."""
+
+
+class ReportLimiter:
+    """Rate-limits failure reports per caller: a token bucket per subject.
+
+    Each subject may report ``rate_per_s`` times a second on average, ``burst`` at once;
+    the buckets of at most ``max_subjects`` callers are kept (the oldest are forgotten).
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, max_subjects: int = 4096) -> None:
+        """Allow ``rate_per_s`` reports a second per subject, ``burst`` at once."""
+        self._rate, self._burst, self._max = rate_per_s, float(burst), max_subjects
+        self._buckets: dict[str, tuple[float, float]] = {}  # subject -> (tokens, at)
+        self.refused_total = 0
+
+    def allow(self, subject: str, now: float | None = None) -> bool:
+        """Take one report from ``subject``'s bucket; False (and counted) when it is empty."""
+        now = time.monotonic() if now is None else now
+        tokens, at = self._buckets.pop(subject, (self._burst, now))
+        tokens = min(self._burst, tokens + (now - at) * self._rate)
+        allowed = tokens >= 1.0
+        self._buckets[subject] = (tokens - 1.0 if allowed else tokens, now)
+        if len(self._buckets) > self._max:
+            del self._buckets[next(iter(self._buckets))]
+        if not allowed:
+            self.refused_total += 1
+        return allowed
 
 
 class FailureDetector:
@@ -64,8 +92,10 @@ class FailureDetector:
         self._timeout_s = heartbeat_timeout_s
         self._probe_timeout_s = probe_timeout_s
         self._on_dead = on_dead
+        self._heartbeat_interval_s = heartbeat_interval_s
         self._probing: set[str] = set()
         self.probes_total = 0  # probes started (tests and logs)
+        self.unconfirmed_total = 0  # client suspicions a probe failed but nothing confirmed
 
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
@@ -107,11 +137,16 @@ class FailureDetector:
         self._probe_soon(worker)
 
     def suspect(self, worker: str, reason: str) -> None:
-        """Probe a worker a client could not reach; DEAD at once if the probe fails too.
+        """Probe a worker a client could not reach; DEAD only when its silence confirms it.
 
         Nothing else changes: its copies stay trusted, and a worker that answers the probe
-        stays ALIVE whatever the report said. Reports of a worker already being probed, or
-        not ALIVE, or unknown, add nothing.
+        stays ALIVE whatever the report said. A failed probe alone is not enough, since a
+        client's word is not a daemon's and a worker whose event loop is busy for a moment
+        fails a probe too: the worker is DEAD only if it has also missed a heartbeat (no
+        heartbeat for 1.5 intervals), checked at once and again with a second probe once a
+        heartbeat would have been missed (suspicion and confirmation as in SWIM, Das et al.
+        2002).
+        Reports of a worker already being probed, or not ALIVE, or unknown, add nothing.
 
         Args:
             worker: the worker reported.
@@ -121,15 +156,62 @@ class FailureDetector:
         if rec is None or rec.state is not WorkerState.ALIVE or worker in self._probing:
             return
         log.info("worker_suspected", worker=worker, reason=reason)
-        self._probe_soon(worker)
+        self._probe_soon(worker, confirm=True)
 
-    def _probe_soon(self, worker: str) -> None:
-        """Start a probe of ``worker`` unless one is running."""
+    def _probe_soon(self, worker: str, confirm: bool = False) -> None:
+        """Start a probe of ``worker`` unless one is running (``confirm``: a client's report)."""
         if worker not in self._probing:
             self._probing.add(worker)
             self.probes_total += 1
-            task = asyncio.get_running_loop().create_task(self._probe(worker))
+            probe = self._confirmed_probe(worker) if confirm else self._probe(worker)
+            task = asyncio.get_running_loop().create_task(probe)
             task.add_done_callback(lambda _t: self._probing.discard(worker))
+
+    def _missed_heartbeat(self, name: str) -> bool:
+        """Whether worker ``name`` has been silent for more than 1.5 heartbeat intervals."""
+        rec = self._membership.get(name)
+        return rec is not None and (
+            self._membership.heartbeat_age_s(rec) > 1.5 * self._heartbeat_interval_s
+        )
+
+    async def _answers(self, name: str) -> tuple[bool, str]:
+        """Probe worker ``name``'s health once: (answered, why not)."""
+        rec = self._membership.get(name)
+        if rec is None:
+            return True, ""
+        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
+            return True, ""
+        except Exception as exc:
+            return False, rpc.error_message(exc)
+
+    async def _confirmed_probe(self, name: str) -> None:
+        """Probe a worker a client reported; DEAD only if it also missed a heartbeat."""
+        for attempt in range(2):
+            rec = self._membership.get(name)
+            if rec is None or rec.state is not WorkerState.ALIVE:
+                return
+            answered, reason = await self._answers(name)
+            if answered:
+                return
+            if self._missed_heartbeat(name):
+                if self._membership.mark_dead(name):
+                    log.warning(
+                        "worker_dead",
+                        worker=name,
+                        address=rec.address,
+                        reason=reason,
+                        detected_by="probe after a client's report",
+                    )
+                    self._on_dead()
+                return
+            if attempt == 0:  # probe again once a heartbeat would have been missed
+                rec = self._membership.get(name)
+                age = self._membership.heartbeat_age_s(rec) if rec is not None else 0.0
+                await asyncio.sleep(max(0.0, 1.5 * self._heartbeat_interval_s - age) + 0.05)
+        self.unconfirmed_total += 1
+        log.info("worker_suspicion_unconfirmed", worker=name)
 
     async def _probe(self, name: str) -> None:
         """Ask a worker reported unreachable for its health at once, then re-plan.

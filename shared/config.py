@@ -303,6 +303,13 @@ class CoordinatorConfig(_DaemonConfig):
         description="When a primary reports a worker unreachable, the "
         "coordinator probes its health; no answer within this many seconds: DEAD at once.",
     )
+    report_rate_per_s: float = Field(
+        2.0,
+        gt=0,
+        description="Failure reports (ReportFailure) a person or program may make per second "
+        "on average (burst 10); more are RESOURCE_EXHAUSTED. Workers' own reports are not "
+        "limited.",
+    )
     queue_timeout_s: float = Field(
         60.0, gt=0, description="Seconds a job may wait QUEUED for its workers before it fails."
     )

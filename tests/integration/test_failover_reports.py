@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 import pytest
 
 from coordinator.membership import WorkerState
+from shared.client import Client
 from shared.memory.slots import slot_of
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
@@ -74,7 +76,7 @@ async def test_parts_for_live_primaries_are_acknowledged_before_the_promotion(
     victim = cluster.workers[1]
     events: list[tuple[str, object]] = []
     gate = asyncio.Event()
-    probe, mark_dead = coord.failures._probe, coord.membership.mark_dead
+    probe, mark_dead = coord.failures._confirmed_probe, coord.membership.mark_dead
 
     async def gated_probe(name: str) -> None:
         await gate.wait()
@@ -84,7 +86,7 @@ async def test_parts_for_live_primaries_are_acknowledged_before_the_promotion(
         events.append(("dead", name))
         return mark_dead(name)
 
-    monkeypatch.setattr(coord.failures, "_probe", gated_probe)
+    monkeypatch.setattr(coord.failures, "_confirmed_probe", gated_probe)
     monkeypatch.setattr(coord.membership, "mark_dead", recorded_mark_dead)
     # A batch of ids in slots the victim is primary of, and in slots it holds no copy of
     m = coord.rebalancer.current
@@ -188,3 +190,74 @@ async def test_after_a_reported_failover_the_store_equals_the_acknowledged_write
     assert writer.failures == []
     await assert_cluster_equals(cluster, ref)
     await client.close()
+
+
+async def test_a_readers_reports_about_a_busy_worker_kill_nothing(
+    secure, material, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 7 of the second security review: a reader's ReportFailure about a live worker
+    whose event loop was busy (its probes time out, its heartbeats still arrive) declared it
+    DEAD, a failover and a full re-copy at will. Now a failed probe needs a missed heartbeat
+    to confirm it, and a caller's reports are rate-limited."""
+    # Arrange: worker-0 fails every probe (as a blocked loop does) but keeps heartbeating
+    cluster = await secure(workers=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=60.0)
+    reader = material.client(material.token("reader", "rita"))
+    async with Client(cluster.address, security=reader) as c:
+        await c.wait_ready()
+    coord = cluster.coordinator.cluster
+    answers = coord.failures._answers
+
+    async def busy(name: str) -> tuple[bool, str]:
+        return (False, "deadline exceeded") if name == "worker-0" else await answers(name)
+
+    monkeypatch.setattr(coord.failures, "_answers", busy)
+    epoch, probes = coord.rebalancer.current.epoch, coord.failures.probes_total
+
+    # Act: the reader reports worker-0 again and again
+    codes = []
+    async with channel(cluster.address, security=reader) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        for _ in range(30):
+            try:
+                await stub.ReportFailure(
+                    coordinator_pb2.ReportFailureRequest(worker="worker-0", reason="lies"),
+                    timeout=5,
+                )
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+    await wait_until(
+        lambda: coord.failures.probes_total > probes and not coord.failures._probing,
+        timeout_s=DEADLINE_S,
+        what="the probes of worker-0 finished",
+    )
+
+    # Assert: probed, not confirmed, still ALIVE, the map unchanged; the excess refused
+    assert coord.failures.unconfirmed_total >= 1
+    assert coord.membership.get("worker-0").state is WorkerState.ALIVE
+    assert coord.rebalancer.current.epoch == epoch
+    assert codes.count(grpc.StatusCode.OK) <= 11  # burst 10 (+1 refilled)
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 19
+
+
+async def test_a_clients_report_about_a_stopped_worker_is_confirmed_by_its_silence(
+    make_cluster,
+) -> None:
+    # Arrange
+    cluster = await make_cluster(workers=3, slots=SLOTS, **SLOW_HEARTBEATS)
+    coord = cluster.coordinator.cluster
+    async with cluster.client() as client:
+        await client.wait_ready()
+    victim = cluster.workers[2]
+
+    # Act: the worker dies (no probe answer, no heartbeat); a client reports it
+    await kill_abruptly(victim)
+    coord.failures.suspect(victim.name, "unreachable")
+    await wait_until(
+        lambda: coord.membership.get(victim.name).state is WorkerState.DEAD,
+        timeout_s=DEADLINE_S,
+        what="the reported worker declared DEAD",
+    )
+
+    # Assert: DEAD long before the heartbeat timeout (60 s), confirmed by a missed heartbeat
+    assert coord.membership.heartbeat_age_s(coord.membership.get(victim.name)) < 30
