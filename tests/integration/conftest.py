@@ -57,13 +57,12 @@ async def secure(make_cluster, material: Material):
     has its own certificate naming it; people's tokens are checked by the public key."""
 
     async def make(workers: int = 0, **overrides: object):
+        coordinator: dict[str, object] = {"tls": material.tls, "auth": material.coordinator_auth}
         return await make_cluster(
             workers=workers,
             worker_overrides={"auth": material.worker_auth},
             per_worker=lambda name: {"tls": material.worker_tls(name)},
-            tls=material.tls,
-            auth=material.coordinator_auth,
-            **overrides,
+            **(coordinator | overrides),
         )
 
     return make

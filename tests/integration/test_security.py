@@ -410,3 +410,58 @@ def test_demo_secure_runs_a_job(tmp_path: Path) -> None:
     # Assert
     assert result.returncode == 0, result.stderr[-3000:]
     assert '"state": "SUCCEEDED"' in result.stdout
+
+
+async def test_a_stream_ends_when_its_token_expires(secure, material: Material) -> None:
+    # Arrange: a job that stays QUEUED (9 workers never come), watched with a 2 s token
+    cluster = await secure(workers=0)
+    async with Client(cluster.address, security=material.client(material.token("writer"))) as w:
+        job = await w.submit({"kind": "train", "workers": 9, "steps": 1})
+    short = material.client(material.token("writer", ttl_s=2))
+    started = asyncio.get_running_loop().time()
+
+    # Act: the watch would last until the job ends (its queue timeout, 60 s)
+    async with channel(cluster.address, security=short) as ch:
+        stream = coordinator_pb2_grpc.CoordinatorStub(ch).WatchJob(
+            coordinator_pb2.JobRequest(job_id=job.job_id), timeout=30
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stream:
+                pass
+    ended_after_s = asyncio.get_running_loop().time() - started
+
+    # Assert: ended by the token's expiry, not by the deadline or the job
+    assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert info.value.details().endswith(": stream ended")
+    assert ended_after_s < 10
+
+
+async def test_a_revoked_token_is_refused(secure, material: Material, tmp_path: Path) -> None:
+    # Arrange: a coordinator watching a revocation list; a reader's token that works
+    revoked = tmp_path / "revoked.txt"
+    auth = material.coordinator_auth.model_copy(update={"revoked_file": str(revoked)})
+    cluster = await secure(workers=0, auth=auth)
+    token = material.token("reader", "rory")
+    assert await _status_code(cluster.address, material.client(token)) == ("OK", "")
+
+    # Act: the operator revokes it with the CLI
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "token", "revoke", token, "--file", str(revoked), cwd=REPO
+    )
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
+
+    # Assert: refused within the list's re-read interval (1 s); another token still works
+    async def refused() -> bool:
+        code, _ = await _status_code(cluster.address, material.client(token))
+        return code == "UNAUTHENTICATED"
+
+    await wait_until(refused, timeout_s=10, what="the revoked token refused")
+    code, message = await _status_code(cluster.address, material.client(token))
+    assert "is revoked" in message
+    other = material.client(material.token("reader", "rory"))
+    assert await _status_code(cluster.address, other) == ("OK", "")
+
+
+def test_token_lifetimes_are_capped_per_role(material: Material) -> None:
+    with pytest.raises(ValueError, match="ttl: at most 604800 s for a admin token"):
+        material.token("admin", ttl_s=8 * 86400)
