@@ -15,6 +15,7 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.rpc import channel
+from shared.security.tokens import AUD_DATA
 from shared.security.transport import ChannelSecurity
 from tests.conftest import wait_until
 from tests.integration.security_helpers import Material
@@ -90,32 +91,47 @@ async def test_an_unknown_symbol_is_an_error_response(make_cluster) -> None:
 
 
 @pytest.mark.parametrize("daemon", ["coordinator", "worker"])
-async def test_with_auth_on_reflection_needs_a_reader_token(
+async def test_with_auth_on_reflection_needs_a_persons_token_for_that_daemon(
     secure, material: Material, daemon: str
 ) -> None:
     # Arrange
     cluster = await secure(workers=1)
     address = cluster.address if daemon == "coordinator" else cluster.workers[0].address
-    service = "neuroshard.v1.Coordinator" if daemon == "coordinator" else "neuroshard.v1.Worker"
     outcomes: dict[str, grpc.StatusCode] = {}
+    services: set[str] = set()
 
     # Act
-    for case, token in [
-        ("no token", None),
-        ("worker", material.token("worker", "worker-0")),
-        ("reader", material.token("reader")),
+    for case, security in [
+        ("no token", material.client(None)),
+        ("worker certificate", material.daemon_client("worker-0")),
+        ("coordinator certificate", material.daemon_client()),
+        ("reader", material.client(material.token("reader"))),
+        ("data-plane reader", material.client(material.token("reader", audience=AUD_DATA))),
     ]:
         try:
-            services = await asyncio.wait_for(_services(address, material.client(token)), 10)
+            got = await asyncio.wait_for(_services(address, security), 10)
         except grpc.aio.AioRpcError as exc:
             outcomes[case] = exc.code()
         else:
-            outcomes[case] = grpc.StatusCode.OK
+            outcomes[case], services = grpc.StatusCode.OK, got
 
-    # Assert
-    assert outcomes == {
-        "no token": grpc.StatusCode.UNAUTHENTICATED,
-        "worker": grpc.StatusCode.PERMISSION_DENIED,
-        "reader": grpc.StatusCode.OK,
-    }
-    assert service in services
+    # Assert: daemons never reflect; on the coordinator a person's coordinator token does.
+    # A worker accepts no coordinator token at all (its audience is the data plane's), and
+    # reflection is no keyed RPC: nobody reflects a worker with auth on.
+    if daemon == "coordinator":
+        assert outcomes == {
+            "no token": grpc.StatusCode.UNAUTHENTICATED,
+            "worker certificate": grpc.StatusCode.PERMISSION_DENIED,
+            "coordinator certificate": grpc.StatusCode.PERMISSION_DENIED,
+            "reader": grpc.StatusCode.OK,
+            "data-plane reader": grpc.StatusCode.UNAUTHENTICATED,  # not for this daemon
+        }
+        assert "neuroshard.v1.Coordinator" in services
+    else:
+        assert outcomes == {
+            "no token": grpc.StatusCode.UNAUTHENTICATED,
+            "worker certificate": grpc.StatusCode.PERMISSION_DENIED,
+            "coordinator certificate": grpc.StatusCode.PERMISSION_DENIED,
+            "reader": grpc.StatusCode.UNAUTHENTICATED,  # a coordinator token: not for a worker
+            "data-plane reader": grpc.StatusCode.PERMISSION_DENIED,
+        }
