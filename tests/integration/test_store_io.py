@@ -164,7 +164,8 @@ async def test_export_and_import_refuse_the_wrong_role_and_change_nothing(
     ids, strengths, _ = _store(9)
     writer = material.client(material.token("writer"))
     reader = material.client(material.token("reader"))
-    worker = material.client(material.token("worker", "worker-0"))
+    worker = material.daemon_client("worker-0")  # a worker's certificate, no token
+    coordinator = material.daemon_client()  # the coordinator's certificate
     from shared.client import Client
 
     async with Client(cluster.address, security=writer) as client:
@@ -180,6 +181,9 @@ async def test_export_and_import_refuse_the_wrong_role_and_change_nothing(
     async with Client(cluster.address, security=worker) as client:
         with pytest.raises(NeuroshardError) as no_export:
             await client.export_memories(tmp_path / "stolen.npz")
+    async with Client(cluster.address, security=coordinator) as client:
+        with pytest.raises(NeuroshardError) as no_export_as_coordinator:
+            await client.export_memories(tmp_path / "stolen-too.npz")
     async with Client(cluster.address, security=reader) as client:
         with pytest.raises(NeuroshardError) as no_import:
             await client.import_memories(backup)
@@ -189,13 +193,18 @@ async def test_export_and_import_refuse_the_wrong_role_and_change_nothing(
 
     # Assert
     assert no_export.value.code.name == "PERMISSION_DENIED"
-    assert "role worker may not call ExportMemories" in str(no_export.value)
+    assert "worker 'worker-0' may not call ExportMemories" in str(no_export.value)
+    assert no_export_as_coordinator.value.code.name == "PERMISSION_DENIED"
+    assert "coordinator 'coordinator' may not call ExportMemories" in str(
+        no_export_as_coordinator.value
+    )
     assert not (tmp_path / "stolen.npz").exists()
+    assert not (tmp_path / "stolen-too.npz").exists()
     leftovers = [p.name for p in tmp_path.iterdir() if p.suffix == ".npz" or "export" in p.name]  # noqa: ASYNC240
     assert leftovers == ["backup.npz"]  # no stolen file, no temporary one
     assert no_import.value.code.name == "PERMISSION_DENIED"
-    assert "role reader may not call Upsert" in str(no_import.value)
+    assert "reader 'tester' may not call Upsert" in str(no_import.value)
     assert no_forget.value.code.name == "PERMISSION_DENIED"
-    assert "role writer may not call ForgetWorker" in str(no_forget.value)
+    assert "writer 'tester' may not call ForgetWorker" in str(no_forget.value)
     assert [worker_state(w) for w in cluster.workers] == before
     assert cluster.alive() == 2
