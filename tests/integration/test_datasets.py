@@ -282,39 +282,15 @@ async def test_fetch_shard_is_refused_to_a_worker_outside_the_job(
 
 
 async def test_under_tls_and_tokens_writers_put_readers_list_and_workers_fetch(
-    make_cluster, tmp_path: Path
+    secure, material, tmp_path: Path
 ) -> None:
     from shared.client import Client
-    from shared.config import AuthConfig, TlsConfig
-    from shared.security.certs import write_dev_certs
-    from shared.security.tokens import create_token, read_private_key, write_keypair
-    from shared.security.transport import client_security
+    from shared.security.tokens import AUD_DATA
 
-    certs = write_dev_certs(tmp_path / "certs")
-    private, public = write_keypair(tmp_path / "auth")
-    key = read_private_key(private)
-    (tmp_path / "auth" / "pool.token").write_text(
-        create_token(key, "worker", "pool", 300, names="worker-*")
-    )
-    tls = TlsConfig(
-        ca_file=str(certs.ca_cert), cert_file=str(certs.node_cert), key_file=str(certs.node_key)
-    )
-    worker_auth = AuthConfig(
-        public_key_file=str(public), token_file=str(tmp_path / "auth" / "pool.token")
-    )
-    cluster = await make_cluster(
-        workers=2,
-        tls=tls,
-        auth=AuthConfig(public_key_file=str(public), private_key_file=str(private)),
-        worker_overrides={"tls": tls, "auth": worker_auth},
-    )
+    cluster = await secure(workers=2)
 
     def person(role: str) -> Client:
-        token = create_token(key, role, f"a-{role}", 300)
-        security = client_security(
-            str(certs.ca_cert), str(certs.client_cert), str(certs.client_key), token=token
-        )
-        return Client(cluster.address, security=security)
+        return Client(cluster.address, security=material.client(material.token(role, f"a-{role}")))
 
     src = write_npz(tmp_path / "blobs.npz", **blobs())
     reader, writer = person("reader"), person("writer")
@@ -332,4 +308,37 @@ async def test_under_tls_and_tokens_writers_put_readers_list_and_workers_fetch(
     assert denied.value.code is grpc.StatusCode.PERMISSION_DENIED
     assert [e["path"] for e in listed] == ["blobs.npz"]
     assert final.state == "SUCCEEDED", final.error
-    assert fetches(cluster) == 2  # under the shared worker-* token, each as itself
+    assert fetches(cluster) == 2  # each worker by its own certificate, as itself
+
+    # Only a worker's certificate fetches rows, and only as the name it carries.
+    async def fetch(security, worker: str) -> grpc.aio.AioRpcError:
+        request = coordinator_pb2.FetchShardRequest(
+            job_id=job.job_id, shard_index=0, shard_count=2, worker=worker
+        )
+        async with channel(cluster.address, security=security) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.FetchShard(request, timeout=10):
+                    pass
+        return err.value
+
+    as_other = await fetch(material.daemon_client("worker-0"), "worker-1")
+    as_coordinator = await fetch(material.daemon_client(), "worker-0")
+    as_writer = await fetch(material.client(material.token("writer", "a-writer")), "worker-0")
+    data_token = material.token("writer", "a-writer", audience=AUD_DATA)
+    as_data_plane = await fetch(material.client(data_token), "worker-0")
+    as_nobody = await fetch(material.client(None), "worker-0")
+
+    assert as_other.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert as_other.details() == (
+        "FetchShard: worker 'worker-0' (by its certificate) may not act as worker 'worker-1'"
+    )
+    assert as_coordinator.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert as_coordinator.details() == "coordinator 'coordinator' may not call FetchShard"
+    assert as_writer.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert as_writer.details() == "writer 'a-writer' may not call FetchShard"
+    assert as_data_plane.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert as_data_plane.details().startswith("token is not for this daemon")
+    assert as_nobody.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert as_nobody.details().startswith("missing bearer token")
+    assert fetches(cluster) == 2  # none of them got a row
