@@ -314,33 +314,34 @@ def test_an_empty_dir_without_size_limit_is_rejected(dev: Docs, sts: str) -> Non
     assert f"StatefulSet/{sts}: emptyDir volume tmp has no sizeLimit" in _problems(dev)
 
 
-def test_a_worker_token_configured_or_mounted_is_rejected(dev: Docs) -> None:
+def test_a_worker_token_configured_is_rejected(dev: Docs) -> None:
     _edit_config(
         dev, "worker.yaml", lambda c: c["auth"].update(token_file="/etc/neuroshard-auth/token")
     )
+
+    assert "StatefulSet/neuroshard-worker: auth.token_file is set: daemons authenticate" in (
+        _problems(dev)
+    )
+
+
+def test_a_worker_token_mounted_is_rejected(dev: Docs) -> None:
     _volume(dev, "neuroshard-worker", "auth")["secret"]["items"].append(
         {"key": "token", "path": "token"}
     )
 
-    problems = _problems(dev)
-    assert "StatefulSet/neuroshard-worker: auth.token_file is set: daemons authenticate" in (
-        problems
-    )
     assert (
         "StatefulSet/neuroshard-worker: mounts Secret neuroshard-auth-public's key token: "
-        "daemons present no token" in problems
+        "daemons present no token" in _problems(dev)
     )
 
 
 def test_a_token_file_flag_is_rejected(dev: Docs) -> None:
-    if isinstance(check_daemons._parse_args(["worker", "--auth-token-file=t"]), str):
-        pytest.skip("the CLI has no --auth-token-file any more")
-    _container(dev, "neuroshard-worker")["args"] += [
-        "--auth-public-key-file=/etc/neuroshard-auth/public.pem",
-        "--auth-token-file=/etc/neuroshard-auth/public.pem",
-    ]
+    _container(dev, "neuroshard-worker")["args"] += ["--auth-token-file=/etc/t"]
 
-    assert "StatefulSet/neuroshard-worker: auth.token_file is set" in _problems(dev)
+    assert (
+        "StatefulSet/neuroshard-worker: args: neuroshard: error: unrecognized arguments: "
+        "--auth-token-file=/etc/t" in _problems(dev)
+    )
 
 
 @pytest.mark.parametrize("daemon", ["coordinator", "worker"])

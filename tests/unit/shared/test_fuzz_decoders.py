@@ -153,11 +153,15 @@ def test_id_and_value_bytes_decode_whole_values_or_raise_codec_error(data: bytes
 def test_tensor_shape_that_cannot_hold_the_bytes_is_a_codec_error(
     dtype: str, shape: list[int], data: bytes
 ) -> None:
+    # Refused when the chunk arrives (its shape is checked before its bytes are kept), or at
+    # the latest when the tensor is assembled.
     assembler = ChunkAssembler()
-    assembler.add(
-        common_pb2.TensorChunk(name="t", dtype=dtype, shape=shape, data=data, total_bytes=len(data))
-    )
     with pytest.raises(CodecError, match="shape"):
+        assembler.add(
+            common_pb2.TensorChunk(
+                name="t", dtype=dtype, shape=shape, data=data, total_bytes=len(data)
+            )
+        )
         assembler.result()
 
 
