@@ -76,7 +76,9 @@ class CoordinatorServer:
         self._background: asyncio.Task[None] | None = None
         self.dashboard: DashboardServer | None = None
         if cfg.dashboard_port is not None:
-            self.dashboard = DashboardServer(self.cluster, cfg, self.security.public_key)
+            self.dashboard = DashboardServer(
+                self.cluster, cfg, self.security.public_key, self.security.revoked
+            )
 
     async def start(self) -> str:
         """Bind, start serving and the background tasks; return ``host:port`` actually bound."""

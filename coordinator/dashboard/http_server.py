@@ -42,7 +42,7 @@ from shared.config import CoordinatorConfig
 from shared.logging import get_logger
 from shared.security.auth import may_see_job, reset_principal, set_principal
 from shared.security.exposure import check_listen
-from shared.security.tokens import Principal, TokenError, verify_token
+from shared.security.tokens import Principal, RevocationList, TokenError, verify_token
 
 log = get_logger("coordinator.dashboard")
 
@@ -93,6 +93,7 @@ class DashboardServer:
         cluster: Cluster,
         cfg: CoordinatorConfig,
         public_key: Ed25519PublicKey | None,
+        revoked: RevocationList | None = None,
     ) -> None:
         """Check the exposure rules and build the app; nothing listens yet.
 
@@ -100,6 +101,8 @@ class DashboardServer:
             cluster: what the page shows.
             cfg: ``dashboard_port``/``dashboard_host``, ``tls`` (HTTPS), ``insecure``.
             public_key: verifies viewers' tokens; None: no login.
+            revoked: the coordinator's revocation list (``auth.revoked_file``): a revoked
+                token opens no session, and a session of a token revoked since ends.
 
         The exposure rule is the caller's to check first, with ``check_exposure(cfg)``,
         before it builds anything the dashboard needs (``CoordinatorServer`` does).
@@ -107,6 +110,7 @@ class DashboardServer:
         assert cfg.dashboard_port is not None
         self._cfg = cfg
         self._public_key = public_key
+        self._revoked = revoked if revoked is not None else RevocationList(None)
         self._builder = SnapshotBuilder(cluster)
         self._store = StorePoller(cluster)
         self._stopping = asyncio.Event()
@@ -196,7 +200,7 @@ class DashboardServer:
         """The session cookie's principal while its token lasts; without auth, an anonymous one."""
         if self._public_key is None:
             return Principal("", "reader", 0.0)
-        return self.sessions.get(request.cookies.get(self._cookie, ""))
+        return self.sessions.get(request.cookies.get(self._cookie, ""), self._revoked)
 
     def _login_page(
         self, request: web.Request, message: str = "", status: int = 200
@@ -254,7 +258,7 @@ class DashboardServer:
             return self._login_page(request, cross_site, status=403)
         token = str(form.get("token", "")).strip()
         try:
-            principal = verify_token(self._public_key, token)
+            principal = verify_token(self._public_key, token, revoked=self._revoked)
         except TokenError as exc:
             return self._login_page(request, f"token refused: {exc}", status=401)
         if principal.role not in VIEWER_ROLES:

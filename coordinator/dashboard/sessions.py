@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from shared.security.tokens import Principal
 
@@ -56,12 +56,18 @@ class Sessions:
         self._by_id[sid] = principal
         return sid
 
-    def get(self, sid: str) -> Principal | None:
-        """The principal of a live session, or None (unknown id, or its token expired)."""
+    def get(self, sid: str, revoked: Container[str] = ()) -> Principal | None:
+        """The principal of a live session, or None (unknown id, its token expired or revoked).
+
+        Args:
+            sid: the session id from the cookie.
+            revoked: token ids refused now (the coordinator's revocation list); a session
+                opened with a token revoked since then ends.
+        """
         principal = self._by_id.get(sid)
         if principal is None:
             return None
-        if principal.expires_at <= self._clock():
+        if principal.expires_at <= self._clock() or principal.token_id in revoked:
             del self._by_id[sid]
             return None
         return principal

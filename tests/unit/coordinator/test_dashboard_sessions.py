@@ -21,6 +21,16 @@ def test_a_session_ends_at_its_tokens_exp() -> None:
     assert ended is None and len(sessions) == 0
 
 
+def test_a_session_ends_when_its_token_is_revoked() -> None:
+    sessions = Sessions(10, clock=lambda: 0.0)
+    sid = sessions.create(Principal("alice", "reader", 1010.0, token_id="j1"))
+
+    alive = sessions.get(sid, revoked={"other"})
+    ended = sessions.get(sid, revoked={"j1"})
+
+    assert alive is not None and ended is None and len(sessions) == 0
+
+
 def test_ids_are_random_and_unguessable() -> None:
     sessions = Sessions(10, clock=lambda: 0.0)
     ids = {sessions.create(Principal("a", "reader", 1.0)) for _ in range(5)}
