@@ -27,8 +27,9 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
   the rights its holder has there, and no token a daemon sends exists to be captured.
 
 Server reflection (``grpc.reflection.v1alpha`` and ``v1`` ServerReflectionInfo) is a read RPC
-of people's coordinator tokens on both daemons (``reader``, ``writer``, ``admin``). Not of
-daemons: they never need it. The gRPC health service is open to all, without a token.
+of people's tokens (``reader``, ``writer``, ``admin``) of the daemon's own audience: a
+coordinator token on the coordinator, a data-plane token (``GetSlotMap``'s) on a worker. Not
+of daemons: they never need it. The gRPC health service is open to all, without a token.
 
 People (readers and writers) see their own jobs only: ``may_see_job``.
 
@@ -156,8 +157,8 @@ def may_call(principal: Principal, full_method: str) -> bool:
     if full_method.startswith(HEALTH_PREFIX):
         return True
     role, audience = principal.role, principal.audience
-    if full_method.startswith(REFLECTION):
-        return role in _REFLECTION_ROLES and audience == AUD_COORDINATOR
+    if full_method.startswith(REFLECTION):  # a token the daemon accepted (its audience)
+        return role in _REFLECTION_ROLES
     if role == "admin" and audience == AUD_COORDINATOR:
         return full_method.startswith(COORDINATOR)
     allowed = _TABLE.get((role, audience))

@@ -223,7 +223,7 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("data-admin", C + "GetJob", False),
         ("client", C + "GetJob", False),  # the old role is no role
         ("client", W + "Get", False),
-        # Health is open; reflection is for people's coordinator tokens only.
+        # Health is open; reflection is for people, with a token of the daemon's audience.
         ("reader", "/grpc.health.v1.Health/Check", True),
         ("coordinator", "/grpc.health.v1.Health/Check", True),
         ("data-reader", "/grpc.health.v1.Health/Watch", True),
@@ -233,7 +233,7 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("admin", R1A + "ServerReflectionInfo", True),
         ("worker", R1A + "ServerReflectionInfo", False),  # daemons never need it
         ("coordinator", R1 + "ServerReflectionInfo", False),
-        ("data-writer", R1A + "ServerReflectionInfo", False),
+        ("data-writer", R1A + "ServerReflectionInfo", True),  # on a worker, its audience
         ("client", R1A + "ServerReflectionInfo", False),
         ("reader", "/grpc.reflection.v1alpha.Other/ServerReflectionInfo", False),
         ("writer", "/other.Service/Call", False),
