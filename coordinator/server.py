@@ -19,7 +19,7 @@ from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.private_files import private_dir
 from shared.proto import coordinator_pb2_grpc
-from shared.rpc.interceptors import server_interceptors
+from shared.rpc.interceptors import auth_interceptor, server_interceptors
 from shared.rpc.limits import server_options
 from shared.rpc.reflection import enable_reflection
 from shared.security.exposure import check_listen, start_probe_server
@@ -54,7 +54,7 @@ class CoordinatorServer:
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         self.health = health.aio.HealthServicer()
         self.server = aio.server(
-            interceptors=server_interceptors(self.metrics, self.security.auth_interceptor()),
+            interceptors=server_interceptors(self.metrics, auth_interceptor(self.security)),
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         # grpcio-tools writes the *_pb2_grpc modules without type annotations.

@@ -18,7 +18,7 @@ from shared.config import WorkerConfig
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
-from shared.rpc.interceptors import server_interceptors
+from shared.rpc.interceptors import auth_interceptor, server_interceptors
 from shared.rpc.limits import server_options
 from shared.rpc.peers import WorkerClients
 from shared.rpc.reflection import enable_reflection
@@ -78,7 +78,7 @@ class WorkerServer:
         )
         self.server = aio.server(
             interceptors=server_interceptors(
-                self.metrics, self.security.auth_interceptor(), self.name, cfg.max_batch_items
+                self.metrics, auth_interceptor(self.security), self.name, cfg.max_batch_items
             ),
             options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )

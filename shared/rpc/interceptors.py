@@ -67,6 +67,7 @@ from shared.security.tokens import (
     TokenError,
     verify_token,
 )
+from shared.security.transport import DaemonSecurity
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -714,6 +715,20 @@ class AuthInterceptor(aio.ServerInterceptor):
         return wrap_handler(handler, around)
 
 
+def auth_interceptor(security: DaemonSecurity) -> AuthInterceptor | None:
+    """A daemon's ``AuthInterceptor`` (tokens and certificates), or None without auth.
+
+    Args:
+        security: the daemon's security (``DaemonSecurity.from_config``): the public key,
+            the token audience it accepts, its revocation list, whether it runs TLS.
+    """
+    if security.public_key is None:
+        return None
+    return AuthInterceptor(
+        security.public_key, security.audience, security.revoked, tls=security.tls is not None
+    )
+
+
 def server_interceptors(
     metrics: Metrics,
     auth: AuthInterceptor | None,
@@ -729,8 +744,7 @@ def server_interceptors(
 
     Args:
         metrics: the daemon's metrics (rpc counts and bytes).
-        auth: the daemon's ``AuthInterceptor`` (``DaemonSecurity.auth_interceptor``), or
-            None without auth.
+        auth: the daemon's ``AuthInterceptor`` (``auth_interceptor``), or None without auth.
         worker_name: this worker's name for log lines (None on the coordinator).
         max_batch_items: a worker's ``max_batch_items`` (None on the coordinator).
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
+from typing import Any, Self, TypeAlias, TypeVar
 
 import grpc
 from cryptography import x509
@@ -39,9 +39,6 @@ from shared.security.tokens import (
     read_private_key,
     read_public_key,
 )
-
-if TYPE_CHECKING:
-    from shared.rpc.interceptors import AuthInterceptor
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -523,16 +520,6 @@ class DaemonSecurity:
     def auth(self) -> str:
         """``token`` or ``none`` (logged at start)."""
         return "none" if self.public_key is None else "token"
-
-    def auth_interceptor(self) -> AuthInterceptor | None:
-        """The daemon's ``AuthInterceptor`` (tokens and certificates), or None without auth."""
-        if self.public_key is None:
-            return None
-        from shared.rpc.interceptors import AuthInterceptor
-
-        return AuthInterceptor(
-            self.public_key, self.audience, self.revoked, tls=self.tls is not None
-        )
 
     def data_token_minter(self, ttl_s: float) -> Callable[[Principal], tuple[str, float]] | None:
         """Mint data-plane tokens of ``ttl_s`` seconds for callers (None without the key).

@@ -21,7 +21,6 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 sys.path.insert(0, str(DEPLOY))
 
 import check  # noqa: E402  (deploy/check.py is a script, not a package)
-import check_daemons  # noqa: E402
 import check_network  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl")
