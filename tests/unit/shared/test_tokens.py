@@ -58,7 +58,7 @@ def _claims(**extra: object) -> dict[str, object]:
         "jti": "j1",
         "iss": "neuroshard",
         "iat": now,
-        "exp": now + 60,
+        "exp": now + 3600,  # made at collection: must outlive a long test run
         **extra,
     }
 
