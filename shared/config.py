@@ -96,6 +96,25 @@ def _host_port(value: str) -> str:
     return value
 
 
+def removed_key(data: Any, key: str, why: str, allow_empty: bool = False) -> Any:
+    """Refuse a key a config no longer has, saying why (a validator's ``mode="before"`` step).
+
+    Args:
+        data: the section's raw mapping (anything else passes through).
+        key: the removed key.
+        why: the message after ``key:``.
+        allow_empty: drop the key silently when its value is empty (null, "").
+
+    Raises:
+        ValueError: ``key`` is present (pydantic names the section).
+    """
+    if not isinstance(data, dict) or key not in data:
+        return data
+    if allow_empty and not data[key]:
+        return {k: v for k, v in data.items() if k != key}
+    raise ValueError(f"{key}: {why}")
+
+
 class LogConfig(_Model):
     """The ``log`` section of both daemons: level and format of structlog's output."""
 
@@ -123,12 +142,12 @@ class TlsConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _no_shared_name(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "server_name" in data:
-            raise ValueError(
-                "server_name: no longer supported: every daemon has its own certificate, and "
-                "each dialer checks it against the host it dials (remove server_name)"
-            )
-        return data
+        return removed_key(
+            data,
+            "server_name",
+            "no longer supported: every daemon has its own certificate, and each dialer "
+            "checks it against the host it dials (remove server_name)",
+        )
 
 
 class AuthConfig(_Model):
@@ -163,14 +182,13 @@ class AuthConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _no_daemon_token(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("token_file"):
-            raise ValueError(
-                "token_file: daemons present no tokens: they authenticate each other by "
-                "their TLS certificates (tls.cert_file); remove token_file"
-            )
-        if isinstance(data, dict) and "token_file" in data:
-            data = {k: v for k, v in data.items() if k != "token_file"}
-        return data
+        return removed_key(
+            data,
+            "token_file",
+            "daemons present no tokens: they authenticate each other by their TLS "
+            "certificates (tls.cert_file); remove token_file",
+            allow_empty=True,
+        )
 
 
 class _DaemonConfig(_Model):
