@@ -339,7 +339,10 @@ class WorkerServer:
         await self.health.enter_graceful_shutdown()
         if self._tasks is not None:
             self._tasks.cancel()
-            await asyncio.gather(self._tasks, return_exceptions=True)
+            # Bounded, as the coordinator's stop: a stop must never hang.
+            done, _ = await asyncio.wait({self._tasks}, timeout=self.cfg.grace_s + 1.0)
+            if not done:
+                log.warning("background_tasks_not_stopped", timeout_s=self.cfg.grace_s + 1.0)
         await self.server.stop(self.cfg.grace_s)
         if self.probe_server is not None:
             await self.probe_server.stop(0)
