@@ -240,6 +240,7 @@ async def test_full_cluster_restart_loses_no_acknowledged_write(tmp_path: Path) 
             # two copies that differ are polled again too; copies that never agree still fail.
             dumped: dict[int, float] = {}
             last = "no dump yet"
+            first: list[str] = []  # the first dump once the status said RF 2 (issue 20 #1)
 
             async def served() -> bool:
                 nonlocal dumped, last
@@ -249,13 +250,19 @@ async def test_full_cluster_restart_loses_no_acknowledged_write(tmp_path: Path) 
                     dumped = await dump_store(client)
                 except (grpc.aio.AioRpcError, AssertionError) as exc:
                     last = str(exc).splitlines()[0]
+                    if not first:
+                        first.append(f"differs: {last}")
                     return False
+                if not first:
+                    first.append("ok")
                 return True
 
             try:
                 await wait_for(served, 120, "the restarted cluster to serve")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}; last: {last}") from exc
+            finally:  # read by `make test-restart-loop` (tests/loaded.py)
+                (tmp_path / "first_dump.txt").write_text((first or ["no dump"])[0] + "\n")
             assert writer.failures == []
             assert_matches(dumped, ref, CLIENT_IDS_BELOW)
     finally:
