@@ -292,10 +292,11 @@ class Rebalancer:
 
         Args:
             src: the source worker.
-            memories: the memories it last reported holding (primary and replica copies).
+            memories: the memories it last reported holding as primary (its heartbeats
+                count those only), so the average is over its primary slots.
         """
-        primary, replica = self.current.counts().get(src, (0, 0))
-        per_slot = memories / max(primary + replica, 1)
+        primary, _ = self.current.counts().get(src, (0, 0))
+        per_slot = memories / max(primary, 1)
         return max(1, int(self._copy_chunk_memories / max(per_slot, 1.0)))
 
     async def _publish(self, new: SlotMap) -> None:

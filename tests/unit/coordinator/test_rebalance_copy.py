@@ -18,8 +18,9 @@ from shared.metrics import Metrics
 from shared.proto import worker_pb2
 
 SLOTS = 16
-# Slot s of the sources holds 3 + s memories (uneven, none empty); ids distinct cluster-wide.
-STORE = {s: [1000 * s + k for k in range(3 + s)] for s in range(SLOTS)}
+# Slot s of the sources holds 10 + s % 4 memories (uneven, 11.5 on average over the slots
+# of each source); ids distinct cluster-wide.
+STORE = {s: [1000 * s + k for k in range(10 + s % 4)] for s in range(SLOTS)}
 # a is primary of slots 0..7, b of 8..15; each is the other's replica. c joins empty.
 MAP = SlotMap(5, ["a"] * 8 + ["b"] * 8, ["b"] * 8 + ["a"] * 8)
 
@@ -48,11 +49,11 @@ class FakeSources:
 
 
 class FakeMembership:
-    """a and b report the memories of the slots they hold (both roles), c none."""
+    """a and b report the memories they hold as primary (as heartbeats do), c none."""
 
     def get(self, name: str) -> SimpleNamespace:
-        held = [s for s in range(SLOTS) if name in (MAP.primary[s], MAP.replica[s])]
-        return SimpleNamespace(address=f"{name}:1", memories=sum(len(STORE[s]) for s in held))
+        primary = [s for s in range(SLOTS) if MAP.primary[s] == name]
+        return SimpleNamespace(address=f"{name}:1", memories=sum(len(STORE[s]) for s in primary))
 
 
 def rebalancer(sources: FakeSources, chunk_memories: int) -> Rebalancer:
@@ -74,7 +75,7 @@ def rebalancer(sources: FakeSources, chunk_memories: int) -> Rebalancer:
     ("chunk_memories", "slots_per_request"),
     [
         (1, 1),  # fewer memories than a slot holds: one slot per request
-        (23, 2),  # a's and b's slots hold 10.5 memories on average (168 / 16)
+        (23, 2),  # a's and b's slots hold 11.5 memories on average
         (1 << 20, 8),  # the default's regime in a small store: the whole pair at once
     ],
 )
