@@ -3,6 +3,7 @@ train job on an uploaded set runs on workers that only get their rows over Fetch
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from pathlib import Path
@@ -64,6 +65,26 @@ async def test_put_stores_the_file_and_ls_lists_it(make_cluster, tmp_path: Path)
     ]
     assert (root_of(cluster) / "blobs.npz").read_bytes() == src.read_bytes()
     assert [(e["path"], e["bytes"], e["root"]) for e in listed] == [("blobs.npz", info["bytes"], 0)]
+
+
+async def test_an_upload_in_tiny_chunks_stores_every_byte_once(
+    make_cluster, tmp_path: Path
+) -> None:
+    # Arrange: ~25 KB in chunks of 1000 bytes (issue 20 #4: a dropped or repeated chunk fails)
+    cluster = await make_cluster(workers=0)
+    src = write_npz(tmp_path / "blobs.npz", **blobs())
+    size = src.stat().st_size
+    sent: list[int] = []
+
+    # Act
+    async with cluster.client() as client:
+        info = await client.put_dataset(src, progress=sent.append, chunk_bytes=1000)
+
+    # Assert
+    assert sent == [1000] * (size // 1000) + ([size % 1000] if size % 1000 else [])
+    assert info["bytes"] == size and len(sent) >= 20
+    assert info["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert (root_of(cluster) / "blobs.npz").read_bytes() == src.read_bytes()
 
 
 async def test_a_file_over_the_cap_is_refused_and_nothing_is_left(
