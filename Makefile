@@ -13,8 +13,9 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy --mypy_out=. \
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
-.PHONY: install protos demo test test-deps test-chaos test-browser test-loaded test-restart-loop lint bench-train bench-memory \
-	bench-recovery bench-wan bench-deps clean image image-base image-check deploy-check
+.PHONY: install protos demo test test-deps test-chaos test-browser test-loaded test-restart-loop lint \
+	bench-train bench-memory bench-recovery bench-wan bench-deps clean image image-base image-check \
+	image-deps deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -88,18 +89,30 @@ IMAGE_BASE ?= localhost/neuroshard-base:bookworm
 IMAGE_ARGS = TORCH_SPEC=$(TORCH_SPEC) \
 	$(foreach v,BASE_IMAGE TORCH_INDEX EXTRAS,$(if $(filter undefined,$(origin $(v))),,$(v)=$($(v))))
 
+# Each image target first installs what it needs (buildah and podman, and mmdebstrap for the
+# base) with apt-get when missing and make runs as root, as test-browser does chromium; as
+# another user it prints the exact command and stops. DRY_RUN=1 only says what it would
+# install: make image-deps DRY_RUN=1
+DRY_RUN ?= 0
+
+image-deps:
+	DRY_RUN=$(DRY_RUN) deploy/docker/build.sh deps check
+
 image:
+	DRY_RUN=$(DRY_RUN) deploy/docker/build.sh deps image
 	deploy/docker/build.sh image $(IMAGE) $(IMAGE_ARGS)
 
 # A Debian 12 base image with Python 3.11 from Debian's packages (mmdebstrap, ~1 min), for
 # machines that reach no container registry: make image BASE_IMAGE=$(IMAGE_BASE)
 image-base:
+	DRY_RUN=$(DRY_RUN) deploy/docker/build.sh deps base
 	deploy/docker/build.sh base $(IMAGE_BASE)
 
 # Build the image from nothing (image-base, then image from it) and run it: --help, the demo
 # (test accuracy >= 0.95), `up --workers 2` with a memory job, as the image's non-root user;
-# prints the times and the image size. Needs buildah; slow (see README), not in `make test`.
-image-check:
+# prints the times and the image size. Needs buildah (image-deps); slow (see README), not in
+# `make test`.
+image-check: image-deps
 	IMAGE=$(IMAGE) BASE_IMAGE=$(IMAGE_BASE) deploy/docker/image_check.sh
 
 # Render every overlay with kubectl kustomize, validate it offline against the Kubernetes

@@ -87,6 +87,8 @@ class Cluster:
             metrics,
             cfg.rpc_timeout_s,
             WireLimits(cfg.max_payload_bytes, cfg.max_batch_items),
+            copy_chunk_memories=cfg.copy_chunk_memories,
+            copy_pause_factor=cfg.copy_pause_factor,
         )
         self.failures = FailureDetector(
             self.membership,

@@ -435,6 +435,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             c.cfg.rpc_timeout_s,
             c.cfg.chunk_bytes,
             batch_bytes=c.cfg.export_batch_bytes,
+            batch_memories=c.cfg.export_batch_memories,
         )
         self._exports += 1
         try:

@@ -34,17 +34,6 @@ from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.rebalance")
 
-# Memories one CopySlots request carries, about. The source holds its writes to the copied
-# slots while it snapshots and sends them and the target imports them (at 10M memories, 64
-# slots per request held every write ~0.5 s), but each request also costs the target a pass
-# over its whole store, so requests should not be much smaller either.
-COPY_CHUNK_MEMORIES = 131_072
-# After each copy request, wait this many times as long as it took before the next one of
-# the pair, so the writes held back by the copy get through (Ceph's osd_recovery_sleep does
-# the same): writes run at least 1 / (1 + 1 / ratio) of the time; the copy takes 1 + ratio
-# times as long.
-COPY_PAUSE_RATIO = 1.5
-
 
 class Rebalancer:
     """Owns the published slot map and moves the cluster toward rendezvous placement."""
@@ -58,6 +47,9 @@ class Rebalancer:
         rpc_timeout_s: float,
         limits: WireLimits,
         on_change: Callable[[], None] | None = None,
+        *,
+        copy_chunk_memories: int,
+        copy_pause_factor: float,
     ) -> None:
         """Start from an empty map at epoch 0 (``Cluster`` restores a saved one).
 
@@ -69,6 +61,14 @@ class Rebalancer:
             rpc_timeout_s: deadline of each worker call, seconds (copies get at least 60).
             limits: the request limits every published map carries.
             on_change: called after every publication.
+            copy_chunk_memories: about how many memories one CopySlots request carries
+                (``copy_chunk_memories``), count, >= 1. The source holds its writes to the
+                copied slots while it snapshots and sends them and the target imports them
+                (at 10M memories, 64 slots per request held every write ~0.5 s), but each
+                request also costs the target a pass over its whole store, so requests
+                should not be much smaller either.
+            copy_pause_factor: after each copy request, wait this many times as long as it
+                took before the next one of the pair (``copy_pause_factor``), >= 0.
         """
         self.current = SlotMap.empty(slots)
         self.map_lock = asyncio.Lock()
@@ -83,6 +83,9 @@ class Rebalancer:
         self.events: EventLog | None = None  # promotions and copies, for people (dashboard)
         self.settled = asyncio.Event()  # set while the map matches the membership
         self.copies_total = 0  # slots copied by completed passes (tests and logs)
+        self.copy_requests_total = 0  # CopySlots requests answered (tests and logs)
+        self._copy_chunk_memories = copy_chunk_memories
+        self._copy_pause_factor = copy_pause_factor
         self.persist: Callable[[SlotMap, dict[str, object]], None] | None = None
 
     def trigger(self) -> None:
@@ -246,11 +249,13 @@ class Rebalancer:
     async def _copy(self, copies: dict[tuple[str, str], list[int]]) -> int:
         """Copy each (source, target) pair's slots, pairs at once, chunks in turn.
 
-        A pair's slots go in requests of about ``COPY_CHUNK_MEMORIES`` memories (by the
-        source's last reported count per slot held), with a pause of ``COPY_PAUSE_RATIO``
-        times a request's duration after it, so the writes the source holds while it sends
-        a chunk wait one chunk at most and then get through, rather than stalling for the
-        whole copy.
+        A pair's slots go in requests of about ``copy_chunk_memories`` memories (by the
+        source's last reported count per slot held; at least one slot each), with a pause of
+        ``copy_pause_factor`` times a request's duration after it, so the writes the source
+        holds while it sends a chunk wait one chunk at most and then get through, rather
+        than stalling for the whole copy (Ceph's osd_recovery_sleep does the same): writes
+        run at least factor / (1 + factor) of the time, and the copy takes 1 + factor times
+        as long.
 
         Returns:
             Memories copied.
@@ -263,7 +268,7 @@ class Rebalancer:
             copied, per = 0, self._slots_per_copy(src, s.memories)
             loop, took_s = asyncio.get_running_loop(), 0.0
             for i in range(0, len(slots), per):
-                await asyncio.sleep(took_s * COPY_PAUSE_RATIO)
+                await asyncio.sleep(took_s * self._copy_pause_factor)
                 t0 = loop.time()
                 reply = await self._clients.stub(src, s.address).CopySlots(
                     worker_pb2.CopySlotsRequest(
@@ -275,6 +280,7 @@ class Rebalancer:
                     timeout=max(self._timeout_s, 60.0),
                 )
                 copied += int(reply.memories)
+                self.copy_requests_total += 1
                 took_s = loop.time() - t0
             return copied
 
@@ -282,15 +288,16 @@ class Rebalancer:
         return sum(counts)
 
     def _slots_per_copy(self, src: str, memories: int) -> int:
-        """Slots per CopySlots request from ``src``: ~``COPY_CHUNK_MEMORIES`` memories.
+        """Slots per CopySlots request from ``src``: ~``copy_chunk_memories`` memories.
 
         Args:
             src: the source worker.
-            memories: the memories it last reported holding (primary and replica copies).
+            memories: the memories it last reported holding as primary (its heartbeats
+                count those only), so the average is over its primary slots.
         """
-        primary, replica = self.current.counts().get(src, (0, 0))
-        per_slot = memories / max(primary + replica, 1)
-        return max(1, int(COPY_CHUNK_MEMORIES / max(per_slot, 1.0)))
+        primary, _ = self.current.counts().get(src, (0, 0))
+        per_slot = memories / max(primary, 1)
+        return max(1, int(self._copy_chunk_memories / max(per_slot, 1.0)))
 
     async def _publish(self, new: SlotMap) -> None:
         """Bump the epoch and push the map to the live workers; caller holds ``map_lock``.

@@ -1,6 +1,6 @@
 """Stream the whole memory store out, slot batch by slot batch (``ExportMemories``).
 
-The coordinator reads each batch of consecutive slots (about ``BATCH_MEMORIES`` memories,
+The coordinator reads each batch of consecutive slots (about ``batch_memories`` memories,
 and at most ``batch_bytes`` of them: a read past that is dropped and done again in fewer
 slots)
 from the slots' primaries with the workers' ``DumpSlots`` (one call per primary,
@@ -38,7 +38,8 @@ from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_
 from shared.rpc.peers import WorkerClients
 
 # Memories read per hold of map_lock (~6 MB here, and what the primaries copy out at once):
-# fewer, larger batches cost fewer round trips; smaller ones hold up a rebalance less.
+# fewer, larger batches cost fewer round trips; smaller ones hold up a rebalance less. The
+# default of ``export_batch_memories``.
 BATCH_MEMORIES = 500_000
 BATCH_BYTES = 64 << 20  # the default of ``export_batch_bytes``
 
@@ -131,8 +132,9 @@ class StoreExport:
             chunk_bytes: target size of one ``MemoryChunk``, bytes.
             retry_budget_s: how long a batch is retried while a slot has no live primary or
                 a primary fails (a failover in progress), seconds.
-            batch_memories: about how many memories a batch reads (by the heartbeats'
-                counts: slots per batch = slots * batch_memories / memories, at least 1).
+            batch_memories: about how many memories a batch reads (``export_batch_memories``;
+                by the heartbeats' counts: slots per batch = slots * batch_memories /
+                memories, at least 1).
             batch_bytes: most bytes of ``SlotData`` a batch may hold (``export_batch_bytes``):
                 a read that passes it is dropped and done again in half the slots, and later
                 batches take as many slots as the bytes per memory seen so far allow. A

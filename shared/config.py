@@ -378,6 +378,29 @@ class CoordinatorConfig(_DaemonConfig):
         "primaries and holds at once; a batch that would exceed it is read again in fewer "
         "slots (one slot is read whole whatever its size), bytes.",
     )
+    export_batch_memories: int = Field(
+        500_000,
+        ge=1,
+        description="About how many memories an export reads per batch (slots per batch = "
+        "slots x this / memories stored, at least 1; export_batch_bytes caps it too), count.",
+    )
+    copy_chunk_memories: int = Field(
+        131_072,
+        ge=1,
+        description="About how many memories one CopySlots request of a slot copy "
+        "(re-replication, join, leave) carries, by the source's average per slot; a request "
+        "holds at least one slot. The source holds its writes to the slots it copies while "
+        "it sends them, and each request costs the target a pass over its store, count.",
+    )
+    copy_pause_factor: float = Field(
+        1.5,
+        ge=0,
+        le=100,
+        description="After each CopySlots request, wait this many times as long as it took "
+        "before the next one of the same source and target, so the writes the copy held "
+        "back get through (as Ceph's osd_recovery_sleep): writes run at least "
+        "factor / (1 + factor) of the time; 0: no pause, ratio.",
+    )
     max_jobs_per_client: int = Field(
         100,
         ge=1,

@@ -4,10 +4,14 @@
 #
 #   build.sh image TAG [BUILD_ARG=VALUE ...]   deploy/docker/Dockerfile -> TAG
 #   build.sh base TAG                          mmdebstrap Debian 12 + python3 -> TAG
+#   build.sh deps image|base|check             only install what that target needs
 #
 # Engine (ENGINE=auto|docker|buildah): docker when its daemon answers, else buildah (podman's
 # image store is buildah's). buildah builds with --isolation chroot, which needs no daemon and
-# no user namespaces. `base` needs mmdebstrap and podman, installed with apt-get when missing.
+# no user namespaces. `base` needs mmdebstrap, podman and buildah; `check` (image_check.sh)
+# those and buildah. What is missing is installed with apt-get when this runs as root; else
+# the exact command is printed and the script exits 1. DRY_RUN=1: print what would be
+# installed (or the command to run) and change nothing.
 #
 # A TLS-inspecting proxy (a company network): buildah builds get the host's CA bundle and, if
 # pip is configured with one, its find-links directory as read-only mounts
@@ -57,34 +61,64 @@ host_find_links() {
     done
 }
 
+# The engine `build.sh image` uses (installing buildah when it is the one and is missing).
 engine() {
     case "${ENGINE:-auto}" in
-        docker | buildah) echo "$ENGINE" ;;
+        docker)
+            command -v docker >/dev/null 2>&1 || die "ENGINE=docker: docker not found"
+            echo docker
+            ;;
+        buildah)
+            apt_install_missing buildah podman
+            echo buildah
+            ;;
         auto)
             if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
                 echo docker
-            elif command -v buildah >/dev/null 2>&1; then
-                echo buildah
             else
-                die "no container engine: neither a docker daemon nor buildah" \
-                    "(apt-get install buildah podman)"
+                apt_install_missing buildah podman
+                echo buildah
             fi
             ;;
         *) die "ENGINE must be auto, docker or buildah, not ${ENGINE}" ;;
     esac
 }
 
+# Install the Debian packages of the commands among "$@" that are missing (each command is
+# its package's name): with apt-get as root; otherwise, or under DRY_RUN=1, print the exact
+# command (and exit 1 unless DRY_RUN=1). Messages go to stderr (stdout carries `engine`).
 apt_install_missing() {
     missing=""
     for tool in "$@"; do
         command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"
     done
-    if [ -n "$missing" ]; then
-        echo "build.sh: installing$missing with apt-get" >&2
-        apt-get update -q
-        # shellcheck disable=SC2086 # one word per package
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing
+    [ -n "$missing" ] || return 0
+    cmd="apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q$missing"
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+        if [ "$(id -u)" = 0 ]; then
+            echo "build.sh: missing$missing; would run: $cmd" >&2
+        else
+            echo "build.sh: missing$missing; would stop and ask for: sudo sh -c '$cmd'" >&2
+        fi
+        return 0
     fi
+    command -v apt-get >/dev/null 2>&1 || die "missing$missing, and no apt-get to install" \
+        "them: install those packages with this system's package manager"
+    [ "$(id -u)" = 0 ] || die "missing$missing; install them as root: sudo sh -c '$cmd'"
+    echo "build.sh: installing$missing with apt-get" >&2
+    apt-get update -q >&2
+    # shellcheck disable=SC2086 # one word per package
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $missing >&2
+}
+
+# What each target needs (`build.sh deps TARGET`, the Makefile's first step of each).
+install_deps() {
+    case "$1" in
+        image) engine >/dev/null ;;
+        base) apt_install_missing mmdebstrap podman buildah ;;
+        check) apt_install_missing mmdebstrap podman buildah ;;
+        *) die "deps: unknown target $1 (image, base or check)" ;;
+    esac
 }
 
 build_base() {
@@ -105,7 +139,8 @@ build_image() {
     for kv in "$@"; do
         args="$args --build-arg $kv"
     done
-    case "$(engine)" in
+    eng=$(engine) # an assignment: a failure in engine stops the script (set -e)
+    case "$eng" in
         docker)
             # shellcheck disable=SC2086 # build args are KEY=VALUE words without spaces
             docker build -f "$root/deploy/docker/Dockerfile" -t "$tag" $args "$root"
@@ -124,11 +159,13 @@ build_image() {
     esac
 }
 
-[ $# -ge 2 ] || die "usage: build.sh image TAG [BUILD_ARG=VALUE ...] | build.sh base TAG"
+[ $# -ge 2 ] || die "usage: build.sh image TAG [BUILD_ARG=VALUE ...] | build.sh base TAG" \
+    "| build.sh deps image|base|check"
 what=$1
 shift
 case "$what" in
     image) build_image "$@" ;;
     base) build_base "$@" ;;
-    *) die "unknown target $what (image or base)" ;;
+    deps) install_deps "$1" ;;
+    *) die "unknown target $what (image, base or deps)" ;;
 esac

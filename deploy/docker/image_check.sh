@@ -10,7 +10,9 @@
 #    submitted to it, then the cluster stopped with SIGTERM.
 # 3. The image's size.
 # The container is removed whatever happens; the images stay. Needs buildah (podman run is not
-# used: some sandboxes refuse the rlimits it sets). Exit code 0 when every check passed.
+# used: some sandboxes refuse the rlimits it sets), installed with apt-get when missing and run
+# as root (else the exact command is printed, exit 1). Exit code 0 when every check passed.
+# DRY_RUN=1: only say what would be installed.
 #
 # Environment: IMAGE (default neuroshard:dev), BASE_IMAGE (default
 # localhost/neuroshard-base:bookworm), MIN_ACCURACY (default 0.95); build.sh's ENGINE,
@@ -26,10 +28,10 @@ say() {
     echo "image-check: $*"
 }
 
-command -v buildah >/dev/null 2>&1 || {
-    echo "image-check: buildah not found (apt-get install buildah podman)" >&2
-    exit 1
-}
+# buildah, and mmdebstrap + podman for the base: installed when missing and run as root,
+# else build.sh prints the exact command and this stops (exit 1).
+"$here/build.sh" deps check
+[ "${DRY_RUN:-0}" != 1 ] || exit 0
 
 t0=$(date +%s)
 "$here/build.sh" base "$base"

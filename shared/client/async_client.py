@@ -23,6 +23,7 @@ import numpy.typing as npt
 from grpc import aio
 
 from shared import rpc
+from shared.client.datasets import CHUNK_BYTES as UPLOAD_CHUNK_BYTES
 from shared.client.datasets import (
     UploadRefused,
     entries_from_pb,
@@ -337,6 +338,7 @@ class Client:
         name: str | None = None,
         replace: bool = False,
         progress: Callable[[int], None] | None = None,
+        chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> dict[str, Any]:
         """Upload a local ``.npz`` to the coordinator's first data root as ``NAME.npz``.
 
@@ -350,6 +352,7 @@ class Client:
                 file's stem; a trailing ``.npz`` is dropped.
             replace: overwrite a data set of that name.
             progress: called with each chunk's size in bytes as it is sent.
+            chunk_bytes: bytes of the file per message, >= 1 (default 1 MiB).
 
         Returns:
             ``name``, ``path`` (in the data root), ``bytes``, ``sha256`` (hex), ``kind``
@@ -357,9 +360,15 @@ class Client:
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT (no such local file, a bad name, not a valid
-                data set), RESOURCE_EXHAUSTED (over the coordinator's max_dataset_bytes),
-                ALREADY_EXISTS (the name is taken and ``replace`` is false), UNAVAILABLE.
+                data set, chunk_bytes < 1), RESOURCE_EXHAUSTED (over the coordinator's
+                max_dataset_bytes), ALREADY_EXISTS (the name is taken and ``replace`` is
+                false), UNAVAILABLE.
         """
+        if chunk_bytes < 1:
+            raise NeuroshardError(
+                f"chunk_bytes: must be at least 1, got {chunk_bytes}",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
         p = Path(path)
         if not await asyncio.to_thread(p.is_file):
             raise NeuroshardError(f"{p}: no such file", grpc.StatusCode.INVALID_ARGUMENT)
@@ -369,7 +378,12 @@ class Client:
         )
         try:
             info = await put_file(
-                self._stub, p, header, progress, upload_timeout_s(self.timeout_s, size)
+                self._stub,
+                p,
+                header,
+                progress,
+                upload_timeout_s(self.timeout_s, size),
+                chunk_bytes,
             )
         except aio.AioRpcError as exc:
             raise _error(exc, self.address, self._security) from None

@@ -55,11 +55,12 @@ async def put_file(
     header: coordinator_pb2.DatasetHeader,
     progress: Progress | None,
     timeout_s: float,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> coordinator_pb2.DatasetInfo:
     """Upload one file with a PutDataset call.
 
     Send the header, wait for ``accepted`` (a refused header costs no upload), send the
-    file's bytes in chunks of ``CHUNK_BYTES`` read in a thread, half-close and read the
+    file's bytes in chunks of ``chunk_bytes`` read in a thread, half-close and read the
     stored data set.
 
     Args:
@@ -68,6 +69,7 @@ async def put_file(
         header: the name, size and ``replace`` flag.
         progress: called with ``n`` once each chunk of ``n`` bytes has been handed to gRPC.
         timeout_s: deadline of the whole call, seconds (see ``upload_timeout_s``).
+        chunk_bytes: bytes per message, >= 1 (the last one may be shorter).
 
     Returns:
         The stored data set: its name, path in the data root, size, sha256, kind, arrays.
@@ -83,7 +85,7 @@ async def put_file(
         raise UploadRefused("the coordinator did not accept the upload", await call.code())
     f = await asyncio.to_thread(path.open, "rb")
     try:
-        while data := await asyncio.to_thread(f.read, CHUNK_BYTES):
+        while data := await asyncio.to_thread(f.read, chunk_bytes):
             if call.done():  # refused mid-stream: its status is read below
                 break
             await call.write(coordinator_pb2.DatasetChunk(data=data))

@@ -19,6 +19,7 @@ from shared.client.async_client import (
     _next,
     _refused_input,
 )
+from shared.client.datasets import CHUNK_BYTES as UPLOAD_CHUNK_BYTES
 from shared.client.direct import DirectFailed, DirectPath
 from shared.client.memory import (
     RoutingError,
@@ -160,9 +161,10 @@ class SyncClient:
         name: str | None = None,
         replace: bool = False,
         progress: Callable[[int], None] | None = None,
+        chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> dict[str, Any]:
         """Upload a local ``.npz`` to the coordinator (see ``Client.put_dataset``)."""
-        return self._run(self._client.put_dataset(path, name, replace, progress))
+        return self._run(self._client.put_dataset(path, name, replace, progress, chunk_bytes))
 
     def list_datasets(self) -> list[dict[str, Any]]:
         """List the files in the coordinator's data roots (see ``Client.list_datasets``)."""

@@ -1,4 +1,5 @@
-"""Helpers for memory-store integration tests: dump every copy of every slot."""
+"""Helpers for memory-store integration tests: dump every copy of every slot; copy in small
+chunks."""
 
 from __future__ import annotations
 
@@ -6,6 +7,47 @@ import numpy as np
 
 from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc.codec import f32_from_bytes, ids_from_bytes
+
+# Slot copies in CopySlots requests of a few memories (one slot each in these tests' stores)
+# and slot data in SlotData messages of 1 KiB (several per slot of a few hundred memories):
+# the join, leave and failover tests then copy in many requests and messages, so one that
+# is dropped leaves a slot short and fails them (issue 20 #4). Coordinator overrides, and
+# the workers' (``worker_overrides``).
+SMALL_COPIES: dict[str, object] = {"copy_chunk_memories": 8}
+SMALL_MESSAGES: dict[str, object] = {"chunk_bytes": 1024}
+
+
+async def settled_copy_counts(cluster) -> tuple[int, int]:
+    """(CopySlots requests answered, slots copied by completed passes) of the coordinator,
+    once its map is settled and every live worker reported the memories it holds (copy
+    requests are sized by those counts)."""
+    from tests.conftest import wait_until
+
+    coord = cluster.coordinator.cluster
+    rb = coord.rebalancer
+    await wait_until(
+        lambda: rb.settled.is_set() and all(w.memories > 0 for w in coord.membership.alive()),
+        what="a settled map and every worker's count of memories",
+    )
+    return copy_counts(cluster)
+
+
+def copy_counts(cluster) -> tuple[int, int]:
+    """(CopySlots requests answered, slots copied by completed passes) of the coordinator."""
+    rb = cluster.coordinator.cluster.rebalancer
+    return rb.copy_requests_total, rb.copies_total
+
+
+async def assert_copies_were_split(cluster, before: tuple[int, int]) -> None:
+    """Once the map is settled: since ``before`` (``settled_copy_counts``), slots were copied,
+    in at least one request per slot."""
+    from tests.conftest import wait_until
+
+    rb = cluster.coordinator.cluster.rebalancer
+    await wait_until(rb.settled.is_set, what="the copies' pass to end")
+    requests, slots = (a - b for a, b in zip(copy_counts(cluster), before, strict=True))
+    assert slots > 0, "no slot was copied"
+    assert requests >= slots, f"{slots} slots copied in {requests} requests (not split)"
 
 
 async def dump_worker(stub: worker_pb2_grpc.WorkerStub) -> dict[int, dict[int, float]]:

@@ -3,6 +3,7 @@ train job on an uploaded set runs on workers that only get their rows over Fetch
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from shared.client import NeuroshardError
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
+from shared.rpc.codec import read_header_and_tensors
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.integration
@@ -64,6 +66,26 @@ async def test_put_stores_the_file_and_ls_lists_it(make_cluster, tmp_path: Path)
     ]
     assert (root_of(cluster) / "blobs.npz").read_bytes() == src.read_bytes()
     assert [(e["path"], e["bytes"], e["root"]) for e in listed] == [("blobs.npz", info["bytes"], 0)]
+
+
+async def test_an_upload_in_tiny_chunks_stores_every_byte_once(
+    make_cluster, tmp_path: Path
+) -> None:
+    # Arrange: ~25 KB in chunks of 1000 bytes (issue 20 #4: a dropped or repeated chunk fails)
+    cluster = await make_cluster(workers=0)
+    src = write_npz(tmp_path / "blobs.npz", **blobs())
+    size = src.stat().st_size
+    sent: list[int] = []
+
+    # Act
+    async with cluster.client() as client:
+        info = await client.put_dataset(src, progress=sent.append, chunk_bytes=1000)
+
+    # Assert
+    assert sent == [1000] * (size // 1000) + ([size % 1000] if size % 1000 else [])
+    assert info["bytes"] == size and len(sent) >= 20
+    assert info["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert (root_of(cluster) / "blobs.npz").read_bytes() == src.read_bytes()
 
 
 async def test_a_file_over_the_cap_is_refused_and_nothing_is_left(
@@ -245,6 +267,48 @@ async def test_a_survivor_fetches_the_shard_of_a_failed_worker(
     assert final.result["worker_failures"] == 1
     assert final.result["workers"]["worker-0"]["steps"] == 300
     assert fetches(cluster) == 3  # a shard each at the start, then worker-1's by worker-0
+
+
+async def test_shards_fetched_in_tiny_chunks_hold_every_training_row_once(
+    make_cluster, tmp_path: Path
+) -> None:
+    # Arrange: FetchShard streams in 1 KiB chunks (x: 32 rows a chunk, y: 128) (issue 20 #4)
+    cluster = await make_cluster(workers=2, chunk_bytes=1024)
+    client, job = await _submit_on_uploaded_set(cluster, tmp_path, steps=100_000)
+    record = cluster.coordinator.cluster.jobs.get(job.job_id)
+    await wait_until(lambda: record.progress.get("step", 0) >= 1, what="the job to run")
+    source = blobs()
+    rows = {x.tobytes(): int(y) for x, y in zip(source["x"], source["y"], strict=True)}
+
+    # Act: fetch both shards as the job's workers would
+    chunks, shards = [], []
+    async with channel(cluster.address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        for index, worker in enumerate(record.workers):
+            request = coordinator_pb2.FetchShardRequest(
+                job_id=job.job_id, shard_index=index, shard_count=2, worker=worker
+            )
+            msgs = [m async for m in stub.FetchShard(request, timeout=10)]
+            chunks += [m.rows for m in msgs if m.HasField("rows")]
+            shards.append(await read_header_and_tensors(_aiter(msgs), "header", "rows"))
+    await client.cancel(job.job_id)
+    await client.wait(job.job_id)
+    await client.close()
+
+    # Assert: the shards tile the training rows, each row once and as in the file
+    (h0, t0), (h1, t1) = shards
+    assert (h0.start, h0.stop, h1.start, h1.stop) == (0, h0.stop, h0.stop, h0.n_train)
+    x = np.concatenate([t0["x"], t1["x"]])
+    y = np.concatenate([t0["y"], t1["y"]])
+    assert len(x) == len(y) == h0.n_train > 400
+    assert len({r.tobytes() for r in x}) == len(x)  # no row twice
+    assert all(rows.get(r.tobytes()) == int(label) for r, label in zip(x, y, strict=True))
+    assert len(chunks) >= h0.n_train * 32 // 1024 and max(len(c.data) for c in chunks) == 1024
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
 
 
 async def test_fetch_shard_is_refused_to_a_worker_outside_the_job(

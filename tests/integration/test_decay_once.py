@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import wait_until
-from tests.integration.memory_helpers import assert_cluster_equals
+from tests.integration.memory_helpers import SMALL_COPIES, SMALL_MESSAGES, assert_cluster_equals
 from tests.integration.test_failover import FAST_HEARTBEATS, kill_abruptly
 from tests.memory_reference import ReferenceStore
 
@@ -17,7 +17,9 @@ RATE = 0.001
 
 
 async def _loaded(make_cluster, n_ids: int = 20_000):
-    cluster = await make_cluster(workers=3, slots=64, **FAST_HEARTBEATS)
+    cluster = await make_cluster(
+        workers=3, slots=64, worker_overrides=SMALL_MESSAGES, **FAST_HEARTBEATS, **SMALL_COPIES
+    )
     ref = ReferenceStore(slots=64)
     ids = np.arange(n_ids, dtype=np.uint64) * 104729
     s = np.random.default_rng(0).random(n_ids, dtype=np.float32) * 0.5 + np.float32(0.25)

@@ -16,7 +16,7 @@ from coordinator.server import CoordinatorServer
 from shared.config import CoordinatorConfig
 from shared.proto import worker_pb2
 from tests.conftest import InProcessCluster, wait_until
-from tests.integration.memory_helpers import assert_cluster_equals
+from tests.integration.memory_helpers import SMALL_COPIES, SMALL_MESSAGES, assert_cluster_equals
 from tests.integration.test_failover import Writer, kill_abruptly
 from tests.memory_reference import ReferenceStore
 from worker import journal as journal_mod
@@ -90,7 +90,8 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(
         slots=S,
         heartbeat_interval_s=0.1,
         heartbeat_timeout_s=10.0,
-        worker_overrides=DURABLE,
+        worker_overrides=DURABLE | SMALL_MESSAGES,
+        **SMALL_COPIES,
     )
     client, ref, ids = await load(cluster)
     await settled(cluster, 3)

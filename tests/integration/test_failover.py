@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from tests.conftest import wait_until
-from tests.integration.memory_helpers import assert_cluster_equals
+from tests.integration.memory_helpers import (
+    SMALL_COPIES,
+    SMALL_MESSAGES,
+    assert_cluster_equals,
+    assert_copies_were_split,
+    settled_copy_counts,
+)
 from tests.memory_reference import ReferenceStore
 
 pytestmark = pytest.mark.integration
@@ -50,7 +56,9 @@ class Writer:
 
 
 async def _loaded_cluster(make_cluster, n_ids: int = 20_000):
-    cluster = await make_cluster(workers=3, slots=64, **FAST_HEARTBEATS)
+    cluster = await make_cluster(
+        workers=3, slots=64, worker_overrides=SMALL_MESSAGES, **FAST_HEARTBEATS, **SMALL_COPIES
+    )
     ref = ReferenceStore(slots=64)
     ids = np.arange(n_ids, dtype=np.uint64) * 104729
     s = np.random.default_rng(0).random(n_ids, dtype=np.float32) * 0.5
@@ -66,6 +74,7 @@ async def test_killed_worker_loses_no_acknowledged_write(make_cluster) -> None:
     writer = Writer(client, ref, ids)
     task = asyncio.create_task(writer.run())
     await wait_until(lambda: writer.acked >= 5, what="writes before the kill")
+    copies_before = await settled_copy_counts(cluster)
 
     await kill_abruptly(cluster.workers[1])
     coord = cluster.coordinator.cluster
@@ -83,6 +92,7 @@ async def test_killed_worker_loses_no_acknowledged_write(make_cluster) -> None:
     await task
 
     assert writer.failures == []
+    await assert_copies_were_split(cluster, copies_before)
     cluster.workers.pop(1)  # already stopped; assert_cluster_equals reads live workers only
     await assert_cluster_equals(cluster, ref)
     status = await client.status()
@@ -95,6 +105,7 @@ async def test_drained_worker_hands_over_and_no_request_fails(make_cluster) -> N
     writer = Writer(client, ref, ids)
     task = asyncio.create_task(writer.run())
     await wait_until(lambda: writer.acked >= 5, what="writes before the drain")
+    copies_before = await settled_copy_counts(cluster)
 
     leaving = cluster.workers[2]
     assert await leaving.drain()
@@ -106,6 +117,7 @@ async def test_drained_worker_hands_over_and_no_request_fails(make_cluster) -> N
     await task
 
     assert writer.failures == []
+    await assert_copies_were_split(cluster, copies_before)
     coord = cluster.coordinator.cluster
     assert "worker-2" not in set(
         coord.rebalancer.current.primary + coord.rebalancer.current.replica

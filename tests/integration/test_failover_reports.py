@@ -18,7 +18,7 @@ from shared.memory.slots import slot_of
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
 from tests.conftest import wait_until
-from tests.integration.memory_helpers import assert_cluster_equals
+from tests.integration.memory_helpers import SMALL_COPIES, SMALL_MESSAGES, assert_cluster_equals
 from tests.integration.test_failover import Writer, kill_abruptly
 from tests.memory_reference import ReferenceStore
 
@@ -30,7 +30,9 @@ DEADLINE_S = 15.0  # far below the heartbeat timeout
 
 
 async def _loaded(make_cluster, n_ids: int = 5_000):
-    cluster = await make_cluster(workers=3, slots=SLOTS, **SLOW_HEARTBEATS)
+    cluster = await make_cluster(
+        workers=3, slots=SLOTS, worker_overrides=SMALL_MESSAGES, **SLOW_HEARTBEATS, **SMALL_COPIES
+    )
     ref = ReferenceStore(slots=SLOTS)
     ids = np.arange(1, n_ids + 1, dtype=np.uint64) * 7919
     s = np.random.default_rng(0).random(n_ids, dtype=np.float32) * 0.5

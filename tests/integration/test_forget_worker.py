@@ -14,6 +14,7 @@ from shared.cli.main import main
 from shared.client import NeuroshardError
 from shared.memory.slots import slot_of
 from tests.conftest import wait_until
+from tests.integration.memory_helpers import SMALL_COPIES, SMALL_MESSAGES
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,9 @@ async def test_forget_worker_recreates_only_the_sole_copies_and_counts_them(
 ) -> None:
     # Arrange: 4 workers; worker-0 and worker-1 die together, so the slots they held both
     # copies of have no live copy (kept with them, in case they come back)
-    cluster = await make_cluster(workers=4, slots=SLOTS, **FAST_HEARTBEATS)
+    cluster = await make_cluster(
+        workers=4, slots=SLOTS, worker_overrides=SMALL_MESSAGES, **FAST_HEARTBEATS, **SMALL_COPIES
+    )
     c = cluster.coordinator.cluster
     ids = np.arange(1, 4_001, dtype=np.uint64) * 7_919
     async with cluster.client() as client:

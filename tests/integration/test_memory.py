@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from shared.client import NeuroshardError
-from tests.integration.memory_helpers import assert_cluster_equals
+from tests.integration.memory_helpers import (
+    SMALL_COPIES,
+    SMALL_MESSAGES,
+    assert_cluster_equals,
+    assert_copies_were_split,
+    settled_copy_counts,
+)
 from tests.memory_reference import ReferenceStore
 
 pytestmark = pytest.mark.integration
@@ -70,15 +76,18 @@ async def test_bad_input_is_refused_and_changes_nothing(make_cluster) -> None:
 
 
 async def test_worker_joining_moves_slots_without_loss(make_cluster) -> None:
-    cluster = await make_cluster(workers=2, slots=32)
+    cluster = await make_cluster(
+        workers=2, slots=32, worker_overrides=SMALL_MESSAGES, **SMALL_COPIES
+    )
     ref = ReferenceStore(slots=32)
     rng = np.random.default_rng(7)
-    ids = np.arange(2000, dtype=np.uint64) * 7919
-    s = rng.random(2000, dtype=np.float32)
+    ids = np.arange(4000, dtype=np.uint64) * 7919  # ~125 memories a slot: 2 messages each
+    s = rng.random(4000, dtype=np.float32)
     async with cluster.client() as client:
         await client.wait_ready()
         await client.upsert(ids, s)
         ref.upsert(ids, s)
+        copies_before = await settled_copy_counts(cluster)
         await cluster.add_worker()
         await cluster.wait_alive(3)
         rb = cluster.coordinator.cluster.rebalancer
@@ -88,11 +97,12 @@ async def test_worker_joining_moves_slots_without_loss(make_cluster) -> None:
             lambda: rb.settled.is_set() and len({n for n in rb.current.primary}) == 3,
             what="rebalance to 3",
         )
-        boosts = np.full(2000, 0.1, np.float32)
+        boosts = np.full(4000, 0.1, np.float32)
         await client.reinforce(ids, boosts)
         ref.reinforce(ids, boosts)
         status = await client.status()
     assert status["under_replicated_slots"] == 0
     assert status["replication_factor"] == 2
     assert sum(w["slots_primary"] for w in status["workers"]) == 32
+    await assert_copies_were_split(cluster, copies_before)
     await assert_cluster_equals(cluster, ref)

@@ -11,12 +11,18 @@ import pytest
 
 from shared.cli.main import main
 from shared.client import NeuroshardError
+from tests.conftest import wait_until
 from tests.integration.security_helpers import Material, worker_state
 
 pytestmark = pytest.mark.integration
 
-SLOTS = 64
+SLOTS = 16
 N = 3_000
+# Cluster A exports in tiny pieces (issue 20 #4): batches of about 100 memories (one slot
+# of ~190 each), 1 KiB MemoryChunk messages (several per batch) and 1 KiB SlotData messages
+# from the primaries (several per slot), so a piece dropped anywhere fails the round trip.
+TINY_EXPORT: dict[str, object] = {"export_batch_memories": 100, "chunk_bytes": 1024}
+TINY_DUMPS: dict[str, object] = {"chunk_bytes": 1024}
 
 
 def _store(seed: int = 5) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
@@ -57,7 +63,7 @@ async def test_export_then_import_into_a_fresh_cluster_equals_the_original(
     make_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Arrange: a store with payloads on a quarter of the memories, and a second cluster
-    a = await make_cluster(workers=3, slots=SLOTS)
+    a = await make_cluster(workers=3, slots=SLOTS, worker_overrides=TINY_DUMPS, **TINY_EXPORT)
     ids, strengths, payloads = _store()
     async with a.client() as client:
         await client.wait_ready()
@@ -65,14 +71,19 @@ async def test_export_then_import_into_a_fresh_cluster_equals_the_original(
         await client.reinforce(ids[:500], np.full(500, 0.25, np.float32))
         found, expected_s, expected_p = await client.get(ids, with_payloads=True)
     assert found.all()
+    workers = a.coordinator.cluster.membership.alive
+    await wait_until(  # batches are sized by the primaries' counts (none yet: one batch)
+        lambda: sum(w.memories for w in workers()) == N, what="heartbeats' memory counts"
+    )
     b = await _second_cluster(make_cluster, tmp_path)
     async with b.client() as client_b:
         await client_b.wait_ready()
     original, copy = tmp_path / "a.npz", tmp_path / "b.npz"
 
     # Act: export A with the client, import into B and export B through the CLI
+    messages: list[int] = []
     async with a.client() as client:
-        exported = await client.export_memories(original)
+        exported = await client.export_memories(original, lambda n, _: messages.append(n))
     imported = await asyncio.to_thread(
         main, ["memory", "import", str(original), "--batch", "700", "--coordinator", b.address]
     )
@@ -87,6 +98,7 @@ async def test_export_then_import_into_a_fresh_cluster_equals_the_original(
     assert out_import.startswith(f"imported {N} memories with payloads from {original} in ")
     assert out_export.startswith(f"exported {N} memories, ")
     assert exported["memories"] == N and exported["slots"] == SLOTS
+    assert len(messages) >= 2 * SLOTS  # a batch per slot, several messages per batch
     assert exported["payloads"] == sum(len(p) for p in payloads)
     want = {
         i: (s, p or b"")

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.integration
 
 STEPS = 20
 TOLERANCE = 1e-5
+# Parameters (coordinator to workers) and gradients (back) in 1 KiB chunks, several per
+# tensor (the first layer's weight is 8 KiB): a dropped chunk fails the step (issue 20 #4).
+TINY_CHUNKS: dict[str, object] = {"chunk_bytes": 1024}
 
 
 def job_spec(workers: int, optimizer: dict[str, Any]) -> dict[str, Any]:
@@ -94,7 +97,7 @@ async def test_sync_job_ends_with_single_process_parameters(
     # Arrange
     spec = job_spec(workers, SGD)
     expected = reference_state(spec, digits)
-    cluster = await make_cluster(workers=workers)
+    cluster = await make_cluster(workers=workers, **TINY_CHUNKS, worker_overrides=TINY_CHUNKS)
 
     # Act
     async with cluster.client() as client:
