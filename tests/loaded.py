@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             code = _run(tests, markers, out / f"run-{i:03d}", out / f"run-{i:03d}.log")
             results["passed" if code == 0 else "failed"] += 1
             line = f"run {i}: {'passed' if code == 0 else f'FAILED (exit {code})'}"
-            for f in (out / f"run-{i:03d}").glob("*/first_dump.txt"):
+            found = {f.resolve() for f in (out / f"run-{i:03d}").glob("*/first_dump.txt")}
+            for f in sorted(found):
                 outcome = f.read_text().strip()
                 first_dumps[outcome.split(":")[0]] += 1
                 line += f", first dump after RF 2: {outcome}"
