@@ -22,6 +22,7 @@ from coordinator.membership import Membership, WorkerRecord
 from coordinator.memory_job import MemoryJob
 from coordinator.memory_ops import MemoryOps
 from coordinator.persistence import CRASHED_TWICE, StateStore
+from coordinator.readmission import Readmission
 from coordinator.rebalance import Rebalancer
 from coordinator.scheduler import Scheduler
 from coordinator.slot_map import WireLimits
@@ -51,7 +52,11 @@ class Cluster:
         """
         self.cfg = cfg
         self.metrics = metrics
-        self.membership = Membership(cfg.heartbeat_timeout_s)
+        self.membership = Membership(
+            cfg.heartbeat_timeout_s,
+            holddown_base_s=2 * cfg.heartbeat_interval_s,
+            holddown_max_s=cfg.readmit_holddown_max_s,
+        )
         self.events = EventLog()  # what happened, for people (the dashboard's event log)
         self._seen_states: dict[str, str] = {}  # worker -> state last told in ``events``
         self.jobs = JobStore()
@@ -65,6 +70,9 @@ class Cluster:
             cfg.dataset_roots()[0], cfg.max_concurrent_uploads, cfg.max_data_root_bytes
         )
         self.clients = WorkerClients(cfg.max_message_bytes, security)
+        # A DEAD worker registers again only once reachable, after its hold-down; the check
+        # may take a heartbeat timeout, the time a worker has to show it is alive.
+        self.readmission = Readmission(self.membership, self.clients, cfg.heartbeat_timeout_s)
         self.links = LinkStats()  # per-worker RTT, step times, health (train jobs, probes)
         self.link_probe = LinkProbe(
             self.links,

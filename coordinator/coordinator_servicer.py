@@ -17,6 +17,7 @@ from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
 from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.membership import WorkerState
 from coordinator.memory_ops import BulkOpError
+from coordinator.readmission import ReadmissionRefused
 from coordinator.store_export import ExportUnavailable, StoreExport
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
@@ -80,16 +81,25 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.RegisterWorkerResponse:
         """Register (or re-register) a worker; the reply carries the slot count and limits.
 
+        A worker declared DEAD is admitted again only after its hold-down and once the
+        coordinator reaches its address (``coordinator.readmission``).
+
         Raises:
             grpc.aio.AbortError: INVALID_ARGUMENT for an empty name or address;
                 PERMISSION_DENIED for an address whose host the worker's certificate does
-                not name (the name itself is bound to the certificate by the interceptor).
+                not name (the name itself is bound to the certificate by the interceptor);
+                UNAVAILABLE for a DEAD worker held down or unreachable, saying why and
+                when to retry (also as ``grpc-retry-pushback-ms``).
         """
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
         refused = address_error(current_principal(), request.address)
         if refused is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+        try:
+            await self._cluster.readmission.check(request.name, request.address)
+        except ReadmissionRefused as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), exc.pushback())
         self._cluster.register_worker(
             request.name,
             request.address,
@@ -132,6 +142,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 device=w.device,
                 train_device=w.train_device,
                 heartbeat_age_s=c.membership.heartbeat_age_s(w),
+                readmit_holddown_s=c.membership.readmit_wait_s(w.name),
                 memories=w.memories,
                 slots_primary=slots["per_worker"].get(w.name, (0, 0))[0],
                 slots_replica=slots["per_worker"].get(w.name, (0, 0))[1],

@@ -1,8 +1,14 @@
 """Worker membership: registration, heartbeats and failure detection.
 
 A worker is ALIVE while its heartbeats arrive; one silent for ``heartbeat_timeout_s`` is DEAD,
-and ALIVE again when it registers or heartbeats anew. Plain domain code: no gRPC, a clock
-injected for tests.
+and ALIVE again when it registers anew. A DEAD worker is held down before it may register
+again: for ``holddown_base_s`` after its first death, twice as long after each death within
+``holddown_max_s`` of its last admission and after each failed readmission check, at most
+``holddown_max_s``; one that stayed ALIVE ``holddown_max_s`` starts again from the base. A
+worker whose own heartbeats reach the coordinator while nobody reaches it (an asymmetric
+partition) would otherwise rejoin and die again at every failed copy, each time a new map
+epoch (route-flap damping, RFC 2439; SWIM's suspicion and Consul's quarantine of flapping
+members do the same). Plain domain code: no gRPC, a clock injected for tests.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class WorkerRecord:
         slot_memories: slot -> memories it held there (either role) at its last heartbeat,
             slots without a memory left out; None before its first heartbeat to this
             coordinator process (what forgetting it would lose is then unknown).
+        holddown_s: the length of its last hold-down, seconds; 0 before its first death.
+        readmit_at: ``clock()`` seconds before which it is not admitted again while DEAD.
     """
 
     name: str
@@ -61,13 +69,19 @@ class WorkerRecord:
     slot_map_epoch: int = 0
     restored: bool = False
     slot_memories: dict[int, int] | None = None
+    holddown_s: float = 0.0
+    readmit_at: float = 0.0
 
 
 class Membership:
     """The registry of workers, keyed by name."""
 
     def __init__(
-        self, heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        heartbeat_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        holddown_base_s: float = 0.0,
+        holddown_max_s: float = 0.0,
     ) -> None:
         """An empty registry.
 
@@ -75,9 +89,14 @@ class Membership:
             heartbeat_timeout_s: seconds without a heartbeat after which ``sweep`` declares a
                 worker DEAD.
             clock: monotonic seconds (injected by tests).
+            holddown_base_s: first hold-down of a DEAD worker, seconds (module docstring).
+            holddown_max_s: longest hold-down, seconds, and how long a worker must stay
+                ALIVE for its next hold-down to start from the base again; 0: none.
         """
         self._timeout_s = heartbeat_timeout_s
         self._clock = clock
+        self._holddown_max_s = holddown_max_s
+        self._holddown_base_s = min(holddown_base_s, holddown_max_s)
         self._workers: dict[str, WorkerRecord] = {}
 
     def register(
@@ -145,7 +164,7 @@ class Membership:
         dead = []
         for rec in self._workers.values():
             if rec.state is not WorkerState.DEAD and now - rec.last_heartbeat > self._timeout_s:
-                rec.state = WorkerState.DEAD
+                self._declare_dead(rec, now)
                 dead.append(rec)
         return dead
 
@@ -169,8 +188,41 @@ class Membership:
         rec = self._workers.get(name)
         if rec is None or rec.state is WorkerState.DEAD:
             return False
-        rec.state = WorkerState.DEAD
+        self._declare_dead(rec, self._clock())
         return True
+
+    def _declare_dead(self, rec: WorkerRecord, now: float) -> None:
+        """Mark ``rec`` DEAD and hold it down: longer when it died soon after its admission."""
+        rec.state = WorkerState.DEAD
+        flapping = rec.holddown_s > 0 and now - rec.registered_at < self._holddown_max_s
+        self._hold_down(rec, now, double=flapping)
+
+    def _hold_down(self, rec: WorkerRecord, now: float, double: bool) -> float:
+        """Start a hold-down of ``rec``: twice the last one if ``double``, else the base."""
+        length = min(2 * rec.holddown_s, self._holddown_max_s) if double else 0.0
+        rec.holddown_s = max(length, self._holddown_base_s)
+        rec.readmit_at = now + rec.holddown_s
+        return rec.holddown_s
+
+    def readmit_wait_s(self, name: str) -> float:
+        """Seconds before DEAD worker ``name`` may be admitted again; 0 when it may.
+
+        Also 0 for a worker that is not DEAD, or unknown.
+        """
+        rec = self._workers.get(name)
+        if rec is None or rec.state is not WorkerState.DEAD:
+            return 0.0
+        return max(0.0, rec.readmit_at - self._clock())
+
+    def readmit_refused(self, name: str) -> float:
+        """A DEAD worker failed its readmission check: double its hold-down; return it, s.
+
+        Returns 0 when ``name`` is unknown or not DEAD.
+        """
+        rec = self._workers.get(name)
+        if rec is None or rec.state is not WorkerState.DEAD:
+            return 0.0
+        return self._hold_down(rec, self._clock(), double=rec.holddown_s > 0)
 
     def set_draining(self, name: str) -> bool:
         """Mark an ALIVE worker DRAINING; True if its state changed.

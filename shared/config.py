@@ -321,6 +321,17 @@ class CoordinatorConfig(_DaemonConfig):
         description="When a primary reports a worker unreachable, the "
         "coordinator probes its health; no answer within this many seconds: DEAD at once.",
     )
+    readmit_holddown_max_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="Longest hold-down, seconds, of a worker declared DEAD: it is admitted "
+        "again only once the coordinator reaches its advertised address (a health check) and "
+        "not sooner than a hold-down that starts at 2 x heartbeat_interval_s and doubles "
+        "each time it fails that check or dies again within this many seconds of its "
+        "admission, up to this cap; one that stays ALIVE this long starts again from 2 x "
+        "heartbeat_interval_s. 0: no hold-down (the check still applies).",
+    )
     report_rate_per_s: float = Field(
         2.0,
         gt=0,

@@ -162,6 +162,7 @@ class SnapshotBuilder:
                 "device": w.device,
                 "train_device": w.train_device,
                 "heartbeat_age_s": c.membership.heartbeat_age_s(w),
+                "readmit_holddown_s": c.membership.readmit_wait_s(w.name),
                 "memories": w.memories,
                 "slots_primary": per_worker.get(w.name, (0, 0))[0],
                 "slots_replica": per_worker.get(w.name, (0, 0))[1],

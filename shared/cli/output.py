@@ -180,6 +180,11 @@ def print_status(status: dict[str, Any]) -> None:
     for w in status["workers"]:
         if w.get("excluded_reason"):
             out_console.print(f"{w['name']} excluded: {w['excluded_reason']}")
+        if w.get("readmit_holddown_s"):
+            out_console.print(
+                f"{w['name']} held down: may rejoin in {w['readmit_holddown_s']:.1f} s, "
+                "once the coordinator reaches it"
+            )
     jobs = ", ".join(f"{k.lower()} {v}" for k, v in status["jobs"].items() if v) or "none"
     out_console.print(f"jobs: {jobs}")
     if status.get("slots"):

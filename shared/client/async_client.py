@@ -412,7 +412,8 @@ class Client:
             ``workers`` (name, address, state, device (memory kernels), train_device
             (training), heartbeat_age_s, memories, slots_primary, slots_replica, and the
             coordinator's link figures rtt_ms, bandwidth_mbit, step_ms (None until measured),
-            health in [0, 1], excluded and excluded_reason of each),
+            health in [0, 1], excluded and excluded_reason of each, and readmit_holddown_s:
+            seconds before a DEAD worker may register again, 0 when no hold-down runs),
             ``jobs`` (count by state), ``slots``, ``replication_factor``,
             ``under_replicated_slots``, ``slot_map_epoch`` and ``memories`` (primary copies,
             as the alive workers last reported them).
@@ -441,6 +442,7 @@ class Client:
                     "health": round(w.health, 3),
                     "excluded": w.excluded,
                     "excluded_reason": w.excluded_reason or None,
+                    "readmit_holddown_s": round(w.readmit_holddown_s, 3),
                 }
                 for w in s.workers
             ],

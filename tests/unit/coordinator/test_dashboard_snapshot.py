@@ -76,6 +76,10 @@ async def test_snapshot_shows_workers_slots_jobs_and_events(tmp_path: Path) -> N
             ("w1", "ALIVE"),
             ("w2", "DEAD"),
         ]
+        # w2 just died: held down for 2 x heartbeat_interval_s before it may rejoin
+        holddown = [w["readmit_holddown_s"] for w in snap["workers"]]
+        assert holddown[:2] == [0.0, 0.0]
+        assert 0 < holddown[2] <= 2 * cluster.cfg.heartbeat_interval_s
         assert snap["workers"][0]["slots_primary"] == 8
         assert snap["workers"][1]["slots_replica"] == 4
         slots = snap["slots"]

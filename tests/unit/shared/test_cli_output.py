@@ -109,3 +109,15 @@ def test_status_shows_the_link_figures_and_why_a_worker_is_excluded(
     row_w1 = links.split("w1", 1)[1].splitlines()[0]
     assert "201.5" in row_w1 and "0.12" in row_w1 and "True" in row_w1
     assert "w1 excluded: health 0.12 < 0.25 at step 40 (rtt 202 ms)" in out
+
+
+def test_status_shows_how_long_a_dead_worker_is_held_down(capsys: pytest.CaptureFixture) -> None:
+    base = {"device": "cpu", "train_device": "cpu", "memories": 0, "readmit_holddown_s": 0.0}
+    alive = base | {"name": "w0", "address": "h:1", "state": "ALIVE"}
+    held = base | {"name": "w1", "address": "h:2", "state": "DEAD", "readmit_holddown_s": 3.25}
+
+    print_status({"workers": [alive, held], "jobs": {}})
+
+    out = capsys.readouterr().out
+    assert "w1 held down: may rejoin in 3.2 s, once the coordinator reaches it" in out
+    assert "w0 held down" not in out
