@@ -121,6 +121,12 @@ async def test_restarted_worker_reloads_and_only_its_stale_slots_are_copied(
         what="a primary reporting the copies it can no longer update",
     )
     restarted = await cluster.add_worker("worker-1")
+    # Back means registered: a probe of the old address would declare it DEAD, and a DEAD
+    # worker rejoins only after a hold-down, its slots copied afresh meanwhile.
+    await wait_until(
+        lambda: coord.membership.get("worker-1").address == restarted.address,
+        what="the restarted worker registered",
+    )
     back.set()
     await settled(cluster, 3)
     acked = writer.acked
