@@ -66,7 +66,10 @@ def channel(
 
     Calls to the coordinator service are retried on UNAVAILABLE by gRPC itself (5 attempts,
     jittered exponential backoff from 50 ms to 1 s); worker calls are retried by their callers.
-    Keepalive pings every 30 s while calls are open notice a peer that vanished.
+    Keepalive pings every 30 s while calls are open notice a peer that vanished. A peer that
+    could not be reached is dialled again every second at most (gRPC's reconnect backoff
+    grows to 120 s by default, and calls fail fast meanwhile: after a long partition healed,
+    the coordinator could not reach a worker, nor admit it again, for up to two minutes).
 
     Args:
         address: ``host:port`` to dial.
@@ -81,6 +84,7 @@ def channel(
         ("grpc.service_config", _SERVICE_CONFIG),
         ("grpc.enable_retries", 1),
         ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
     ]
     if security is None:
         return aio.insecure_channel(address, options=options)
