@@ -42,6 +42,7 @@ def test_status_json_lists_the_workers(up_cluster: tuple[str, Path]) -> None:
     assert [w["name"] for w in workers] == ["worker-0", "worker-1", "worker-2"]
     for w in workers:
         assert w["state"] == "ALIVE" and w["device"] == "cpu" and w["address"]
+        assert w["readmit_holddown_s"] == 0  # only a DEAD worker is held down
         assert w["train_device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
