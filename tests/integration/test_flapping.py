@@ -222,3 +222,25 @@ async def test_a_dead_worker_is_refused_unavailable_until_it_is_reachable(make_c
         timeout_s=10 * interval_s,
         what="the restarted worker admitted",
     )
+
+
+async def test_under_mutual_tls_a_restarted_dead_worker_passes_the_check(secure) -> None:
+    # Arrange: per-daemon certificates and tokens; worker-1 killed and declared DEAD.
+    cluster = await secure(workers=2, slots=SLOTS, heartbeat_interval_s=0.1)
+    coord = cluster.coordinator.cluster
+    killed = cluster.workers[1]
+    await kill_abruptly(killed)
+    assert coord.membership.mark_dead(killed.name)
+    coord._on_membership_change()
+
+    # Act: it restarts (its own certificate, a new port).
+    await cluster.add_worker(killed.name, data_dir=str(cluster.root / "restarted"))
+
+    # Assert: the coordinator's health check reached it over mutual TLS and admitted it.
+    await wait_until(
+        lambda: coord.membership.get(killed.name).state.value == "ALIVE",  # type: ignore[union-attr]
+        what="the restarted worker admitted over mutual TLS",
+    )
+    rec = coord.membership.get(killed.name)
+    assert rec is not None and rec.address == cluster.workers[-1].address
+    assert rec.holddown_s == 2 * 0.1  # the base: no check failed (that would double it)
