@@ -140,12 +140,11 @@ class FailureDetector:
         """Probe a worker a client could not reach; DEAD only when its silence confirms it.
 
         Nothing else changes: its copies stay trusted, and a worker that answers the probe
-        stays ALIVE whatever the report said. A failed probe alone is not enough, since a
+        stays ALIVE whatever the report said. One failed probe is not enough, since a
         client's word is not a daemon's and a worker whose event loop is busy for a moment
         fails a probe too: the worker is DEAD only if it has also missed a heartbeat (no
-        heartbeat for 1.5 intervals), checked at once and again with a second probe once a
-        heartbeat would have been missed (suspicion and confirmation as in SWIM, Das et al.
-        2002).
+        heartbeat for 1.5 intervals), or fails a second probe once a heartbeat would have
+        been missed (suspicion and confirmation as in SWIM, Das et al. 2002).
         Reports of a worker already being probed, or not ALIVE, or unknown, add nothing.
 
         Args:
@@ -187,31 +186,38 @@ class FailureDetector:
             return False, rpc.error_message(exc)
 
     async def _confirmed_probe(self, name: str) -> None:
-        """Probe a worker a client reported; DEAD only if it also missed a heartbeat."""
+        """Probe a worker a client reported; DEAD only when the coordinator confirms it.
+
+        Confirmed by a missed heartbeat right after a failed probe, or by a second failed
+        probe once a heartbeat would have been missed (1.5 intervals after the last one): a
+        worker the coordinator itself cannot reach twice over that span is unavailable
+        whatever its heartbeats say (a one-way partition), while one busy for a moment
+        answers the second probe.
+        """
         for attempt in range(2):
             rec = self._membership.get(name)
             if rec is None or rec.state is not WorkerState.ALIVE:
                 return
             answered, reason = await self._answers(name)
             if answered:
+                if attempt:
+                    self.unconfirmed_total += 1
+                    log.info("worker_suspicion_unconfirmed", worker=name)
                 return
-            if self._missed_heartbeat(name):
+            if attempt or self._missed_heartbeat(name):
                 if self._membership.mark_dead(name):
                     log.warning(
                         "worker_dead",
                         worker=name,
                         address=rec.address,
                         reason=reason,
-                        detected_by="probe after a client's report",
+                        detected_by="probes after a client's report",
                     )
                     self._on_dead()
                 return
-            if attempt == 0:  # probe again once a heartbeat would have been missed
-                rec = self._membership.get(name)
-                age = self._membership.heartbeat_age_s(rec) if rec is not None else 0.0
-                await asyncio.sleep(max(0.0, 1.5 * self._heartbeat_interval_s - age) + 0.05)
-        self.unconfirmed_total += 1
-        log.info("worker_suspicion_unconfirmed", worker=name)
+            # probe again once a heartbeat would have been missed
+            age = self._membership.heartbeat_age_s(rec)
+            await asyncio.sleep(max(0.0, 1.5 * self._heartbeat_interval_s - age) + 0.05)
 
     async def _probe(self, name: str) -> None:
         """Ask a worker reported unreachable for its health at once, then re-plan.

@@ -25,6 +25,7 @@ from pathlib import Path
 LOADED_TESTS = [
     "tests/integration/test_failover.py",
     "tests/integration/test_failover_reports.py",
+    "tests/integration/test_flapping.py",
     "tests/integration/test_partition.py",
     "tests/integration/test_durability.py",
     "tests/integration/test_decay_once.py",

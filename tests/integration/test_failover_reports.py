@@ -198,10 +198,11 @@ async def test_a_readers_reports_about_a_busy_worker_kill_nothing(
     secure, material, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 7 of the second security review: a reader's ReportFailure about a live worker
-    whose event loop was busy (its probes time out, its heartbeats still arrive) declared it
+    whose event loop was busy (its probe timed out, its heartbeats still arrive) declared it
     DEAD, a failover and a full re-copy at will. Now a failed probe needs a missed heartbeat
-    to confirm it, and a caller's reports are rate-limited."""
-    # Arrange: worker-0 fails every probe (as a blocked loop does) but keeps heartbeating
+    or a second failed probe to confirm it, and a caller's reports are rate-limited."""
+    # Arrange: worker-0 fails the first probe of each report (busy for a moment), answers
+    # the next, and keeps heartbeating
     cluster = await secure(workers=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=60.0)
     reader = material.client(material.token("reader", "rita"))
     async with Client(cluster.address, security=reader) as c:
@@ -209,8 +210,13 @@ async def test_a_readers_reports_about_a_busy_worker_kill_nothing(
     coord = cluster.coordinator.cluster
     answers = coord.failures._answers
 
+    probed: list[str] = []
+
     async def busy(name: str) -> tuple[bool, str]:
-        return (False, "deadline exceeded") if name == "worker-0" else await answers(name)
+        probed.append(name)
+        if name == "worker-0" and probed.count(name) % 2:
+            return False, "deadline exceeded"
+        return await answers(name)
 
     monkeypatch.setattr(coord.failures, "_answers", busy)
     epoch, probes = coord.rebalancer.current.epoch, coord.failures.probes_total
