@@ -362,16 +362,27 @@ class Rebalancer:
 
         Returns:
             ``slots``, ``epoch``, ``replication_factor`` (2, or fewer live workers),
-            ``under_replicated_slots`` (fewer live copies than that) and ``per_worker``
+            ``under_replicated_slots`` (fewer serving, trusted copies than that: a copy on a
+            worker restored and not heard from, or restarted and unverified, does not
+            count) and ``per_worker``
             (name -> (slots as primary, slots as replica)).
         """
         current = self.current
-        alive = {w.name for w in self._membership.alive()}
+        live = self._membership.alive()
+        alive = {w.name for w in live}
+        # Copies count once they serve: not on a worker restored from the saved registry and
+        # not heard from yet (the map may still name its old process's address), nor on a
+        # restarted one not yet verified, nor an untrusted copy (being copied afresh). Else
+        # the status said RF 2 after a full restart while the map still pointed at dead
+        # processes (issue 20 #1: `make test-restart-loop`).
+        confirmed = {w.name for w in live if not w.restored} - self.trust.unverified
         return {
             "slots": current.slots,
             "epoch": current.epoch,
             "replication_factor": min(2, len(alive)),
-            "under_replicated_slots": current.under_replicated(alive, 2),
+            "under_replicated_slots": current.under_replicated(
+                alive, 2, confirmed, self.trust.snapshot()
+            ),
             "per_worker": current.counts(),
         }
 

@@ -98,13 +98,30 @@ class SlotMap:
                 out[r][1] += 1
         return {n: (c[0], c[1]) for n, c in out.items()}
 
-    def under_replicated(self, alive: set[str], rf: int) -> int:
-        """Slots with fewer than ``rf`` live copies (rf capped by the live worker count)."""
+    def under_replicated(
+        self,
+        alive: set[str],
+        rf: int,
+        confirmed: set[str] | None = None,
+        untrusted: dict[str, set[int]] | None = None,
+    ) -> int:
+        """Slots with fewer than ``rf`` live copies (rf capped by the live worker count).
+
+        Args:
+            alive: the ALIVE workers (they set how many copies are wanted).
+            rf: the replication factor wanted.
+            confirmed: the holders whose copies count (default ``alive``): a worker
+                restored from the saved registry, or restarted and not yet verified, may be
+                ALIVE while its copies are not yet served or decided.
+            untrusted: worker -> slots whose copy on it does not count (being re-copied).
+        """
         want = min(rf, len(alive))
+        counted = alive if confirmed is None else confirmed & alive
+        bad = untrusted or {}
         return sum(
             1
-            for p, r in zip(self.primary, self.replica, strict=True)
-            if sum(1 for h in (p, r) if h and h in alive) < want
+            for slot, (p, r) in enumerate(zip(self.primary, self.replica, strict=True))
+            if sum(1 for h in (p, r) if h and h in counted and slot not in bad.get(h, ())) < want
         )
 
 

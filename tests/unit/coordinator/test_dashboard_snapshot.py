@@ -38,7 +38,9 @@ async def test_snapshot_shows_workers_slots_jobs_and_events(tmp_path: Path) -> N
     try:
         for name in ("w0", "w1", "w2"):
             cluster.register_worker(name, f"127.0.0.1:{5000 + len(name)}", "cpu")
-        # w0 primary of every slot, w1 replica of the first half, none for the rest.
+        # w0 primary of every slot, w1 replica of the first half, none for the rest; the
+        # new workers' copies verified (the rebalancer's pass does it in a running cluster)
+        cluster.rebalancer.trust.unverified.clear()
         cluster.rebalancer.current = SlotMap(
             epoch=7, primary=["w0"] * 8, replica=["w1"] * 4 + [""] * 4
         )

@@ -206,3 +206,15 @@ def test_wire_form_without_placement_carries_only_the_slot_count_and_limits() ->
     pb = m.to_pb({"a": "h:1"}, WireLimits(max_payload_bytes=64, max_batch_items=7), placement=False)
 
     assert pb == common_pb2.SlotMap(slots=3, max_payload_bytes=64, max_batch_items=7)
+
+
+def test_only_serving_trusted_copies_count_as_replicated() -> None:
+    # Arrange: 4 slots on w0 (primary) and w1 (replica)
+    m = SlotMap(epoch=3, primary=["w0"] * 4, replica=["w1"] * 4)
+    alive = {"w0", "w1"}
+
+    # Act / Assert: every copy counts; w1 not yet confirmed (restored or unverified) makes
+    # every slot short; one untrusted copy makes its slot short
+    assert m.under_replicated(alive, 2) == 0
+    assert m.under_replicated(alive, 2, confirmed={"w0"}) == 4
+    assert m.under_replicated(alive, 2, confirmed=alive, untrusted={"w1": {2}}) == 1
