@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -36,3 +37,23 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             pids.append(int(proc.name))
     return pids
+
+
+async def start_link(target_port: int, *flags: str) -> tuple[asyncio.subprocess.Process, str]:
+    """Start ``neuroshard link`` to ``127.0.0.1:target_port`` with ``flags``.
+
+    Returns:
+        The process and the address it printed (``--listen 127.0.0.1:0`` unless a flag
+        says otherwise); the caller ends the process.
+    """
+    listen = [] if "--listen" in flags else ["--listen", "127.0.0.1:0"]
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        *["link", *listen, "--target", f"127.0.0.1:{target_port}", *flags],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None
+    address = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+    return proc, address

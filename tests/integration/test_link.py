@@ -20,7 +20,7 @@ from shared.cli.local_cluster import LocalCluster
 from shared.client import SyncClient
 from shared.net.link_proxy import LinkProxy, LinkSettings
 from tests.conftest import wait_until
-from tests.integration.cli_helpers import CLI, REPO, processes_mentioning, run_cli
+from tests.integration.cli_helpers import CLI, REPO, processes_mentioning, run_cli, start_link
 
 pytestmark = pytest.mark.integration
 
@@ -64,17 +64,8 @@ async def test_grpc_sees_unavailable_when_the_link_resets(health_server: int) ->
 async def test_link_command_prints_its_port_relays_and_stops_on_sigterm(
     health_server: int,
 ) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *CLI,
-        *["link", "--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{health_server}"],
-        *["--latency-ms", "5", "--bandwidth-mbit", "100"],
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=REPO,
-    )
+    proc, address = await start_link(health_server, "--latency-ms", "5", "--bandwidth-mbit", "100")
     try:
-        assert proc.stdout is not None
-        address = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
         host, _, port = address.rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0
         async with aio.insecure_channel(address) as channel:
@@ -225,17 +216,10 @@ async def test_cap_refuses_the_connection_past_max_connections(health_server: in
 
 async def test_insecure_link_listens_openly_warns_and_keeps_its_cap(health_server: int) -> None:
     # Arrange: the operator accepts the risk of a link on every interface, capped at 1.
-    proc = await asyncio.create_subprocess_exec(
-        *CLI,
-        *["link", "--listen", "0.0.0.0:0", "--target", f"127.0.0.1:{health_server}"],
-        *["--insecure", "--max-connections", "1"],
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=REPO,
+    proc, address = await start_link(
+        health_server, "--listen", "0.0.0.0:0", "--insecure", "--max-connections", "1"
     )
     try:
-        assert proc.stdout is not None
-        address = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
         port = int(address.rpartition(":")[2])
         assert address.startswith("0.0.0.0:")
         # Act: one connection relayed (a health check), a second one while it is open.

@@ -30,7 +30,7 @@ from shared.net.link_proxy import LinkProxy, LinkSettings
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
 from tests.conftest import InProcessCluster, wait_until
-from tests.integration.cli_helpers import CLI, REPO
+from tests.integration.cli_helpers import start_link
 from tests.integration.invariant_helpers import assert_copies_identical, wait_settled
 from worker.server import WorkerServer
 
@@ -65,16 +65,8 @@ async def test_a_cut_link_refuses_calls_until_healed(health_server: int) -> None
 
 
 async def test_the_link_command_cuts_on_sigusr1_and_heals_on_sigusr2(health_server: int) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *CLI,
-        *["link", "--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{health_server}"],
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=REPO,
-    )
+    proc, address = await start_link(health_server)
     try:
-        assert proc.stdout is not None
-        address = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
         async with aio.insecure_channel(address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
