@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,11 +38,12 @@ LOADED_TESTS = [
 RESTART_TEST = "tests/chaos/test_chaos.py::test_full_cluster_restart_loses_no_acknowledged_write"
 
 
-def _burn(stop_at: float) -> None:
-    """Keep one core busy until ``stop_at`` (time.monotonic seconds)."""
+def _burn(stop_at: float, parent: int) -> None:
+    """Keep one core busy until ``stop_at`` (time.monotonic seconds) or the parent is gone."""
     x = 0
-    while time.monotonic() < stop_at:
-        x = (x * 1103515245 + 12345) % 2**31
+    while time.monotonic() < stop_at and os.getppid() == parent:
+        for _ in range(100_000):
+            x = (x * 1103515245 + 12345) % 2**31
 
 
 def _run(tests: list[str], markers: str, basetemp: Path, log: Path) -> int:
@@ -70,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     burners = [
-        mp.Process(target=_burn, args=(time.monotonic() + 6 * 3600,), daemon=True)
+        mp.Process(target=_burn, args=(time.monotonic() + 6 * 3600, os.getpid()), daemon=True)
         for _ in range(args.burners)
     ]
+    # SIGTERM ends the runs through the finally below (the burners also stop on their own
+    # once this process is gone).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for b in burners:
         b.start()
     results: Counter[str] = Counter()
