@@ -22,7 +22,7 @@ from shared.proto import coordinator_pb2_grpc
 from shared.rpc.interceptors import auth_interceptor, server_interceptors
 from shared.rpc.limits import server_options
 from shared.rpc.reflection import enable_reflection
-from shared.security.exposure import check_listen, start_probe_server
+from shared.security.exposure import check_listen, local_host, start_probe_server
 from shared.security.transport import DaemonSecurity
 
 log = get_logger("coordinator.server")
@@ -84,7 +84,7 @@ class CoordinatorServer:
         """Bind, start serving and the background tasks; return ``host:port`` actually bound."""
         host, _, _ = self.cfg.listen.rpartition(":")
         port = self.security.add_port(self.server, self.cfg.listen)
-        self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]') else host}:{port}"
+        self.address = f"{local_host(host)}:{port}"
         await self.server.start()
         if self.cfg.probe_port is not None:
             self.probe_server, self.probe_port = await start_probe_server(

@@ -22,7 +22,7 @@ from shared.rpc.interceptors import auth_interceptor, server_interceptors
 from shared.rpc.limits import server_options
 from shared.rpc.peers import WorkerClients
 from shared.rpc.reflection import enable_reflection
-from shared.security.exposure import check_listen, start_probe_server
+from shared.security.exposure import check_listen, local_host, start_probe_server
 from shared.security.transport import DaemonSecurity
 from shared.training.controls import resolve_device
 from worker import kernels
@@ -68,9 +68,7 @@ class WorkerServer:
         fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
         self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_models, self.name, fetcher)
         listen_host, _, _ = cfg.listen.rpartition(":")
-        self.advertise_host = cfg.advertise_host or (
-            "127.0.0.1" if listen_host in ("0.0.0.0", "[::]") else listen_host
-        )
+        self.advertise_host = cfg.advertise_host or local_host(listen_host)
         # strategy allreduce: one child process per job, which joins the job's process group
         # (its gloo traffic goes to this host directly, never through advertise_address)
         self.allreduce = AllreduceSessions(

@@ -41,7 +41,7 @@ from coordinator.dashboard.snapshot import SnapshotBuilder, StorePoller
 from shared.config import CoordinatorConfig
 from shared.logging import get_logger
 from shared.security.auth import may_see_job, reset_principal, set_principal
-from shared.security.exposure import check_listen
+from shared.security.exposure import check_listen, local_host
 from shared.security.tokens import Principal, RevocationList, TokenError, verify_token
 
 log = get_logger("coordinator.dashboard")
@@ -133,9 +133,7 @@ class DashboardServer:
     @property
     def url(self) -> str:
         """The page's URL, once started (0.0.0.0 and :: shown as 127.0.0.1)."""
-        host = self._cfg.dashboard_host
-        host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-        return f"{self.scheme}://{host}:{self.port}/"
+        return f"{self.scheme}://{local_host(self._cfg.dashboard_host)}:{self.port}/"
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         tls = self._cfg.tls

@@ -16,10 +16,10 @@ import socket
 import time
 from collections.abc import Callable, Container, Iterable
 
+from shared.security.exposure import is_wildcard
 from shared.security.tokens import Principal
 
 SESSION_ID_BYTES = 32  # 256 random bits per session id
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -86,8 +86,7 @@ def host_names(dashboard_host: str, extra: Iterable[str]) -> frozenset[str]:
         extra: ``dashboard_host_names``.
     """
     names = {*LOOPBACK_NAMES, *extra}
-    bound = dashboard_host.strip("[]")
-    names.add(socket.gethostname() if bound in WILDCARD_HOSTS else bound)
+    names.add(socket.gethostname() if is_wildcard(dashboard_host) else dashboard_host)
     return frozenset(n.strip("[]").lower() for n in names if n)
 
 

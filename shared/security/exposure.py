@@ -23,6 +23,20 @@ class ExposureRefused(ConfigError):
     """A daemon would listen beyond loopback without TLS and auth (the process exits 2)."""
 
 
+def is_wildcard(host: str) -> bool:
+    """Tell whether ``host`` (IPv6 brackets allowed) is a wildcard bind: every interface.
+
+    ``0.0.0.0``, ``::`` and the empty host are; the listen rule (``check_listen``) decides
+    whether a daemon may bind one.
+    """
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
+def local_host(host: str) -> str:
+    """The host this machine's processes dial for a bind on ``host``: 127.0.0.1 for a wildcard."""
+    return "127.0.0.1" if is_wildcard(host) else host
+
+
 def is_loopback(host: str) -> bool:
     """Tell whether ``host`` (as in HOST:PORT, IPv6 brackets allowed) only reaches this machine.
 
