@@ -1,6 +1,6 @@
 """Admission of a job spec: everything checked before a job is queued.
 
-See DESIGN.md, "Trust boundaries".
+See docs/architecture.md, "Trust boundaries".
 
 In order: the spec's size (``max_spec_bytes``), its schema, its entry points (listed in
 ``allowed_models``, args bound to the factory's signature, nothing called), its file paths

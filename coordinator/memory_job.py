@@ -1,4 +1,4 @@
-"""The ``memory`` job (DESIGN.md, "Jobs").
+"""The ``memory`` job (docs/architecture.md, "Invariants").
 
 Load memories, then iterations of reinforce from an access stream, decay, quality and top-k
 over the whole store, timed per iteration. Decay, quality and top-k are one sweep

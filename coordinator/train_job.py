@@ -1,4 +1,4 @@
-"""The ``train`` job, synchronous parameter server (DESIGN.md, "Training").
+"""The ``train`` job, synchronous parameter server (docs/architecture.md, "Invariants").
 
 Each step the coordinator streams the current parameters and buffers to the job's workers,
 each computes the gradient of the mean loss over one data shard's rows of the step

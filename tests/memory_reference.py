@@ -1,12 +1,12 @@
 """ReferenceStore: the single-process NumPy model the memory-store invariant is checked against.
 
-The invariant (DESIGN.md, "Memory store"): for any sequence of operations and any number of
+The invariant (docs/architecture.md, "Invariants"): for any sequence of operations and any number of
 workers, the cluster's ``{id: strength}`` equals this reference bit for bit (float32).
 
 The reference is written independently of the code it checks: it imports nothing from
 ``worker`` (no kernels, no store) nor ``shared.memory.validation``/``stats``, so a change of
 arithmetic in the kernels makes the invariant tests fail instead of changing both sides. The
-semantics, in float32 unless stated (DESIGN.md's kernels):
+semantics, in float32 unless stated (docs/architecture.md, "Invariants"):
 
 - decay(rate): ``s = clip(s - float32(rate), 0, 1)``;
 - reinforce(ids, boosts): the boosts of one id are added in batch order in float64, the sum

@@ -1,6 +1,6 @@
 """Single-process training on the global batch: the reference sync training is checked against.
 
-The equivalence (DESIGN.md, "Training"): a ``strategy: sync`` job over W shards, whose
+The equivalence (docs/architecture.md, "Invariants"): a ``strategy: sync`` job over W shards, whose
 coordinator averages the workers' gradients weighted by sample count, ends with the same
 parameters as one process that, every step, takes the mean cross-entropy over the
 concatenation of the W shards' mini-batches and steps the same optimizer.

@@ -1,7 +1,7 @@
 """What a job spec may make a daemon read: files in the data roots.
 
-The trust boundary of DESIGN.md: clients never cause code to run or files to be read that the
-operator did not allow.
+The trust boundary (docs/architecture.md, "Trust boundaries"): clients never cause code to
+run or files to be read that the operator did not allow.
 
 A spec field that names a file is marked in ``shared.config`` with
 ``json_schema_extra=DATA_PATH_REF``; :func:`spec_refs` finds every marked field of a spec, so a

@@ -1,4 +1,4 @@
-"""Entry points: the only way a job spec names code (DESIGN.md, "Trust boundaries").
+"""Entry points: the only way a job spec names code (docs/architecture.md, "Trust boundaries").
 
 The operator lists entry points in the daemons' config, a name mapped to a target
 ``package.module:attribute`` (``allowed_models: {small_cnn: "mymodels.vision:small_cnn"}``);

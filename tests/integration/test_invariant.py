@@ -1,6 +1,6 @@
 """The memory-store invariant at cluster level, property-tested with hypothesis.
 
-DESIGN.md ("Memory store"): for any sequence of operations and any number of workers, the
+docs/architecture.md ("Invariants"): for any sequence of operations and any number of workers, the
 cluster's ``{id: strength}`` equals a single-process NumPy reference applying the same
 operations, bit for bit (float32), and both copies of every slot are identical.
 

@@ -1,5 +1,5 @@
-"""Every metric ``shared/metrics.py`` declares is set by the daemons' own code (DESIGN.md:
-"every metric declared is set").
+"""Every metric ``shared/metrics.py`` declares is set by the daemons' own code
+(docs/architecture.md, "Invariants").
 
 A real in-process coordinator and two workers serve memory operations and a short training
 job; then every declared ``neuroshard_*`` family must have a sample with a non-zero value

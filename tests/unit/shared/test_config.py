@@ -1,6 +1,6 @@
 """shared/config.py: daemon configs from YAML plus overrides, and job specs. Unknown keys,
 wrong types and out-of-range values are ``ConfigError``s whose message names the file and the
-field (DESIGN.md, "Operating it"); the CLI's flags override the file (``load_config``)."""
+field (docs/architecture.md, "Invariants"); the CLI's flags override the file (``load_config``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Tests for worker/store.py: SlotStore vs ReferenceStore, alone and split across workers.
 
-The invariant (DESIGN.md): for any sequence of operations and any number of workers, the
-union of the workers' ``{id: strength}`` equals the single-process reference bit for bit,
+The invariant (docs/architecture.md, "Invariants"): for any sequence of operations and any
+number of workers, the union of the workers' ``{id: strength}`` equals the single-process
+reference bit for bit,
 and both copies of every slot are identical, also across joins, leaves and slot migration.
 """
 
