@@ -45,10 +45,9 @@ class ReportLimiter:
         """Allow ``rate_per_s`` reports a second per subject, ``burst`` at once."""
         self._rate, self._burst, self._max = rate_per_s, float(burst), max_subjects
         self._buckets: dict[str, tuple[float, float]] = {}  # subject -> (tokens, at)
-        self.refused_total = 0
 
     def allow(self, subject: str, now: float | None = None) -> bool:
-        """Take one report from ``subject``'s bucket; False (and counted) when it is empty."""
+        """Take one report from ``subject``'s bucket; False when it is empty."""
         now = time.monotonic() if now is None else now
         tokens, at = self._buckets.pop(subject, (self._burst, now))
         tokens = min(self._burst, tokens + (now - at) * self._rate)
@@ -56,8 +55,6 @@ class ReportLimiter:
         self._buckets[subject] = (tokens - 1.0 if allowed else tokens, now)
         if len(self._buckets) > self._max:
             del self._buckets[next(iter(self._buckets))]
-        if not allowed:
-            self.refused_total += 1
         return allowed
 
 

@@ -355,7 +355,7 @@ class MemoryServicer:
         except MemoryInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         for snap in snaps:
-            for msg in slot_messages(snap, self._chunk_bytes):
+            for msg in slot_messages(snap, self._chunk_bytes, digest=False):
                 yield msg
 
     async def SlotSeqs(

@@ -133,7 +133,9 @@ def slot_digest(snap: SlotSnapshot) -> bytes:
     return h.digest()
 
 
-def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotData]:
+def slot_messages(
+    snap: SlotSnapshot, chunk_bytes: int, digest: bool = True
+) -> list[worker_pb2.SlotData]:
     """Return one slot as ``SlotData`` messages of about ``chunk_bytes`` each.
 
     The memories are cut by bytes (12 a memory plus its payload; a memory larger than that
@@ -146,6 +148,9 @@ def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotD
         snap: the slot (ids [n] uint64 in key order, strengths [n] float32, payloads, its
             request ids).
         chunk_bytes: target message size, bytes.
+        digest: compute the slot's SHA-256 digest (``slot_digest``) for the receiver to
+            verify; a copy to a peer needs it, a dump (an export, whose reader checks no
+            digest) does not, and hashing a whole store costs a pass over every byte.
     """
     ranges = byte_ranges(memory_sizes(snap.ids, snap.payloads), chunk_bytes)
     rid_sizes = np.fromiter((len(r) + 2 for r in snap.requests), np.int64, len(snap.requests))
@@ -167,7 +172,7 @@ def slot_messages(snap: SlotSnapshot, chunk_bytes: int) -> list[worker_pb2.SlotD
                 first=k == 0,
                 request_ids=snap.requests[ra:rb],
                 count=len(snap.ids) if k == 0 else 0,
-                digest=slot_digest(snap) if k == 0 else b"",
+                digest=slot_digest(snap) if k == 0 and digest else b"",
             )
         )
     return out
