@@ -241,13 +241,13 @@ class _DaemonConfig(_Model):
     @model_validator(mode="before")
     @classmethod
     def _no_allowed_imports(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "allowed_imports" in data:
-            raise ValueError(
-                "allowed_imports: removed; list model entry points instead, as allowed_models: "
-                "{NAME: 'package.module:function'}, and name them in a job as "
-                "model: {entry: NAME, args: {...}}"
-            )
-        return data
+        return removed_key(
+            data,
+            "allowed_imports",
+            "removed; list model entry points instead, as allowed_models: "
+            "{NAME: 'package.module:function'}, and name them in a job as "
+            "model: {entry: NAME, args: {...}}",
+        )
 
 
 class JobRetention(_Model):

@@ -169,6 +169,7 @@ class MemoryRouter:
         """
         if self._map is None or refresh or self.token_stale():
             fetched_at = time.time()
+            self._renew_at = math.inf  # one renewal, not one per concurrent route
             m = await self._fetch_map()
             try:
                 validate_slot_map(m)
@@ -426,7 +427,7 @@ class MemoryRouter:
             RoutingError: as ``route``, or INTERNAL for a malformed worker reply.
         """
         # Workers answer each distinct id once: send each once, and map back to ids' order.
-        distinct, back = np.unique(ids, return_inverse=True)
+        distinct, back = distinct_ids(ids)
 
         async def call(
             stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
@@ -439,7 +440,7 @@ class MemoryRouter:
             )
 
         result = get_result(len(distinct), await self.route(distinct, call), with_payloads)
-        return expand_result(result, back.reshape(-1))
+        return expand_result(result, back)
 
 
 def upsert_request(
@@ -498,19 +499,44 @@ def get_result(
     return found, strengths, payloads
 
 
+def distinct_ids(
+    ids: npt.NDArray[np.uint64],
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp] | None]:
+    """The ids to send a Get for, each once, and how to map the answers back.
+
+    Args:
+        ids: [N] uint64.
+
+    Returns:
+        ``(ids, None)`` when no id repeats (the common case: a sort, ~1 ms at 100k ids,
+        instead of ``np.unique``'s ~6 ms and the mapping back); else the M distinct ids
+        (sorted) and [N] the index of each original id among them.
+    """
+    if len(ids) < 2:
+        return ids, None
+    sorted_N = np.sort(ids)
+    if not bool((sorted_N[1:] == sorted_N[:-1]).any()):
+        return ids, None
+    distinct, back = np.unique(ids, return_inverse=True)
+    return distinct, back.reshape(-1)
+
+
 def expand_result(
     result: tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]],
-    back: npt.NDArray[np.intp],
+    back: npt.NDArray[np.intp] | None,
 ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
     """Map a Get result over M distinct ids back to the N ids they came from.
 
     Args:
         result: found [M] bool, strengths [M] float32, M payloads.
-        back: [N] index into the distinct ids of each original id (``np.unique``'s inverse).
+        back: [N] index into the distinct ids of each original id (``distinct_ids``), or
+            None when the ids were distinct already (the result is returned as it is).
 
     Returns:
         found [N] bool, strengths [N] float32 and N payloads, in the original order.
     """
+    if back is None:
+        return result
     found, strengths, payloads = result
     return found[back], strengths[back], [payloads[i] for i in back.tolist()]
 

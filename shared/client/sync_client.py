@@ -23,6 +23,7 @@ from shared.client.datasets import CHUNK_BYTES as UPLOAD_CHUNK_BYTES
 from shared.client.direct import DirectFailed, DirectPath
 from shared.client.memory import (
     RoutingError,
+    distinct_ids,
     expand_result,
     get_result,
     reinforce_request,
@@ -241,7 +242,7 @@ class SyncClient:
         with _refused_input():
             ids_N = as_ids(ids)
         # Workers answer each distinct id once: send each once, and map back to ids' order.
-        distinct_M, back_N = np.unique(ids_N, return_inverse=True)
+        distinct_M, back_N = distinct_ids(ids_N)
         reply = self._direct_call(
             distinct_M,
             lambda stub, epoch, md: stub.Get(
@@ -260,7 +261,7 @@ class SyncClient:
             )
         except RoutingError as exc:
             raise NeuroshardError(str(exc), exc.code) from None
-        return expand_result(result, back_N.reshape(-1))
+        return expand_result(result, back_N)
 
     def decay(self, rate: float, op_id: bytes | None = None) -> int:
         """Decay every memory by ``rate`` once; return memories decayed (see ``Client.decay``)."""

@@ -654,14 +654,24 @@ class AuthInterceptor(aio.ServerInterceptor):
             f"{principal.describe()} may not call {method_name(full_method)}",
         )
 
-    def _daemon(self, context: Context, full_method: str) -> tuple[Principal | None, str]:
-        """The daemon principal of a call without a token, or None and why it is refused."""
+    def _daemon(
+        self, context: Context, full_method: str
+    ) -> tuple[Principal | None, grpc.StatusCode, str]:
+        """The daemon principal of a call without a token, its status and refusal message.
+
+        Returns:
+            ``(principal, OK, "")``, or ``(None, UNAUTHENTICATED or PERMISSION_DENIED, why)``.
+        """
         identity = self._identities.of_context(context)
         if identity is None:
-            return None, _MISSING_TOKEN + " (no daemon identity in the client certificate)"
+            return (
+                None,
+                grpc.StatusCode.UNAUTHENTICATED,
+                _MISSING_TOKEN + " (no daemon identity in the client certificate)",
+            )
         principal = Principal(identity.name, identity.kind, math.inf, hosts=identity.hosts)
         code, message = self._permission(principal, full_method)
-        return (principal, "") if code is grpc.StatusCode.OK else (None, message)
+        return (principal if code is grpc.StatusCode.OK else None), code, message
 
     async def intercept_service(
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
@@ -687,19 +697,12 @@ class AuthInterceptor(aio.ServerInterceptor):
         async def around(request: Any, context: Context) -> AsyncIterator[None]:
             caller = principal
             if caller is None:  # a daemon, known by its certificate
-                caller, refused = self._daemon(context, full)
-                if caller is None:
-                    code = (
-                        grpc.StatusCode.UNAUTHENTICATED
-                        if refused.startswith(_MISSING_TOKEN)
-                        else grpc.StatusCode.PERMISSION_DENIED
-                    )
+                caller, code, refused = self._daemon(context, full)
+                if code is not grpc.StatusCode.OK:
                     await context.abort(code, refused)
+            # A worker's bound name is checked in _parse_late, once its request is parsed
+            # (tokens are never a worker's).
             set_principal(caller)
-            if bound and principal is not None:
-                denied = bound_name_error(principal, method, request)
-                if denied is not None:
-                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
             if not streaming or caller is None or math.isinf(caller.expires_at):
                 yield
                 return

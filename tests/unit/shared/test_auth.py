@@ -700,7 +700,7 @@ def test_a_call_without_a_token_is_the_certificates(
     auth = AuthInterceptor(Ed25519PrivateKey.generate().public_key())
 
     # Act
-    principal, refused = auth._daemon(context, method)
+    principal, _, refused = auth._daemon(context, method)
 
     # Assert
     if who is None:
