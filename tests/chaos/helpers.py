@@ -91,22 +91,50 @@ async def fully_replicated(client: Client, workers: int) -> bool:
     )
 
 
-async def dump_store(client: Client) -> dict[int, float]:
+class MapMoved(Exception):
+    """The slot map changed while the workers were dumped: the dumps are not one epoch's."""
+
+
+async def dump_store_once(client: Client) -> dict[int, float]:
     """{id: strength} of every memory, reading each slot from its primary and checking the
-    replica holds the very same copy."""
+    replica holds the very same copy.
+
+    Raises:
+        MapMoved: the map's epoch after the dump is not the one read before it (a copy landed
+            or a holder changed between two workers' dumps, so they are compared against the
+            wrong map: not a divergence).
+        AssertionError: two copies of a slot differ within one epoch.
+    """
     m = await client._router.slot_map(refresh=True)
     dumps = {}
     for name, address in zip(m.workers, m.addresses, strict=True):
         async with channel(address) as ch:
             dumps[name] = await dump_worker(worker_pb2_grpc.WorkerStub(ch))
+    after = await client._router.slot_map(refresh=True)
+    if after.epoch != m.epoch:
+        raise MapMoved(f"map moved from epoch {m.epoch} to {after.epoch} during the dump")
     out: dict[int, float] = {}
     for s in range(m.slots):
         p, r = m.primary[s], m.replica[s]
         primary = dumps[m.workers[p]].get(s, {}) if p >= 0 else {}
         if r >= 0:
-            assert dumps[m.workers[r]].get(s, {}) == primary, f"slot {s}: copies differ"
+            assert dumps[m.workers[r]].get(s, {}) == primary, (
+                f"slot {s}: copies differ at epoch {m.epoch}"
+            )
         out.update(primary)
     return out
+
+
+async def dump_store(client: Client, timeout_s: float = 60.0) -> dict[int, float]:
+    """``dump_store_once``, again while the map moves (for up to ``timeout_s`` seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await dump_store_once(client)
+        except MapMoved:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 def assert_matches(store: dict[int, float], ref: ReferenceStore, id_below: int) -> None:
