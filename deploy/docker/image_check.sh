@@ -8,10 +8,11 @@
 #    accuracy of at least MIN_ACCURACY; `neuroshard up --workers 2` in the background and a
 #    small memory job (configs/jobs/memory-zipf.yaml with 10,000 memories, 3 iterations)
 #    submitted to it, then the cluster stopped with SIGTERM.
-# 3. The image's size.
-# The container is removed whatever happens; the images stay. Needs buildah (podman run is not
-# used: some sandboxes refuse the rlimits it sets), installed with apt-get when missing and run
-# as root (else the exact command is printed, exit 1). Exit code 0 when every check passed.
+# 3. The image's size, and the time of each phase: installing the tools, base, image, checks.
+# The container is removed whatever happens; the images stay. Needs mmdebstrap, podman and
+# buildah (podman run is not used: some sandboxes refuse the rlimits it sets), installed with
+# apt-get when missing and run as root (else the exact command is printed, exit 1). Exit code 0
+# when every check passed.
 # DRY_RUN=1: only say what would be installed.
 #
 # Environment: IMAGE (default neuroshard:dev), BASE_IMAGE (default
@@ -30,15 +31,16 @@ say() {
 
 # buildah, and mmdebstrap + podman for the base: installed when missing and run as root,
 # else build.sh prints the exact command and this stops (exit 1).
+t0=$(date +%s)
 "$here/build.sh" deps check
 [ "${DRY_RUN:-0}" != 1 ] || exit 0
-
-t0=$(date +%s)
-"$here/build.sh" base "$base"
 t1=$(date +%s)
-ENGINE=buildah "$here/build.sh" image "$image" "BASE_IMAGE=$base"
+"$here/build.sh" base "$base"
 t2=$(date +%s)
-say "base image $base built in $((t1 - t0)) s, image $image in $((t2 - t1)) s"
+ENGINE=buildah "$here/build.sh" image "$image" "BASE_IMAGE=$base"
+t3=$(date +%s)
+say "tools ready in $((t1 - t0)) s, base image $base built in $((t2 - t1)) s," \
+    "image $image in $((t3 - t2)) s"
 
 ctr=$(buildah from --pull=never "$image")
 trap 'buildah rm "$ctr" >/dev/null' EXIT
@@ -102,5 +104,7 @@ print("image-check: neuroshard up --workers 2 + memory job (10000 memories, 3 it
       d["state"], json.dumps(d["result"])[:300])'
 
 size=$(podman image inspect --format '{{.Size}}' "$image")
+t4=$(date +%s)
 say "image $image: $((size / 1000000)) MB"
-say "all checks passed in $(($(date +%s) - t0)) s"
+say "all checks passed in $((t4 - t0)) s (tools $((t1 - t0)) s, base $((t2 - t1)) s," \
+    "image $((t3 - t2)) s, checks $((t4 - t3)) s)"
