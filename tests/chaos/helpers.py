@@ -20,11 +20,14 @@ FAST = "heartbeat_interval_s: 0.2\nheartbeat_timeout_s: 1.0\ncheckpoint_every_st
 
 
 def make_cluster(
-    tmp_path: Path, workers: int = 3, worker_args: list[str] | None = None
+    tmp_path: Path, workers: int = 3, worker_args: list[str] | None = None, extra: str = ""
 ) -> LocalCluster:
-    """A LocalCluster (not started) whose coordinator detects failures within ~1 s."""
+    """A LocalCluster (not started) whose coordinator detects failures within ~1 s.
+
+    ``extra``: more lines of the coordinator's YAML config.
+    """
     cfg = tmp_path / "coordinator.yaml"
-    cfg.write_text(FAST)
+    cfg.write_text(FAST + extra)
     return LocalCluster(
         workers,
         data_dir=tmp_path / "cluster",

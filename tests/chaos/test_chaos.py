@@ -90,8 +90,10 @@ async def test_kill9_worker_under_load_loses_no_acknowledged_write(tmp_path: Pat
 async def test_kill9_coordinator_during_training_resumes_and_succeeds(
     tmp_path: Path, strategy: str, epochs: int, accuracy: float
 ) -> None:
-    # Arrange: 15 steps an epoch, a checkpoint every 20 steps (FAST).
-    cluster = make_cluster(tmp_path)
+    # Arrange: 15 steps an epoch, a checkpoint every 20 steps (FAST). The restarted
+    # coordinator sends its checkpoint to the new rank 0 (allreduce) or the parameters to
+    # every worker (sync) in 1 KiB chunks: a dropped chunk fails the job (issue 20 #4).
+    cluster = make_cluster(tmp_path, extra="chunk_bytes: 1024\n")
     await asyncio.to_thread(cluster.start)
     try:
         spec = yaml.safe_load(DIGITS_MLP.read_text())

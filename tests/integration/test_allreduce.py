@@ -128,7 +128,11 @@ async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster)
     # Arrange: 3 workers train digits with allreduce; one dies in the middle of epoch 2.
     import yaml
 
-    cluster = await make_cluster(workers=3, **FAST_HEARTBEATS)
+    # The training state (rank 0 to the coordinator at each checkpoint, the coordinator to the
+    # next generation's rank 0) in 1 KiB chunks, dozens per transfer: a dropped chunk leaves a
+    # state torch cannot load and the job fails (issue 20 #4).
+    tiny: dict[str, object] = {"chunk_bytes": 1024}
+    cluster = await make_cluster(workers=3, **FAST_HEARTBEATS, **tiny, worker_overrides=tiny)
     spec = yaml.safe_load(DIGITS_ALLREDUCE.read_text())  # min_workers: 2
     async with cluster.client() as client:
         job = await client.submit(spec)
