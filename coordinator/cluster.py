@@ -10,24 +10,24 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from coordinator.admission import admit
-from coordinator.allreduce_job import AllreduceJob
-from coordinator.dataset_store import UploadGate, remove_stale_uploads
+from coordinator.datasets.dataset_store import UploadGate, remove_stale_uploads
 from coordinator.events import EventLog
-from coordinator.failure_detector import FailureDetector, ReportLimiter
-from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
-from coordinator.link_probe import LinkProbe
-from coordinator.link_stats import LinkStats
-from coordinator.membership import Membership, WorkerRecord
-from coordinator.memory_job import MemoryJob
-from coordinator.memory_ops import MemoryOps
+from coordinator.jobs.admission import admit
+from coordinator.jobs.jobs import JobQuotaExceeded, JobRecord, JobStore
+from coordinator.jobs.scheduler import Scheduler
+from coordinator.memory.memory_job import MemoryJob
+from coordinator.memory.memory_ops import MemoryOps
+from coordinator.network.link_probe import LinkProbe
+from coordinator.network.link_stats import LinkStats
 from coordinator.persistence import CRASHED_TWICE, StateStore
-from coordinator.readmission import Readmission
-from coordinator.rebalance import Rebalancer
-from coordinator.scheduler import Scheduler
-from coordinator.slot_map import WireLimits
-from coordinator.train_job import TrainJob
-from coordinator.train_sets import TrainSets
+from coordinator.placement.failure_detector import FailureDetector, ReportLimiter
+from coordinator.placement.membership import Membership, WorkerRecord
+from coordinator.placement.readmission import Readmission
+from coordinator.placement.rebalance import Rebalancer
+from coordinator.placement.slot_map import WireLimits
+from coordinator.training.allreduce_job import AllreduceJob
+from coordinator.training.train_job import TrainJob
+from coordinator.training.train_sets import TrainSets
 from shared.config import CoordinatorConfig, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
@@ -244,7 +244,7 @@ class Cluster:
     async def submit(self, spec_json: str, owner: str = "") -> JobRecord:
         """Admit and queue a job spec for ``owner`` (a token subject; "" without auth).
 
-        Admission (``coordinator.admission.admit``) runs in a thread: it may read file
+        Admission (``coordinator.jobs.admission.admit``) runs in a thread: it may read file
         headers and build the model on the meta device to count its parameters.
 
         Raises:

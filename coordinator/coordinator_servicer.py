@@ -9,16 +9,16 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from coordinator.admission import LimitExceeded
 from coordinator.cluster import Cluster
 from coordinator.data_servicer import DataRpcs
-from coordinator.failure_detector import NotSlotPrimary
 from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
-from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
-from coordinator.membership import WorkerState
-from coordinator.memory_ops import BulkOpError
-from coordinator.readmission import ReadmissionRefused
-from coordinator.store_export import ExportUnavailable, StoreExport
+from coordinator.jobs.admission import LimitExceeded
+from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord
+from coordinator.memory.memory_ops import BulkOpError
+from coordinator.memory.store_export import ExportUnavailable, StoreExport
+from coordinator.placement.failure_detector import NotSlotPrimary
+from coordinator.placement.membership import WorkerState
+from coordinator.placement.readmission import ReadmissionRefused
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import (
@@ -82,7 +82,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         """Register (or re-register) a worker; the reply carries the slot count and limits.
 
         A worker declared DEAD is admitted again only after its hold-down and once the
-        coordinator reaches its address (``coordinator.readmission``).
+        coordinator reaches its address (``coordinator.placement.readmission``).
 
         Raises:
             grpc.aio.AbortError: INVALID_ARGUMENT for an empty name or address;

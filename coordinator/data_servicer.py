@@ -3,8 +3,8 @@
 PutDataset and ListDatasets (for people, ``neuroshard data put|ls``) and FetchShard (for the
 workers of a train job).
 
-Validation and mapping only; the work is in ``coordinator.dataset_store`` (uploads and
-listing, blocking file I/O run in a thread) and ``coordinator.train_sets`` (the rows of
+Validation and mapping only; the work is in ``coordinator.datasets.dataset_store`` (uploads and
+listing, blocking file I/O run in a thread) and ``coordinator.training.train_sets`` (the rows of
 running jobs).
 """
 
@@ -18,8 +18,8 @@ import grpc
 from grpc import aio
 
 from coordinator.cluster import Cluster
-from coordinator.dataset_check import DatasetInvalid, DatasetTooLarge
-from coordinator.dataset_store import (
+from coordinator.datasets.dataset_check import DatasetInvalid, DatasetTooLarge
+from coordinator.datasets.dataset_store import (
     DatasetExists,
     DatasetNameError,
     DatasetNotOwned,
@@ -30,7 +30,7 @@ from coordinator.dataset_store import (
     UploadLimit,
     list_datasets,
 )
-from coordinator.train_sets import BadShard, NotJobMember, ShardNotServed
+from coordinator.training.train_sets import BadShard, NotJobMember, ShardNotServed
 from shared.logging import get_logger
 from shared.proto import coordinator_pb2
 from shared.rpc.codec import tensors_to_chunks

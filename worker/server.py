@@ -25,21 +25,21 @@ from shared.rpc.reflection import enable_reflection
 from shared.security.exposure import check_listen, local_host, start_probe_server
 from shared.security.transport import DaemonSecurity
 from shared.training.controls import resolve_device
-from worker import kernels
-from worker.allreduce import AllreduceSessions
-from worker.allreduce_servicer import AllreduceServicer
-from worker.journal import Journal, lock_data_dir, recover
-from worker.journal_format import JournalError
-from worker.memory_node import MemoryNode
-from worker.memory_servicer import MemoryServicer
-from worker.node_holder import NodeHolder
-from worker.peers import PeerLinks
+from worker.allreduce.allreduce_servicer import AllreduceServicer
+from worker.allreduce.allreduce_sessions import AllreduceSessions
+from worker.memory.memory_node import MemoryNode
+from worker.memory.memory_servicer import MemoryServicer
+from worker.memory.node_holder import NodeHolder
+from worker.memory.peers import PeerLinks
 from worker.registration import Registration, RegistrationRefused
-from worker.shards import ShardFetcher
-from worker.store import SlotStore
-from worker.store_metrics import StoreMetrics
-from worker.training import TrainingSessions
-from worker.training_servicer import TrainingServicer
+from worker.store import kernels
+from worker.store.journal import Journal, lock_data_dir, recover
+from worker.store.journal_format import JournalError
+from worker.store.store import SlotStore
+from worker.store.store_metrics import StoreMetrics
+from worker.training.shards import ShardFetcher
+from worker.training.training_servicer import TrainingServicer
+from worker.training.training_sessions import TrainingSessions
 from worker.worker_servicer import WorkerServicer
 
 log = get_logger("worker.server")

@@ -13,9 +13,9 @@ from typing import Any
 from grpc import aio
 
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from worker.allreduce_servicer import AllreduceServicer
-from worker.memory_servicer import MemoryServicer
-from worker.training_servicer import TrainingServicer
+from worker.allreduce.allreduce_servicer import AllreduceServicer
+from worker.memory.memory_servicer import MemoryServicer
+from worker.training.training_servicer import TrainingServicer
 
 __all__ = ["WorkerServicer"]
 

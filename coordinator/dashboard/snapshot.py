@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.cluster import Cluster
-from coordinator.jobs import JobRecord
-from coordinator.memory_ops import BulkOpError
+from coordinator.jobs.jobs import JobRecord
+from coordinator.memory.memory_ops import BulkOpError
 from shared.logging import get_logger
 
 log = get_logger("coordinator.dashboard")

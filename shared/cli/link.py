@@ -1,4 +1,4 @@
-"""``neuroshard link``: an emulated network link (``shared.net.link_proxy``) in the foreground.
+"""``neuroshard link``: an emulated network link (``shared.netem.link_proxy``) in the foreground.
 
 It prints the address it listens on as one line on stdout (``HOST:PORT``, the real port
 when ``--listen`` asks for port 0), logs to stderr, and runs until SIGINT or SIGTERM.
@@ -24,7 +24,7 @@ from shared import rpc
 from shared.cli.common import EXIT_OK, EXIT_USAGE, CliError, run_event_loop
 from shared.config import ConfigError, format_validation_error
 from shared.logging import configure_logging, get_logger
-from shared.net.link_proxy import LinkProxy, LinkSettings
+from shared.netem.link_proxy import LinkProxy, LinkSettings
 from shared.security.exposure import is_loopback
 
 log = get_logger("link")

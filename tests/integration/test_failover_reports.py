@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.membership import WorkerState
+from coordinator.placement.membership import WorkerState
 from shared.client import Client
 from shared.memory.slots import slot_of
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from grpc import aio
 
-from coordinator.readmission import PUSHBACK_KEY
-from shared.net.link_proxy import LinkProxy, LinkSettings
+from coordinator.placement.readmission import PUSHBACK_KEY
+from shared.netem.link_proxy import LinkProxy, LinkSettings
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import InProcessCluster, wait_until
 from tests.integration.invariant_helpers import wait_settled

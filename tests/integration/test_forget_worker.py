@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.membership import WorkerState
+from coordinator.placement.membership import WorkerState
 from shared.cli.main import main
 from shared.client import NeuroshardError
 from shared.memory.slots import slot_of

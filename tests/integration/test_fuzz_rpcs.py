@@ -71,7 +71,7 @@ LEFT_OPEN = {"/neuroshard.v1.Coordinator/WatchJob"}  # follows a QUEUED job unti
 SKIPPED = {
     # Copies slots to the named target and forwards every later write of them there; its
     # input is the coordinator's own plan. Its slot list is checked by the store's as_slots,
-    # fuzzed in tests/unit/worker/test_fuzz_decoders.py; an unreachable target is
+    # fuzzed in tests/unit/worker/store/test_fuzz_decoders.py; an unreachable target is
     # test_copy_to_an_unreachable_worker_is_unavailable.
     "/neuroshard.v1.Worker/CopySlots",
 }

@@ -10,8 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.access_stream import ScrambledZipfStream, generate_memories
-from coordinator.memory_job import reinforce_chunk
+from coordinator.memory.access_stream import ScrambledZipfStream, generate_memories
+from coordinator.memory.memory_job import reinforce_chunk
 from shared.client import NeuroshardError
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore

@@ -19,8 +19,8 @@ from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc import channel
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
 from tests.conftest import InProcessCluster, wait_until
-from worker.store import SlotSnapshot
-from worker.wire import slot_messages
+from worker.memory.wire import slot_messages
+from worker.store.store import SlotSnapshot
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,116 @@
+"""The parameter server of ``strategy: diloco``: its step is the outer Nesterov SGD step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.training.aggregation import ParameterServer
+from coordinator.training.step_plan import plan_outer_pieces
+from shared.config import TrainJobSpec
+from shared.training.data import Dataset, batch_indices, load_dataset
+
+
+def make_spec(**overrides: object) -> TrainJobSpec:
+    fields = {
+        "kind": "train",
+        "strategy": "diloco",
+        "workers": 2,
+        "model": {"name": "mlp", "hidden": [4]},
+        "seed": 0,
+    }
+    return TrainJobSpec.model_validate(fields | overrides)
+
+
+@pytest.fixture(scope="module")
+def digits() -> Dataset:
+    return load_dataset(make_spec().data, seed=0, test_fraction=0.2)
+
+
+def ps_at_one(spec: TrainJobSpec, digits: Dataset) -> ParameterServer:
+    ps = ParameterServer(spec, digits, total_steps=10)
+    with torch.no_grad():
+        for p in ps.model.parameters():
+            p.fill_(1.0)
+    return ps
+
+
+def constant(ps: ParameterServer, value: float) -> dict[str, np.ndarray]:
+    return {n: np.full_like(a, value) for n, a in ps.params().items()}
+
+
+def test_outer_steps_are_nesterov_sgd_by_hand(digits: Dataset) -> None:
+    # Arrange: lr 0.7, momentum 0.9 (the paper's); θ = 1; pseudo-gradients 0.5 then 0.2.
+    # A schedule and clipping are the inner steps' and must not touch the outer step.
+    spec = make_spec(
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        clip_grad_norm=0.01,
+        lr_schedule={"name": "cosine", "warmup_steps": 3},
+    )
+    ps = ps_at_one(spec, digits)
+
+    # Act
+    ps.step(constant(ps, 0.5))
+    after_one = ps.params()
+    ps.step(constant(ps, 0.2))
+    after_two = ps.params()
+
+    # Assert, by hand (Sutskever et al. 2013 in torch's form): b = 0.9 b + Δ; θ -= 0.7 (Δ + 0.9 b)
+    # step 1: b = 0.5,  θ = 1 - 0.7 (0.5 + 0.45)    = 0.335
+    # step 2: b = 0.65, θ = 0.335 - 0.7 (0.2 + 0.585) = -0.2145
+    for name in after_one:
+        np.testing.assert_allclose(after_one[name], 0.335, rtol=1e-6)
+        np.testing.assert_allclose(after_two[name], -0.2145, rtol=1e-5)
+    assert ps.lr == 0.7
+
+
+def test_zero_momentum_is_plain_sgd(digits: Dataset) -> None:
+    ps = ps_at_one(make_spec(outer_lr=1.0, outer_momentum=0.0), digits)
+
+    ps.step(constant(ps, 0.25))
+
+    for a in ps.params().values():
+        np.testing.assert_allclose(a, 0.75)
+
+
+def test_checkpoint_keeps_the_outer_momentum(digits: Dataset) -> None:
+    # Arrange: one step, saved; a restored server's second step must use the momentum.
+    spec = make_spec()
+    ps = ps_at_one(spec, digits)
+    ps.step(constant(ps, 0.5))
+    restored = ParameterServer(spec, digits, total_steps=10)
+    restored.load_state(ps.state())
+
+    # Act
+    restored.step(constant(restored, 0.2))
+
+    # Assert: as the uninterrupted run's second step.
+    for a in restored.params().values():
+        np.testing.assert_allclose(a, -0.2145, rtol=1e-5)
+
+
+def test_outer_pieces_join_each_shards_inner_steps() -> None:
+    # digits, 3 shards of 479 rows, batch 200: inner steps of 200, 200 and 79 rows.
+    spec = make_spec(workers=3, batch_size=200)
+
+    fixed = plan_outer_pieces(spec, 1437, 0, range(1, 3), [], {})
+    prop = plan_outer_pieces(
+        spec.model_copy(update={"batch_policy": "proportional"}),
+        1437,
+        0,
+        range(1, 3),
+        ["a", "b"],
+        {"a": 1.0, "b": 3.0},
+    )
+
+    assert [(p.shard, p.inner_rows) for p in fixed] == [
+        (0, (200, 79)),
+        (1, (200, 79)),
+        (2, (200, 79)),
+    ]
+    expected = np.concatenate([batch_indices(1437, 2, 3, 200, 0, s, 0) for s in (1, 2)])
+    np.testing.assert_array_equal(fixed[2].rows, expected)
+    # proportional: each inner step's 600 and 237 rows split 1:3 between the members.
+    assert [(p.member, p.inner_rows) for p in prop] == [("a", (150, 59)), ("b", (450, 178))]

@@ -1,0 +1,109 @@
+"""DiLoCo's inner loop on a worker: ``Trainer.local_steps`` against ``compute_rows``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.config import TrainJobSpec
+from shared.training.data import batch_indices
+from worker.training.trainer import Trainer
+
+LR = 0.05
+
+
+def make_trainer(**overrides: object) -> Trainer:
+    fields = {
+        "kind": "train",
+        "strategy": "diloco",
+        "workers": 3,
+        "batch_size": 32,
+        "seed": 0,
+        "model": {"name": "mlp", "hidden": [16]},
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
+    }
+    t = Trainer(TrainJobSpec.model_validate(fields | overrides), shard_index=1, shard_count=3)
+    t.set_params(params_of(t), version=0)
+    return t
+
+
+def params_of(t: Trainer) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in t.model.named_parameters()}
+
+
+def rows_of(step: int) -> np.ndarray:
+    return batch_indices(1437, 1, 3, 32, epoch=0, step_in_epoch=step, seed=0)
+
+
+def test_one_sgd_step_gives_lr_times_the_gradient() -> None:
+    # Arrange: SGD without momentum, H = 1: Δ = θ - (θ - lr g) = lr g.
+    t = make_trainer()
+    rows = rows_of(0)
+    grads = t.compute_rows(rows).grads
+
+    # Act
+    res = t.local_steps(rows, [len(rows)])
+
+    # Assert
+    assert res.finite and res.samples == 32
+    for name, g in grads.items():
+        assert res.grads[name].dtype == np.float32
+        np.testing.assert_allclose(res.grads[name], LR * g, rtol=1e-4, atol=1e-7)
+
+
+def test_inner_rows_are_consecutive_steps_each_from_the_last() -> None:
+    # Arrange: two inner steps by hand: g1 at θ0 on batch 1, g2 at θ0 - lr g1 on batch 2.
+    t = make_trainer()
+    b1, b2 = rows_of(0), rows_of(1)
+    theta0 = params_of(t)
+    step1 = t.compute_rows(b1)
+    theta1 = {n: theta0[n] - LR * step1.grads[n] for n in theta0}
+    t.set_params(theta1, version=1)
+    step2 = t.compute_rows(b2)
+    expected = {n: LR * (step1.grads[n] + step2.grads[n]) for n in theta0}
+    t.set_params(theta0, version=2)
+
+    # Act
+    res = t.local_steps(np.concatenate([b1, b2]), [32, 32])
+
+    # Assert: Δ = θ0 - θ2; losses summed over both steps.
+    for name in theta0:
+        np.testing.assert_allclose(res.grads[name], expected[name], rtol=1e-4, atol=1e-6)
+    assert res.samples == 64
+    assert res.loss_sum == pytest.approx(step1.loss_sum + step2.loss_sum, rel=1e-5)
+    assert res.correct == step1.correct + step2.correct
+
+
+def test_every_call_starts_from_the_set_parameters() -> None:
+    # Two pieces of one outer step on one worker (a dead worker's shard taken over): the
+    # second starts from θ_start too, not from where the first one's steps ended.
+    t = make_trainer()
+    rows = rows_of(0)
+
+    first = t.local_steps(rows, [32])
+    second = t.local_steps(rows, [32])
+
+    for name in first.grads:
+        np.testing.assert_allclose(second.grads[name], first.grads[name], rtol=1e-6)
+    assert t.params_version == 0
+
+
+def test_inner_adam_state_carries_across_outer_steps() -> None:
+    # Adam's moments from outer step 1 (batch 0) change outer step 2's move on batch 1,
+    # compared with a worker whose first outer step is on batch 1.
+    kept, fresh = (make_trainer(optimizer={"name": "adamw", "lr": 0.01}) for _ in range(2))
+    theta0 = params_of(kept)
+    kept.local_steps(rows_of(0), [32])
+    kept.set_params(theta0, version=1)
+
+    with_state = kept.local_steps(rows_of(1), [32])
+    without = fresh.local_steps(rows_of(1), [32])
+
+    for name in with_state.grads:
+        assert not np.allclose(with_state.grads[name], without.grads[name], rtol=1e-2)
+
+
+def test_inner_rows_must_split_the_rows() -> None:
+    t = make_trainer()
+    with pytest.raises(ValueError, match="inner_rows"):
+        t.local_steps(rows_of(0), [16, 8])
