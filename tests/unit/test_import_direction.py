@@ -1,4 +1,4 @@
-"""The direction of imports (docs/architecture.md), checked in a fresh interpreter each.
+"""The direction of imports (docs/architecture.md, "Import rules"), in a fresh interpreter each.
 
 What a module pulls in is what the process pays for at start and what it can break on: a
 user's client must not need numba or the worker's store to upsert, and the coordinator must
