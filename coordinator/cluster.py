@@ -34,7 +34,7 @@ from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.transport import ChannelSecurity
 
-log = get_logger("coordinator.cluster")
+log = get_logger(__name__)
 
 
 class Cluster:

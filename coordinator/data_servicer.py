@@ -36,7 +36,7 @@ from shared.proto import coordinator_pb2
 from shared.rpc.codec import tensors_to_chunks
 from shared.security.auth import current_principal
 
-log = get_logger("coordinator.data")
+log = get_logger(__name__)
 
 # Domain errors of the data set RPCs and the status each maps to.
 _STATUS: dict[type[Exception], grpc.StatusCode] = {

@@ -26,7 +26,7 @@ from coordinator.placement.rebalance import Rebalancer
 from coordinator.placement.slot_map import SlotMap
 from shared.logging import get_logger
 
-log = get_logger("coordinator.forget")
+log = get_logger(__name__)
 
 
 class WorkerUnknown(KeyError):

@@ -25,7 +25,7 @@ from shared.rpc.reflection import enable_reflection
 from shared.security.exposure import check_listen, local_host, start_probe_server
 from shared.security.transport import DaemonSecurity
 
-log = get_logger("coordinator.server")
+log = get_logger(__name__)
 SERVICE_NAME = "neuroshard.v1.Coordinator"
 
 

@@ -42,7 +42,7 @@ from worker.training.training_servicer import TrainingServicer
 from worker.training.training_sessions import TrainingSessions
 from worker.worker_servicer import WorkerServicer
 
-log = get_logger("worker.server")
+log = get_logger(__name__)
 SERVICE_NAME = "neuroshard.v1.Worker"
 
 

@@ -25,7 +25,7 @@ from coordinator.jobs.jobs import JobRecord
 from coordinator.memory.memory_ops import BulkOpError
 from shared.logging import get_logger
 
-log = get_logger("coordinator.dashboard")
+log = get_logger(__name__)
 
 LATENCY_POINTS = 120  # iteration latencies kept per memory job
 JOBS_SHOWN = 20  # the most recent jobs in a snapshot

@@ -20,7 +20,7 @@ from shared.logging import get_logger
 
 Runner = Callable[[JobRecord, list[WorkerRecord]], Awaitable[dict[str, Any]]]
 
-log = get_logger("coordinator.jobs.scheduler")
+log = get_logger(__name__)
 
 
 class Scheduler:

@@ -43,7 +43,7 @@ from shared.proto import common_pb2
 from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.security.transport import ChannelSecurity
 
-log = get_logger("coordinator.memory.memory_job")
+log = get_logger(__name__)
 
 UPSERT_BATCH = 100_000  # memories per upsert call while loading
 PROGRESS_INTERVAL_S = 0.1  # publish progress at most ~10 times a second

@@ -21,7 +21,7 @@ from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 
-log = get_logger("coordinator.network.link_probe")
+log = get_logger(__name__)
 
 
 class LinkProbe:

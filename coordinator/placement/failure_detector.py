@@ -27,7 +27,7 @@ from shared import rpc
 from shared.logging import get_logger
 from shared.rpc.peers import WorkerClients
 
-log = get_logger("coordinator.placement.failure_detector")
+log = get_logger(__name__)
 
 
 class NotSlotPrimary(Exception):

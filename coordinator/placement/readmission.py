@@ -23,7 +23,7 @@ from shared import rpc
 from shared.logging import get_logger
 from shared.rpc.peers import WorkerClients
 
-log = get_logger("coordinator.placement.readmission")
+log = get_logger(__name__)
 
 # Trailing metadata telling a gRPC client with a retry policy when to try again (A6,
 # https://github.com/grpc/proposal/blob/master/A6-client-retries.md#pushback).

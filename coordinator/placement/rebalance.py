@@ -32,7 +32,7 @@ from shared.metrics import Metrics
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc.peers import WorkerClients
 
-log = get_logger("coordinator.placement.rebalance")
+log = get_logger(__name__)
 
 
 class Rebalancer:

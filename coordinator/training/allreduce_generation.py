@@ -30,7 +30,7 @@ from shared.proto import worker_pb2
 from shared.rpc import error_message
 from shared.rpc.peers import WorkerClients
 
-log = get_logger("coordinator.training.allreduce_generation")
+log = get_logger(__name__)
 
 # A worker that answers these refused the job itself: retrying elsewhere cannot help.
 _REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)

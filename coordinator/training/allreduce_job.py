@@ -54,7 +54,7 @@ from shared.training.partition import (
     step_rows,
 )
 
-log = get_logger("coordinator.training.allreduce_job")
+log = get_logger(__name__)
 
 # Generations in a row that may end without a step of progress before the job fails.
 MAX_STALLED_GENERATIONS = 5

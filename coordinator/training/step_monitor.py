@@ -19,7 +19,7 @@ from shared.config import TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 
-log = get_logger("coordinator.training.step_monitor")
+log = get_logger(__name__)
 # The shortest step deadline, seconds: below it timer noise would launch needless backups.
 DEADLINE_FLOOR_S = 0.02
 

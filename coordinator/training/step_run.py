@@ -24,7 +24,7 @@ from coordinator.training.step_types import (
 )
 from shared.logging import get_logger
 
-log = get_logger("coordinator.training.step_run")
+log = get_logger(__name__)
 
 
 class StepMembers(Protocol):

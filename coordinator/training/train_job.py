@@ -54,7 +54,7 @@ from shared.training.data import (
 )
 from shared.training.outer_steps import outer_step, outer_steps_per_epoch
 
-log = get_logger("coordinator.training.train_job")
+log = get_logger(__name__)
 
 
 @dataclass

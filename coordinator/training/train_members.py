@@ -39,7 +39,7 @@ from shared.rpc.peers import WorkerClients
 from shared.training.compression import Compressor, downlink_compressor
 from shared.training.error_feedback import DeltaSender
 
-log = get_logger("coordinator.training.train_members")
+log = get_logger(__name__)
 
 __all__ = [
     "Member",

@@ -27,7 +27,7 @@ from shared.logging import configure_logging, get_logger
 from shared.netem.link_proxy import LinkProxy, LinkSettings
 from shared.security.exposure import is_loopback
 
-log = get_logger("link")
+log = get_logger(__name__)
 
 
 def add_link_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

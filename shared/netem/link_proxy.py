@@ -40,7 +40,7 @@ from shared.netem.link_settings import BITS_PER_MBIT, BYTES_PER_MB, LinkSettings
 
 __all__ = ["BUFFER_BYTES", "CHUNK_BYTES", "LinkCounters", "LinkProxy", "LinkSettings"]
 
-log = get_logger("link")
+log = get_logger(__name__)
 
 CHUNK_BYTES = 64 * 1024  # largest read from a socket, bytes
 BUFFER_BYTES = 8 * 1024 * 1024  # most bytes waiting in one direction of a connection

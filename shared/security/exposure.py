@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from shared.config import ConfigError
 from shared.logging import get_logger
 
-log = get_logger("exposure")
+log = get_logger(__name__)
 
 
 class ExposureRefused(ConfigError):

@@ -29,7 +29,7 @@ from shared.training.models import check_model_entry
 from worker.allreduce.child_pipe import MAX_LINE_BYTES, AsyncPipe, Frame, PipeClosed
 from worker.training.shards import ShardFetcher
 
-log = get_logger("worker.allreduce.allreduce_sessions")
+log = get_logger(__name__)
 
 # The training child's module, run with ``python -m`` (tests find its processes by it).
 CHILD_MODULE = "worker.allreduce.allreduce_child"

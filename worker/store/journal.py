@@ -46,7 +46,7 @@ from worker.store.group_commit import GroupCommit
 from worker.store.journal_format import JournalError, Request, SnapshotState
 from worker.store.store import SlotSnapshot, SlotStore
 
-log = get_logger("worker.store.journal")
+log = get_logger(__name__)
 SNAPSHOT, SNAPSHOT_TMP = "snapshot.bin", "snapshot.tmp"
 
 

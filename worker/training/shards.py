@@ -26,7 +26,7 @@ from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import ChunkAssembler, CodecError
 from shared.training.data import DataError, Dataset, load_dataset, shard_bounds
 
-log = get_logger("worker.training.shards")
+log = get_logger(__name__)
 Shard = tuple[int, int]  # (shard_index, shard_count)
 
 

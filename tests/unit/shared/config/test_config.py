@@ -1,4 +1,4 @@
-"""shared/config.py: daemon configs from YAML plus overrides, and job specs. Unknown keys,
+"""shared/config/: daemon configs from YAML plus overrides, and job specs. Unknown keys,
 wrong types and out-of-range values are ``ConfigError``s whose message names the file and the
 field (docs/architecture.md, "Invariants"); the CLI's flags override the file (``load_config``)."""
 
