@@ -11,6 +11,7 @@ from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
 from coordinator.dashboard.http_server import DashboardServer
 from coordinator.dashboard.http_server import check_exposure as check_dashboard_exposure
+from coordinator.data_servicer import DataServicer
 from shared import rpc
 from shared.config import CoordinatorConfig
 from shared.logging import get_logger
@@ -51,6 +52,7 @@ class CoordinatorServer:
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         servicer = CoordinatorServicer(
             self.cluster,
+            DataServicer(self.cluster),
             self.security.data_token_minter(cfg.auth.data_token_ttl_s if cfg.auth else 0),
         )
         self.rpc = DaemonServer(
