@@ -1,4 +1,10 @@
-"""The ``neuroshard.v1.Coordinator`` service: validates, calls ``Cluster``, maps errors."""
+"""The ``neuroshard.v1.Coordinator`` service: validates, calls ``Cluster``, maps errors.
+
+Composed from parts by delegation, as the worker's service is (``worker.worker_servicer``'s
+docstring says why): the one servicer registered holds its parts (here ``DataServicer``, the
+data set RPCs) and hands each of their RPCs to its part in a one-line method; its own RPCs
+(membership, jobs, bulk memory) it serves itself.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import grpc
 from grpc import aio
 
 from coordinator.cluster import Cluster
-from coordinator.data_servicer import DataRpcs
+from coordinator.data_servicer import DataServicer
 from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord
@@ -61,20 +67,54 @@ def job_to_pb(job: JobRecord) -> coordinator_pb2.Job:
     )
 
 
-class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
-    """Thin RPC layer over ``Cluster``; the data set RPCs come from ``DataRpcs``."""
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Thin RPC layer over ``Cluster``; the data set RPCs are handed to ``DataServicer``."""
 
-    def __init__(self, cluster: Cluster, data_tokens: DataTokenMinter | None = None) -> None:
-        """Serve ``cluster``'s state and decisions.
+    def __init__(
+        self,
+        cluster: Cluster,
+        data: DataServicer,
+        data_tokens: DataTokenMinter | None = None,
+    ) -> None:
+        """Serve ``cluster``'s state and decisions, and ``data``'s RPCs.
 
         Args:
             cluster: the coordinator's state.
+            data: the data set RPCs (PutDataset, ListDatasets, FetchShard).
             data_tokens: mints the data-plane tokens GetSlotMap hands to callers with a
                 token (``DaemonSecurity.data_token_minter``); None without auth.
         """
         self._cluster = cluster
+        self.data = data
         self._data_tokens = data_tokens
         self._exports = 0  # ExportMemories streams running (max_concurrent_exports)
+
+    # -- data sets ------------------------------------------------------------------------------
+
+    async def PutDataset(
+        self,
+        request_iterator: AsyncIterator[coordinator_pb2.DatasetChunk],
+        context: aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[coordinator_pb2.DatasetReply]:
+        """See ``DataServicer.PutDataset``."""
+        # An async generator itself: grpc.aio streams replies from async generator functions.
+        async for reply in self.data.PutDataset(request_iterator, context):
+            yield reply
+
+    async def ListDatasets(
+        self, request: coordinator_pb2.ListDatasetsRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.ListDatasetsResponse:
+        """See ``DataServicer.ListDatasets``."""
+        return await self.data.ListDatasets(request, context)
+
+    async def FetchShard(
+        self, request: coordinator_pb2.FetchShardRequest, context: aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[coordinator_pb2.ShardChunk]:
+        """See ``DataServicer.FetchShard``."""
+        async for chunk in self.data.FetchShard(request, context):  # see PutDataset
+            yield chunk
+
+    # -- membership, memory, jobs ---------------------------------------------------------------
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: aio.ServicerContext[Any, Any]

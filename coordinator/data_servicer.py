@@ -75,10 +75,12 @@ def info_to_pb(stored: StoredDataset) -> coordinator_pb2.DatasetInfo:
     )
 
 
-class DataRpcs:
-    """PutDataset, ListDatasets and FetchShard, mixed into ``CoordinatorServicer``."""
+class DataServicer:
+    """PutDataset, ListDatasets and FetchShard, served through ``CoordinatorServicer``."""
 
-    _cluster: Cluster
+    def __init__(self, cluster: Cluster) -> None:
+        """Serve the data sets of ``cluster``'s data roots and the rows of its train jobs."""
+        self._cluster = cluster
 
     async def PutDataset(
         self,

@@ -52,7 +52,7 @@ async def crash_coordinator(cluster: InProcessCluster) -> None:
     if c._background is not None:
         c._background.cancel()
         await asyncio.gather(c._background, return_exceptions=True)
-    await c.server.stop(0)
+    await c.rpc.server.stop(0)
     await c.cluster.close()
 
 

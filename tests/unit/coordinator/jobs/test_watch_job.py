@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from coordinator.coordinator_servicer import CoordinatorServicer
+from coordinator.data_servicer import DataServicer
 from coordinator.jobs.jobs import JobState, JobStore
 from shared.config import MemoryJobSpec
 from shared.proto import common_pb2, coordinator_pb2
@@ -16,7 +17,8 @@ async def test_a_job_ending_during_an_event_still_sends_its_terminal_state() -> 
     jobs = JobStore()
     job = jobs.submit(MemoryJobSpec(kind="memory"))
     await jobs.update(job, state=JobState.RUNNING)
-    servicer = CoordinatorServicer(SimpleNamespace(jobs=jobs))  # type: ignore[arg-type]
+    cluster: Any = SimpleNamespace(jobs=jobs)
+    servicer = CoordinatorServicer(cluster, DataServicer(cluster))
     stream: Any = servicer.WatchJob(coordinator_pb2.JobRequest(job_id=job.job_id), None)
 
     first = await stream.__anext__()
