@@ -4,7 +4,8 @@ This module makes every channel of the code base (``channel``), turns RPC failur
 line (``error_message``) and holds the daemons' wait for SIGTERM. Its modules: ``codec``
 (arrays as raw little-endian bytes, chunked tensor streams), ``interceptors`` (every server
 interceptor), ``limits`` (message, stream and batch limits), ``peers`` (one channel and
-stub per worker) and ``reflection`` (gRPC server reflection on both daemons).
+stub per worker), ``reflection`` (gRPC server reflection on both daemons) and
+``status_table`` (each servicer's domain exceptions to status codes).
 """
 
 from __future__ import annotations
