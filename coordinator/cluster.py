@@ -12,6 +12,7 @@ from typing import Any
 
 from coordinator.datasets.dataset_store import UploadGate, remove_stale_uploads
 from coordinator.events import EventLog
+from coordinator.forget import WorkerUnknown
 from coordinator.jobs.admission import admit
 from coordinator.jobs.jobs import JobQuotaExceeded, JobRecord, JobStore
 from coordinator.jobs.scheduler import Scheduler
@@ -221,10 +222,10 @@ class Cluster:
         """Start (or check) the drain of a worker; return whether it holds no slot any more.
 
         Raises:
-            KeyError: unknown worker (NOT_FOUND).
+            WorkerUnknown: unknown worker (NOT_FOUND).
         """
         if self.membership.get(name) is None:
-            raise KeyError(f"no worker named {name!r}")
+            raise WorkerUnknown(f"no worker named {name!r}")
         if not [w for w in self.membership.alive() if w.name != name]:
             return True  # nobody to hand over to: keep the data where it is
         if self.membership.set_draining(name):

@@ -48,6 +48,10 @@ class _BatchTooLarge(Exception):
     """A batch's dumps passed the byte budget while being read (read it again, smaller)."""
 
 
+class ExportsBusy(Exception):
+    """``max_concurrent_exports`` exports are running already (RESOURCE_EXHAUSTED)."""
+
+
 class ExportUnavailable(RuntimeError):
     """A slot has no live primary, or a primary failed, past the retry budget (UNAVAILABLE).
 

@@ -34,6 +34,10 @@ class NotSlotPrimary(Exception):
     """A failure report from a worker that is not the slots' primary (FAILED_PRECONDITION)."""
 
 
+class TooManyReports(Exception):
+    """A caller's failure reports passed ``report_rate_per_s`` (RESOURCE_EXHAUSTED)."""
+
+
 class ReportLimiter:
     """Rate-limits failure reports per caller: a token bucket per subject.
 

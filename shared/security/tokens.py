@@ -64,6 +64,10 @@ class TokenError(Exception):
     """
 
 
+class DataTokenRefused(ValueError):
+    """No data-plane token for a daemon, or for a token about to expire (UNAUTHENTICATED)."""
+
+
 class KeyFileError(ValueError):
     """A key or token file is missing, unreadable or not what it should be.
 
@@ -320,14 +324,14 @@ def mint_data_token(
         The token and its expiry, Unix seconds.
 
     Raises:
-        ValueError: the caller is a daemon, or its token has expired.
+        DataTokenRefused: the caller is a daemon, or its token has expired (UNAUTHENTICATED).
     """
     if caller.role not in ROLES:
-        raise ValueError(f"data-plane tokens are for people and programs, not {caller.role}s")
+        raise DataTokenRefused(f"data-plane tokens are for people and programs, not {caller.role}s")
     now = time.time() if now is None else now
     ttl = min(ttl_s, MAX_DATA_TTL_S, caller.expires_at - now)
     if ttl < 1:
-        raise ValueError("the caller's token expires within a second")
+        raise DataTokenRefused("the caller's token expires within a second")
     role = "reader" if caller.role == "reader" else "writer"
     token = create_token(private_key, role, caller.subject, ttl, now=now, audience=AUD_DATA)
     return token, int(now) + max(1, round(ttl))

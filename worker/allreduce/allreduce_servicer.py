@@ -3,7 +3,8 @@
 One call is one generation of one job on this worker: it validates the header, gets (or
 starts) the job's child process, and relays the child's frames as events. A stop message
 from the coordinator is passed on while the generation runs. When the coordinator cancels the
-call, or it breaks, the child is killed: nobody would tell it what to do next.
+call, or it breaks, the child is killed: nobody would tell it what to do next. Domain errors
+map to status codes through one table, ``_ERRORS`` (``shared.rpc.status_table``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from grpc import aio
 
 from shared.config import ConfigError
 from shared.proto import worker_pb2
+from shared.rpc.status_table import BadRequest, Status, StatusTable
 from shared.training.data import DataError
 from shared.training.entry_points import EntryPointRefused
 from shared.training.models import ModelError
@@ -32,6 +34,29 @@ from worker.allreduce.rendezvous_store import MIN_SECRET_HEX
 from worker.training.shards import ShardFetchError
 
 __all__ = ["AllreduceServicer"]
+
+
+class GenerationDropped(Exception):
+    """The coordinator ended the call before the rendezvous (CANCELLED).
+
+    The child, and the state it holds, stays for the next generation.
+    """
+
+
+# Domain errors of RunAllreduce and the status each maps to.
+_ERRORS = StatusTable(
+    [
+        (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+        (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+        (DataError, grpc.StatusCode.INVALID_ARGUMENT),
+        (ModelError, grpc.StatusCode.INVALID_ARGUMENT),
+        (EntryPointRefused, grpc.StatusCode.PERMISSION_DENIED),
+        (ChildFailed, grpc.StatusCode.FAILED_PRECONDITION),
+        (GenerationDropped, grpc.StatusCode.CANCELLED),
+        # FetchShard's own status (NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE, ...).
+        (ShardFetchError, lambda e: Status(e.code)),
+    ]
+)
 
 
 class AllreduceServicer:
@@ -68,52 +93,53 @@ class AllreduceServicer:
             FAILED_PRECONDITION: the child process refused the job or died.
             FetchShard's status: a file data set's rows could not be fetched.
         """
-        header, state = await self._read_header(request_iterator, context)
-        child = await self._child(header, context)
-        yield worker_pb2.AllreduceEvent(loaded=True)
-        master = await self._read_rendezvous(request_iterator, header, context)
-        order = GenerationOrder(
-            header.generation,
-            header.rank,
-            header.world_size,
-            master,
-            max(header.checkpoint_every_steps, 1),
-            header.timeout_s if header.timeout_s > 0 else 60.0,
-            header.rendezvous_secret,
-        )
-        stops = asyncio.create_task(_forward_stops(request_iterator, child))
-        ended = False
-        try:
-            async with child.lock:
-                async for frame in child.generation(order, state):
-                    for event in self._events(frame):
-                        yield event
-                    ended = frame.type == "ended"
-        except ChildFailed as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        finally:
-            stops.cancel()
-            if not ended:  # cancelled or broken mid-generation: the child is orphaned
-                self._sessions.stop(header.job_id)
+        async with _ERRORS.mapped(context):
+            header, state = await self._read_header(request_iterator)
+            child = await self._sessions.child(header.job_id, header.spec_json)
+            yield worker_pb2.AllreduceEvent(loaded=True)
+            master = await self._read_rendezvous(request_iterator, header)
+            order = GenerationOrder(
+                header.generation,
+                header.rank,
+                header.world_size,
+                master,
+                max(header.checkpoint_every_steps, 1),
+                header.timeout_s if header.timeout_s > 0 else 60.0,
+                header.rendezvous_secret,
+            )
+            stops = asyncio.create_task(_forward_stops(request_iterator, child))
+            ended = False
+            try:
+                async with child.lock:
+                    async for frame in child.generation(order, state):
+                        for event in self._events(frame):
+                            yield event
+                        ended = frame.type == "ended"
+            finally:
+                stops.cancel()
+                if not ended:  # cancelled or broken mid-generation: the child is orphaned
+                    self._sessions.stop(header.job_id)
 
     async def _read_rendezvous(
         self,
         requests: AsyncIterator[worker_pb2.AllreduceInput],
         header: worker_pb2.AllreduceHeader,
-        context: aio.ServicerContext[Any, Any],
     ) -> str:
-        """Wait for the rendezvous: rank 0's store ``host:port`` ("" on rank 0)."""
+        """Wait for the rendezvous: rank 0's store ``host:port`` ("" on rank 0).
+
+        Raises:
+            GenerationDropped: the stream ended, or went on, without one (CANCELLED).
+            BadRequest: an address on rank 0, or none on another rank (INVALID_ARGUMENT).
+        """
         msg = await anext(requests, None)
         if msg is None or not msg.HasField("rendezvous"):
             # The coordinator gave up on this generation before it began: the child (and
             # the state it holds) stays for the next one.
-            await context.abort(grpc.StatusCode.CANCELLED, "no rendezvous: generation dropped")
-        assert msg is not None
+            raise GenerationDropped("no rendezvous: generation dropped")
         if bool(msg.rendezvous) != (header.rank > 0):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise BadRequest(
                 f"rendezvous: rank {header.rank} got {msg.rendezvous!r} (rank 0 gets '', "
-                "the others rank 0's host:port)",
+                "the others rank 0's host:port)"
             )
         return msg.rendezvous
 
@@ -122,27 +148,25 @@ class AllreduceServicer:
         self._sessions.stop(job_id)
 
     async def _read_header(
-        self,
-        requests: AsyncIterator[worker_pb2.AllreduceInput],
-        context: aio.ServicerContext[Any, Any],
+        self, requests: AsyncIterator[worker_pb2.AllreduceInput]
     ) -> tuple[worker_pb2.AllreduceHeader, bytes]:
+        """The header, and the state that follows it (b"" when none does).
+
+        Raises:
+            BadRequest: no header first, a rank outside [0, world_size), a malformed
+                rendezvous_secret, or something else than state chunks after a header with
+                ``state_follows`` (INVALID_ARGUMENT).
+        """
         first = await anext(requests, None)
         if first is None or not first.HasField("header"):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a header"
-            )
-        assert first is not None
+            raise BadRequest("the first message must be a header")
         header = first.header
         if header.world_size < 1 or header.rank >= header.world_size:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {header.rank} is not below world_size {header.world_size}",
-            )
+            raise BadRequest(f"rank {header.rank} is not below world_size {header.world_size}")
         if not _is_secret(header.rendezvous_secret):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise BadRequest(
                 f"rendezvous_secret: expected at least {MIN_SECRET_HEX} hex digits (an even "
-                f"number), got {len(header.rendezvous_secret)} characters",
+                f"number), got {len(header.rendezvous_secret)} characters"
             )
         chunks: list[bytes] = []
         if header.state_follows:
@@ -150,26 +174,9 @@ class AllreduceServicer:
                 if msg.HasField("state_done"):
                     break
                 if not msg.HasField("state"):
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, "expected state chunks after the header"
-                    )
+                    raise BadRequest("expected state chunks after the header")
                 chunks.append(msg.state)
         return header, b"".join(chunks)
-
-    async def _child(
-        self, header: worker_pb2.AllreduceHeader, context: aio.ServicerContext[Any, Any]
-    ) -> AllreduceChild:
-        try:
-            return await self._sessions.child(header.job_id, header.spec_json)
-        except (ConfigError, DataError, ModelError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EntryPointRefused as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except ShardFetchError as exc:
-            await context.abort(exc.code, str(exc))
-        except ChildFailed as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        raise AssertionError("unreachable: abort raises")
 
     def _events(self, frame: Frame) -> list[worker_pb2.AllreduceEvent]:
         f = frame.fields

@@ -1,15 +1,15 @@
 """Memory-store RPCs of the ``neuroshard.v1.Worker`` service.
 
 Each RPC decodes its request, calls ``MemoryNode``'s public methods, and maps domain errors
-to status codes (one table, ``_STATUS``).
+to status codes (one table, ``_ERRORS``, applied by ``shared.rpc.status_table``).
 
 Shape letters: N items of a request.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -26,6 +26,7 @@ from shared.memory.validation import (
 from shared.proto import common_pb2, worker_pb2
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.limits import DEFAULT_MAX_RECEIVE_SLOTS_BYTES, BudgetExceeded
+from shared.rpc.status_table import StatusTable
 from worker.memory.memory_node import SlotSender
 from worker.memory.node_holder import NodeHolder, NotReady
 from worker.memory.replication import OutOfSync, ReplicationError, StaleForward
@@ -36,34 +37,22 @@ from worker.store.journal import StorageFailed
 
 __all__ = ["MemoryServicer"]
 
-T = TypeVar("T")
-
-_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (MemoryInputError, grpc.StatusCode.INVALID_ARGUMENT),
-    (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
-    (StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
-    (NotPrimary, grpc.StatusCode.FAILED_PRECONDITION),
-    (OutOfSync, grpc.StatusCode.ABORTED),
-    (StaleForward, grpc.StatusCode.FAILED_PRECONDITION),
-    (ReplicationError, grpc.StatusCode.UNAVAILABLE),
-    (StorageFailed, grpc.StatusCode.UNAVAILABLE),  # the journal failed: no write acknowledged
-    (SlotMapError, grpc.StatusCode.INVALID_ARGUMENT),
-    (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
-    (NotReady, grpc.StatusCode.UNAVAILABLE),
-    (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-]
-
-
-async def _guard(context: aio.ServicerContext[Any, Any], work: Callable[[], Awaitable[T]]) -> T:
-    """Run ``work``; abort the call with the status of a domain error it raises."""
-    try:
-        return await work()
-    except Exception as exc:
-        code = next((c for e, c in _STATUS if isinstance(exc, e)), None)
-        if code is None:
-            raise
-        await context.abort(code, str(exc))
-        raise  # unreachable: abort raises
+_ERRORS = StatusTable(
+    [
+        (MemoryInputError, grpc.StatusCode.INVALID_ARGUMENT),
+        (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
+        (StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION),
+        (NotPrimary, grpc.StatusCode.FAILED_PRECONDITION),
+        (OutOfSync, grpc.StatusCode.ABORTED),
+        (StaleForward, grpc.StatusCode.FAILED_PRECONDITION),
+        (ReplicationError, grpc.StatusCode.UNAVAILABLE),
+        (StorageFailed, grpc.StatusCode.UNAVAILABLE),  # the journal failed: no write acknowledged
+        (SlotMapError, grpc.StatusCode.INVALID_ARGUMENT),
+        (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
+        (NotReady, grpc.StatusCode.UNAVAILABLE),
+        (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ]
+)
 
 
 def _same_length(ids: np.ndarray, **others: np.ndarray | list[bytes] | None) -> None:
@@ -113,8 +102,7 @@ class MemoryServicer:
             UNAVAILABLE: not registered yet, or a copy failed and the coordinator could not
                 be told.
         """
-
-        async def work() -> worker_pb2.WriteResponse:
+        async with _ERRORS.mapped(context):
             validate_request_id(request.request_id)
             ids = ids_from_bytes(request.ids, "ids")
             strengths = f32_from_bytes(request.strengths, "strengths")
@@ -122,8 +110,6 @@ class MemoryServicer:
             _same_length(ids, strengths=strengths, payloads=payloads)
             n = await self._nodes.get().upsert(request, ids, strengths, payloads)
             return worker_pb2.WriteResponse(applied=n)
-
-        return await _guard(context, work)
 
     async def Reinforce(
         self, request: worker_pb2.ReinforceRequest, context: aio.ServicerContext[Any, Any]
@@ -133,16 +119,13 @@ class MemoryServicer:
         Raises:
             Status codes as ``Upsert``.
         """
-
-        async def work() -> worker_pb2.WriteResponse:
+        async with _ERRORS.mapped(context):
             validate_request_id(request.request_id)
             ids = ids_from_bytes(request.ids, "ids")
             boosts = f32_from_bytes(request.boosts, "boosts")
             _same_length(ids, boosts=boosts)
             n = await self._nodes.get().reinforce(request, ids, boosts)
             return worker_pb2.WriteResponse(applied=n)
-
-        return await _guard(context, work)
 
     async def Delete(
         self, request: worker_pb2.DeleteRequest, context: aio.ServicerContext[Any, Any]
@@ -152,14 +135,11 @@ class MemoryServicer:
         Raises:
             Status codes as ``Upsert``.
         """
-
-        async def work() -> worker_pb2.WriteResponse:
+        async with _ERRORS.mapped(context):
             validate_request_id(request.request_id)
             ids = ids_from_bytes(request.ids, "ids")
             n = await self._nodes.get().delete(request, ids)
             return worker_pb2.WriteResponse(applied=n)
-
-        return await _guard(context, work)
 
     async def Get(
         self, request: worker_pb2.GetRequest, context: aio.ServicerContext[Any, Any]
@@ -175,14 +155,11 @@ class MemoryServicer:
                 primary here. RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes
                 (nothing built). UNAVAILABLE: not registered yet.
         """
-
-        async def work() -> worker_pb2.GetResponse:
+        async with _ERRORS.mapped(context):
             ids = ids_from_bytes(request.ids, "ids")
             return await self._nodes.get().get(
                 request.epoch, ids, request.with_payloads, self._max_message_bytes
             )
-
-        return await _guard(context, work)
 
     async def Decay(
         self, request: worker_pb2.WorkerDecayRequest, context: aio.ServicerContext[Any, Any]
@@ -192,14 +169,11 @@ class MemoryServicer:
         Raises:
             INVALID_ARGUMENT: a rate outside [0, 1]. Otherwise status codes as ``Upsert``.
         """
-
-        async def work() -> common_pb2.DecayResponse:
+        async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             n = await self._nodes.get().decay(request.epoch, rate, op_id)
             return common_pb2.DecayResponse(memories=n)
-
-        return await _guard(context, work)
 
     async def Quality(
         self, request: worker_pb2.WorkerQualityRequest, context: aio.ServicerContext[Any, Any]
@@ -209,11 +183,8 @@ class MemoryServicer:
         Raises:
             FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
         """
-
-        async def work() -> common_pb2.QualityStats:
+        async with _ERRORS.mapped(context):
             return quality_to_pb(await self._nodes.get().quality(request.epoch))
-
-        return await _guard(context, work)
 
     async def TopK(
         self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext[Any, Any]
@@ -224,12 +195,9 @@ class MemoryServicer:
             INVALID_ARGUMENT: k out of range. FAILED_PRECONDITION: stale epoch.
             UNAVAILABLE: not registered yet.
         """
-
-        async def work() -> common_pb2.TopKResponse:
+        async with _ERRORS.mapped(context):
             ids, strengths = await self._nodes.get().topk(request.epoch, request.k)
             return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
-
-        return await _guard(context, work)
 
     async def Sweep(
         self, request: worker_pb2.WorkerSweepRequest, context: aio.ServicerContext[Any, Any]
@@ -243,8 +211,7 @@ class MemoryServicer:
             INVALID_ARGUMENT: a rate outside [0, 1], an op_id over 64 bytes or k above the
                 limit. Otherwise status codes as ``Upsert``.
         """
-
-        async def work() -> worker_pb2.WorkerSweepResponse:
+        async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             n, (q, top) = await self._nodes.get().sweep(
@@ -257,8 +224,6 @@ class MemoryServicer:
                 reply.topk.ids, reply.topk.strengths = ids_to_bytes(top[0]), f32_to_bytes(top[1])
             return reply
 
-        return await _guard(context, work)
-
     async def Replicate(
         self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ReplicateResponse:
@@ -269,12 +234,9 @@ class MemoryServicer:
                 older epoch, for no slot held here. INVALID_ARGUMENT: malformed forward.
                 UNAVAILABLE: not registered yet.
         """
-
-        async def work() -> worker_pb2.ReplicateResponse:
+        async with _ERRORS.mapped(context):
             await self._nodes.get().apply_replicated(request)
             return worker_pb2.ReplicateResponse()
-
-        return await _guard(context, work)
 
     async def ApplySlotMap(
         self, request: common_pb2.SlotMap, context: aio.ServicerContext[Any, Any]
@@ -285,13 +247,10 @@ class MemoryServicer:
             INVALID_ARGUMENT: a malformed map. FAILED_PRECONDITION: another slot count than
                 this worker's data.
         """
-
-        async def work() -> worker_pb2.ApplySlotMapResponse:
+        async with _ERRORS.mapped(context):
             validate_slot_map(request)
             epoch = await self._nodes.ensure(request).apply_slot_map(request)
             return worker_pb2.ApplySlotMapResponse(epoch=epoch)
-
-        return await _guard(context, work)
 
     async def CopySlots(
         self, request: worker_pb2.CopySlotsRequest, context: aio.ServicerContext[Any, Any]
@@ -304,14 +263,11 @@ class MemoryServicer:
         Raises:
             UNAVAILABLE: the target could not be reached, or not registered yet.
         """
-
-        async def work() -> worker_pb2.CopySlotsResponse:
+        async with _ERRORS.mapped(context):
             memories, nbytes = await self._nodes.get().copy_to(
                 request.target, request.target_address, list(request.slots), self._send_slots
             )
             return worker_pb2.CopySlotsResponse(memories=memories, bytes=nbytes)
-
-        return await _guard(context, work)
 
     async def ReceiveSlots(
         self,
@@ -328,14 +284,11 @@ class MemoryServicer:
                 its source's (nothing installed). RESOURCE_EXHAUSTED: the stream exceeds
                 max_receive_slots_bytes (nothing installed). UNAVAILABLE: not registered yet.
         """
-
-        async def work() -> worker_pb2.ReceiveSlotsResponse:
+        async with _ERRORS.mapped(context):
             snaps = await receive_slots(request_iterator, self._max_receive_slots_bytes)
             return worker_pb2.ReceiveSlotsResponse(
                 memories=await self._nodes.get().import_snapshots(snaps)
             )
-
-        return await _guard(context, work)
 
     async def DumpSlots(
         self, request: worker_pb2.DumpSlotsRequest, context: aio.ServicerContext[Any, Any]
@@ -350,10 +303,8 @@ class MemoryServicer:
         node = self._nodes.current
         if node is None:
             return
-        try:
+        async with _ERRORS.mapped(context):
             snaps = await node.export_slots(list(request.slots))
-        except MemoryInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         for snap in snaps:
             for msg in slot_messages(snap, self._chunk_bytes, digest=False):
                 yield msg
@@ -368,11 +319,8 @@ class MemoryServicer:
         Raises:
             INVALID_ARGUMENT: a slot out of range.
         """
-
-        async def work() -> worker_pb2.SlotSeqsResponse:
+        async with _ERRORS.mapped(context):
             node = self._nodes.current
             if node is None:
                 return worker_pb2.SlotSeqsResponse(seqs=[0] * len(request.slots))
             return worker_pb2.SlotSeqsResponse(seqs=node.slot_seqs(list(request.slots)))
-
-        return await _guard(context, work)

@@ -2,13 +2,14 @@
 
 Each step the coordinator sends the current parameters and buffers (``set_params``), or only
 their version when this worker already holds them, and asks for the gradients of the mean
-cross-entropy over this shard's rows of the step (``compute_gradients``): ``grad_accum_steps``
-micro-batches of ``batch_size`` rows, each forward pass under ``torch.autocast`` in the spec's
-precision, the loss multiplied by the coordinator's loss scale (fp16) and the gradients
-unscaled in float32. Model and batches live on ``resolve_device(spec.device)``; what goes back
-is float32 NumPy on the CPU. With ``strategy: diloco`` a call runs local optimizer steps
-instead and answers the pseudo-gradient (``local_steps``). No networking: the worker daemon
-calls it in a thread, and fetches the rows of file data sets (``worker.training.shards``) before.
+cross-entropy over the rows it names (``compute_rows``; the coordinator chooses a step's rows,
+``coordinator.training.step_plan``): micro-batches of ``batch_size`` rows, each forward pass
+under ``torch.autocast`` in the spec's precision, the loss multiplied by the coordinator's loss
+scale (fp16) and the gradients unscaled in float32. Model and batches live on
+``resolve_device(spec.device)``; what goes back is float32 NumPy on the CPU. With ``strategy:
+diloco`` a call runs local optimizer steps instead and answers the pseudo-gradient
+(``local_steps``). No networking: the worker daemon calls it in a thread, and fetches the rows
+of file data sets (``worker.training.shards``) before.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from shared.config import TrainJobSpec
 from shared.training.controls import autocast, lr_factor, make_optimizer, resolve_device
-from shared.training.data import batch_indices, inner_total_steps, shard_bounds
+from shared.training.data import inner_total_steps, shard_bounds
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
 from worker.training.shards import TrainData
 
@@ -123,9 +124,8 @@ class Trainer:
         self._start: dict[str, torch.Tensor] = {}
         self._inner: torch.optim.Optimizer | None = None
         self._inner_total = max(inner_total_steps(spec, self.data.n_train), 1)
-        self.shard_index = 0
-        self.shard_count = 1
-        self.set_shard(shard_index, shard_count)
+        self.data.rows((shard_index, shard_count))  # validates: this shard is held here
+        self.shard_index, self.shard_count = shard_index, shard_count
 
     @property
     def n_train(self) -> int:
@@ -137,16 +137,6 @@ class Trainer:
         """Training rows in this worker's shard."""
         start, stop = shard_bounds(self.n_train, self.shard_index, self.shard_count)
         return stop - start
-
-    def set_shard(self, shard_index: int, shard_count: int) -> None:
-        """Switch to another shard, e.g. to take over a dead worker's rows.
-
-        Raises:
-            ValueError: shard_count < 1 or shard_index outside [0, shard_count).
-            ShardMissing: the shard's rows are not held here (FAILED_PRECONDITION).
-        """
-        self.data.rows((shard_index, shard_count))  # validates
-        self.shard_index, self.shard_count = shard_index, shard_count
 
     def set_params(self, params: dict[str, np.ndarray], version: int) -> None:
         """Overwrite the replica's parameters and buffers with the coordinator's.
@@ -169,38 +159,6 @@ class Trainer:
                 self._start = {n: t.detach().clone() for n, t in self._named_state()}
         self.params_version = version
 
-    def compute_gradients(
-        self, epoch: int, step_in_epoch: int, loss_scale: float = 1.0
-    ) -> GradResult:
-        """Gradients of the mean cross-entropy over this shard's rows of (epoch, step).
-
-        The rows (``batch_indices`` with ``grad_accum_steps`` k) are run as k micro-batches
-        of ``batch_size``; each backward pass adds the gradient of its rows' loss sum divided
-        by the step's row count, so the total is the gradient of the mean over all of them
-        (sample-weighted), as one batch of k * batch_size would give.
-
-        Args:
-            epoch: the epoch, from 0.
-            step_in_epoch: the step within the epoch, from 0.
-            loss_scale: S > 0; the loss is multiplied by S before backward and the gradients
-                divided by S in float32 (fp16 loss scaling; 1.0 otherwise).
-
-        Raises:
-            TrainerError: no parameters were set yet (FAILED_PRECONDITION).
-        """
-        spec = self.spec
-        rows = batch_indices(
-            self.n_train,
-            self.shard_index,
-            self.shard_count,
-            spec.batch_size,
-            epoch,
-            step_in_epoch,
-            spec.seed,
-            spec.grad_accum_steps,
-        )
-        return self.compute_rows(rows, loss_scale)
-
     def compute_rows(self, rows: np.ndarray, loss_scale: float = 1.0) -> GradResult:
         """Gradients of the mean cross-entropy over the given global training rows.
 
@@ -211,7 +169,8 @@ class Trainer:
         Args:
             rows: [R] int64 global row indices into the training split (any shards held
                 here; R may be any size, 0 gives zero gradients).
-            loss_scale: as ``compute_gradients``.
+            loss_scale: S > 0; the loss is multiplied by S before backward and the gradients
+                divided by S in float32 (fp16 loss scaling; 1.0 otherwise).
 
         Raises:
             TrainerError: no parameters were set yet (FAILED_PRECONDITION).
@@ -220,7 +179,7 @@ class Trainer:
             ValueError: a row outside the training split (INVALID_ARGUMENT).
         """
         if self.params_version is None:
-            raise TrainerError("no parameters set: call set_params before compute_gradients")
+            raise TrainerError("no parameters set: call set_params before compute_rows")
         if len(rows) == 0:
             zeros = {n: np.zeros(tuple(p.shape), np.float32) for n, p in self._params.items()}
             return GradResult(zeros, self._buffer_arrays(), 0, 0.0, 0, 0.0)

@@ -1,6 +1,8 @@
 """Training RPCs of the ``neuroshard.v1.Worker`` service.
 
-Each RPC validates, delegates to the training sessions, and maps their errors to status codes.
+Each RPC decodes its request, calls the training sessions (``TrainingSessions``) and encodes
+the answer; domain errors map to status codes through one table, ``_ERRORS``
+(``shared.rpc.status_table``).
 """
 
 from __future__ import annotations
@@ -20,15 +22,69 @@ from shared.rpc.codec import (
     rows_from_bytes,
     tensors_to_chunks,
 )
+from shared.rpc.status_table import BadRequest, Status, StatusTable
 from shared.training.data import DataError
 from shared.training.entry_points import EntryPointRefused
 from shared.training.models import ModelError
-from worker.training.compressed_link import StaleBase
 from worker.training.shards import ShardFetchError, ShardMissing
-from worker.training.trainer import DeviceUnavailable
-from worker.training.training_sessions import TrainingSessions, UnknownTrainingJob
+from worker.training.trainer import DeviceUnavailable, TrainerError
+from worker.training.training_sessions import (
+    BadParams,
+    StepInput,
+    TrainingSessions,
+    UnknownTrainingJob,
+)
 
 __all__ = ["TrainingServicer"]
+
+# Domain errors of the training RPCs and the status each maps to.
+_ERRORS = StatusTable(
+    [
+        (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+        (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
+        (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+        (DataError, grpc.StatusCode.INVALID_ARGUMENT),
+        (ModelError, grpc.StatusCode.INVALID_ARGUMENT),
+        (BadParams, grpc.StatusCode.INVALID_ARGUMENT),
+        (EntryPointRefused, grpc.StatusCode.PERMISSION_DENIED),
+        (DeviceUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+        (UnknownTrainingJob, grpc.StatusCode.FAILED_PRECONDITION),
+        (ShardMissing, grpc.StatusCode.FAILED_PRECONDITION),
+        (TrainerError, grpc.StatusCode.FAILED_PRECONDITION),
+        # FetchShard's own status (NOT_FOUND, PERMISSION_DENIED, UNAVAILABLE, ...).
+        (ShardFetchError, lambda e: Status(e.code)),
+        # The Trainer's and TrainData's own checks: a row outside the training split,
+        # inner_rows that do not split the rows, a shard index out of range.
+        (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+)
+
+
+def _step_input(header: worker_pb2.StepHeader, params: dict[str, Any]) -> StepInput:
+    """A step header and the tensors that came with it, as ``TrainingSessions.step`` takes.
+
+    Raises:
+        BadRequest: a loss_scale negative or not finite, or no explicit rows
+            (INVALID_ARGUMENT).
+        CodecError: ``rows`` is not int64 little-endian bytes (INVALID_ARGUMENT).
+    """
+    if not (math.isfinite(header.loss_scale) and header.loss_scale >= 0):
+        raise BadRequest(f"loss_scale: must be finite and >= 0, got {header.loss_scale}")
+    if not header.explicit_rows:
+        # The worker no longer chooses a step's rows itself: the coordinator names them.
+        raise BadRequest("explicit_rows: must be true, with the step's rows in rows")
+    return StepInput(
+        job_id=header.job_id,
+        epoch=header.epoch,
+        step_in_epoch=header.step_in_epoch,
+        params_version=header.params_version,
+        params=params if header.params_included else None,
+        params_delta=header.params_delta,
+        base_version=header.base_version,
+        rows=rows_from_bytes(header.rows),
+        inner_rows=tuple(header.inner_rows),
+        loss_scale=header.loss_scale or 1.0,
+    )
 
 
 class TrainingServicer:
@@ -58,23 +114,15 @@ class TrainingServicer:
             FetchShard's status: fetching the shard failed (NOT_FOUND, PERMISSION_DENIED,
                 UNAVAILABLE, ...).
         """
-        if request.shard_count < 1 or request.shard_index >= request.shard_count:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"shard_index {request.shard_index} is not below shard_count {request.shard_count}",
-            )
-        try:
+        async with _ERRORS.mapped(context):
+            if request.shard_count < 1 or request.shard_index >= request.shard_count:
+                raise BadRequest(
+                    f"shard_index {request.shard_index} is not below shard_count "
+                    f"{request.shard_count}"
+                )
             await self._sessions.start(
                 request.job_id, request.spec_json, request.shard_index, request.shard_count
             )
-        except (ConfigError, DataError, ModelError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EntryPointRefused as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except DeviceUnavailable as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ShardFetchError as exc:
-            await context.abort(exc.code, str(exc))
         return worker_pb2.StartTrainingResponse()
 
     async def ComputeGradients(
@@ -82,82 +130,30 @@ class TrainingServicer:
         request_iterator: AsyncIterator[worker_pb2.GradientRequest],
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[worker_pb2.GradientResponse]:
-        """Compute one step's gradients on this worker's shard (diloco: a pseudo-gradient).
+        """Compute the gradients of the header's rows (diloco: a pseudo-gradient).
 
-        Receives a step header (and the parameters and buffers when included); streams back
-        the step result, one float32 gradient per parameter (of the mean loss over the step's
-        rows, unscaled by the header's ``loss_scale``) and the model's buffers after the
-        step's forward passes. A shard not held here is fetched from the coordinator first.
+        Receives a step header naming the rows (and the parameters and buffers when
+        included); streams back the step result, one float32 gradient per parameter (of the
+        mean loss over the rows, unscaled by the header's ``loss_scale``; in the compressed
+        wire form when the job compresses) and the model's buffers after the step's forward
+        passes (``TrainingSessions.step``). A shard of the rows not held here is fetched
+        from the coordinator first. Answers ``need_params`` alone when the worker holds no
+        usable parameters of the header's version.
 
         Raises:
             FAILED_PRECONDITION: unknown job, or a shard not held here.
-            INVALID_ARGUMENT: malformed stream or parameters, a loss_scale that is negative or
-                not finite, or a malformed shard from the coordinator.
+            INVALID_ARGUMENT: malformed stream, rows or parameters, ``explicit_rows`` not
+                set, a loss_scale that is negative or not finite, a row outside the training
+                split, or a malformed shard from the coordinator.
             FetchShard's status: fetching the shard failed.
         """
-        try:
+        async with _ERRORS.mapped(context):
             header, params = await read_header_and_tensors(request_iterator, "header", "param")
             if header is None:
                 raise CodecError("the stream has no StepHeader")
-            if not (math.isfinite(header.loss_scale) and header.loss_scale >= 0):
-                raise CodecError(f"loss_scale: must be finite and >= 0, got {header.loss_scale}")
-        except CodecError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        try:
-            trainer = self._sessions.get(header.job_id)
-        except UnknownTrainingJob as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
-            return
-        link = self._sessions.link(header.job_id)
-        if header.params_included:
-            if header.params_delta and link is None:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    "params_delta: the job's spec has no compression",
-                )
-                return
-            try:
-                if header.params_delta and link is not None:
-                    params = link.receive(params, header.params_version, header.base_version)
-                await self._sessions.set_params(trainer, params, header.params_version)
-            except StaleBase:
-                yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
-                return
-            except ValueError as exc:  # names or shapes that are not the model's, bad wire
-                if link is not None:
-                    link.forget()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"param: {exc}")
-                return
-        elif trainer.params_version != header.params_version:
+            res = await self._sessions.step(_step_input(header, params))
+        if res is None:
             yield worker_pb2.GradientResponse(result=worker_pb2.StepResult(need_params=True))
-            return
-        rows = None
-        if header.explicit_rows:
-            try:
-                rows = rows_from_bytes(header.rows)
-            except CodecError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                return
-        try:
-            res = await self._sessions.compute(
-                header.job_id,
-                trainer,
-                header.epoch,
-                header.step_in_epoch,
-                (header.shard_index, header.shard_count),
-                header.loss_scale or 1.0,
-                rows,
-                list(header.inner_rows),
-            )
-        except ShardFetchError as exc:
-            await context.abort(exc.code, str(exc))
-            return
-        except (DataError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        except ShardMissing as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             return
         yield worker_pb2.GradientResponse(
             result=worker_pb2.StepResult(
@@ -168,10 +164,7 @@ class TrainingServicer:
                 compute_s=res.compute_s,
             )
         )
-        grads = res.grads
-        if link is not None and res.finite:  # non-finite ones go raw: the coordinator rejects
-            grads = link.send(grads)
-        tensors = [*grads.items(), *res.buffers.items()]
+        tensors = [*res.grads.items(), *res.buffers.items()]
         for chunk in tensors_to_chunks(tensors, self._chunk_bytes):
             yield worker_pb2.GradientResponse(grad=chunk)
 

@@ -1,15 +1,24 @@
 """The training jobs this worker takes part in: one ``Trainer`` per job id.
 
 A file data set's rows come from the coordinator (``worker.training.shards.ShardFetcher``): the
-shard given at StartTraining is fetched before the trainer is built, and a shard handed over later
-(a dead worker's) is fetched before its first step here.
+shard given at StartTraining is fetched before the trainer is built, and the shards holding a
+step's rows that are not held here (a dead worker's) are fetched before the step.
+
+One ComputeGradients call is one ``TrainingSessions.step``: load the parameters the call carries
+(through the job's compressed link when it has one), or check that the held ones are of the
+call's version, then compute the gradients of the call's rows on the torch thread and hand them
+back in the link's wire form.
+
+Shapes: R rows of one call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,13 +26,52 @@ import torch
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
 from shared.training.data import DataError, steps_per_epoch
 from shared.training.models import check_model_entry, param_shapes
-from worker.training.compressed_link import CompressedLink
+from worker.training.compressed_link import CompressedLink, StaleBase
 from worker.training.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.training.trainer import GradResult, Trainer
 
 
 class UnknownTrainingJob(KeyError):
     """No training session for that job id (FAILED_PRECONDITION: call StartTraining first)."""
+
+
+class BadParams(ValueError):
+    """A step's parameters do not fit the job (INVALID_ARGUMENT).
+
+    Names or shapes that are not the model's, a malformed compressed wire form, or a delta
+    for a job without compression; the message starts with the field at fault.
+    """
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One ComputeGradients call, decoded.
+
+    Attributes:
+        job_id: the job.
+        epoch: the epoch of the step, from 0.
+        step_in_epoch: the step within the epoch (diloco: the first inner step's).
+        params_version: the coordinator's parameter version the step is computed at.
+        params: name -> array of the parameters and buffers when the call carries them
+            (float32, or the compressed link's wire form when ``params_delta``); None when
+            the worker is to use the ones it holds.
+        params_delta: ``params`` is a compressed delta against ``base_version``.
+        base_version: the version the delta applies to.
+        rows: [R] int64 global training rows to compute on.
+        inner_rows: diloco: ``rows`` cut into the local steps' batches (empty: one batch).
+        loss_scale: the coordinator's fp16 loss scale, > 0 (1.0: none).
+    """
+
+    job_id: str
+    epoch: int
+    step_in_epoch: int
+    params_version: int
+    params: dict[str, np.ndarray] | None
+    params_delta: bool
+    base_version: int
+    rows: np.ndarray
+    inner_rows: tuple[int, ...] = ()
+    loss_scale: float = 1.0
 
 
 class TrainingSessions:
@@ -94,16 +142,63 @@ class TrainingSessions:
             self._links[job_id] = CompressedLink(spec, param_shapes(trainer.model))
         return int(trainer.train_samples)
 
-    def link(self, job_id: str) -> CompressedLink | None:
-        """The job's compressed link (held parameters, gradient residual); None: ``none``."""
-        return self._links.get(job_id)
-
     def get(self, job_id: str) -> Trainer:
         """The trainer of a job. Raises: UnknownTrainingJob (FAILED_PRECONDITION)."""
         try:
             return self._trainers[job_id]
         except KeyError:
             raise UnknownTrainingJob(f"no training session for job {job_id!r}") from None
+
+    async def step(self, call: StepInput) -> GradResult | None:
+        """One ComputeGradients call: load the call's parameters, then compute its rows.
+
+        Parameters that come as a delta go through the job's compressed link first; when the
+        call carries none, the held ones must be of ``call.params_version``. With a
+        compressed link the finite gradients are returned in its wire form (with error
+        feedback: the residual advances); non-finite ones go raw, for the coordinator to
+        reject.
+
+        Returns:
+            The step's result, or None when the worker holds no usable parameters (another
+            version held, or a delta on a base it does not hold): the coordinator resends
+            them in full (``need_params``).
+
+        Raises:
+            UnknownTrainingJob: no session for the job (FAILED_PRECONDITION).
+            BadParams: the parameters do not fit the model or the job's link
+                (INVALID_ARGUMENT); a compressed link's held copy is dropped.
+            ShardFetchError, DataError, ValueError, ShardMissing: as :meth:`compute`.
+        """
+        trainer = self.get(call.job_id)
+        link = self._links.get(call.job_id)
+        if call.params is not None:
+            if call.params_delta and link is None:
+                raise BadParams("params_delta: the job's spec has no compression")
+            try:
+                params = call.params
+                if link is not None and call.params_delta:
+                    params = link.receive(params, call.params_version, call.base_version)
+                await self.set_params(trainer, params, call.params_version)
+            except StaleBase:
+                return None
+            except ValueError as exc:  # names or shapes that are not the model's, bad wire
+                if link is not None:
+                    link.forget()
+                raise BadParams(f"param: {exc}") from None
+        elif trainer.params_version != call.params_version:
+            return None
+        res = await self.compute(
+            call.job_id,
+            trainer,
+            call.epoch,
+            call.step_in_epoch,
+            call.rows,
+            call.loss_scale,
+            call.inner_rows,
+        )
+        if link is not None and res.finite:
+            res = dataclasses.replace(res, grads=link.send(res.grads))
+        return res
 
     async def _fetch(self, job_id: str, shard: Shard) -> tuple[TrainData, ShardRows]:
         """Fetch ``shard`` from the coordinator: a ``TrainData`` holding it, and its rows.
@@ -126,46 +221,50 @@ class TrainingSessions:
         trainer: Trainer,
         epoch: int,
         step_in_epoch: int,
-        shard: tuple[int, int],
+        rows: np.ndarray,
         loss_scale: float = 1.0,
-        rows: np.ndarray | None = None,
         inner_rows: Sequence[int] = (),
     ) -> GradResult:
-        """Gradients of one step on the torch thread (``Trainer.compute_gradients``).
+        """Gradients of the mean loss over ``rows`` on the torch thread (``compute_rows``).
 
-        With ``strategy: diloco`` and ``rows`` the answer is the pseudo-gradient of local
-        steps on them instead (``Trainer.local_steps``): ``inner_rows`` cuts the rows into
-        the inner batches (empty: one batch), the first being inner step ``step_in_epoch``
-        of ``epoch``.
+        With ``strategy: diloco`` the answer is the pseudo-gradient of local steps on them
+        instead (``Trainer.local_steps``): ``inner_rows`` cuts the rows into the inner
+        batches (empty: one batch), the first being inner step ``step_in_epoch`` of
+        ``epoch``.
 
-        The shard's rows are fetched first when they are not held here (a shard handed over
-        from another worker). ``loss_scale``: the coordinator's fp16 loss scale (1.0: none).
-        ``rows``: [R] int64 global rows to compute on instead of the shard's rows of the step
-        (the coordinator's piece of the step); the shards holding them are fetched as needed.
+        The shards holding the rows are fetched first when they are not held here (a shard
+        handed over from another worker).
+
+        Args:
+            job_id: the job.
+            trainer: the job's trainer.
+            epoch: the epoch, from 0.
+            step_in_epoch: the step within the epoch (diloco: the first inner step's).
+            rows: [R] int64 global training rows (the coordinator's piece of the step).
+            loss_scale: the coordinator's fp16 loss scale (1.0: none).
+            inner_rows: diloco: the inner batches' row counts, summing to R.
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
-            ValueError: a row outside the training split (INVALID_ARGUMENT).
+            ValueError: a row outside the training split, or ``inner_rows`` not summing to R
+                (INVALID_ARGUMENT).
+            ShardMissing: a shard of the rows could not be held here (FAILED_PRECONDITION).
         """
-        needed = [shard] if rows is None else trainer.data.shards_of(rows, shard[1])
-        for s in needed:
+        for s in trainer.data.shards_of(rows, trainer.shard_count):
             if not trainer.data.has(s):
                 _data, got = await self._fetch(job_id, s)
                 await asyncio.to_thread(trainer.data.add, s, got)  # checks the rows
         loop = asyncio.get_running_loop()
 
         def work() -> GradResult:
-            trainer.set_shard(*shard)
             spec = trainer.spec
-            if rows is not None and spec.strategy == "diloco":
+            if spec.strategy == "diloco":
                 per_epoch = steps_per_epoch(
                     trainer.n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
                 )
                 first = epoch * per_epoch + step_in_epoch
                 return trainer.local_steps(rows, list(inner_rows) or [len(rows)], first)
-            if rows is not None:
-                return trainer.compute_rows(rows, loss_scale)
-            return trainer.compute_gradients(epoch, step_in_epoch, loss_scale)
+            return trainer.compute_rows(rows, loss_scale)
 
         return await loop.run_in_executor(self._executor, work)
 

@@ -10,6 +10,7 @@ import torch
 
 from coordinator.training.aggregation import ParameterServer, weighted_average
 from coordinator.training.checkpoints import save_model
+from coordinator.training.step_plan import shard_rows
 from shared.config import TrainJobSpec
 from shared.training.data import Dataset, load_dataset, steps_per_epoch
 from tests.training_reference import train_single_process
@@ -34,10 +35,11 @@ def run_sync(spec: TrainJobSpec, dataset: Dataset, steps: int) -> ParameterServe
     for g in range(steps):
         epoch, step = divmod(g, per_epoch)
         params = ps.params()
+        pieces = shard_rows(spec, len(dataset.y_train), epoch, step)
         results = []
         for t in trainers:
             t.set_params(params, ps.version)
-            results.append(t.compute_gradients(epoch, step))
+            results.append(t.compute_rows(pieces[t.shard_index]))
         ps.step(weighted_average([r.grads for r in results], [r.samples for r in results]))
     return ps
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from coordinator.training.aggregation import ParameterServer, average_buffers, weighted_average
 from coordinator.training.loss_scale import LossScale
+from coordinator.training.step_plan import shard_rows
 from shared.config import TrainJobSpec
 from shared.training.controls import lr_factor
 from shared.training.data import Dataset, batch_indices, load_dataset, steps_per_epoch
@@ -202,7 +203,8 @@ def test_controls_equal_single_process_training(digits: Dataset) -> None:
         epoch, step = divmod(g, per_epoch)
         for t in trainers:
             t.set_params(ps.params(), ps.version)
-        results = [t.compute_gradients(epoch, step) for t in trainers]
+        pieces = shard_rows(spec, len(digits.y_train), epoch, step)
+        results = [t.compute_rows(pieces[i]) for i, t in enumerate(trainers)]
         ps.step(weighted_average([r.grads for r in results], [r.samples for r in results]))
 
     for name, p in model.named_parameters():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from coordinator.training.step_plan import shard_rows
 from shared.config import TrainJobSpec
 from shared.training.data import DataError, load_dataset, shard_bounds
 from worker.training.shards import ShardMissing, ShardRows, TrainData
@@ -37,9 +38,8 @@ def test_fetched_shards_give_the_gradients_of_the_whole_local_set() -> None:
     remote.set_params(params, 0)
 
     for shard in (1, 2):
-        local.set_shard(shard, 3)
-        remote.set_shard(shard, 3)
-        a, b = local.compute_gradients(1, 2), remote.compute_gradients(1, 2)
+        rows = shard_rows(spec, local.n_train, 1, 2)[shard]
+        a, b = local.compute_rows(rows), remote.compute_rows(rows)
         assert (a.samples, a.correct) == (b.samples, b.correct)
         assert a.loss_sum == b.loss_sum
         for name in a.grads:
@@ -49,10 +49,12 @@ def test_fetched_shards_give_the_gradients_of_the_whole_local_set() -> None:
 def test_a_shard_not_held_must_be_fetched_first() -> None:
     spec = make_spec()
     trainer = Trainer(spec, shard_index=0, shard_count=3, data=fetched_like(spec, [0]))
+    trainer.set_params({n: p.detach().numpy() for n, p in trainer.model.named_parameters()}, 0)
 
     with pytest.raises(ShardMissing, match="shard 2 of 3 is not held here"):
-        trainer.set_shard(2, 3)
-    assert (trainer.shard_index, trainer.shard_count) == (0, 3)
+        trainer.compute_rows(shard_rows(spec, trainer.n_train, 0, 0)[2])
+    with pytest.raises(ShardMissing, match="shard 2 of 3 is not held here"):
+        Trainer(spec, shard_index=2, shard_count=3, data=fetched_like(spec, [0]))
 
 
 def test_a_file_data_set_is_never_opened_on_a_worker(tmp_path) -> None:

@@ -1,4 +1,5 @@
-"""The worker-side Trainer: shard gradients of the mean loss, parameter updates, errors."""
+"""The worker-side Trainer: gradients of the mean loss over the rows the coordinator names,
+parameter updates, errors. A step's rows are the coordinator's (``step_plan.shard_rows``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from coordinator.training.step_plan import shard_rows
 from shared.config import TrainJobSpec
 from shared.training.data import batch_indices, load_dataset
 from shared.training.models import build_model
@@ -19,6 +21,11 @@ BN_MODEL = {"entry": "bn_mlp"}
 def make_spec(**overrides: object) -> TrainJobSpec:
     fields = {"kind": "train", "workers": 3, "batch_size": 32, "seed": 0, "model": "mlp"}
     return TrainJobSpec.model_validate(fields | overrides)
+
+
+def step_rows(t: Trainer, epoch: int, step_in_epoch: int) -> np.ndarray:
+    """Trainer t's shard's rows of (epoch, step), as the coordinator plans them (fixed)."""
+    return shard_rows(t.spec, t.n_train, epoch, step_in_epoch)[t.shard_index]
 
 
 @pytest.fixture
@@ -42,7 +49,7 @@ def test_gradients_are_of_the_mean_loss_over_the_shard_batch(trainer: Trainer) -
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
 
-    result = trainer.compute_gradients(epoch=2, step_in_epoch=3)
+    result = trainer.compute_rows(step_rows(trainer, epoch=2, step_in_epoch=3))
 
     assert result.samples == 32 and result.compute_s > 0
     assert result.loss_sum == pytest.approx(loss.item() * 32, rel=1e-5)
@@ -57,7 +64,7 @@ def test_exhausted_shard_returns_zero_grads() -> None:
     t = Trainer(make_spec(batch_size=400), shard_index=0, shard_count=3)
     t.set_params({n: p.detach().numpy() for n, p in t.model.named_parameters()}, version=4)
 
-    result = t.compute_gradients(epoch=0, step_in_epoch=2)
+    result = t.compute_rows(step_rows(t, epoch=0, step_in_epoch=2))
 
     assert result.samples == 0 and result.loss_sum == 0.0 and result.correct == 0
     assert set(result.grads) == {n for n, _ in t.model.named_parameters()}
@@ -90,19 +97,18 @@ def test_gradients_need_parameters_first() -> None:
     t = Trainer(make_spec(), shard_index=0, shard_count=3)
 
     with pytest.raises(TrainerError, match="no parameters set"):
-        t.compute_gradients(0, 0)
+        t.compute_rows(step_rows(t, 0, 0))
 
 
-def test_set_shard_takes_over_another_shard(trainer: Trainer) -> None:
+def test_rows_of_another_shard_give_that_shards_gradients(trainer: Trainer) -> None:
     t = Trainer(make_spec(), shard_index=2, shard_count=3)
     t.set_params({n: p.detach().numpy() for n, p in trainer.model.named_parameters()}, 1)
 
-    t.set_shard(1, 3)
+    a, b = t.compute_rows(step_rows(trainer, 0, 0)), trainer.compute_rows(step_rows(trainer, 0, 0))
 
-    a, b = t.compute_gradients(0, 0), trainer.compute_gradients(0, 0)
-    assert t.train_samples == trainer.train_samples and a.loss_sum == pytest.approx(b.loss_sum)
+    assert a.samples == b.samples == 32 and a.loss_sum == pytest.approx(b.loss_sum)
     with pytest.raises(ValueError, match="bad shard"):
-        t.set_shard(3, 3)
+        Trainer(make_spec(), shard_index=3, shard_count=3)
 
 
 def params_of(t: Trainer) -> dict[str, np.ndarray]:
@@ -115,7 +121,7 @@ def test_accumulated_micro_batches_equal_one_larger_batch() -> None:
     big.set_params(params_of(big), 0)
     small.set_params(params_of(big), 0)
 
-    a, b = big.compute_gradients(1, 2), small.compute_gradients(1, 2)
+    a, b = big.compute_rows(step_rows(big, 1, 2)), small.compute_rows(step_rows(small, 1, 2))
 
     assert a.samples == b.samples == 64 and b.loss_sum == pytest.approx(a.loss_sum, rel=1e-6)
     for name, g in a.grads.items():
@@ -129,7 +135,7 @@ def test_a_short_last_step_weights_its_micro_batches_by_rows() -> None:
     big.set_params(params_of(big), 0)
     small.set_params(params_of(big), 0)
 
-    a, b = big.compute_gradients(0, 7), small.compute_gradients(0, 7)
+    a, b = big.compute_rows(step_rows(big, 0, 7)), small.compute_rows(step_rows(small, 0, 7))
 
     assert a.samples == b.samples == 479 - 7 * 64
     for name, g in a.grads.items():
@@ -137,10 +143,11 @@ def test_a_short_last_step_weights_its_micro_batches_by_rows() -> None:
 
 
 def test_loss_scaling_is_undone_in_float32_and_overflow_is_reported(trainer: Trainer) -> None:
-    plain = trainer.compute_gradients(0, 1)
+    rows = step_rows(trainer, 0, 1)
+    plain = trainer.compute_rows(rows)
 
-    scaled = trainer.compute_gradients(0, 1, loss_scale=2.0**16)
-    overflow = trainer.compute_gradients(0, 1, loss_scale=float("inf"))
+    scaled = trainer.compute_rows(rows, loss_scale=2.0**16)
+    overflow = trainer.compute_rows(rows, loss_scale=float("inf"))
 
     assert plain.finite and scaled.finite and not overflow.finite
     assert scaled.loss_sum == pytest.approx(plain.loss_sum)  # the loss is reported unscaled
@@ -155,7 +162,8 @@ def test_reduced_precision_gradients_are_close_to_fp32(precision: str) -> None:
     ref.set_params(params_of(ref), 0)
     low.set_params(params_of(ref), 0)
 
-    a, b = ref.compute_gradients(0, 0), low.compute_gradients(0, 0, loss_scale=1024.0)
+    rows = step_rows(ref, 0, 0)
+    a, b = ref.compute_rows(rows), low.compute_rows(rows, loss_scale=1024.0)
 
     assert b.finite and b.loss_sum == pytest.approx(a.loss_sum, rel=0.02)
     for name, g in a.grads.items():  # same direction within the precision's rounding
@@ -170,7 +178,7 @@ def test_buffers_come_back_with_the_running_statistics_of_the_batch() -> None:
     rows = batch_indices(1437, 0, 3, 32, 0, 0, 0)
     x = t.data.rows((0, 3)).x[rows].reshape(32, -1).astype(np.float64)
 
-    result = t.compute_gradients(0, 0)
+    result = t.compute_rows(step_rows(t, 0, 0))
 
     assert set(result.buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     # torch's BatchNorm: r = (1 - 0.1) r + 0.1 * batch statistic (variance unbiased).
@@ -194,7 +202,7 @@ def test_the_model_and_batches_live_on_cuda() -> None:
     t = Trainer(make_spec(device="cuda"), 0, 3)
     t.set_params(params_of(t), 0)
 
-    result = t.compute_gradients(0, 0)
+    result = t.compute_rows(step_rows(t, 0, 0))
 
     assert all(p.is_cuda for p in t.model.parameters())
     assert result.samples == 32 and all(g.dtype == np.float32 for g in result.grads.values())
