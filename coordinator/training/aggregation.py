@@ -110,7 +110,3 @@ def average_buffers(
     for name in ints:
         out[name] = np.max([np.asarray(b[name]) for b in contributed], axis=0)
     return {n: out[n].astype(np.asarray(first[n]).dtype, copy=False) for n in first}
-
-
-# Moved to coordinator.training.parameter_server; the references follow in the next commit.
-from coordinator.training.parameter_server import ParameterServer  # noqa: E402, F401

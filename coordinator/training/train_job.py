@@ -32,8 +32,9 @@ from typing import Any
 from coordinator.jobs.jobs import JobFailed, JobRecord, JobStore
 from coordinator.network.link_stats import LinkStats
 from coordinator.placement.membership import WorkerRecord
-from coordinator.training.aggregation import ParameterServer, average_buffers
+from coordinator.training.aggregation import average_buffers
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.training.parameter_server import ParameterServer
 from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
 from coordinator.training.step_monitor import StepMonitor
 from coordinator.training.step_plan import plan_outer_pieces, plan_pieces
