@@ -15,7 +15,7 @@ accuracy improved.
 
 ``strategy: diloco`` (Douillard et al. 2023) is the same loop where a step is an OUTER step:
 each piece's rows are a shard's rows of ``inner_steps`` consecutive inner steps
-(``coordinator.training.step_plan.plan_outer_pieces``, ``shared.training.outer_steps``), the worker
+(``coordinator.training.diloco.plan_outer_pieces``, ``shared.training.outer_steps``), the worker
 answers the pseudo-gradient of its local steps on them, and the parameter server's step is
 the outer Nesterov step on their sample-weighted average.
 """
@@ -34,10 +34,11 @@ from coordinator.network.link_stats import LinkStats
 from coordinator.placement.membership import WorkerRecord
 from coordinator.training.aggregation import average_buffers
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.training.diloco import plan_outer_pieces
 from coordinator.training.parameter_server import ParameterServer
 from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
 from coordinator.training.step_monitor import StepMonitor
-from coordinator.training.step_plan import plan_outer_pieces, plan_pieces
+from coordinator.training.step_plan import plan_pieces
 from coordinator.training.train_history import TrainHistory
 from coordinator.training.train_members import Members, Piece, StepOrder, StepOutcome, StepPolicy
 from coordinator.training.train_sets import TrainSets

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.training.diloco import plan_outer_pieces
 from coordinator.training.parameter_server import ParameterServer
-from coordinator.training.step_plan import plan_outer_pieces
 from shared.config import TrainJobSpec
 from shared.training.data import Dataset, batch_indices, load_dataset
 
