@@ -1,16 +1,18 @@
 """The parameter server of a sync or diloco job: the authoritative model on the coordinator.
 
-It holds the model, the optimizer (diloco: the outer one), the learning-rate schedule, the
-fp16 loss scale and the parameter version; each step it applies the workers' combined
-gradients (``coordinator.training.aggregation``, ``coordinator.training.robust_aggregation``)
-and the merged buffers, on the CPU. Its state is what a checkpoint holds.
+It holds the model, the optimizer, the learning-rate schedule and clipping (``StepControls``:
+the spec's for sync, ``coordinator.training.diloco.outer_controls`` for diloco), the fp16 loss
+scale and the parameter version; each step it applies the workers' combined gradients
+(``coordinator.training.aggregation``, ``coordinator.training.robust_aggregation``) and the
+merged buffers, on the CPU. Its state is what a checkpoint holds.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,21 +22,44 @@ from torch import nn
 from coordinator.training.evaluation import evaluate
 from coordinator.training.loss_scale import LossScale
 from shared.config import TrainJobSpec
-from shared.training.controls import (
-    UNLOADABLE,
-    make_lr_scheduler,
-    make_optimizer,
-    make_outer_optimizer,
-)
+from shared.training.controls import UNLOADABLE, make_lr_scheduler, make_optimizer
 from shared.training.data import Dataset
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
+
+
+@dataclass(frozen=True)
+class StepControls:
+    """What the parameter server's step applies to the combined gradients.
+
+    Attributes:
+        optimizer: steps the model's parameters; its state goes into checkpoints.
+        scheduler: the optimizer's lr schedule, stepped once per step (skipped or not).
+        clip_grad_norm: the gradients' global L2 norm is clipped to this first; None: never.
+    """
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    clip_grad_norm: float | None
+
+
+def spec_controls(spec: TrainJobSpec, model: nn.Module, total_steps: int) -> StepControls:
+    """The spec's ``optimizer``, ``lr_schedule`` over ``total_steps`` and ``clip_grad_norm``.
+
+    Args:
+        spec: the job.
+        model: the parameter server's model, float32 on the CPU.
+        total_steps: optimizer steps of the whole job, for the lr schedule (>= 1).
+    """
+    optimizer = make_optimizer(spec, model.parameters())
+    scheduler = make_lr_scheduler(spec, optimizer, max(total_steps, 1))
+    return StepControls(optimizer, scheduler, spec.clip_grad_norm)
 
 
 class ParameterServer:
     """The authoritative model, optimizer, lr schedule and loss scale of a sync or diloco job.
 
-    On the CPU. For diloco the optimizer is the outer one and its state (Nesterov momentum)
-    goes into checkpoints with the model.
+    On the CPU. The optimizer's state (diloco: the outer Nesterov momentum) goes into
+    checkpoints with the model.
     """
 
     def __init__(
@@ -43,19 +68,21 @@ class ParameterServer:
         dataset: Dataset,
         allowed_models: Mapping[str, str] | None = None,
         total_steps: int = 1,
+        controls: Callable[[nn.Module], StepControls] | None = None,
     ) -> None:
         """Build the model, optimizer and schedule (in a thread: it may import and allocate).
 
         Args:
-            spec: the job; the model is seeded with ``spec.seed``; ``optimizer``,
-                ``lr_schedule``, ``clip_grad_norm`` and ``precision`` (fp16: a loss scale).
-                ``strategy: diloco``: the optimizer is the outer Nesterov SGD
-                (``make_outer_optimizer``) at a constant ``outer_lr``, and ``step`` neither
-                clips nor schedules (the workers' inner steps do).
+            spec: the job; the model is seeded with ``spec.seed``; ``precision`` (fp16: a
+                loss scale).
             dataset: the job's data; the test split is used by ``evaluate``.
             allowed_models: the operator's ``allowed_models`` for a model given as
                 ``{entry: NAME}``.
-            total_steps: optimizer steps of the whole job, for the lr schedule (>= 1).
+            total_steps: optimizer steps of the whole job, for the default controls' lr
+                schedule (>= 1).
+            controls: builds the optimizer, schedule and clipping on the model (the job's
+                strategy's: ``coordinator.training.diloco.outer_controls`` for diloco); None:
+                the spec's own (``spec_controls`` over ``total_steps``).
 
         Raises:
             EntryPointRefused: the model's entry is not listed (PERMISSION_DENIED).
@@ -66,13 +93,13 @@ class ParameterServer:
         self.model: nn.Module = build_model(
             spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_models
         )
-        self.outer = spec.strategy == "diloco"
-        if self.outer:  # the lr schedule and clipping are the workers' (inner steps)
-            self.optimizer = make_outer_optimizer(spec, self.model.parameters())
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        else:
-            self.optimizer = make_optimizer(spec, self.model.parameters())
-            self.scheduler = make_lr_scheduler(spec, self.optimizer, max(total_steps, 1))
+        built = (
+            controls(self.model)
+            if controls is not None
+            else spec_controls(spec, self.model, total_steps)
+        )
+        self.optimizer, self.scheduler = built.optimizer, built.scheduler
+        self._clip_grad_norm = built.clip_grad_norm
         self.loss_scale = LossScale(enabled=spec.precision == "fp16")
         self.version = 0
         self.skipped_steps = 0
@@ -107,7 +134,7 @@ class ParameterServer:
         pseudo-gradient (start minus end parameters of the workers' local steps) and the
         Nesterov SGD step moves the parameters by it (Douillard et al. 2023, algorithm 1).
 
-        The gradient's global L2 norm is clipped to ``clip_grad_norm`` first
+        The gradient's global L2 norm is clipped to the controls' ``clip_grad_norm`` first
         (``torch.nn.utils.clip_grad_norm_``). None skips the optimizer step: with fp16, a
         shard's gradients were not all finite, and the loss scale backs off
         (``coordinator.training.loss_scale``). The lr schedule advances once per call, skipped or
@@ -127,8 +154,8 @@ class ParameterServer:
             check_param_arrays(grads, self._shapes)
             for name, p in self.model.named_parameters():
                 p.grad = torch.tensor(np.asarray(grads[name], dtype=np.float32))
-            if self.spec.clip_grad_norm is not None and not self.outer:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.clip_grad_norm)
+            if self._clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._clip_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         else:

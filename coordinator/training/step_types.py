@@ -1,8 +1,9 @@
 """The vocabulary of one sync or diloco training step on the coordinator.
 
 ``StepOrder`` (what every piece is computed from), ``Piece`` (the rows one call computes),
-``StepPolicy`` (how late and bad answers are treated), ``ShardResult`` (one answer),
-``StepOutcome`` (what the step gathered) and ``Member`` (one worker's seat in a job).
+``StepPlan`` (a step's pieces as its strategy plans them), ``StepPolicy`` (how late and bad
+answers are treated), ``ShardResult`` (one answer), ``StepOutcome`` (what the step gathered)
+and ``Member`` (one worker's seat in a job).
 """
 
 from __future__ import annotations
@@ -74,6 +75,20 @@ class Piece:
     shard: int = -1
     member: str | None = None
     inner_rows: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's pieces as the job's strategy plans them, and where the step is.
+
+    Attributes:
+        pieces: the step's pieces, together its global batch.
+        step_in_epoch: what the workers' headers say: the step within its epoch (sync), or
+            the first inner step it covers within the epoch (diloco).
+    """
+
+    pieces: list[Piece]
+    step_in_epoch: int
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,22 @@ def total_steps(spec: TrainJobSpec, n_train: int) -> int:
     return inner
 
 
+def worker_steps(spec: TrainJobSpec, n_train: int) -> int:
+    """Return the optimizer steps each worker takes over a job: what ``max_steps`` caps.
+
+    sync: the job's steps (``inner_total_steps``); diloco: its inner steps per shard
+    (``inner_total_steps``; its outer steps are fewer); allreduce: the job's steps
+    (``partition.allreduce_total_steps``).
+
+    Args:
+        spec: the job (its steps or epochs, workers, batch size and grad_accum_steps).
+        n_train: training rows N of its data set.
+    """
+    if spec.strategy == "allreduce":
+        return allreduce_total_steps(spec, n_train)
+    return inner_total_steps(spec, n_train)
+
+
 def batch_indices(
     n_train: int,
     shard_index: int,

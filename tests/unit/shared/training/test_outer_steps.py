@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shared.config import ConfigError, TrainJobSpec, parse_job_spec
-from shared.training.data import inner_total_steps, steps_per_epoch, total_steps
+from shared.training.data import inner_total_steps, steps_per_epoch, total_steps, worker_steps
 from shared.training.outer_steps import OuterStep, outer_step, outer_total_steps
+from shared.training.partition import allreduce_total_steps
 
 DIGITS_TRAIN = 1437  # 1797 digits, 20% held out
 
@@ -64,3 +65,15 @@ def test_fp16_is_refused_with_diloco_naming_the_field() -> None:
     with pytest.raises(ConfigError, match="precision: fp16 is not available with strategy diloco"):
         diloco(precision="fp16")
     assert diloco(precision="bf16", clip_grad_norm=1.0, grad_accum_steps=2).precision == "bf16"
+
+
+def test_the_work_admission_caps_is_each_workers_optimizer_steps() -> None:
+    # diloco: its 300 inner steps, not its 40 outer ones; sync and allreduce: their steps.
+    fields = {"kind": "train", "workers": 3, "epochs": 20, "batch_size": 32}
+    sync, allreduce = (
+        TrainJobSpec.model_validate(fields | {"strategy": s}) for s in ("sync", "allreduce")
+    )
+
+    assert worker_steps(diloco(epochs=20, inner_steps=10, batch_size=32), DIGITS_TRAIN) == 300
+    assert worker_steps(sync, DIGITS_TRAIN) == total_steps(sync, DIGITS_TRAIN) == 300
+    assert worker_steps(allreduce, DIGITS_TRAIN) == allreduce_total_steps(allreduce, DIGITS_TRAIN)
