@@ -1,5 +1,8 @@
 """The training jobs this worker takes part in: one ``Trainer`` per job id.
 
+A diloco job's calls run DiLoCo's inner loop (``worker.training.diloco.LocalSteps``, one per
+job, kept with its inner optimizer).
+
 A file data set's rows come from the coordinator (``worker.training.shards.ShardFetcher``): the
 shard given at StartTraining is fetched before the trainer is built, and the shards holding a
 step's rows that are not held here (a dead worker's) are fetched before the step.
@@ -19,14 +22,16 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
-from shared.training.data import DataError, steps_per_epoch
+from shared.training.data import DataError
 from shared.training.models import check_model_entry, param_shapes
 from worker.training.compressed_link import CompressedLink, StaleBase
+from worker.training.diloco import LocalSteps, legacy_inner_steps
 from worker.training.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.training.trainer import GradResult, Trainer
 
@@ -100,6 +105,7 @@ class TrainingSessions:
         self._daemon = f"worker {name}".strip()
         self._trainers: dict[str, Trainer] = {}
         self._links: dict[str, CompressedLink] = {}
+        self._local: dict[str, LocalSteps] = {}  # diloco: built at a job's first local steps
         # One thread: torch's intra-op pool (torch_threads) does the parallel work.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self._executor.submit(torch.set_num_threads, torch_threads)
@@ -228,8 +234,8 @@ class TrainingSessions:
         """Gradients of the mean loss over ``rows`` on the torch thread (``compute_rows``).
 
         With ``strategy: diloco`` the answer is the pseudo-gradient of local steps on them
-        instead (``Trainer.local_steps``): ``inner_rows`` cuts the rows into the inner
-        batches (empty: one batch), the first being inner step ``step_in_epoch`` of
+        instead (``worker.training.diloco.LocalSteps``): ``inner_rows`` cuts the rows into the
+        inner batches (empty: one batch), the first being inner step ``step_in_epoch`` of
         ``epoch``.
 
         The shards holding the rows are fetched first when they are not held here (a shard
@@ -255,18 +261,19 @@ class TrainingSessions:
                 _data, got = await self._fetch(job_id, s)
                 await asyncio.to_thread(trainer.data.add, s, got)  # checks the rows
         loop = asyncio.get_running_loop()
-
-        def work() -> GradResult:
-            spec = trainer.spec
-            if spec.strategy == "diloco":
-                per_epoch = steps_per_epoch(
-                    trainer.n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
-                )
-                first = epoch * per_epoch + step_in_epoch
-                return trainer.local_steps(rows, list(inner_rows) or [len(rows)], first)
-            return trainer.compute_rows(rows, loss_scale)
-
+        work = partial(trainer.compute_rows, rows, loss_scale)
+        inner = legacy_inner_steps(trainer.spec, trainer.n_train, epoch, step_in_epoch)
+        if inner is not None:
+            local = self._local_steps(job_id, trainer)
+            work = partial(local.run, rows, list(inner_rows) or [len(rows)], inner)
         return await loop.run_in_executor(self._executor, work)
+
+    def _local_steps(self, job_id: str, trainer: Trainer) -> LocalSteps:
+        """The job's DiLoCo inner loop on ``trainer`` (a new trainer gets a new one)."""
+        local = self._local.get(job_id)
+        if local is None or local.trainer is not trainer:
+            local = self._local[job_id] = LocalSteps(trainer)
+        return local
 
     async def set_params(
         self, trainer: Trainer, params: dict[str, np.ndarray], version: int
@@ -276,9 +283,10 @@ class TrainingSessions:
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)
 
     def stop(self, job_id: str) -> None:
-        """Forget a job's trainer and compressed link (idempotent)."""
+        """Forget a job's trainer, compressed link and inner loop (idempotent)."""
         self._trainers.pop(job_id, None)
         self._links.pop(job_id, None)
+        self._local.pop(job_id, None)
 
     def close(self) -> None:
         """Drop every trainer, cancel shard fetches and stop the torch thread."""
@@ -286,4 +294,5 @@ class TrainingSessions:
             pending.cancel()
         self._trainers.clear()
         self._links.clear()
+        self._local.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
