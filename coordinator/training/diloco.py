@@ -9,8 +9,9 @@ algorithm 1. A diloco job runs the parameter-server loop of a sync one
 - a piece of an outer step (``plan_outer_pieces``) covers those inner steps: the rows of each
   inner step are planned as a sync step's (``coordinator.training.step_plan``) and each shard's
   (fixed) or member's (proportional) rows are concatenated, with the per-inner-step counts, so
-  the worker cuts them back into its local steps' batches and answers the pseudo-gradient
-  (``worker.training.diloco``);
+  the worker cuts them back into its local steps' batches; every call asks for local steps
+  (``InnerSteps``: the job-wide index of the first and the job's inner steps, which set the
+  workers' inner lr) and the worker answers the pseudo-gradient (``worker.training.diloco``);
 - the parameter server's optimizer is the outer Nesterov SGD at a constant ``outer_lr``,
   without clipping: the workers' inner steps schedule and clip (``outer_controls``);
 - the result adds ``outer_steps`` and ``inner_steps`` (inner steps per shard).
@@ -29,7 +30,7 @@ from torch import nn
 
 from coordinator.training.parameter_server import StepControls
 from coordinator.training.step_plan import plan_pieces
-from coordinator.training.step_types import Piece, StepPlan
+from coordinator.training.step_types import InnerSteps, Piece, StepPlan
 from shared.config import TrainJobSpec
 from shared.training.controls import make_outer_optimizer
 from shared.training.data import inner_total_steps, steps_per_epoch
@@ -73,14 +74,15 @@ class DilocoSteps:
             rates: member name -> measured samples/s (None: not measured yet).
 
         Returns:
-            The pieces (``plan_outer_pieces``) and, as ``step_in_epoch``, the first inner
-            step's index within the epoch.
+            The pieces (``plan_outer_pieces``), as ``step_in_epoch`` the first inner step's
+            index within the epoch, and the inner steps every piece runs.
         """
         spec = self.spec
         outer = outer_step(step, self.inner_total, self.inner_per_epoch, spec.inner_steps)
         inner = range(outer.first, outer.stop)
         pieces = plan_outer_pieces(spec, self.n_train, outer.epoch, inner, members, rates)
-        return StepPlan(pieces, outer.first)
+        first = outer.epoch * self.inner_per_epoch + outer.first
+        return StepPlan(pieces, outer.first, InnerSteps(first, self.inner_total))
 
     def controls(self, model: nn.Module) -> StepControls:
         """The outer optimizer (``outer_controls``)."""

@@ -291,6 +291,7 @@ class TrainJob:
             ps.params() | buffers,
             frozenset(buffers),
             ps.loss_scale.scale,
+            plan.inner_steps,
         )
         outcome = await self.members.step(order, plan.pieces, policy)
         self.monitor.observe(outcome, step, self.members)

@@ -4,8 +4,11 @@ Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Langua
 algorithm 1. The coordinator (``coordinator.training.diloco``) asks a diloco job's workers for
 local steps: a call's rows are cut into inner batches (``inner_rows``), each one step of the
 inner optimizer from the parameters the coordinator set (θ_start), and the answer is the
-pseudo-gradient Δ = θ_start − θ_end. The inner optimizer is the spec's ``optimizer``, built
-once per job and kept across outer steps, as the paper does (its inner optimizer is AdamW).
+pseudo-gradient Δ = θ_start − θ_end. The header's ``inner_steps`` (``InnerSteps``) says where
+those steps are in the job, for the inner lr schedule; the worker does not lay out the job's
+steps itself (but for a coordinator of the release before, ``legacy_inner_steps``). The
+inner optimizer is the spec's ``optimizer``, built once per job and kept across outer steps,
+as the paper does (its inner optimizer is AdamW).
 
 Between calls the replica holds θ_start, the parameters of its ``params_version``: a call puts
 them back when it ends, so two pieces of one outer step on one worker (a dead worker's shard

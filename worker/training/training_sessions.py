@@ -31,7 +31,7 @@ from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_jso
 from shared.training.data import DataError
 from shared.training.models import check_model_entry, param_shapes
 from worker.training.compressed_link import CompressedLink, StaleBase
-from worker.training.diloco import LocalSteps, legacy_inner_steps
+from worker.training.diloco import InnerSteps, LocalSteps, legacy_inner_steps
 from worker.training.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.training.trainer import GradResult, Trainer
 
@@ -65,6 +65,8 @@ class StepInput:
         rows: [R] int64 global training rows to compute on.
         inner_rows: diloco: ``rows`` cut into the local steps' batches (empty: one batch).
         loss_scale: the coordinator's fp16 loss scale, > 0 (1.0: none).
+        inner_steps: diloco: run local steps, these (None: gradients, or from a coordinator
+            of the release before, ``legacy_inner_steps``).
     """
 
     job_id: str
@@ -77,6 +79,7 @@ class StepInput:
     rows: np.ndarray
     inner_rows: tuple[int, ...] = ()
     loss_scale: float = 1.0
+    inner_steps: InnerSteps | None = None
 
 
 class TrainingSessions:
@@ -201,6 +204,7 @@ class TrainingSessions:
             call.rows,
             call.loss_scale,
             call.inner_rows,
+            call.inner_steps,
         )
         if link is not None and res.finite:
             res = dataclasses.replace(res, grads=link.send(res.grads))
@@ -230,13 +234,15 @@ class TrainingSessions:
         rows: np.ndarray,
         loss_scale: float = 1.0,
         inner_rows: Sequence[int] = (),
+        inner_steps: InnerSteps | None = None,
     ) -> GradResult:
         """Gradients of the mean loss over ``rows`` on the torch thread (``compute_rows``).
 
-        With ``strategy: diloco`` the answer is the pseudo-gradient of local steps on them
-        instead (``worker.training.diloco.LocalSteps``): ``inner_rows`` cuts the rows into the
-        inner batches (empty: one batch), the first being inner step ``step_in_epoch`` of
-        ``epoch``.
+        With ``inner_steps`` (diloco) the answer is the pseudo-gradient of local steps on the
+        rows instead (``worker.training.diloco.LocalSteps``): ``inner_rows`` cuts the rows into
+        the inner batches (empty: one batch). A coordinator of the release before sends no
+        ``inner_steps``: a diloco job's are then computed from the spec, the first being inner
+        step ``step_in_epoch`` of ``epoch`` (``legacy_inner_steps``).
 
         The shards holding the rows are fetched first when they are not held here (a shard
         handed over from another worker).
@@ -249,6 +255,7 @@ class TrainingSessions:
             rows: [R] int64 global training rows (the coordinator's piece of the step).
             loss_scale: the coordinator's fp16 loss scale (1.0: none).
             inner_rows: diloco: the inner batches' row counts, summing to R.
+            inner_steps: diloco: the call's first inner step and the job's inner steps.
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
@@ -262,7 +269,9 @@ class TrainingSessions:
                 await asyncio.to_thread(trainer.data.add, s, got)  # checks the rows
         loop = asyncio.get_running_loop()
         work = partial(trainer.compute_rows, rows, loss_scale)
-        inner = legacy_inner_steps(trainer.spec, trainer.n_train, epoch, step_in_epoch)
+        inner = inner_steps or legacy_inner_steps(
+            trainer.spec, trainer.n_train, epoch, step_in_epoch
+        )
         if inner is not None:
             local = self._local_steps(job_id, trainer)
             work = partial(local.run, rows, list(inner_rows) or [len(rows)], inner)

@@ -8,6 +8,7 @@ import torch
 
 from coordinator.training.diloco import DilocoSteps, outer_controls, plan_outer_pieces
 from coordinator.training.parameter_server import ParameterServer
+from coordinator.training.step_types import InnerSteps
 from coordinator.training.sync import SyncSteps
 from shared.config import TrainJobSpec
 from shared.training.data import Dataset, batch_indices, load_dataset
@@ -127,6 +128,7 @@ def test_diloco_steps_are_outer_steps_of_inner_steps() -> None:
     assert (steps.per_epoch, steps.total, steps.inner_total) == (2, 40, 300)
     assert steps.result_fields() == {"outer_steps": 40, "inner_steps": 300}
     assert second.step_in_epoch == 10
+    assert second.inner_steps == InnerSteps(first=15 + 10, total=300)  # the workers' lr
     assert [p.inner_rows for p in second.pieces] == [(32, 32, 32, 32, 31)] * 3
     np.testing.assert_array_equal(
         second.pieces[0].rows,
@@ -141,6 +143,6 @@ def test_sync_steps_are_the_spec_steps() -> None:
     plan = steps.plan(17, [], {})  # epoch 1, step 2
 
     assert (steps.per_epoch, steps.total, steps.result_fields()) == (15, 300, {})
-    assert plan.step_in_epoch == 2
+    assert plan.step_in_epoch == 2 and plan.inner_steps is None
     assert [p.inner_rows for p in plan.pieces] == [()] * 3
     np.testing.assert_array_equal(plan.pieces[1].rows, batch_indices(1437, 1, 3, 32, 1, 2, 0))

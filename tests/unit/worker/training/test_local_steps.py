@@ -9,9 +9,11 @@ from shared.config import TrainJobSpec
 from shared.training.data import batch_indices
 from worker.training.diloco import InnerSteps, LocalSteps, legacy_inner_steps
 from worker.training.trainer import Trainer
+from worker.training.training_sessions import TrainingSessions
 
 LR = 0.05
 FIRST = InnerSteps(first=0, total=15)  # a constant lr: where the steps are does not matter
+STEP_2 = InnerSteps(first=2, total=15)
 
 
 def make_local(**overrides: object) -> LocalSteps:
@@ -123,7 +125,7 @@ def test_each_inner_step_takes_the_lr_of_its_job_wide_step() -> None:
     grads = local.trainer.compute_rows(rows).grads
 
     # Act
-    res = local.run(rows, [len(rows)], InnerSteps(first=2, total=15))
+    res = local.run(rows, [len(rows)], STEP_2)
 
     # Assert
     for name, g in grads.items():
@@ -137,3 +139,25 @@ def test_a_coordinator_without_inner_steps_in_its_header_gets_them_computed() ->
 
     assert legacy_inner_steps(spec, 1437, epoch=1, step_in_epoch=10) == InnerSteps(25, 30)
     assert legacy_inner_steps(sync, 1437, epoch=1, step_in_epoch=10) is None
+
+
+async def test_the_sessions_run_the_inner_steps_the_header_names() -> None:
+    # Arrange: warm-up over 4 steps. The coordinator names job-wide inner step 2 (lr 3/4);
+    # without the field, the worker's own count from (epoch 0, step 0) gives step 0 (lr 1/4).
+    spec = make_local(lr_schedule={"name": "constant", "warmup_steps": 4}).trainer.spec
+    sessions = TrainingSessions(torch_threads=1)
+    try:
+        await sessions.start("job", spec.model_dump_json(by_alias=True), 1, 3)
+        trainer = sessions.get("job")
+        await sessions.set_params(trainer, params_of(trainer), version=0)
+        rows = rows_of(0)
+
+        # Act
+        named = await sessions.compute("job", trainer, 0, 0, rows, 1.0, [32], STEP_2)
+        legacy = await sessions.compute("job", trainer, 0, 0, rows, 1.0, [32])
+    finally:
+        sessions.close()
+
+    # Assert: SGD without momentum, one step: Δ = lr g, three times larger at step 2.
+    for name, delta in named.grads.items():
+        np.testing.assert_allclose(delta, 3 * legacy.grads[name], rtol=1e-4, atol=1e-7)
