@@ -137,7 +137,8 @@ def test_diloco_steps_are_outer_steps_of_inner_steps() -> None:
 
 
 def test_sync_steps_are_the_spec_steps() -> None:
-    spec = make_spec(strategy="sync", workers=3, batch_size=32, epochs=20)
+    # inner_steps is diloco's: a sync job's steps are as without it.
+    spec = make_spec(strategy="sync", workers=3, batch_size=32, epochs=20, inner_steps=10)
 
     steps = SyncSteps(spec, 1437)
     plan = steps.plan(17, [], {})  # epoch 1, step 2
