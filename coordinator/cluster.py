@@ -7,6 +7,7 @@ Servicers call these methods; background tasks (failure detection, scheduling) r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,21 @@ from coordinator.placement.readmission import Readmission
 from coordinator.placement.rebalance import Rebalancer
 from coordinator.placement.slot_map import WireLimits
 from coordinator.training.allreduce_job import AllreduceJob
-from coordinator.training.train_job import TrainJob
+from coordinator.training.diloco import DilocoSteps
+from coordinator.training.sync import SyncSteps
+from coordinator.training.train_job import StepScheme, TrainJob
 from coordinator.training.train_sets import TrainSets
 from shared.config import CoordinatorConfig, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.transport import ChannelSecurity
+
+# The strategies that run the parameter-server loop, and their steps (``StepScheme``).
+PARAMETER_SERVER_STEPS: dict[str, Callable[[TrainJobSpec, int], StepScheme]] = {
+    "sync": SyncSteps,
+    "diloco": DilocoSteps,
+}
 
 log = get_logger(__name__)
 
@@ -306,22 +315,20 @@ class Cluster:
         ).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
+        """Run a train job by its ``strategy``: the coordinator's one dispatch on it."""
         assert isinstance(job.spec, TrainJobSpec)
-        if job.spec.strategy == "allreduce":
-            strategy: type[AllreduceJob] | type[TrainJob] = AllreduceJob
-            extra: dict[str, Any] = {}
-        else:  # sync and diloco: the parameter-server loop, which measures the links
-            strategy, extra = TrainJob, {"links": self.links}
-        return await strategy(
-            job,
-            workers,
-            self.cfg,
-            self.clients,
-            self.jobs,
-            self.metrics,
+        args = (job, workers, self.cfg, self.clients, self.jobs, self.metrics)
+        if job.spec.strategy == "allreduce":  # DDP in the workers' processes
+            return await AllreduceJob(
+                *args, alive=self.membership.alive, train_sets=self.train_sets
+            ).run()
+        # sync and diloco: the parameter-server loop (which measures the links), their steps
+        return await TrainJob(
+            *args,
+            PARAMETER_SERVER_STEPS[job.spec.strategy],
             alive=self.membership.alive,
             train_sets=self.train_sets,
-            **extra,
+            links=self.links,
         ).run()
 
     # -- status ---------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from shared.config import (
 )
 from shared.npz import UNREADABLE, NpyHeaderError, npz_members, read_npy_header
 from shared.security.confinement import resolve_data_paths
-from shared.training.data import inner_total_steps, synthetic_peak_bytes, total_steps
+from shared.training.data import synthetic_peak_bytes, worker_steps
 from shared.training.entry_points import EntryPointError, check_entries
 from shared.training.models import ModelError, activation_bytes, build_model, count_params
 
@@ -163,9 +163,7 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
             f" of activations for {spec.batch_size} rows",
         )
     n_train = shape.samples - math.ceil(shape.samples * spec.test_fraction)
-    # diloco: the inner steps per worker, the work (its outer steps are fewer).
-    count = inner_total_steps if spec.strategy == "diloco" else total_steps
-    steps = count(spec, max(n_train, 1))
+    steps = worker_steps(spec, max(n_train, 1))
     key = "steps" if spec.steps is not None else "epochs"
     _cap(key, steps, cfg.max_steps, "max_steps", " steps")
 

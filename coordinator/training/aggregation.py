@@ -1,7 +1,7 @@
-"""Synchronous data-parallel training on the coordinator.
+"""Gradient and buffer averaging of a sync or diloco step on the coordinator.
 
-Gradient and buffer averaging, and the parameter server that holds a job's authoritative
-model, optimizer, learning-rate schedule and loss scale (on the CPU).
+What the parameter server applies (``coordinator.training.parameter_server``): the workers'
+gradients (diloco: pseudo-gradients) averaged by sample count, their buffers merged.
 
 Shapes: W workers; each gradient dict maps a parameter name to an array of that parameter's
 shape, each buffer dict a buffer name (BatchNorm's running_mean, running_var,
@@ -10,26 +10,11 @@ num_batches_tracked) to an array of that buffer's shape and dtype.
 
 from __future__ import annotations
 
-import io
-import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
-import torch
-from torch import nn
 
-from coordinator.training.evaluation import evaluate
-from coordinator.training.loss_scale import LossScale
-from shared.config import TrainJobSpec
-from shared.training.controls import (
-    UNLOADABLE,
-    make_lr_scheduler,
-    make_optimizer,
-    make_outer_optimizer,
-)
-from shared.training.data import Dataset
-from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
+from shared.training.models import check_param_arrays
 
 
 def weighted_average(
@@ -125,170 +110,3 @@ def average_buffers(
     for name in ints:
         out[name] = np.max([np.asarray(b[name]) for b in contributed], axis=0)
     return {n: out[n].astype(np.asarray(first[n]).dtype, copy=False) for n in first}
-
-
-class ParameterServer:
-    """The authoritative model, optimizer, lr schedule and loss scale of a sync or diloco job.
-
-    On the CPU. For diloco the optimizer is the outer one and its state (Nesterov momentum)
-    goes into checkpoints with the model.
-    """
-
-    def __init__(
-        self,
-        spec: TrainJobSpec,
-        dataset: Dataset,
-        allowed_models: Mapping[str, str] | None = None,
-        total_steps: int = 1,
-    ) -> None:
-        """Build the model, optimizer and schedule (in a thread: it may import and allocate).
-
-        Args:
-            spec: the job; the model is seeded with ``spec.seed``; ``optimizer``,
-                ``lr_schedule``, ``clip_grad_norm`` and ``precision`` (fp16: a loss scale).
-                ``strategy: diloco``: the optimizer is the outer Nesterov SGD
-                (``make_outer_optimizer``) at a constant ``outer_lr``, and ``step`` neither
-                clips nor schedules (the workers' inner steps do).
-            dataset: the job's data; the test split is used by ``evaluate``.
-            allowed_models: the operator's ``allowed_models`` for a model given as
-                ``{entry: NAME}``.
-            total_steps: optimizer steps of the whole job, for the lr schedule (>= 1).
-
-        Raises:
-            EntryPointRefused: the model's entry is not listed (PERMISSION_DENIED).
-            ModelError: the model cannot be built (INVALID_ARGUMENT).
-        """
-        self.spec = spec
-        self.dataset = dataset
-        self.model: nn.Module = build_model(
-            spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_models
-        )
-        self.outer = spec.strategy == "diloco"
-        if self.outer:  # the lr schedule and clipping are the workers' (inner steps)
-            self.optimizer = make_outer_optimizer(spec, self.model.parameters())
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
-        else:
-            self.optimizer = make_optimizer(spec, self.model.parameters())
-            self.scheduler = make_lr_scheduler(spec, self.optimizer, max(total_steps, 1))
-        self.loss_scale = LossScale(enabled=spec.precision == "fp16")
-        self.version = 0
-        self.skipped_steps = 0
-        self._shapes = param_shapes(self.model)
-        self._buffer_shapes = buffer_shapes(self.model)
-
-    @property
-    def param_count(self) -> int:
-        """Number of scalar parameters."""
-        return sum(int(np.prod(s)) for s in self._shapes.values())
-
-    @property
-    def lr(self) -> float:
-        """The learning rate of the next optimizer step."""
-        return float(self.optimizer.param_groups[0]["lr"])
-
-    def params(self) -> dict[str, np.ndarray]:
-        """The current parameters: name -> float32 copy, ``named_parameters()`` order."""
-        return {
-            name: p.detach().to(torch.float32).numpy().copy()
-            for name, p in self.model.named_parameters()
-        }
-
-    def buffers(self) -> dict[str, np.ndarray]:
-        """The current buffers: name -> copy in the buffer's dtype, ``named_buffers()`` order."""
-        return {name: b.detach().numpy().copy() for name, b in self.model.named_buffers()}
-
-    def step(self, grads: dict[str, np.ndarray] | None) -> bool:
-        """Apply one optimizer step with the averaged gradients; bump ``version``.
-
-        With ``strategy: diloco`` this is the outer step: ``grads`` is the averaged
-        pseudo-gradient (start minus end parameters of the workers' local steps) and the
-        Nesterov SGD step moves the parameters by it (Douillard et al. 2023, algorithm 1).
-
-        The gradient's global L2 norm is clipped to ``clip_grad_norm`` first
-        (``torch.nn.utils.clip_grad_norm_``). None skips the optimizer step: with fp16, a
-        shard's gradients were not all finite, and the loss scale backs off
-        (``coordinator.training.loss_scale``). The lr schedule advances once per call, skipped or
-        not, as in torch's AMP recipe; ``version`` too (the buffers changed either way).
-
-        Args:
-            grads: name -> float32 array with every parameter's name and shape, unscaled;
-                None: skip this step.
-
-        Returns:
-            True when the optimizer stepped, False when the step was skipped.
-
-        Raises:
-            ValueError: names or shapes differ from the model's; nothing is changed.
-        """
-        if grads is not None:
-            check_param_arrays(grads, self._shapes)
-            for name, p in self.model.named_parameters():
-                p.grad = torch.tensor(np.asarray(grads[name], dtype=np.float32))
-            if self.spec.clip_grad_norm is not None and not self.outer:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.clip_grad_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.skipped_steps += 1
-        self.loss_scale.update(finite=grads is not None)
-        with warnings.catch_warnings():
-            # A skipped first step: torch warns that the schedule steps before the optimizer,
-            # which is what a skipped AMP step means (the schedule counts every step).
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            self.scheduler.step()
-        self.version += 1
-        return grads is not None
-
-    def set_buffers(self, buffers: dict[str, np.ndarray]) -> None:
-        """Overwrite the model's buffers (the workers' merged ones, ``average_buffers``).
-
-        Raises:
-            ValueError: names or shapes differ from the model's buffers; nothing is changed.
-        """
-        check_param_arrays(buffers, self._buffer_shapes, "buffer")
-        with torch.no_grad():
-            for name, b in self.model.named_buffers():
-                b.copy_(torch.tensor(np.asarray(buffers[name]), dtype=b.dtype))
-
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """Mean cross-entropy (nats) and accuracy in [0, 1] on the test split (eval mode)."""
-        return evaluate(self.model, self.dataset.x_test, self.dataset.y_test)
-
-    def state(self, run: dict[str, Any] | None = None) -> bytes:
-        """Serialize model, optimizer, schedule, loss scale and version, for a checkpoint.
-
-        Args:
-            run: plain data (numbers, strings, lists, dicts) of the job's run to keep with
-                it, returned by ``load_state``.
-        """
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "loss_scale": self.loss_scale.state_dict(),
-                "version": self.version,
-                "run": run or {},
-            },
-            buf,
-        )
-        return buf.getvalue()
-
-    def load_state(self, data: bytes) -> dict[str, Any]:
-        """Restore what ``state`` wrote (same spec); return its ``run`` data.
-
-        Raises:
-            ValueError: the bytes are not a checkpoint of this model (FAILED_PRECONDITION).
-        """
-        try:
-            state = torch.load(io.BytesIO(data), weights_only=True)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.loss_scale.load_state_dict(state["loss_scale"])
-            self.version = int(state["version"])
-            return dict(state["run"])
-        except UNLOADABLE as exc:
-            raise ValueError(f"not a checkpoint of this job's model: {exc}") from None

@@ -1,8 +1,9 @@
 """The vocabulary of one sync or diloco training step on the coordinator.
 
 ``StepOrder`` (what every piece is computed from), ``Piece`` (the rows one call computes),
-``StepPolicy`` (how late and bad answers are treated), ``ShardResult`` (one answer),
-``StepOutcome`` (what the step gathered) and ``Member`` (one worker's seat in a job).
+``StepPlan`` (a step's pieces as its strategy plans them), ``StepPolicy`` (how late and bad
+answers are treated), ``ShardResult`` (one answer), ``StepOutcome`` (what the step gathered)
+and ``Member`` (one worker's seat in a job).
 """
 
 from __future__ import annotations
@@ -29,6 +30,22 @@ class Member:
 
 
 @dataclass(frozen=True)
+class InnerSteps:
+    """diloco: the local steps a step's calls run, as the workers' inner lr schedule needs.
+
+    Sent in every call's header (``worker_pb2.InnerSteps``), so the workers need not work out
+    the job's step layout themselves.
+
+    Attributes:
+        first: the job-wide index of the step's first inner step (from 0).
+        total: inner steps per shard of the whole job (the schedule's span, >= 1).
+    """
+
+    first: int
+    total: int
+
+
+@dataclass(frozen=True)
 class StepOrder:
     """What every shard of one step is computed from.
 
@@ -41,6 +58,7 @@ class StepOrder:
             their dtype), sent to a worker that does not hold ``version``.
         buffer_names: the names in ``tensors`` that are buffers (their answers too).
         loss_scale: the fp16 loss scale the workers multiply the loss by (1.0: none).
+        inner_steps: diloco: the local steps every piece runs; None: gradients (sync).
     """
 
     step: int
@@ -50,6 +68,7 @@ class StepOrder:
     tensors: dict[str, np.ndarray] = field(repr=False)
     buffer_names: frozenset[str] = frozenset()
     loss_scale: float = 1.0
+    inner_steps: InnerSteps | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,22 @@ class Piece:
     shard: int = -1
     member: str | None = None
     inner_rows: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's pieces as the job's strategy plans them, and where the step is.
+
+    Attributes:
+        pieces: the step's pieces, together its global batch.
+        step_in_epoch: what the workers' headers say: the step within its epoch (sync), or
+            the first inner step it covers within the epoch (diloco).
+        inner_steps: diloco: the local steps every piece runs; None: gradients (sync).
+    """
+
+    pieces: list[Piece]
+    step_in_epoch: int
+    inner_steps: InnerSteps | None = None
 
 
 @dataclass(frozen=True)

@@ -13,32 +13,38 @@ epoch the model is evaluated, an entry is added to the history
 (``coordinator.training.train_history``) and the model is saved as the best one when its test
 accuracy improved.
 
-``strategy: diloco`` (Douillard et al. 2023) is the same loop where a step is an OUTER step:
-each piece's rows are a shard's rows of ``inner_steps`` consecutive inner steps
-(``coordinator.training.step_plan.plan_outer_pieces``, ``shared.training.outer_steps``), the worker
-answers the pseudo-gradient of its local steps on them, and the parameter server's step is
-the outer Nesterov step on their sample-weighted average.
+What a strategy decides is asked of its ``StepScheme``: the step counts, each step's pieces,
+the parameter server's optimizer, schedule and clipping, and its fields of the result.
+``strategy: sync`` is ``coordinator.training.sync.SyncSteps``; ``strategy: diloco`` (Douillard
+et al. 2023) is ``coordinator.training.diloco.DilocoSteps``, where a step is an OUTER step whose
+pieces are a shard's rows of ``inner_steps`` consecutive inner steps, the worker answers the
+pseudo-gradient of its local steps on them, and the parameter server's step is the outer
+Nesterov step on their sample-weighted average. The coordinator picks the scheme in one place
+(``coordinator.cluster``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from torch import nn
 
 from coordinator.jobs.jobs import JobFailed, JobRecord, JobStore
 from coordinator.network.link_stats import LinkStats
 from coordinator.placement.membership import WorkerRecord
-from coordinator.training.aggregation import ParameterServer, average_buffers
+from coordinator.training.aggregation import average_buffers
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.training.parameter_server import ParameterServer, StepControls
 from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
 from coordinator.training.step_monitor import StepMonitor
-from coordinator.training.step_plan import plan_outer_pieces, plan_pieces
+from coordinator.training.step_types import StepPlan
 from coordinator.training.train_history import TrainHistory
-from coordinator.training.train_members import Members, Piece, StepOrder, StepOutcome, StepPolicy
+from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
 from coordinator.training.train_sets import TrainSets
 from shared.config import CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
@@ -46,15 +52,40 @@ from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.training.compression import sync_compressor
-from shared.training.data import (
-    inner_total_steps,
-    load_dataset,
-    steps_per_epoch,
-    total_steps,
-)
-from shared.training.outer_steps import outer_step, outer_steps_per_epoch
+from shared.training.data import load_dataset
 
 log = get_logger(__name__)
+
+
+class StepScheme(Protocol):
+    """What the parameter-server loop asks of a job's strategy (sync, diloco).
+
+    Built from the spec and the data set's training rows N once the data is loaded.
+    """
+
+    @property
+    def per_epoch(self) -> int:
+        """Global steps in one epoch (diloco: outer steps)."""
+        ...
+
+    @property
+    def total(self) -> int:
+        """Global steps of the job (diloco: outer steps)."""
+        ...
+
+    def plan(
+        self, step: int, members: Sequence[str], rates: Mapping[str, float | None]
+    ) -> StepPlan:
+        """Global step ``step``'s pieces for the active ``members`` (samples/s ``rates``)."""
+        ...
+
+    def controls(self, model: nn.Module) -> StepControls:
+        """The parameter server's optimizer, lr schedule and clipping, built on ``model``."""
+        ...
+
+    def result_fields(self) -> dict[str, Any]:
+        """The strategy's fields added to the job's result document."""
+        ...
 
 
 @dataclass
@@ -62,10 +93,9 @@ class _Run:
     """A run's step counts and what its steps accumulate.
 
     Attributes:
-        per_epoch: global steps in one epoch (``steps_per_epoch``; diloco: outer steps).
-        total: global steps of the job (``total_steps``; diloco: outer steps).
-        inner_per_epoch: diloco: inner steps in one epoch (``steps_per_epoch``).
-        inner_total: diloco: inner steps per shard of the job (``inner_total_steps``).
+        scheme: the strategy's steps.
+        per_epoch: global steps in one epoch (``scheme.per_epoch``).
+        total: global steps of the job (``scheme.total``).
         t_start: ``clock()`` seconds when this process started (or resumed) the job.
         history: the per-epoch entries and the best test accuracy.
         samples: training samples whose gradients were applied by this process.
@@ -74,13 +104,12 @@ class _Run:
         n_train: training rows of the data set.
     """
 
+    scheme: StepScheme
     per_epoch: int
     total: int
     t_start: float
     n_train: int
     history: TrainHistory
-    inner_per_epoch: int = 1
-    inner_total: int = 1
     samples: int = 0
     test_loss: float = float("nan")
     test_acc: float = float("nan")
@@ -102,6 +131,7 @@ class TrainJob:
         clients: WorkerClients,
         jobs: JobStore,
         metrics: Metrics,
+        scheme: Callable[[TrainJobSpec, int], StepScheme],
         alive: Callable[[], list[WorkerRecord]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         train_sets: TrainSets | None = None,
@@ -117,6 +147,8 @@ class TrainJob:
             clients: channels to the workers.
             jobs: where progress is published.
             metrics: step counters and timings.
+            scheme: builds the strategy's steps from the spec and the training rows N
+                (``SyncSteps``, ``DilocoSteps``).
             alive: the ALIVE workers now (replacements for failed members); None: none.
             clock: seconds for step timings and throughput (injected by tests).
             train_sets: where the job's workers fetch their shards' rows; None: a private one.
@@ -127,6 +159,7 @@ class TrainJob:
         self.job, self.spec, self.cfg = job, job.spec, cfg
         self._jobs, self._metrics, self._clock = jobs, metrics, clock
         self._workers = workers
+        self._scheme = scheme
         # Where the job's workers fetch their shards' rows (FetchShard) while it runs.
         self._train_sets = train_sets if train_sets is not None else TrainSets()
         self.members = Members(
@@ -172,22 +205,17 @@ class TrainJob:
         )
         dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
         n_train = len(dataset.y_train)
-        inner_per_epoch = steps_per_epoch(
-            n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
-        )
+        scheme = self._scheme(spec, n_train)
         run = _Run(
+            scheme=scheme,
             n_train=n_train,
-            per_epoch=inner_per_epoch,
-            total=total_steps(spec, n_train),
+            per_epoch=scheme.per_epoch,
+            total=scheme.total,
             t_start=self._clock(),
             history=TrainHistory(self._clock),
-            inner_per_epoch=inner_per_epoch,
-            inner_total=inner_total_steps(spec, n_train),
         )
-        if spec.strategy == "diloco":
-            run.per_epoch = outer_steps_per_epoch(inner_per_epoch, spec.inner_steps)
         ps = await asyncio.to_thread(
-            ParameterServer, spec, dataset, self.cfg.allowed_models, run.total
+            ParameterServer, spec, dataset, self.cfg.allowed_models, run.total, scheme.controls
         )
         start_step = await asyncio.to_thread(self._restore, ps, run.history)
         self._train_sets.open(
@@ -209,10 +237,7 @@ class TrainJob:
         self, ps: ParameterServer, run: _Run, start_step: int, device: str
     ) -> dict[str, Any]:
         elapsed = max(self._clock() - run.t_start, 1e-9)
-        doc = self._outcome_doc(ps, run, start_step, device, elapsed)
-        if self.spec.strategy == "diloco":
-            doc["outer_steps"], doc["inner_steps"] = run.total, run.inner_total
-        return doc
+        return self._outcome_doc(ps, run, start_step, device, elapsed) | run.scheme.result_fields()
 
     def _outcome_doc(
         self, ps: ParameterServer, run: _Run, start_step: int, device: str, elapsed: float
@@ -255,17 +280,20 @@ class TrainJob:
         )
         lr = ps.lr  # the rate this step applies
         buffers = ps.buffers()
-        pieces, first = self._pieces(run, step, epoch, step_in_epoch)
+        active = [m.name for m in self.members.active()]
+        rates = {n: self.links.get(n).samples_per_s for n in active}
+        plan = run.scheme.plan(step, active, rates)
         order = StepOrder(
             step,
             epoch,
-            first,
+            plan.step_in_epoch,
             ps.version,
             ps.params() | buffers,
             frozenset(buffers),
             ps.loss_scale.scale,
+            plan.inner_steps,
         )
-        outcome = await self.members.step(order, pieces, policy)
+        outcome = await self.members.step(order, plan.pieces, policy)
         self.monitor.observe(outcome, step, self.members)
         n, loss_sum, correct = await self._apply(ps, outcome, step)
         run.samples += n
@@ -343,25 +371,6 @@ class TrainJob:
             sum(r.loss_sum for r in results.values()),
             sum(r.correct for r in results.values()),
         )
-
-    def _pieces(
-        self, run: _Run, step: int, epoch: int, step_in_epoch: int
-    ) -> tuple[list[Piece], int]:
-        """The step's pieces under ``batch_policy`` (``coordinator.training.step_plan``).
-
-        Returns:
-            The pieces and the header's ``step_in_epoch``: the step's (sync), or the first
-            inner step's within the epoch (diloco).
-        """
-        active = [m.name for m in self.members.active()]
-        rates = {n: self.links.get(n).samples_per_s for n in active}
-        spec = self.spec
-        if spec.strategy != "diloco":
-            pieces = plan_pieces(spec, run.n_train, epoch, step_in_epoch, active, rates)
-            return pieces, step_in_epoch
-        outer = outer_step(step, run.inner_total, run.inner_per_epoch, spec.inner_steps)
-        inner = range(outer.first, outer.stop)
-        return plan_outer_pieces(spec, run.n_train, epoch, inner, active, rates), outer.first
 
     def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
         """Atomically write (next step, parameter-server state, history) to the checkpoint."""

@@ -255,6 +255,7 @@ class Members:
                 explicit_rows=True,
                 rows=rows_to_bytes(piece.rows),
                 inner_rows=piece.inner_rows,
+                inner_steps=_inner_steps(order),
             )
             tensors = self._outgoing(m, order, header) if include else None
             requests = list(self._requests(header, tensors))
@@ -361,6 +362,12 @@ async def read_gradients(
     if result is None:
         raise RuntimeError("worker closed the gradient stream without a result")
     return result, grads
+
+
+def _inner_steps(order: StepOrder) -> worker_pb2.InnerSteps | None:
+    """The header's ``inner_steps`` of a step (diloco); None: the field stays unset."""
+    inner = order.inner_steps
+    return None if inner is None else worker_pb2.InnerSteps(first=inner.first, total=inner.total)
 
 
 async def _aiter(items: Sequence[worker_pb2.GradientRequest]) -> AsyncIterator[Any]:

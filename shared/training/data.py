@@ -23,7 +23,6 @@ from sklearn.model_selection import train_test_split
 
 from shared.config import BuiltinData, FileData, TrainJobSpec
 from shared.npz import UNREADABLE, npz_members
-from shared.training.outer_steps import outer_total_steps
 from shared.training.partition import allreduce_total_steps
 
 # A class centre is this many noise standard deviations from the origin per feature, so that
@@ -275,7 +274,9 @@ def inner_total_steps(spec: TrainJobSpec, n_train: int) -> int:
     """Return the steps per shard of a sync or diloco job: ``spec.steps``, else epochs x P.
 
     P is ``steps_per_epoch``. For ``strategy: diloco`` these are the inner (local optimizer)
-    steps each shard takes; for ``sync`` they are the optimizer steps.
+    steps each shard takes (its outer steps: ``outer_steps.outer_total_steps``); for ``sync``
+    they are the optimizer steps. Global step g of a sync job is (epoch, step_in_epoch) =
+    divmod(g, P).
 
     Args:
         spec: the job (its steps or epochs, workers, batch size and grad_accum_steps).
@@ -287,27 +288,20 @@ def inner_total_steps(spec: TrainJobSpec, n_train: int) -> int:
     return epochs * steps_per_epoch(n_train, spec.workers, spec.batch_size, spec.grad_accum_steps)
 
 
-def total_steps(spec: TrainJobSpec, n_train: int) -> int:
-    """Return the coordinator's steps of a job: ``spec.steps`` if set, else epochs x P.
+def worker_steps(spec: TrainJobSpec, n_train: int) -> int:
+    """Return the optimizer steps each worker takes over a job: what ``max_steps`` caps.
 
-    With ``strategy: allreduce`` an epoch is ``partition.allreduce_steps_per_epoch`` steps.
-    With ``strategy: diloco`` the steps are OUTER steps, each covering ``inner_steps``
-    consecutive inner steps of an epoch (``outer_steps.outer_total_steps``), and ``spec.steps``
-    counts inner steps per shard.
-
-    Global (outer) step g is (epoch, step_in_epoch) = divmod(g, steps per epoch).
+    sync: the job's steps (``inner_total_steps``); diloco: its inner steps per shard
+    (``inner_total_steps``; its outer steps are fewer); allreduce: the job's steps
+    (``partition.allreduce_total_steps``).
 
     Args:
         spec: the job (its steps or epochs, workers, batch size and grad_accum_steps).
         n_train: training rows N of its data set.
     """
-    if spec.strategy == "allreduce":  # epochs of global batches, whatever the world size
+    if spec.strategy == "allreduce":
         return allreduce_total_steps(spec, n_train)
-    inner = inner_total_steps(spec, n_train)
-    if spec.strategy == "diloco":
-        per_epoch = steps_per_epoch(n_train, spec.workers, spec.batch_size, spec.grad_accum_steps)
-        return outer_total_steps(inner, per_epoch, spec.inner_steps)
-    return inner
+    return inner_total_steps(spec, n_train)
 
 
 def batch_indices(

@@ -8,14 +8,14 @@ under ``torch.autocast`` in the spec's precision, the loss multiplied by the coo
 scale (fp16) and the gradients unscaled in float32. Model and batches live on
 ``resolve_device(spec.device)``; what goes back is float32 NumPy on the CPU. With ``strategy:
 diloco`` a call runs local optimizer steps instead and answers the pseudo-gradient
-(``local_steps``). No networking: the worker daemon calls it in a thread, and fetches the rows
-of file data sets (``worker.training.shards``) before.
+(``worker.training.diloco``, using ``backward``). No networking: the worker daemon calls it in
+a thread, and fetches the rows of file data sets (``worker.training.shards``) before.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from shared.config import TrainJobSpec
-from shared.training.controls import autocast, lr_factor, make_optimizer, resolve_device
-from shared.training.data import inner_total_steps, shard_bounds
+from shared.training.controls import autocast, resolve_device
+from shared.training.data import shard_bounds
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
 from worker.training.shards import TrainData
 
@@ -119,11 +119,6 @@ class Trainer:
         self._buffers = dict(self.model.named_buffers())
         self._shapes = param_shapes(self.model) | buffer_shapes(self.model)
         self.params_version: int | None = None
-        # diloco: the coordinator's parameters and buffers as set, the inner optimizer (built
-        # at the first local step) and the job's inner steps per shard (the lr schedule's span).
-        self._start: dict[str, torch.Tensor] = {}
-        self._inner: torch.optim.Optimizer | None = None
-        self._inner_total = max(inner_total_steps(spec, self.data.n_train), 1)
         self.data.rows((shard_index, shard_count))  # validates: this shard is held here
         self.shard_index, self.shard_count = shard_index, shard_count
 
@@ -155,8 +150,6 @@ class Trainer:
         with torch.no_grad():
             for name, t in self._named_state():
                 t.copy_(torch.tensor(np.asarray(params[name]), dtype=t.dtype))
-            if self.spec.strategy == "diloco":  # every call's local steps start from these
-                self._start = {n: t.detach().clone() for n, t in self._named_state()}
         self.params_version = version
 
     def compute_rows(self, rows: np.ndarray, loss_scale: float = 1.0) -> GradResult:
@@ -185,7 +178,7 @@ class Trainer:
             return GradResult(zeros, self._buffer_arrays(), 0, 0.0, 0, 0.0)
         t0 = time.perf_counter()
         self.model.zero_grad(set_to_none=True)
-        loss_sum, correct = self._backward(rows, loss_scale)
+        loss_sum, correct = self.backward(rows, loss_scale)
         grads = {n: _grad_array(p, loss_scale) for n, p in self._params.items()}
         finite = all(np.isfinite(g).all() for g in grads.values())
         compute_s = time.perf_counter() - t0
@@ -193,78 +186,16 @@ class Trainer:
             grads, self._buffer_arrays(), len(rows), loss_sum, correct, compute_s, finite
         )
 
-    def local_steps(
-        self, rows: np.ndarray, inner_rows: Sequence[int], first_step: int = 0
-    ) -> GradResult:
-        """DiLoCo's inner loop: local optimizer steps from the set parameters, then Δ.
-
-        ``rows`` is cut into consecutive inner batches of ``inner_rows[i]`` rows; each is one
-        step of the inner optimizer (the spec's ``optimizer``, built once per job and kept
-        across outer steps, as Douillard et al. 2023 do; their inner optimizer is AdamW) on
-        the gradient of the batch's mean loss (micro-batches of ``batch_size``), clipped to
-        ``clip_grad_norm``, at the spec's lr times ``lr_factor`` of its global inner step.
-        The answer's ``grads`` is the pseudo-gradient Δ = θ_start − θ_end (algorithm 1),
-        float32; ``loss_sum``/``correct`` are summed over the inner steps and ``samples`` is
-        ``len(rows)``. θ_start (and the buffers) are those of the last ``set_params``,
-        restored at every call, so two pieces of one outer step both start from them. A
-        non-finite Δ is reported (``finite`` False) and the inner optimizer's state is
-        dropped with it.
-
-        Args:
-            rows: [R] int64 global row indices into the training split.
-            inner_rows: the inner batches' row counts, summing to R; 0 skips a step.
-            first_step: the job-wide index of the first inner step (for the lr schedule).
-
-        Raises:
-            TrainerError: no parameters were set yet (FAILED_PRECONDITION).
-            ShardMissing: a shard holding some of the rows is not held here
-                (FAILED_PRECONDITION).
-            ValueError: a row outside the training split, or ``inner_rows`` not summing to
-                R (INVALID_ARGUMENT).
-        """
-        if self.params_version is None:
-            raise TrainerError("no parameters set: call set_params before local_steps")
-        if sum(inner_rows) != len(rows) or min(inner_rows, default=0) < 0:
-            raise ValueError(f"inner_rows: {list(inner_rows)} do not split {len(rows)} rows")
-        t0 = time.perf_counter()
-        if self._inner is None:
-            self._inner = make_optimizer(self.spec, self._params.values())
-        with torch.no_grad():
-            for name, t in self._named_state():
-                t.copy_(self._start[name])
-        start = self._start
-        loss_sum, correct, offset = 0.0, 0, 0
-        for i, count in enumerate(inner_rows):
-            batch, offset = rows[offset : offset + count], offset + count
-            if count == 0:
-                continue
-            for group in self._inner.param_groups:
-                group["lr"] = self.spec.optimizer.lr * lr_factor(
-                    self.spec, first_step + i, self._inner_total
-                )
-            self._inner.zero_grad(set_to_none=True)
-            step_loss, step_correct = self._backward(batch, 1.0)
-            if self.spec.clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self._params.values(), self.spec.clip_grad_norm)
-            self._inner.step()
-            loss_sum, correct = loss_sum + step_loss, correct + step_correct
-        delta = {
-            n: (start[n].to(torch.float32) - p.detach().to(torch.float32)).cpu().numpy()
-            for n, p in self._params.items()
-        }
-        finite = all(np.isfinite(d).all() for d in delta.values())
-        if not finite:
-            self._inner = None  # its moments may hold the NaN: start afresh
-        compute_s = time.perf_counter() - t0
-        return GradResult(
-            delta, self._buffer_arrays(), len(rows), loss_sum, correct, compute_s, finite
-        )
-
-    def _backward(self, rows: np.ndarray, loss_scale: float) -> tuple[float, int]:
+    def backward(self, rows: np.ndarray, loss_scale: float) -> tuple[float, int]:
         """Add the gradient of the mean loss over ``rows`` (R >= 1) times ``loss_scale``.
 
         Micro-batches of ``batch_size`` in the rows' order; each backward pass adds the
-        gradient of its rows' loss sum divided by R (sample-weighted mean).
+        gradient of its rows' loss sum divided by R (sample-weighted mean). The parameters'
+        ``grad`` must be cleared before (``compute_rows``, DiLoCo's inner steps).
+
+        Args:
+            rows: [R] int64 global row indices into the training split, R >= 1.
+            loss_scale: as ``compute_rows``.
 
         Returns:
             The loss summed over the rows (nats) and the rows predicted right.

@@ -26,6 +26,7 @@ from shared.rpc.status_table import BadRequest, Status, StatusTable
 from shared.training.data import DataError
 from shared.training.entry_points import EntryPointRefused
 from shared.training.models import ModelError
+from worker.training.diloco import InnerSteps
 from worker.training.shards import ShardFetchError, ShardMissing
 from worker.training.trainer import DeviceUnavailable, TrainerError
 from worker.training.training_sessions import (
@@ -84,7 +85,15 @@ def _step_input(header: worker_pb2.StepHeader, params: dict[str, Any]) -> StepIn
         rows=rows_from_bytes(header.rows),
         inner_rows=tuple(header.inner_rows),
         loss_scale=header.loss_scale or 1.0,
+        inner_steps=_inner_steps(header),
     )
+
+
+def _inner_steps(header: worker_pb2.StepHeader) -> InnerSteps | None:
+    """The header's ``inner_steps`` (diloco: run local steps); None when it is unset."""
+    if not header.HasField("inner_steps"):
+        return None
+    return InnerSteps(header.inner_steps.first, header.inner_steps.total)
 
 
 class TrainingServicer:

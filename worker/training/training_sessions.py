@@ -1,5 +1,8 @@
 """The training jobs this worker takes part in: one ``Trainer`` per job id.
 
+A diloco job's calls run DiLoCo's inner loop (``worker.training.diloco.LocalSteps``, one per
+job, kept with its inner optimizer).
+
 A file data set's rows come from the coordinator (``worker.training.shards.ShardFetcher``): the
 shard given at StartTraining is fetched before the trainer is built, and the shards holding a
 step's rows that are not held here (a dead worker's) are fetched before the step.
@@ -19,14 +22,16 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from shared.config import ConfigError, FileData, TrainJobSpec, job_spec_from_json
-from shared.training.data import DataError, steps_per_epoch
+from shared.training.data import DataError
 from shared.training.models import check_model_entry, param_shapes
 from worker.training.compressed_link import CompressedLink, StaleBase
+from worker.training.diloco import InnerSteps, LocalSteps, legacy_inner_steps
 from worker.training.shards import Shard, ShardFetcher, ShardRows, TrainData
 from worker.training.trainer import GradResult, Trainer
 
@@ -60,6 +65,8 @@ class StepInput:
         rows: [R] int64 global training rows to compute on.
         inner_rows: diloco: ``rows`` cut into the local steps' batches (empty: one batch).
         loss_scale: the coordinator's fp16 loss scale, > 0 (1.0: none).
+        inner_steps: diloco: run local steps, these (None: gradients, or from a coordinator
+            of the release before, ``legacy_inner_steps``).
     """
 
     job_id: str
@@ -72,6 +79,7 @@ class StepInput:
     rows: np.ndarray
     inner_rows: tuple[int, ...] = ()
     loss_scale: float = 1.0
+    inner_steps: InnerSteps | None = None
 
 
 class TrainingSessions:
@@ -100,6 +108,7 @@ class TrainingSessions:
         self._daemon = f"worker {name}".strip()
         self._trainers: dict[str, Trainer] = {}
         self._links: dict[str, CompressedLink] = {}
+        self._local: dict[str, LocalSteps] = {}  # diloco: built at a job's first local steps
         # One thread: torch's intra-op pool (torch_threads) does the parallel work.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self._executor.submit(torch.set_num_threads, torch_threads)
@@ -195,6 +204,7 @@ class TrainingSessions:
             call.rows,
             call.loss_scale,
             call.inner_rows,
+            call.inner_steps,
         )
         if link is not None and res.finite:
             res = dataclasses.replace(res, grads=link.send(res.grads))
@@ -224,13 +234,15 @@ class TrainingSessions:
         rows: np.ndarray,
         loss_scale: float = 1.0,
         inner_rows: Sequence[int] = (),
+        inner_steps: InnerSteps | None = None,
     ) -> GradResult:
         """Gradients of the mean loss over ``rows`` on the torch thread (``compute_rows``).
 
-        With ``strategy: diloco`` the answer is the pseudo-gradient of local steps on them
-        instead (``Trainer.local_steps``): ``inner_rows`` cuts the rows into the inner
-        batches (empty: one batch), the first being inner step ``step_in_epoch`` of
-        ``epoch``.
+        With ``inner_steps`` (diloco) the answer is the pseudo-gradient of local steps on the
+        rows instead (``worker.training.diloco.LocalSteps``): ``inner_rows`` cuts the rows into
+        the inner batches (empty: one batch). A coordinator of the release before sends no
+        ``inner_steps``: a diloco job's are then computed from the spec, the first being inner
+        step ``step_in_epoch`` of ``epoch`` (``legacy_inner_steps``).
 
         The shards holding the rows are fetched first when they are not held here (a shard
         handed over from another worker).
@@ -243,6 +255,7 @@ class TrainingSessions:
             rows: [R] int64 global training rows (the coordinator's piece of the step).
             loss_scale: the coordinator's fp16 loss scale (1.0: none).
             inner_rows: diloco: the inner batches' row counts, summing to R.
+            inner_steps: diloco: the call's first inner step and the job's inner steps.
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
@@ -255,18 +268,21 @@ class TrainingSessions:
                 _data, got = await self._fetch(job_id, s)
                 await asyncio.to_thread(trainer.data.add, s, got)  # checks the rows
         loop = asyncio.get_running_loop()
-
-        def work() -> GradResult:
-            spec = trainer.spec
-            if spec.strategy == "diloco":
-                per_epoch = steps_per_epoch(
-                    trainer.n_train, spec.workers, spec.batch_size, spec.grad_accum_steps
-                )
-                first = epoch * per_epoch + step_in_epoch
-                return trainer.local_steps(rows, list(inner_rows) or [len(rows)], first)
-            return trainer.compute_rows(rows, loss_scale)
-
+        work = partial(trainer.compute_rows, rows, loss_scale)
+        inner = inner_steps or legacy_inner_steps(
+            trainer.spec, trainer.n_train, epoch, step_in_epoch
+        )
+        if inner is not None:
+            local = self._local_steps(job_id, trainer)
+            work = partial(local.run, rows, list(inner_rows) or [len(rows)], inner)
         return await loop.run_in_executor(self._executor, work)
+
+    def _local_steps(self, job_id: str, trainer: Trainer) -> LocalSteps:
+        """The job's DiLoCo inner loop on ``trainer`` (a new trainer gets a new one)."""
+        local = self._local.get(job_id)
+        if local is None or local.trainer is not trainer:
+            local = self._local[job_id] = LocalSteps(trainer)
+        return local
 
     async def set_params(
         self, trainer: Trainer, params: dict[str, np.ndarray], version: int
@@ -276,9 +292,10 @@ class TrainingSessions:
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)
 
     def stop(self, job_id: str) -> None:
-        """Forget a job's trainer and compressed link (idempotent)."""
+        """Forget a job's trainer, compressed link and inner loop (idempotent)."""
         self._trainers.pop(job_id, None)
         self._links.pop(job_id, None)
+        self._local.pop(job_id, None)
 
     def close(self) -> None:
         """Drop every trainer, cancel shard fetches and stop the torch thread."""
@@ -286,4 +303,5 @@ class TrainingSessions:
             pending.cancel()
         self._trainers.clear()
         self._links.clear()
+        self._local.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.training.aggregation import ParameterServer, weighted_average
+from coordinator.training.aggregation import weighted_average
 from coordinator.training.checkpoints import save_model
+from coordinator.training.parameter_server import ParameterServer
 from coordinator.training.step_plan import shard_rows
 from shared.config import TrainJobSpec
 from shared.training.data import Dataset, load_dataset, steps_per_epoch

@@ -1,4 +1,4 @@
-"""The parameter server of ``strategy: diloco``: its step is the outer Nesterov SGD step."""
+"""The steps of ``strategy: diloco`` (and sync's) and its outer Nesterov SGD step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.training.aggregation import ParameterServer
-from coordinator.training.step_plan import plan_outer_pieces
+from coordinator.training.diloco import DilocoSteps, outer_controls, plan_outer_pieces
+from coordinator.training.parameter_server import ParameterServer
+from coordinator.training.step_types import InnerSteps
+from coordinator.training.sync import SyncSteps
 from shared.config import TrainJobSpec
 from shared.training.data import Dataset, batch_indices, load_dataset
 
@@ -29,7 +31,7 @@ def digits() -> Dataset:
 
 
 def ps_at_one(spec: TrainJobSpec, digits: Dataset) -> ParameterServer:
-    ps = ParameterServer(spec, digits, total_steps=10)
+    ps = ParameterServer(spec, digits, controls=lambda model: outer_controls(spec, model))
     with torch.no_grad():
         for p in ps.model.parameters():
             p.fill_(1.0)
@@ -80,7 +82,7 @@ def test_checkpoint_keeps_the_outer_momentum(digits: Dataset) -> None:
     spec = make_spec()
     ps = ps_at_one(spec, digits)
     ps.step(constant(ps, 0.5))
-    restored = ParameterServer(spec, digits, total_steps=10)
+    restored = ParameterServer(spec, digits, controls=lambda model: outer_controls(spec, model))
     restored.load_state(ps.state())
 
     # Act
@@ -114,3 +116,34 @@ def test_outer_pieces_join_each_shards_inner_steps() -> None:
     np.testing.assert_array_equal(fixed[2].rows, expected)
     # proportional: each inner step's 600 and 237 rows split 1:3 between the members.
     assert [(p.member, p.inner_rows) for p in prop] == [("a", (150, 59)), ("b", (450, 178))]
+
+
+def test_diloco_steps_are_outer_steps_of_inner_steps() -> None:
+    # digits, 3 shards of 479 rows, batch 32: 15 inner steps an epoch, H = 10: 2 outer.
+    spec = make_spec(workers=3, batch_size=32, epochs=20, inner_steps=10)
+
+    steps = DilocoSteps(spec, 1437)
+    second = steps.plan(3, [], {})  # epoch 1's second outer step: inner steps 10 to 14
+
+    assert (steps.per_epoch, steps.total, steps.inner_total) == (2, 40, 300)
+    assert steps.result_fields() == {"outer_steps": 40, "inner_steps": 300}
+    assert second.step_in_epoch == 10
+    assert second.inner_steps == InnerSteps(first=15 + 10, total=300)  # the workers' lr
+    assert [p.inner_rows for p in second.pieces] == [(32, 32, 32, 32, 31)] * 3
+    np.testing.assert_array_equal(
+        second.pieces[0].rows,
+        np.concatenate([batch_indices(1437, 0, 3, 32, 1, s, 0) for s in range(10, 15)]),
+    )
+
+
+def test_sync_steps_are_the_spec_steps() -> None:
+    # inner_steps is diloco's: a sync job's steps are as without it.
+    spec = make_spec(strategy="sync", workers=3, batch_size=32, epochs=20, inner_steps=10)
+
+    steps = SyncSteps(spec, 1437)
+    plan = steps.plan(17, [], {})  # epoch 1, step 2
+
+    assert (steps.per_epoch, steps.total, steps.result_fields()) == (15, 300, {})
+    assert plan.step_in_epoch == 2 and plan.inner_steps is None
+    assert [p.inner_rows for p in plan.pieces] == [()] * 3
+    np.testing.assert_array_equal(plan.pieces[1].rows, batch_indices(1437, 1, 3, 32, 1, 2, 0))

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.training.aggregation import ParameterServer, average_buffers, weighted_average
+from coordinator.training.aggregation import average_buffers, weighted_average
 from coordinator.training.loss_scale import LossScale
+from coordinator.training.parameter_server import ParameterServer
 from coordinator.training.step_plan import shard_rows
 from shared.config import TrainJobSpec
 from shared.training.controls import lr_factor

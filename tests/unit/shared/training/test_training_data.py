@@ -11,11 +11,11 @@ from shared.config import BuiltinData, FileData, TrainJobSpec
 from shared.training.data import (
     DataError,
     batch_indices,
+    inner_total_steps,
     load_dataset,
     load_training_npz,
     shard_bounds,
     steps_per_epoch,
-    total_steps,
 )
 
 
@@ -133,11 +133,11 @@ def test_steps_per_epoch_is_the_longest_shard() -> None:
     assert steps_per_epoch(10, 3, 3) == 2
 
 
-def test_total_steps_from_epochs_or_steps() -> None:
+def test_steps_from_epochs_or_steps() -> None:
     by_epochs = TrainJobSpec(kind="train", workers=3, epochs=2, batch_size=32)
     by_steps = TrainJobSpec(kind="train", steps=7)
 
-    assert total_steps(by_epochs, 1437) == 30 and total_steps(by_steps, 1437) == 7
+    assert inner_total_steps(by_epochs, 1437) == 30 and inner_total_steps(by_steps, 1437) == 7
 
 
 def test_batches_cover_each_shard_once_per_epoch() -> None:
@@ -175,7 +175,7 @@ def test_accumulation_steps_take_the_rows_of_one_k_times_larger_batch() -> None:
         )
     assert steps_per_epoch(1437, 3, 16, 4) == steps_per_epoch(1437, 3, 64) == 8
     spec = TrainJobSpec(kind="train", workers=3, epochs=2, batch_size=16, grad_accum_steps=4)
-    assert total_steps(spec, 1437) == 16
+    assert inner_total_steps(spec, 1437) == 16
 
 
 def test_an_archive_claiming_a_giant_array_is_refused_before_allocation(tmp_path) -> None:
