@@ -19,11 +19,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from coordinator.placement.health_probe import probe_health
 from coordinator.placement.membership import Membership, WorkerState
 from coordinator.placement.rebalance import Rebalancer
-from shared import rpc
 from shared.logging import get_logger
 from shared.rpc.peers import WorkerClients
 
@@ -170,18 +168,6 @@ class FailureDetector:
             self._membership.heartbeat_age_s(rec) > 1.5 * self._heartbeat_interval_s
         )
 
-    async def _answers(self, name: str) -> tuple[bool, str]:
-        """Probe worker ``name``'s health once: (answered, why not)."""
-        rec = self._membership.get(name)
-        if rec is None:
-            return True, ""
-        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
-            return True, ""
-        except Exception as exc:
-            return False, rpc.error_message(exc)
-
     async def _confirmed_probe(self, name: str) -> None:
         """Probe a worker a client reported; DEAD only when the coordinator confirms it.
 
@@ -195,8 +181,8 @@ class FailureDetector:
             rec = self._membership.get(name)
             if rec is None or rec.state is not WorkerState.ALIVE:
                 return
-            answered, reason = await self._answers(name)
-            if answered:
+            reason = await probe_health(self._clients, name, rec.address, self._probe_timeout_s)
+            if reason is None:
                 if attempt:
                     self.unconfirmed_total += 1
                     log.info("worker_suspicion_unconfirmed", worker=name)
@@ -227,13 +213,10 @@ class FailureDetector:
         if rec is None or rec.state is not WorkerState.ALIVE:
             self._rebalancer.trigger()
             return
-        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
+        reason = await probe_health(self._clients, name, rec.address, self._probe_timeout_s)
+        if reason is None:
             self._rebalancer.trigger()
             return
-        except Exception as exc:
-            reason = rpc.error_message(exc)
         if self._membership.mark_dead(name):
             log.warning(
                 "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"

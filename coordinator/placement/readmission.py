@@ -16,10 +16,8 @@ retries after that.
 
 from __future__ import annotations
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from coordinator.placement.health_probe import probe_health
 from coordinator.placement.membership import Membership, WorkerState
-from shared import rpc
 from shared.logging import get_logger
 from shared.rpc.peers import WorkerClients
 
@@ -96,7 +94,7 @@ class Readmission:
                 f"retry in {wait_s:.2f} s",
                 wait_s,
             )
-        error = await self._unreachable(name, address)
+        error = await probe_health(self._clients, name, address, self._timeout_s)
         if error is None:
             log.info("worker_readmitted", worker=name, address=address, holddown_s=rec.holddown_s)
             return
@@ -115,12 +113,3 @@ class Readmission:
             f"readmit_holddown_max_s): retry in {hold_s:.2f} s",
             hold_s,
         )
-
-    async def _unreachable(self, name: str, address: str) -> str | None:
-        """Health-check worker ``name`` at ``address``: None when it answered, else why not."""
-        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, address))
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._timeout_s)
-            return None
-        except Exception as exc:
-            return rpc.error_message(exc)
