@@ -23,6 +23,7 @@ from coordinator.placement.health_probe import probe_health
 from coordinator.placement.membership import Membership, WorkerState
 from coordinator.placement.rebalance import Rebalancer
 from shared.logging import get_logger
+from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.placement.failure_detector")
@@ -64,6 +65,7 @@ class FailureDetector:
         membership: Membership,
         rebalancer: Rebalancer,
         clients: WorkerClients,
+        metrics: Metrics,
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
         probe_timeout_s: float,
@@ -75,6 +77,8 @@ class FailureDetector:
             membership: the registry whose workers are declared DEAD.
             rebalancer: owner of the slot map; reported copies stop being trusted there.
             clients: channels to the workers (for health probes).
+            metrics: ``neuroshard_worker_suspicions_unconfirmed_total`` counts the clients'
+                reports its probes did not confirm.
             heartbeat_interval_s: seconds between a worker's heartbeats.
             heartbeat_timeout_s: seconds of silence after which a worker is DEAD.
             probe_timeout_s: seconds a reported worker has to answer a health probe.
@@ -83,6 +87,7 @@ class FailureDetector:
         self._membership = membership
         self._rebalancer = rebalancer
         self._clients = clients
+        self._unconfirmed = metrics.suspicions_unconfirmed
         self._interval_s = min(heartbeat_interval_s, heartbeat_timeout_s / 4)
         self._timeout_s = heartbeat_timeout_s
         self._probe_timeout_s = probe_timeout_s
@@ -90,7 +95,6 @@ class FailureDetector:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._probing: set[str] = set()
         self.probes_total = 0  # probes started (tests and logs)
-        self.unconfirmed_total = 0  # client suspicions a probe failed but nothing confirmed
 
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
@@ -184,7 +188,7 @@ class FailureDetector:
             reason = await probe_health(self._clients, name, rec.address, self._probe_timeout_s)
             if reason is None:
                 if attempt:
-                    self.unconfirmed_total += 1
+                    self._unconfirmed.inc()
                     log.info("worker_suspicion_unconfirmed", worker=name)
                 return
             if attempt or self._missed_heartbeat(name):

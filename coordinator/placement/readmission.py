@@ -19,6 +19,7 @@ from __future__ import annotations
 from coordinator.placement.health_probe import probe_health
 from coordinator.placement.membership import Membership, WorkerState
 from shared.logging import get_logger
+from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 
 log = get_logger("coordinator.placement.readmission")
@@ -49,20 +50,25 @@ class Readmission:
     """Decides whether a registering worker that is DEAD may be admitted again."""
 
     def __init__(
-        self, membership: Membership, clients: WorkerClients, check_timeout_s: float
+        self,
+        membership: Membership,
+        clients: WorkerClients,
+        metrics: Metrics,
+        check_timeout_s: float,
     ) -> None:
         """Check against ``membership``'s hold-downs; probe through ``clients``' channels.
 
         Args:
             membership: the registry holding each worker's state and hold-down.
             clients: the coordinator's channels to the workers.
+            metrics: ``neuroshard_readmissions_refused_total`` counts each refusal.
             check_timeout_s: seconds the health check of a registering worker may take,
                 connecting included.
         """
         self._membership = membership
         self._clients = clients
+        self._refused = metrics.readmissions_refused
         self._timeout_s = check_timeout_s
-        self.refused_total = 0  # registrations refused (tests and logs)
 
     async def check(self, name: str, address: str) -> None:
         """Return when worker ``name`` may register at ``address``; raise when not yet.
@@ -87,7 +93,7 @@ class Readmission:
             return
         wait_s = self._membership.readmit_wait_s(name)
         if wait_s > 0:
-            self.refused_total += 1
+            self._refused.inc()
             raise ReadmissionRefused(
                 f"worker {name} was declared DEAD and is held down for {wait_s:.2f} s more "
                 "(the hold-down doubles while it keeps failing, up to readmit_holddown_max_s); "
@@ -99,7 +105,7 @@ class Readmission:
             log.info("worker_readmitted", worker=name, address=address, holddown_s=rec.holddown_s)
             return
         hold_s = self._membership.readmit_refused(name)
-        self.refused_total += 1
+        self._refused.inc()
         log.warning(
             "worker_readmission_refused",
             worker=name,

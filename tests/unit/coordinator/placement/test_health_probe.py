@@ -93,6 +93,7 @@ async def _detector_verdict(clients: _Clients) -> bool:
         m,
         _Rebalancer(),  # type: ignore[arg-type]
         clients,  # type: ignore[arg-type]
+        Metrics(),
         heartbeat_interval_s=1.0,
         heartbeat_timeout_s=60.0,
         probe_timeout_s=0.7,
@@ -109,7 +110,7 @@ async def _readmission_verdict(clients: _Clients) -> bool:
     m.register("w0", "h:1", "cpu", "p0")
     m.mark_dead("w0")
     clock.now += 1.0
-    gate = Readmission(m, clients, check_timeout_s=0.7)  # type: ignore[arg-type]
+    gate = Readmission(m, clients, Metrics(), check_timeout_s=0.7)  # type: ignore[arg-type]
     try:
         await gate.check("w0", "h:1")
     except ReadmissionRefused as refused:
