@@ -82,7 +82,9 @@ class Cluster:
         self.clients = WorkerClients(cfg.max_message_bytes, security)
         # A DEAD worker registers again only once reachable, after its hold-down; the check
         # may take a heartbeat timeout, the time a worker has to show it is alive.
-        self.readmission = Readmission(self.membership, self.clients, cfg.heartbeat_timeout_s)
+        self.readmission = Readmission(
+            self.membership, self.clients, metrics, cfg.heartbeat_timeout_s
+        )
         self.links = LinkStats()  # per-worker RTT, step times, health (train jobs, probes)
         self.link_probe = LinkProbe(
             self.links,
@@ -112,6 +114,7 @@ class Cluster:
             self.membership,
             self.rebalancer,
             self.clients,
+            metrics,
             cfg.heartbeat_interval_s,
             cfg.heartbeat_timeout_s,
             cfg.probe_timeout_s,

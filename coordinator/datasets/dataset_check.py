@@ -11,9 +11,12 @@ Nothing is loaded whole: every member's header is read first (so an archive that
 decompress to more than ``max_dataset_bytes`` is refused before anything is inflated), then
 the arrays a kind needs are streamed through ``zipfile`` in pieces of ``CHUNK_BYTES`` and
 checked piece by piece, so validating a compressed archive costs a few chunks of memory
-whatever it inflates to. No pickle is ever read: an object dtype is refused from its header.
-A corrupt archive (bad zip structure, a corrupt deflate stream, a CRC mismatch, a truncated
-member, an unsupported compression method) is ``DatasetInvalid`` (INVALID_ARGUMENT).
+whatever it inflates to. A training set's rules are the loader's own
+(``shared.training.data``: ``check_training_names``, ``check_training_layout``,
+``check_features``, ``check_labels``), applied to the headers and then to each piece. No
+pickle is ever read: an object dtype is refused from its header. A corrupt archive (bad zip
+structure, a corrupt deflate stream, a CRC mismatch, a truncated member, an unsupported
+compression method) is ``DatasetInvalid`` (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ import numpy as np
 import numpy.typing as npt
 
 from shared.memory.validation import MemoryInputError, as_ids, validate_values
-from shared.npz import UNREADABLE, NpyHeader, read_npy_header
+from shared.npz import UNREADABLE, NpzMember, npz_members, read_npy_header
+from shared.training.data import (
+    DataError,
+    check_features,
+    check_labels,
+    check_training_layout,
+    check_training_names,
+)
 
 CHUNK_BYTES = 1 << 20  # bytes of one array inflated and checked at a time
 
@@ -63,14 +73,6 @@ class ArrayInfo:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
-@dataclass(frozen=True)
-class _Member:
-    """A member of the archive: its zip entry and what its ``.npy`` header declares."""
-
-    info: zipfile.ZipInfo
-    header: NpyHeader
-
-
 def check_dataset(path: Path, label: str, max_bytes: int) -> tuple[str, list[ArrayInfo]]:
     """Validate a data set file; return its kind (``train`` or ``memory``) and its arrays.
 
@@ -90,7 +92,7 @@ def check_dataset(path: Path, label: str, max_bytes: int) -> tuple[str, list[Arr
     try:
         with zipfile.ZipFile(path) as zf:
             members = _headers(zf, label)
-            arrays = [ArrayInfo(n, m.header.dtype.name, m.header.shape) for n, m in members.items()]
+            arrays = [ArrayInfo(n, m.dtype.name, m.shape) for n, m in members.items()]
             loaded = sum(a.nbytes for a in arrays)
             if loaded > max_bytes:
                 raise DatasetTooLarge(
@@ -116,39 +118,41 @@ def check_dataset(path: Path, label: str, max_bytes: int) -> tuple[str, list[Arr
     )
 
 
-def _headers(zf: zipfile.ZipFile, label: str) -> dict[str, _Member]:
+def _headers(zf: zipfile.ZipFile, label: str) -> dict[str, NpzMember]:
     """Every member's ``.npy`` header, by array name (headers only: nothing inflated past them).
+
+    Headers are read by ``shared.npz.npz_members``; a member that is not an ``.npy`` is
+    refused before any is read.
 
     Raises:
         DatasetInvalid: a member that is not an ``.npy`` array, an object dtype (would need
-            pickle), no arrays at all.
+            pickle), a member holding more or less data than its header claims, no arrays
+            at all.
         NpyHeaderError and the other ``UNREADABLE`` errors: a corrupt member (the caller
             reports them).
     """
-    out: dict[str, _Member] = {}
-    for info in zf.infolist():
-        if not info.filename.endswith(".npy"):
-            raise DatasetInvalid(f"{label}: member {info.filename!r} is not an .npy array")
-        with zf.open(info) as f:
-            header = read_npy_header(f)
-        name = info.filename[: -len(".npy")]
-        if header.dtype.hasobject:
+    for filename in zf.namelist():
+        if not filename.endswith(".npy"):
+            raise DatasetInvalid(f"{label}: member {filename!r} is not an .npy array")
+    out: dict[str, NpzMember] = {}
+    for m in npz_members(zf):
+        if m.dtype.hasobject:
             raise DatasetInvalid(
-                f"{label}: array {name!r} holds Python objects (pickles are refused)"
+                f"{label}: array {m.name!r} holds Python objects (pickles are refused)"
             )
-        have = info.file_size - header.header_bytes
-        if have != header.data_bytes:  # np.save writes exactly the header and the data
+        have = m.stored_bytes - m.header_bytes
+        if have != m.data_bytes:  # np.save writes exactly the header and the data
             raise DatasetInvalid(
-                f"{label}: array {name!r} claims shape {header.shape} ({header.data_bytes} "
+                f"{label}: array {m.name!r} claims shape {m.shape} ({m.data_bytes} "
                 f"bytes) but its member holds {have} bytes of data"
             )
-        out[name] = _Member(info, header)
+        out[m.name] = m
     if not out:
         raise DatasetInvalid(f"{label}: the archive holds no arrays")
     return out
 
 
-def _chunks(zf: zipfile.ZipFile, label: str, name: str, m: _Member) -> Iterator[npt.NDArray[Any]]:
+def _chunks(zf: zipfile.ZipFile, label: str, m: NpzMember) -> Iterator[npt.NDArray[Any]]:
     """Yield the array's items in storage order, at most ``CHUNK_BYTES`` of them at a time.
 
     Each piece is a 1-D view of bytes just inflated (``np.frombuffer``): checks on it cost
@@ -159,64 +163,51 @@ def _chunks(zf: zipfile.ZipFile, label: str, name: str, m: _Member) -> Iterator[
     Raises:
         DatasetInvalid: the member's stream ends before the data its header claims.
     """
-    itemsize = m.header.dtype.itemsize
-    left = m.header.data_bytes
+    itemsize = m.dtype.itemsize
+    left = m.data_bytes
     step = max(itemsize, CHUNK_BYTES // max(itemsize, 1) * itemsize)
-    with zf.open(m.info) as f:
+    with zf.open(m.filename) as f:
         read_npy_header(f)  # leaves f at the data
         while left > 0:
             want = min(step, left)
             data = f.read(want)
             if len(data) != want:
                 raise DatasetInvalid(
-                    f"{label}: array {name!r} claims shape {m.header.shape} "
-                    f"({m.header.data_bytes} bytes) but the archive holds fewer"
+                    f"{label}: array {m.name!r} claims shape {m.shape} "
+                    f"({m.data_bytes} bytes) but the archive holds fewer"
                 )
             left -= want
-            yield np.frombuffer(data, m.header.dtype)
+            yield np.frombuffer(data, m.dtype)
         f.read(1)  # at the end (b""): zipfile checks the member's CRC there
 
 
-def _check_training(zf: zipfile.ZipFile, label: str, members: dict[str, _Member]) -> None:
+def _check_training(zf: zipfile.ZipFile, label: str, members: dict[str, NpzMember]) -> None:
     """Refuse what is not a training set: arrays, dtypes, shapes, NaN/inf, labels.
+
+    The rules are ``shared.training.data``'s (the loader's), applied to the headers and
+    then to the arrays piece by piece.
 
     Raises:
         DatasetInvalid: naming the array and what is wrong with it.
     """
-    missing = [k for k in ("x", "y") if k not in members]
-    if missing:
-        raise DatasetInvalid(f"{label}: missing array {missing[0]!r} (found: {sorted(members)})")
-    x, y = members["x"].header, members["y"].header
-    if x.dtype != np.float32:
-        raise DatasetInvalid(f"{label}: array 'x' must be float32, got {x.dtype}")
-    if y.dtype != np.int64:
-        raise DatasetInvalid(f"{label}: array 'y' must be int64, got {y.dtype}")
-    if len(x.shape) < 2:
-        raise DatasetInvalid(f"{label}: array 'x' must be [N, ...] with ndim >= 2, got {x.shape}")
-    if len(y.shape) != 1:
-        raise DatasetInvalid(f"{label}: array 'y' must be [N], got shape {y.shape}")
-    if x.shape[0] != y.shape[0]:
-        raise DatasetInvalid(
-            f"{label}: arrays 'x' and 'y' differ in length ({x.shape[0]} != {y.shape[0]})"
-        )
-    if y.shape[0] == 0:
-        raise DatasetInvalid(f"{label}: arrays 'x' and 'y' are empty")
-    for piece in _chunks(zf, label, "x", members["x"]):
-        if not np.isfinite(piece).all():
-            raise DatasetInvalid(f"{label}: array 'x' contains NaN or infinite values")
-    low, high = np.iinfo(np.int64).max, np.iinfo(np.int64).min
-    for piece in _chunks(zf, label, "y", members["y"]):
-        low, high = min(low, int(piece.min())), max(high, int(piece.max()))
-    if low < 0:
-        raise DatasetInvalid(f"{label}: array 'y' has labels out of range (min {low} < 0)")
-    if high < 1:
-        raise DatasetInvalid(f"{label}: array 'y' needs at least 2 classes (labels 0..C-1)")
+    try:
+        check_training_names(members)
+        x, y = members["x"], members["y"]
+        check_training_layout(x.dtype, x.shape, y.dtype, y.shape)
+        for piece in _chunks(zf, label, x):
+            check_features(piece)
+        low, high = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+        for piece in _chunks(zf, label, y):
+            low, high = min(low, int(piece.min())), max(high, int(piece.max()))
+        check_labels(low, high)
+    except DataError as exc:
+        raise DatasetInvalid(f"{label}: {exc}") from None
 
 
 _INDEXED = re.compile(r"^(\w+)\[(\d+)\]")
 
 
-def _check_memories(zf: zipfile.ZipFile, label: str, members: dict[str, _Member]) -> None:
+def _check_memories(zf: zipfile.ZipFile, label: str, members: dict[str, NpzMember]) -> None:
     """Refuse what is not a memory set: ids non-negative integers, strengths in [0, 1].
 
     The checks are ``shared.memory.validation``'s, applied piece by piece; an error names the
@@ -229,7 +220,7 @@ def _check_memories(zf: zipfile.ZipFile, label: str, members: dict[str, _Member]
         if name not in members:
             has = ", ".join(members) or "no arrays"
             raise DatasetInvalid(f"{label}: no array {name!r} (has: {has})")
-    ids, strengths = members["ids"].header, members["strengths"].header
+    ids, strengths = members["ids"], members["strengths"]
     for name, h in (("ids", ids), ("strengths", strengths)):
         if len(h.shape) != 1:
             raise DatasetInvalid(f"{label}: {name}: expected a 1-D array, got shape {h.shape}")
@@ -239,11 +230,11 @@ def _check_memories(zf: zipfile.ZipFile, label: str, members: dict[str, _Member]
         )
     offset = 0
     try:
-        for piece in _chunks(zf, label, "ids", members["ids"]):
+        for piece in _chunks(zf, label, ids):
             as_ids(piece)
             offset += len(piece)
         offset = 0
-        for piece in _chunks(zf, label, "strengths", members["strengths"]):
+        for piece in _chunks(zf, label, strengths):
             validate_values(piece, "strengths", piece, unit_range=True)
             offset += len(piece)
     except MemoryInputError as exc:

@@ -15,8 +15,10 @@ Resuming after a coordinator restart: the job saves its progress (load done, ite
 completed) in the coordinator's database at most every ``CHECKPOINT_INTERVAL_S`` and at the
 end, and a resumed run skips the load and starts at the saved iteration. Each iteration's
 reinforce and decay carry ids derived from the job id and the iteration
-(``iteration_op_id``), so an iteration run again (it was cut by the crash, or completed after
-the last save) is skipped by every slot that applied it: none is applied twice.
+(``iteration_op_id``; a reinforce the router sends in chunks derives one per chunk,
+``shared.client.memory.chunk_request_id``), so an iteration run again (it was cut by the
+crash, or completed after the last save) is skipped by every slot that applied it: none is
+applied twice.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ TOPK_SHOWN = 10  # top-k entries kept in the result document
 # Timed phases of an iteration: the sweep is decay, quality and top-k in one RPC per worker.
 PHASES = ("reinforce", "sweep")
 CHECKPOINT_INTERVAL_S = 1.0  # progress saved at most this often (and at the end), seconds
-_MESSAGE_HEADROOM_BYTES = 64 * 1024  # a reinforce request's fields besides ids and boosts
 
 
 def iteration_op_id(job_id: str, iteration: int, phase: str) -> bytes:
@@ -74,16 +75,6 @@ def skip_batches(stream: ScrambledZipfStream | TraceStream, count: int) -> None:
     """
     for i in range(count):
         stream.next_batch(i)
-
-
-def reinforce_chunk(max_batch_items: int, max_message_bytes: int) -> int:
-    """Most accesses one reinforce request of a memory job carries.
-
-    At most ``max_batch_items`` (what a worker takes), and few enough that ids (8 bytes) and
-    boosts (4 bytes) fit in ``max_message_bytes`` with ``_MESSAGE_HEADROOM_BYTES`` to spare.
-    """
-    by_bytes = (max_message_bytes - _MESSAGE_HEADROOM_BYTES) // 12
-    return max(1, min(max_batch_items, by_bytes))
 
 
 @dataclass
@@ -245,7 +236,10 @@ class MemoryJob:
         for i in range(self.resumed_at, spec.iterations):
             accessed = await asyncio.to_thread(stream.next_batch, i)
             t0 = time.perf_counter()
-            t.hits += await self._reinforce(accessed, boosts, i)
+            # One call per batch: the router cuts it to the requests the workers take
+            # (chunks with ids derived from this one when a hot slot needs them).
+            rid = iteration_op_id(job_id, i, "reinforce")
+            t.hits += await self._router.reinforce(accessed, boosts, rid)
             t1 = time.perf_counter()
             swept = await memory.sweep(rate, iteration_op_id(job_id, i, "decay"), spec.topk, True)
             t2 = time.perf_counter()
@@ -271,32 +265,6 @@ class MemoryJob:
         if t.quality is None:  # resumed after its last iteration: report the store as it is
             t.quality, t.topk = await memory.quality(), await memory.topk(spec.topk)
         return t
-
-    async def _reinforce(self, accessed: np.ndarray, boosts: np.ndarray, iteration: int) -> int:
-        """Reinforce one access batch in requests of at most ``reinforce_chunk`` accesses.
-
-        The router splits a batch by owner and slot only, so one hot slot could get a request
-        larger than a worker takes (``max_batch_items``) or than gRPC sends
-        (``max_message_bytes``); the job cuts the batch first. Chunk c has its own request id
-        (``reinforce``, ``reinforce.1``, ...), the same on every run, so a resumed run's
-        repeat of a chunk is still skipped.
-
-        Args:
-            accessed: [B] uint64 ids, repeats allowed.
-            boosts: [B] float32.
-            iteration: the iteration, for the request ids.
-
-        Returns:
-            The memories reinforced (``applied``), summed over the chunks.
-        """
-        step = reinforce_chunk(self.cfg.max_batch_items, self.cfg.max_message_bytes)
-        hits = 0
-        for c, start in enumerate(range(0, len(accessed), step)):
-            phase = "reinforce" if c == 0 else f"reinforce.{c}"
-            rid = iteration_op_id(self.job.job_id, iteration, phase)
-            end = start + step
-            hits += await self._router.reinforce(accessed[start:end], boosts[start:end], rid)
-        return hits
 
     def _checkpoint(self, iterations: int, force: bool = False) -> None:
         """Save that the load is done and ``iterations`` completed.

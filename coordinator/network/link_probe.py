@@ -1,8 +1,9 @@
 """Round-trip times to the workers, measured by the coordinator through their addresses.
 
 Every ``interval_s`` the coordinator sends each ALIVE worker one gRPC health check (the
-standard ``grpc.health.v1.Health/Check``, a few bytes each way) on the channel it trains and
-routes with, so the time includes the worker's link as the coordinator sees it (a
+standard ``grpc.health.v1.Health/Check``, a few bytes each way:
+``coordinator.placement.health_probe``) on the channel it trains and routes with, so the
+time includes the worker's link as the coordinator sees it (a
 ``neuroshard link`` proxy in front of the worker included). The round trip feeds the worker's
 EWMA in ``LinkStats``; the per-worker gauges are published from there on the same beat.
 """
@@ -13,9 +14,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from coordinator.network.link_stats import LinkStats
+from coordinator.placement.health_probe import probe_health
 from coordinator.placement.membership import WorkerRecord
 from shared.logging import get_logger
 from shared.metrics import Metrics
@@ -54,12 +54,9 @@ class LinkProbe:
 
     async def probe(self, w: WorkerRecord) -> float | None:
         """One round trip to ``w``, seconds; None when the check failed or timed out."""
-        stub = health_pb2_grpc.HealthStub(self._clients.channel(w.name, w.address))
         t0 = time.perf_counter()
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._timeout_s)
-        except Exception:  # any failure: no sample; liveness is the failure detector's
-            return None
+        if await probe_health(self._clients, w.name, w.address, self._timeout_s) is not None:
+            return None  # any failure: no sample; liveness is the failure detector's
         rtt_s = time.perf_counter() - t0
         self._links.get(w.name).observe_rtt(rtt_s)
         return rtt_s

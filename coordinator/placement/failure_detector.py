@@ -19,12 +19,11 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from coordinator.placement.health_probe import probe_health
 from coordinator.placement.membership import Membership, WorkerState
 from coordinator.placement.rebalance import Rebalancer
-from shared import rpc
 from shared.logging import get_logger
+from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 
 log = get_logger(__name__)
@@ -70,6 +69,7 @@ class FailureDetector:
         membership: Membership,
         rebalancer: Rebalancer,
         clients: WorkerClients,
+        metrics: Metrics,
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
         probe_timeout_s: float,
@@ -81,6 +81,8 @@ class FailureDetector:
             membership: the registry whose workers are declared DEAD.
             rebalancer: owner of the slot map; reported copies stop being trusted there.
             clients: channels to the workers (for health probes).
+            metrics: ``neuroshard_worker_suspicions_unconfirmed_total`` counts the clients'
+                reports its probes did not confirm.
             heartbeat_interval_s: seconds between a worker's heartbeats.
             heartbeat_timeout_s: seconds of silence after which a worker is DEAD.
             probe_timeout_s: seconds a reported worker has to answer a health probe.
@@ -89,6 +91,7 @@ class FailureDetector:
         self._membership = membership
         self._rebalancer = rebalancer
         self._clients = clients
+        self._unconfirmed = metrics.suspicions_unconfirmed
         self._interval_s = min(heartbeat_interval_s, heartbeat_timeout_s / 4)
         self._timeout_s = heartbeat_timeout_s
         self._probe_timeout_s = probe_timeout_s
@@ -96,7 +99,6 @@ class FailureDetector:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._probing: set[str] = set()
         self.probes_total = 0  # probes started (tests and logs)
-        self.unconfirmed_total = 0  # client suspicions a probe failed but nothing confirmed
 
     def report_failure(
         self, reporter: str, worker: str, reason: str, slots: list[int] | None = None
@@ -174,18 +176,6 @@ class FailureDetector:
             self._membership.heartbeat_age_s(rec) > 1.5 * self._heartbeat_interval_s
         )
 
-    async def _answers(self, name: str) -> tuple[bool, str]:
-        """Probe worker ``name``'s health once: (answered, why not)."""
-        rec = self._membership.get(name)
-        if rec is None:
-            return True, ""
-        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
-            return True, ""
-        except Exception as exc:
-            return False, rpc.error_message(exc)
-
     async def _confirmed_probe(self, name: str) -> None:
         """Probe a worker a client reported; DEAD only when the coordinator confirms it.
 
@@ -199,10 +189,10 @@ class FailureDetector:
             rec = self._membership.get(name)
             if rec is None or rec.state is not WorkerState.ALIVE:
                 return
-            answered, reason = await self._answers(name)
-            if answered:
+            reason = await probe_health(self._clients, name, rec.address, self._probe_timeout_s)
+            if reason is None:
                 if attempt:
-                    self.unconfirmed_total += 1
+                    self._unconfirmed.inc()
                     log.info("worker_suspicion_unconfirmed", worker=name)
                 return
             if attempt or self._missed_heartbeat(name):
@@ -231,13 +221,10 @@ class FailureDetector:
         if rec is None or rec.state is not WorkerState.ALIVE:
             self._rebalancer.trigger()
             return
-        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, rec.address))
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._probe_timeout_s)
+        reason = await probe_health(self._clients, name, rec.address, self._probe_timeout_s)
+        if reason is None:
             self._rebalancer.trigger()
             return
-        except Exception as exc:
-            reason = rpc.error_message(exc)
         if self._membership.mark_dead(name):
             log.warning(
                 "worker_dead", worker=name, address=rec.address, reason=reason, detected_by="probe"

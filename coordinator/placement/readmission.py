@@ -16,11 +16,10 @@ retries after that.
 
 from __future__ import annotations
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from coordinator.placement.health_probe import probe_health
 from coordinator.placement.membership import Membership, WorkerState
-from shared import rpc
 from shared.logging import get_logger
+from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 
 log = get_logger(__name__)
@@ -51,20 +50,25 @@ class Readmission:
     """Decides whether a registering worker that is DEAD may be admitted again."""
 
     def __init__(
-        self, membership: Membership, clients: WorkerClients, check_timeout_s: float
+        self,
+        membership: Membership,
+        clients: WorkerClients,
+        metrics: Metrics,
+        check_timeout_s: float,
     ) -> None:
         """Check against ``membership``'s hold-downs; probe through ``clients``' channels.
 
         Args:
             membership: the registry holding each worker's state and hold-down.
             clients: the coordinator's channels to the workers.
+            metrics: ``neuroshard_readmissions_refused_total`` counts each refusal.
             check_timeout_s: seconds the health check of a registering worker may take,
                 connecting included.
         """
         self._membership = membership
         self._clients = clients
+        self._refused = metrics.readmissions_refused
         self._timeout_s = check_timeout_s
-        self.refused_total = 0  # registrations refused (tests and logs)
 
     async def check(self, name: str, address: str) -> None:
         """Return when worker ``name`` may register at ``address``; raise when not yet.
@@ -89,19 +93,19 @@ class Readmission:
             return
         wait_s = self._membership.readmit_wait_s(name)
         if wait_s > 0:
-            self.refused_total += 1
+            self._refused.inc()
             raise ReadmissionRefused(
                 f"worker {name} was declared DEAD and is held down for {wait_s:.2f} s more "
                 "(the hold-down doubles while it keeps failing, up to readmit_holddown_max_s); "
                 f"retry in {wait_s:.2f} s",
                 wait_s,
             )
-        error = await self._unreachable(name, address)
+        error = await probe_health(self._clients, name, address, self._timeout_s)
         if error is None:
             log.info("worker_readmitted", worker=name, address=address, holddown_s=rec.holddown_s)
             return
         hold_s = self._membership.readmit_refused(name)
-        self.refused_total += 1
+        self._refused.inc()
         log.warning(
             "worker_readmission_refused",
             worker=name,
@@ -115,12 +119,3 @@ class Readmission:
             f"readmit_holddown_max_s): retry in {hold_s:.2f} s",
             hold_s,
         )
-
-    async def _unreachable(self, name: str, address: str) -> str | None:
-        """Health-check worker ``name`` at ``address``: None when it answered, else why not."""
-        stub = health_pb2_grpc.HealthStub(self._clients.channel(name, address))
-        try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=self._timeout_s)
-            return None
-        except Exception as exc:
-            return rpc.error_message(exc)

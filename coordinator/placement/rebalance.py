@@ -57,7 +57,8 @@ class Rebalancer:
             slots: number of hash slots, a power of two.
             membership: the live, draining and dead workers.
             clients: channels to the workers.
-            metrics: ``slot_map_epoch`` is set on every publication.
+            metrics: ``slot_map_epoch`` is set on every publication, ``slot_copy_requests``
+                counts the CopySlots requests answered.
             rpc_timeout_s: deadline of each worker call, seconds (copies get at least 60).
             limits: the request limits every published map carries.
             on_change: called after every publication.
@@ -83,7 +84,6 @@ class Rebalancer:
         self.events: EventLog | None = None  # promotions and copies, for people (dashboard)
         self.settled = asyncio.Event()  # set while the map matches the membership
         self.copies_total = 0  # slots copied by completed passes (tests and logs)
-        self.copy_requests_total = 0  # CopySlots requests answered (tests and logs)
         self._copy_chunk_memories = copy_chunk_memories
         self._copy_pause_factor = copy_pause_factor
         self.persist: Callable[[SlotMap, dict[str, object]], None] | None = None
@@ -280,7 +280,7 @@ class Rebalancer:
                     timeout=max(self._timeout_s, 60.0),
                 )
                 copied += int(reply.memories)
-                self.copy_requests_total += 1
+                self._metrics.slot_copy_requests.inc()
                 took_s = loop.time() - t0
             return copied
 

@@ -4,21 +4,20 @@ Checkpoints are (next step, state bytes), written durably.
 
 Both strategies write the same layout, ``DATA_DIR/checkpoints/JOB.ckpt``: 8 bytes of the
 step to resume from (little-endian), then the strategy's state (torch.save bytes). A write
-goes to a temporary file that is fsynced, renamed over the old checkpoint, and the directory
-fsynced, so a power cut leaves the old checkpoint or the new one, never a torn file.
+is ``shared.private_files.write_private``'s: a temporary file that is fsynced, renamed over
+the old checkpoint, and the directory fsynced, so a power cut leaves the old checkpoint or
+the new one, never a torn file.
 Directories are created 0700 and files 0600: they hold users' models.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from shared.fsync import fsync_dir
-from shared.private_files import create_private, private_dir
+from shared.private_files import create_private, private_dir, write_private
 
 
 def write_checkpoint(path: Path, step: int, state: bytes) -> None:
@@ -33,14 +32,7 @@ def write_checkpoint(path: Path, step: int, state: bytes) -> None:
         OSError: the disk refused the write or the fsync.
     """
     private_dir(path.parent)
-    tmp = path.with_suffix(".tmp")
-    with create_private(tmp) as f:
-        f.write(step.to_bytes(8, "little"))
-        f.write(state)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fsync_dir(path.parent)
+    write_private(path, (step.to_bytes(8, "little"), state))
 
 
 def read_checkpoint(path: Path) -> tuple[int, bytes] | None:

@@ -499,40 +499,15 @@ def token_id(token: str) -> str:
 
 
 class TokenSource:
-    """The token a process presents; calling it returns the token to send now.
+    """The fixed token a process presents; calling it returns the token to send now.
 
-    Either a fixed token (read from a file or given), or one the process signs itself with
-    the private key and renews once half of its lifetime has passed. Thread-safe: channels
-    call it from any thread.
+    Read from a file (``--token-file``) or given (``--token``). Channels call it from any
+    thread.
     """
 
-    def __init__(
-        self,
-        token: str | None = None,
-        *,
-        private_key: Ed25519PrivateKey | None = None,
-        role: str = "admin",
-        subject: str = "",
-        ttl_s: float = 3600.0,
-    ) -> None:
-        """Present ``token`` as is, or sign tokens with ``private_key``.
-
-        Args:
-            token: a fixed token (surrounding whitespace is stripped).
-            private_key: the signing key, instead of ``token``.
-            role: the role of signed tokens.
-            subject: the subject of signed tokens.
-            ttl_s: the lifetime of signed tokens, seconds.
-
-        Raises:
-            ValueError: both or neither of ``token`` and ``private_key`` given.
-        """
-        if (token is None) == (private_key is None):
-            raise ValueError("give either a token or a private key to sign one with")
-        self._fixed = token.strip() if token is not None else None
-        self._key, self._role, self._subject, self._ttl_s = private_key, role, subject, ttl_s
-        self._token, self._renew_at = "", 0.0
-        self._lock = threading.Lock()
+    def __init__(self, token: str) -> None:
+        """Present ``token`` (surrounding whitespace is stripped)."""
+        self._token = token.strip()
 
     @classmethod
     def from_file(cls, path: str | Path, field: str = "token_file") -> TokenSource:
@@ -544,15 +519,5 @@ class TokenSource:
         return cls(read_token_file(path, field))
 
     def __call__(self) -> str:
-        """Return the token to present now, signing a new one when the last is half-used."""
-        if self._fixed is not None:
-            return self._fixed
-        now = time.time()
-        with self._lock:
-            if now >= self._renew_at:
-                assert self._key is not None
-                self._token = create_token(
-                    self._key, self._role, self._subject, self._ttl_s, now=now
-                )
-                self._renew_at = now + self._ttl_s / 2
-            return self._token
+        """Return the token to present."""
+        return self._token

@@ -3,7 +3,8 @@
 Both live in ``data_dir`` (formats in ``worker/store/journal_format.py``):
 
     LOCK              flock'ed by the worker process using the directory
-    snapshot.bin      the whole store as of log generation g (write tmp, fsync, rename, fsync dir)
+    snapshot.bin      the whole store as of log generation g (``write_private``: tmp, fsync,
+                      rename, fsync dir)
     log-<g>.wal       records applied after snapshot g, then log-<g+1>.wal, ... in apply order
 
 Records are appended on the store thread inside the job that applies the mutation, so log
@@ -38,7 +39,7 @@ import numpy as np
 from shared.fsync import fsync_dir
 from shared.logging import get_logger
 from shared.memory.validation import MemoryInputError
-from shared.private_files import create_private, open_private, private_dir
+from shared.private_files import open_private, private_dir, write_private
 from shared.proto import worker_pb2
 from worker.store import journal_format as fmt
 from worker.store.dedup import RecentRequests
@@ -47,7 +48,7 @@ from worker.store.journal_format import JournalError, Request, SnapshotState
 from worker.store.store import SlotSnapshot, SlotStore
 
 log = get_logger(__name__)
-SNAPSHOT, SNAPSHOT_TMP = "snapshot.bin", "snapshot.tmp"
+SNAPSHOT = "snapshot.bin"
 
 
 class StorageFailed(Exception):
@@ -416,14 +417,7 @@ class Journal:
     def _write_snapshot(self, state: SnapshotState) -> None:
         t0 = time.perf_counter()
         try:
-            tmp = self.dir / SNAPSHOT_TMP
-            with create_private(tmp) as f:
-                for piece in fmt.encode_snapshot(state):
-                    f.write(piece)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / SNAPSHOT)
-            fsync_dir(self.dir)
+            write_private(self.dir / SNAPSHOT, fmt.encode_snapshot(state))
             for p in self.dir.glob("log-*.wal"):
                 if int(p.stem[4:]) < state.gen:
                     p.unlink()
@@ -452,7 +446,7 @@ class Journal:
         ``os.write`` calls, so they are in the OS's page cache) and nothing more; queued fsyncs
         are cancelled, the interval thread stops, and nothing is synced on the way out. A
         snapshot being written is waited for, since a thread cannot be killed (a real crash
-        would leave ``snapshot.tmp`` behind, which recovery ignores). Tests use it to crash
+        would leave ``.snapshot.bin.tmp`` behind, which recovery ignores). Tests use it to crash
         and restart a worker in one process.
         """
         self._shutdown(sync=False, crash=True)

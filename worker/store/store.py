@@ -257,12 +257,18 @@ class SlotStore:
 
     # --- queries ---------------------------------------------------------------------------
 
-    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
+    def get(
+        self, ids: np.ndarray, with_payloads: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
         """Look memories up by id.
+
+        Args:
+            ids: [K] uint64, repeats allowed (each position answered).
+            with_payloads: look the payloads up too; False leaves every entry None.
 
         Returns:
             ``(found [K] bool, strengths [K] float32 host (0 where missing), payloads)``,
-            payloads[i] None when the id is missing or has no payload.
+            payloads[i] None when the id is missing or has no payload (or not asked for).
 
         Raises:
             MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
@@ -272,7 +278,7 @@ class SlotStore:
         strengths = np.zeros(len(ids), np.float32)
         strengths[found] = kernels.to_host(self.strength[self.xp.asarray(rows[found])])
         payloads: list[bytes | None] = [None] * len(ids)
-        if self.payloads:
+        if with_payloads and self.payloads:
             for i in np.flatnonzero(found).tolist():
                 payloads[i] = self.payloads.get(int(ids[i]))
         return found, strengths, payloads
@@ -280,10 +286,10 @@ class SlotStore:
     def get_reply(
         self, ids: np.ndarray, with_payloads: bool, max_bytes: int | None
     ) -> worker_pb2.GetResponse:
-        """Answer a Get once per distinct id, refusing a reply larger than ``max_bytes``.
+        """Answer a Get (``get`` of each distinct id once), refusing a reply over ``max_bytes``.
 
-        The size is counted from the distinct ids and their payloads' lengths before
-        anything of the reply is made.
+        The size is counted from the distinct ids and their payloads' lengths before the
+        reply message is built.
 
         Args:
             ids: [K] uint64, repeats allowed.
@@ -291,31 +297,24 @@ class SlotStore:
             max_bytes: the largest reply, bytes; None: no limit.
 
         Returns:
-            found [M] uint8, strengths [M] float32 and (with payloads) M payloads, for the M
-            distinct ids in the order of their first occurrence.
+            found [M] uint8, strengths [M] float32 and (with payloads) M payloads (b"" where
+            missing or none), for the M distinct ids in the order of their first occurrence.
 
         Raises:
             MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
             BudgetExceeded: the reply would exceed ``max_bytes`` (RESOURCE_EXHAUSTED).
         """
         ids = distinct_in_order(as_ids(ids))
-        rows, found = self._locate(ids)
+        found, strengths, looked_up = self.get(ids, with_payloads)
         m = len(ids)
         size = 2 * (m + 11) + 4 * m  # found and strengths, with their tags and lengths
-        hits = np.flatnonzero(found).tolist() if with_payloads and self.payloads else []
-        payloads: list[bytes] = []
-        if with_payloads:
-            payloads = [b""] * m
-            for i in hits:
-                payloads[i] = self.payloads.get(int(ids[i]), b"")
-            size += sum(len(p) + 6 for p in payloads)  # tag + length varint (< 2**28)
+        payloads = [p or b"" for p in looked_up] if with_payloads else []
+        size += sum(len(p) + 6 for p in payloads)  # tag + length varint (< 2**28)
         if max_bytes is not None and size > max_bytes:
             raise BudgetExceeded(
                 f"Get reply of {m} distinct ids would be {size} bytes, over max_message_bytes "
                 f"{max_bytes}; ask for fewer ids (or without payloads)"
             )
-        strengths = np.zeros(m, np.float32)
-        strengths[found] = kernels.to_host(self.strength[self.xp.asarray(rows[found])])
         return worker_pb2.GetResponse(
             found=found.astype(np.uint8).tobytes(),
             strengths=f32_to_bytes(strengths),

@@ -19,6 +19,8 @@ from coordinator.datasets.dataset_check import (
     DatasetTooLarge,
     check_dataset,
 )
+from shared.npz import npz_members
+from shared.training.data import DataError, load_training_npz
 from tests.npz_files import corrupt_deflate_npz, npy_bytes, npz_bytes
 
 MiB = 1 << 20
@@ -138,3 +140,61 @@ def test_declared_sizes_over_the_cap_are_refused_before_inflating(tmp_path: Path
 
     with pytest.raises(DatasetTooLarge, match="max_dataset_bytes 1048576"):
         check_dataset(path, "d.npz", MiB)
+
+
+X4 = np.ones((4, 2), np.float32)
+Y4 = np.array([0, 1, 1, 0], np.int64)
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        {"x": X4.astype(np.float64), "y": Y4},
+        {"x": X4, "y": Y4.astype(np.int32)},
+        {"x": np.ones(4, np.float32), "y": Y4},
+        {"x": X4, "y": Y4.reshape(2, 2)},
+        {"x": X4, "y": Y4[:3]},
+        {"x": X4[:0], "y": Y4[:0]},
+        {"x": np.full((4, 2), np.inf, np.float32), "y": Y4},
+        {"x": X4, "y": Y4 - 1},
+        {"x": X4, "y": Y4 * 0},
+        {"x": X4, "extra": Y4},
+    ],
+    ids=[
+        "x dtype",
+        "y dtype",
+        "x ndim",
+        "y ndim",
+        "lengths",
+        "empty",
+        "inf",
+        "min",
+        "classes",
+        "missing",
+    ],  # fmt: skip
+)
+def test_an_upload_is_refused_with_the_loaders_own_message(tmp_path: Path, arrays: dict) -> None:
+    # Arrange: one rule set (shared.training.data) for the loader and the upload check; a
+    # rule written again in either place and worded or decided differently fails here.
+    path = _write(tmp_path, npz_bytes(**arrays))
+
+    # Act
+    with pytest.raises(DataError) as loaded:
+        load_training_npz(path)
+    with pytest.raises(DatasetInvalid) as uploaded:
+        check_dataset(path, "d.npz", 1 << 30)
+
+    # Assert
+    assert str(loaded.value).startswith(f"{path}: ")
+    assert str(uploaded.value) == "d.npz: " + str(loaded.value).removeprefix(f"{path}: ")
+
+
+def test_the_arrays_are_the_members_npz_members_reads(tmp_path: Path) -> None:
+    path = _write(tmp_path, npz_bytes(x=X4, y=Y4, z=np.zeros((3, 5, 7), np.uint8)))
+
+    _, arrays = check_dataset(path, "d.npz", 1 << 30)
+
+    with zipfile.ZipFile(path) as zf:
+        expected = [(m.name, m.dtype.name, m.shape) for m in npz_members(zf)]
+    assert [(a.name, a.dtype, a.shape) for a in arrays] == expected
+    assert expected == [("x", "float32", (4, 2)), ("y", "int64", (4,)), ("z", "uint8", (3, 5, 7))]

@@ -10,6 +10,7 @@ import time
 
 from coordinator.placement.failure_detector import FailureDetector
 from coordinator.placement.membership import Membership, WorkerState
+from shared.metrics import Metrics
 from tests.conftest import wait_until
 
 TIMEOUT_S = 0.4  # short: the sweep loop runs on the real clock
@@ -20,6 +21,7 @@ def _detector(m: Membership, dead: list[int]) -> FailureDetector:
         m,
         rebalancer=None,  # type: ignore[arg-type]  # only failure reports use it
         clients=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
         heartbeat_interval_s=0.1,
         heartbeat_timeout_s=TIMEOUT_S,
         probe_timeout_s=1.0,

@@ -15,9 +15,15 @@ from grpc_health.v1 import health_pb2
 
 from coordinator.placement.membership import Membership, WorkerState
 from coordinator.placement.readmission import PUSHBACK_KEY, Readmission, ReadmissionRefused
+from shared.metrics import Metrics
 from tests.unit.coordinator.placement.test_membership import FakeClock
 
 BASE_S, MAX_S = 1.0, 8.0  # 2 x heartbeat_interval_s, readmit_holddown_max_s
+
+
+def refusals(metrics: Metrics) -> float | None:
+    """``neuroshard_readmissions_refused_total`` as scraped."""
+    return metrics.registry.get_sample_value("neuroshard_readmissions_refused_total")
 
 
 def _membership(clock: FakeClock) -> Membership:
@@ -146,7 +152,8 @@ async def test_a_dead_worker_is_refused_during_its_hold_down_without_a_probe() -
     m = _membership(clock)
     m.mark_dead("w0")
     clients = _Clients(reachable=True)
-    gate = Readmission(m, clients, check_timeout_s=1.0)  # type: ignore[arg-type]
+    metrics = Metrics()
+    gate = Readmission(m, clients, metrics, check_timeout_s=1.0)  # type: ignore[arg-type]
 
     with pytest.raises(ReadmissionRefused) as refused:
         await gate.check("w0", "h:1")
@@ -155,6 +162,7 @@ async def test_a_dead_worker_is_refused_during_its_hold_down_without_a_probe() -
     assert "retry in 1.00 s" in str(refused.value)
     assert refused.value.pushback() == ((PUSHBACK_KEY, "1000"),)
     assert clients.checked == []  # no probe while held down
+    assert refusals(metrics) == 1  # counted as scraped
     assert m.readmit_wait_s("w0") == BASE_S  # a refusal in the hold-down does not extend it
     assert m.get("w0").state is WorkerState.DEAD
 
@@ -165,7 +173,8 @@ async def test_an_unreachable_dead_worker_is_refused_and_held_down_longer() -> N
     m.mark_dead("w0")
     clock.now += BASE_S
     clients = _Clients(reachable=False)
-    gate = Readmission(m, clients, check_timeout_s=1.0)  # type: ignore[arg-type]
+    metrics = Metrics()
+    gate = Readmission(m, clients, metrics, check_timeout_s=1.0)  # type: ignore[arg-type]
 
     with pytest.raises(ReadmissionRefused) as refused:
         await gate.check("w0", "h:9")
@@ -174,7 +183,7 @@ async def test_an_unreachable_dead_worker_is_refused_and_held_down_longer() -> N
     assert "cannot reach it at h:9" in message and "connection reset by peer" in message
     assert "retry in 2.00 s" in message and refused.value.retry_after_s == 2 * BASE_S
     assert clients.checked == [("w0", "h:9")]  # the address it registers with
-    assert m.readmit_wait_s("w0") == 2 * BASE_S and gate.refused_total == 1
+    assert m.readmit_wait_s("w0") == 2 * BASE_S and refusals(metrics) == 1
 
 
 async def test_a_reachable_dead_worker_after_its_hold_down_and_any_live_one_pass() -> None:
@@ -184,10 +193,11 @@ async def test_a_reachable_dead_worker_after_its_hold_down_and_any_live_one_pass
     m.mark_dead("w0")
     clock.now += BASE_S
     clients = _Clients(reachable=True)
-    gate = Readmission(m, clients, check_timeout_s=1.0)  # type: ignore[arg-type]
+    metrics = Metrics()
+    gate = Readmission(m, clients, metrics, check_timeout_s=1.0)  # type: ignore[arg-type]
 
     await gate.check("w0", "h:1")
     await gate.check("w1", "h:2")  # ALIVE: no check
     await gate.check("new", "h:3")  # unknown: no check
 
-    assert clients.checked == [("w0", "h:1")] and gate.refused_total == 0
+    assert clients.checked == [("w0", "h:1")] and refusals(metrics) == 0

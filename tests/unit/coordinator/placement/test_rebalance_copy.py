@@ -56,12 +56,12 @@ class FakeMembership:
         return SimpleNamespace(address=f"{name}:1", memories=sum(len(STORE[s]) for s in primary))
 
 
-def rebalancer(sources: FakeSources, chunk_memories: int) -> Rebalancer:
+def rebalancer(sources: FakeSources, chunk_memories: int, metrics: Metrics) -> Rebalancer:
     rb = Rebalancer(
         SLOTS,
         FakeMembership(),  # type: ignore[arg-type]
         sources,  # type: ignore[arg-type]
-        Metrics(),
+        metrics,
         rpc_timeout_s=5.0,
         limits=WireLimits(4096, 1 << 20),
         copy_chunk_memories=chunk_memories,
@@ -84,7 +84,8 @@ async def test_each_memory_of_each_copied_slot_is_sent_exactly_once(
 ) -> None:
     # Arrange: c receives a's slots 0..7 and b's slots 8..15.
     sources = FakeSources()
-    rb = rebalancer(sources, chunk_memories)
+    metrics = Metrics()
+    rb = rebalancer(sources, chunk_memories, metrics)
     copies = {("a", "c"): list(range(8)), ("b", "c"): list(range(8, 16))}
 
     # Act
@@ -98,4 +99,5 @@ async def test_each_memory_of_each_copied_slot_is_sent_exactly_once(
         sent = [sl for src, dst, sl in sources.requests if (src, dst) == pair]
         assert [s for sl in sent for s in sl] == slots
         assert [len(sl) for sl in sent] == [slots_per_request] * (8 // slots_per_request)
-    assert rb.copy_requests_total == len(sources.requests)
+    copy_requests = metrics.registry.get_sample_value("neuroshard_slot_copy_requests_total")
+    assert copy_requests == len(sources.requests)

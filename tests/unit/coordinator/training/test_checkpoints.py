@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from coordinator.training import checkpoints
 from coordinator.training.checkpoints import read_checkpoint, write_checkpoint
+from shared import private_files
 
 
 def test_checkpoint_round_trips_and_is_replaced_whole(tmp_path: Path) -> None:
@@ -43,3 +47,22 @@ def test_checkpoints_and_models_are_private_whatever_the_umask(tmp_path: Path) -
         "models": "0o700",
         "models/job.pt": "0o600",
     }
+
+
+def test_a_checkpoint_is_written_by_write_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The daemons' one atomic whole-file write (shared/private_files.py); a checkpoint
+    # written another way again (its own tmp, fsync, rename) fails here.
+    written: list[Path] = []
+
+    def recording(path: Path, data: object) -> None:
+        written.append(path)
+        private_files.write_private(path, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpoints, "write_private", recording)
+
+    write_checkpoint(tmp_path / "checkpoints" / "job.ckpt", 3, b"state")
+
+    assert written == [tmp_path / "checkpoints" / "job.ckpt"]
+    assert read_checkpoint(written[0]) == (3, b"state")

@@ -170,6 +170,48 @@ async def test_batches_over_max_batch_items_are_split_on_slot_boundaries(
     assert len(rids) == 1  # all pieces share the batch's request id (workers dedup by it)
 
 
+async def test_a_hot_slot_over_max_batch_items_goes_in_chunks_with_derived_request_ids(
+    stubs: dict[str, FakeStub],
+) -> None:
+    # Arrange: 100 items, 70 of them one hot id (one slot), at most 40 per request. A slot's
+    # items cannot be cut under one request id (workers dedup per id and slot), so the
+    # router sends chunks of 40 in batch order, each with its own id (the memory job's
+    # chunking, moved here: review finding "chunk in the router's write path once").
+    limit = 40
+    router = router_with(make_map(max_batch_items=limit))
+    ids = np.concatenate([np.full(70, 7, np.uint64), np.arange(100, 130, dtype=np.uint64)])
+    order = np.random.default_rng(0).permutation(len(ids))
+    ids = ids[order]
+    strengths = np.full(len(ids), 0.5, np.float32)
+
+    # Act
+    applied = await router.upsert(ids, strengths, None, request_id=b"job/3/reinforce")
+
+    # Assert
+    requests = [r for s in stubs.values() for r in s.upserts]
+    assert applied == len(ids)
+    assert all(len(ids_from_bytes(r.ids)) <= limit for r in requests)
+    by_rid: dict[bytes, list[np.ndarray]] = {}
+    for r in requests:
+        by_rid.setdefault(r.request_id, []).append(ids_from_bytes(r.ids))
+    assert list(by_rid) == [b"job/3/reinforce", b"job/3/reinforce.1", b"job/3/reinforce.2"]
+    for c, rid in enumerate(by_rid):  # chunk c: batch positions [40c, 40c + 40), in turn
+        np.testing.assert_array_equal(
+            np.sort(np.concatenate(by_rid[rid])), np.sort(ids[40 * c : 40 * c + 40])
+        )
+
+
+def test_chunk_request_ids_are_derived_and_stay_within_the_limit() -> None:
+    long = b"x" * 64
+
+    assert memory.chunk_request_id(b"a/1/reinforce", 0) == b"a/1/reinforce"
+    assert memory.chunk_request_id(b"a/1/reinforce", 12) == b"a/1/reinforce.12"
+    assert memory.chunk_request_id(long, 0) == long
+    derived = memory.chunk_request_id(long, 1)
+    assert len(derived) == 16 and derived == memory.chunk_request_id(long, 1)
+    assert derived != memory.chunk_request_id(long, 2)
+
+
 async def test_a_fenced_slot_raises_unavailable(stubs: dict[str, FakeStub]) -> None:
     # Arrange: slot 3 has no primary (fenced during a hand-over)
     m = make_map()

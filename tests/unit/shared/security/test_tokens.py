@@ -467,18 +467,13 @@ def test_key_files_that_are_not_ed25519_keys_are_refused_naming_the_file(tmp_pat
         read_public_key(private)
 
 
-def test_a_self_signed_source_renews_its_token_at_half_life(monkeypatch) -> None:
-    now = [1_000_000.0]
-    monkeypatch.setattr(time, "time", lambda: now[0])
-    source = TokenSource(private_key=KEY, role="admin", subject="coordinator", ttl_s=100)
-    first = source()
-    now[0] += 40
-    assert source() == first
-    now[0] += 20
-    renewed = source()
-    assert renewed != first
-    p = verify_token(PUBLIC, renewed, leeway_s=1e10)
-    assert (p.subject, p.role, p.expires_at) == ("coordinator", "admin", now[0] + 100)
+def test_a_token_source_presents_its_fixed_token_and_signs_none() -> None:
+    # Its self-signing path (a private key, renewal at half-life) had no caller: removed.
+    source = TokenSource(" abc.def.ghi \n")
+
+    assert source() == "abc.def.ghi" == source()
+    with pytest.raises(TypeError):
+        TokenSource(private_key=KEY)  # type: ignore[call-arg]
 
 
 def test_a_token_file_source(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shared import private_files
 from shared.memory.slots import slot_of
 from shared.proto import worker_pb2
 from worker.store import journal as journal_mod
@@ -224,6 +225,28 @@ def test_corrupt_snapshot_is_refused(tmp_path) -> None:
 
     with pytest.raises(JournalError, match="snapshot.bin: CRC mismatch"):
         reload(tmp_path)
+
+
+def test_a_snapshot_is_written_by_write_private(tmp_path, monkeypatch) -> None:
+    # The daemons' one atomic whole-file write (shared/private_files.py), its pieces streamed;
+    # a snapshot written another way again (its own tmp, fsync, rename) fails here. Appends
+    # to the log (the hot path) are not whole-file writes and stay the journal's own.
+    written: list[Path] = []
+
+    def recording(path: Path, data) -> None:
+        written.append(path)
+        private_files.write_private(path, data)
+
+    monkeypatch.setattr(journal_mod, "write_private", recording)
+    r = Recorder(tmp_path, snapshot_log_bytes=1)
+
+    r.upsert(np.arange(10, dtype=np.uint64), np.full(10, 0.5, np.float32))
+    r.journal.close()
+
+    assert written == [tmp_path / "snapshot.bin"]
+    rec = reload(tmp_path)
+    assert rec is not None and rec.records == 0  # all of it from the snapshot
+    assert_same_store(rec.store, r.store)
 
 
 def count_fsyncs(monkeypatch) -> list[int]:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from shared.memory.slots import assign_slots, slot_of
 from shared.memory.stats import merge_quality, merge_topk
 from shared.memory.validation import MemoryInputError
+from shared.rpc.limits import BudgetExceeded
 from tests.memory_reference import ReferenceStore
 from worker.store.store import SlotStore
 
@@ -219,6 +220,50 @@ def test_single_store_equals_reference_including_get(ops):
     assert np.array_equal(found, want_found) and np.array_equal(strengths, want_s)
     assert payloads == want_p
     assert store.count() == ref.count() == len(store)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(DATA_OPS, max_size=12),
+    st.lists(st.integers(0, 44), max_size=30),
+    st.booleans(),
+)
+def test_get_reply_answers_each_distinct_id_as_get_and_the_reference_do(ops, asked, payloads):
+    # Arrange: get_reply is get over the distinct ids (one implementation, review finding);
+    # both are checked against the reference, the distinct order computed here.
+    store, ref = SlotStore(SLOTS), ReferenceStore(SLOTS)
+    for op in ops:
+        getattr(store, op[0])(*data_args(op))
+        getattr(ref, op[0])(*data_args(op))
+    ids = np.array(asked, np.uint64)
+    distinct = np.array(list(dict.fromkeys(asked)), np.uint64)
+
+    # Act
+    reply = store.get_reply(ids, payloads, None)
+
+    # Assert
+    want_found, want_s, want_p = ref.get(distinct)
+    found, strengths, got_p = store.get(distinct, payloads)
+    assert np.frombuffer(reply.found, np.uint8).astype(bool).tolist() == want_found.tolist()
+    assert np.frombuffer(reply.strengths, "<f4").tobytes() == want_s.tobytes()
+    assert found.tolist() == want_found.tolist() and strengths.tobytes() == want_s.tobytes()
+    if payloads:
+        assert list(reply.payloads) == [p or b"" for p in want_p] and got_p == want_p
+    else:
+        assert list(reply.payloads) == [] and got_p == [None] * len(distinct)
+
+
+def test_get_reply_over_its_budget_is_refused_before_it_is_built():
+    s = SlotStore(SLOTS)
+    s.upsert([1, 2], [0.5, 0.5], [b"x" * 100, b""])
+
+    small = s.get_reply(np.array([1, 2, 1], np.uint64), False, 64)
+    with pytest.raises(BudgetExceeded, match=r"^Get reply of 2 distinct ids would be 146 bytes"):
+        s.get_reply(np.array([1, 2, 1], np.uint64), True, 145)
+    full = s.get_reply(np.array([1, 2], np.uint64), True, 146)
+
+    assert np.frombuffer(small.found, np.uint8).tolist() == [1, 1] and small.payloads == []
+    assert full.payloads == [b"x" * 100, b""] and full.ByteSize() <= 146
 
 
 # --- validation: exact messages, and a refused batch changes nothing ---------------------
