@@ -15,6 +15,7 @@ import pytest
 
 from coordinator import coordinator_servicer
 from coordinator.coordinator_servicer import _ERRORS, CoordinatorServicer
+from coordinator.data_servicer import DataServicer
 from coordinator.forget import WorkerNotDead, WorkerUnknown
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded
@@ -234,7 +235,9 @@ def _ids(case: Case) -> str:
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 async def test_a_domain_error_ends_the_call_with_its_status_and_message(case: Case) -> None:
     # Arrange
-    servicer = CoordinatorServicer(case.cluster, data_tokens=case.tokens)
+    servicer = CoordinatorServicer(
+        case.cluster, DataServicer(case.cluster), data_tokens=case.tokens
+    )
     context = FakeContext()
 
     # Act
@@ -252,7 +255,7 @@ async def test_a_held_down_worker_is_told_when_to_retry() -> None:
     context = FakeContext()
 
     await outcome(
-        CoordinatorServicer(cluster).RegisterWorker(
+        CoordinatorServicer(cluster, DataServicer(cluster)).RegisterWorker(
             pb.RegisterWorkerRequest(name="w0", address="localhost:5000"), context
         ),
         context,
@@ -273,7 +276,8 @@ async def test_an_export_that_loses_a_primary_is_unavailable(monkeypatch) -> Non
     monkeypatch.setattr(coordinator_servicer, "StoreExport", Failing)
     cfg = {"max_concurrent_exports": 1, "rpc_timeout_s": 1.0, "chunk_bytes": 1024}
     cfg |= {"export_batch_bytes": 1024, "export_batch_memories": 10}
-    servicer = CoordinatorServicer(stand_in(cfg, rebalancer=None, membership=None, clients=None))
+    cluster = stand_in(cfg, rebalancer=None, membership=None, clients=None)
+    servicer = CoordinatorServicer(cluster, DataServicer(cluster))
     first, second = FakeContext(), FakeContext()
 
     a = await outcome(servicer.ExportMemories(pb.ExportMemoriesRequest(), first), first)
@@ -298,7 +302,9 @@ async def test_forgetting_maps_unknown_and_living_workers(
     context = FakeContext()
 
     result = await outcome(
-        CoordinatorServicer(cluster).ForgetWorker(pb.ForgetWorkerRequest(name="w"), context),
+        CoordinatorServicer(cluster, DataServicer(cluster)).ForgetWorker(
+            pb.ForgetWorkerRequest(name="w"), context
+        ),
         context,
     )
 
