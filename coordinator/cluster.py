@@ -7,34 +7,44 @@ Servicers call these methods; background tasks (failure detection, scheduling) r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coordinator.admission import admit
-from coordinator.allreduce_job import AllreduceJob
-from coordinator.dataset_store import UploadGate, remove_stale_uploads
+from coordinator.datasets.dataset_store import UploadGate, remove_stale_uploads
 from coordinator.events import EventLog
-from coordinator.failure_detector import FailureDetector, ReportLimiter
-from coordinator.jobs import JobQuotaExceeded, JobRecord, JobStore
-from coordinator.link_probe import LinkProbe
-from coordinator.link_stats import LinkStats
-from coordinator.membership import Membership, WorkerRecord
-from coordinator.memory_job import MemoryJob
-from coordinator.memory_ops import MemoryOps
+from coordinator.forget import WorkerUnknown
+from coordinator.jobs.admission import admit
+from coordinator.jobs.jobs import JobQuotaExceeded, JobRecord, JobStore
+from coordinator.jobs.scheduler import Scheduler
+from coordinator.memory.memory_job import MemoryJob
+from coordinator.memory.memory_ops import MemoryOps
+from coordinator.network.link_probe import LinkProbe
+from coordinator.network.link_stats import LinkStats
 from coordinator.persistence import CRASHED_TWICE, StateStore
-from coordinator.readmission import Readmission
-from coordinator.rebalance import Rebalancer
-from coordinator.scheduler import Scheduler
-from coordinator.slot_map import WireLimits
-from coordinator.train_job import TrainJob
-from coordinator.train_sets import TrainSets
+from coordinator.placement.failure_detector import FailureDetector, ReportLimiter
+from coordinator.placement.membership import Membership, WorkerRecord
+from coordinator.placement.readmission import Readmission
+from coordinator.placement.rebalance import Rebalancer
+from coordinator.placement.slot_map import WireLimits
+from coordinator.training.allreduce_job import AllreduceJob
+from coordinator.training.diloco import DilocoSteps
+from coordinator.training.sync import SyncSteps
+from coordinator.training.train_job import StepScheme, TrainJob
+from coordinator.training.train_sets import TrainSets
 from shared.config import CoordinatorConfig, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.transport import ChannelSecurity
 
-log = get_logger("coordinator.cluster")
+# The strategies that run the parameter-server loop, and their steps (``StepScheme``).
+PARAMETER_SERVER_STEPS: dict[str, Callable[[TrainJobSpec, int], StepScheme]] = {
+    "sync": SyncSteps,
+    "diloco": DilocoSteps,
+}
+
+log = get_logger(__name__)
 
 
 class Cluster:
@@ -72,7 +82,9 @@ class Cluster:
         self.clients = WorkerClients(cfg.max_message_bytes, security)
         # A DEAD worker registers again only once reachable, after its hold-down; the check
         # may take a heartbeat timeout, the time a worker has to show it is alive.
-        self.readmission = Readmission(self.membership, self.clients, cfg.heartbeat_timeout_s)
+        self.readmission = Readmission(
+            self.membership, self.clients, metrics, cfg.heartbeat_timeout_s
+        )
         self.links = LinkStats()  # per-worker RTT, step times, health (train jobs, probes)
         self.link_probe = LinkProbe(
             self.links,
@@ -102,6 +114,7 @@ class Cluster:
             self.membership,
             self.rebalancer,
             self.clients,
+            metrics,
             cfg.heartbeat_interval_s,
             cfg.heartbeat_timeout_s,
             cfg.probe_timeout_s,
@@ -221,10 +234,10 @@ class Cluster:
         """Start (or check) the drain of a worker; return whether it holds no slot any more.
 
         Raises:
-            KeyError: unknown worker (NOT_FOUND).
+            WorkerUnknown: unknown worker (NOT_FOUND).
         """
         if self.membership.get(name) is None:
-            raise KeyError(f"no worker named {name!r}")
+            raise WorkerUnknown(f"no worker named {name!r}")
         if not [w for w in self.membership.alive() if w.name != name]:
             return True  # nobody to hand over to: keep the data where it is
         if self.membership.set_draining(name):
@@ -244,7 +257,7 @@ class Cluster:
     async def submit(self, spec_json: str, owner: str = "") -> JobRecord:
         """Admit and queue a job spec for ``owner`` (a token subject; "" without auth).
 
-        Admission (``coordinator.admission.admit``) runs in a thread: it may read file
+        Admission (``coordinator.jobs.admission.admit``) runs in a thread: it may read file
         headers and build the model on the meta device to count its parameters.
 
         Raises:
@@ -305,22 +318,20 @@ class Cluster:
         ).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
+        """Run a train job by its ``strategy``: the coordinator's one dispatch on it."""
         assert isinstance(job.spec, TrainJobSpec)
-        if job.spec.strategy == "allreduce":
-            strategy: type[AllreduceJob] | type[TrainJob] = AllreduceJob
-            extra: dict[str, Any] = {}
-        else:  # sync and diloco: the parameter-server loop, which measures the links
-            strategy, extra = TrainJob, {"links": self.links}
-        return await strategy(
-            job,
-            workers,
-            self.cfg,
-            self.clients,
-            self.jobs,
-            self.metrics,
+        args = (job, workers, self.cfg, self.clients, self.jobs, self.metrics)
+        if job.spec.strategy == "allreduce":  # DDP in the workers' processes
+            return await AllreduceJob(
+                *args, alive=self.membership.alive, train_sets=self.train_sets
+            ).run()
+        # sync and diloco: the parameter-server loop (which measures the links), their steps
+        return await TrainJob(
+            *args,
+            PARAMETER_SERVER_STEPS[job.spec.strategy],
             alive=self.membership.alive,
             train_sets=self.train_sets,
-            **extra,
+            links=self.links,
         ).run()
 
     # -- status ---------------------------------------------------------------------------

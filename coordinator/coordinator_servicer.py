@@ -1,4 +1,11 @@
-"""The ``neuroshard.v1.Coordinator`` service: validates, calls ``Cluster``, maps errors."""
+"""The ``neuroshard.v1.Coordinator`` service: validates, calls ``Cluster``, maps errors.
+
+Composed from parts by delegation, as the worker's service is (``worker.worker_servicer``'s
+docstring says why): the one servicer registered holds its parts (here ``DataServicer``, the
+data set RPCs) and hands each of their RPCs to its part in a one-line method; its own RPCs
+(membership, jobs, bulk memory) it serves itself. Domain errors map to status codes through
+one table, ``_ERRORS`` (``shared.rpc.status_table``).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +16,16 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from coordinator.admission import LimitExceeded
 from coordinator.cluster import Cluster
-from coordinator.data_servicer import DataRpcs
-from coordinator.failure_detector import NotSlotPrimary
+from coordinator.data_servicer import DataServicer
 from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
-from coordinator.jobs import JobNotFound, JobQuotaExceeded, JobRecord
-from coordinator.membership import WorkerState
-from coordinator.memory_ops import BulkOpError
-from coordinator.readmission import ReadmissionRefused
-from coordinator.store_export import ExportUnavailable, StoreExport
+from coordinator.jobs.admission import LimitExceeded
+from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord
+from coordinator.memory.memory_ops import BulkOpError
+from coordinator.memory.store_export import ExportsBusy, ExportUnavailable, StoreExport
+from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
+from coordinator.placement.membership import WorkerState
+from coordinator.placement.readmission import ReadmissionRefused
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import (
@@ -30,13 +37,39 @@ from shared.memory.validation import (
 )
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
-from shared.security.auth import address_error, current_principal, may_see_job
+from shared.rpc.status_table import BadRequest, Status, StatusTable
+from shared.security.auth import AddressRefused, address_error, current_principal, may_see_job
 from shared.security.confinement import PathRefused
-from shared.security.tokens import Principal
+from shared.security.tokens import DataTokenRefused, Principal
 from shared.training.entry_points import EntryPointRefused
 
 # Mints a data-plane token for a caller: (token, expiry in Unix seconds).
 DataTokenMinter = Callable[[Principal], tuple[str, float]]
+
+# Domain errors of the coordinator's RPCs and the status each maps to.
+_ERRORS = StatusTable(
+    [
+        (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+        (MemoryInputError, grpc.StatusCode.INVALID_ARGUMENT),
+        (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+        (PathRefused, grpc.StatusCode.INVALID_ARGUMENT),
+        (AddressRefused, grpc.StatusCode.PERMISSION_DENIED),
+        (EntryPointRefused, grpc.StatusCode.PERMISSION_DENIED),
+        (DataTokenRefused, grpc.StatusCode.UNAUTHENTICATED),
+        # A DEAD worker held down: when to retry, also as gRPC's retry pushback.
+        (ReadmissionRefused, lambda e: Status(grpc.StatusCode.UNAVAILABLE, e.pushback())),
+        (NotSlotPrimary, grpc.StatusCode.FAILED_PRECONDITION),
+        (TooManyReports, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (BulkOpError, grpc.StatusCode.UNAVAILABLE),
+        (ExportUnavailable, grpc.StatusCode.UNAVAILABLE),
+        (ExportsBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (JobQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (JobNotFound, grpc.StatusCode.NOT_FOUND),
+        (WorkerUnknown, grpc.StatusCode.NOT_FOUND),
+        (WorkerNotDead, grpc.StatusCode.FAILED_PRECONDITION),
+    ]
+)
 
 _WORKER_STATE = {
     WorkerState.ALIVE: common_pb2.WORKER_STATE_ALIVE,
@@ -61,20 +94,54 @@ def job_to_pb(job: JobRecord) -> coordinator_pb2.Job:
     )
 
 
-class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
-    """Thin RPC layer over ``Cluster``; the data set RPCs come from ``DataRpcs``."""
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Thin RPC layer over ``Cluster``; the data set RPCs are handed to ``DataServicer``."""
 
-    def __init__(self, cluster: Cluster, data_tokens: DataTokenMinter | None = None) -> None:
-        """Serve ``cluster``'s state and decisions.
+    def __init__(
+        self,
+        cluster: Cluster,
+        data: DataServicer,
+        data_tokens: DataTokenMinter | None = None,
+    ) -> None:
+        """Serve ``cluster``'s state and decisions, and ``data``'s RPCs.
 
         Args:
             cluster: the coordinator's state.
+            data: the data set RPCs (PutDataset, ListDatasets, FetchShard).
             data_tokens: mints the data-plane tokens GetSlotMap hands to callers with a
                 token (``DaemonSecurity.data_token_minter``); None without auth.
         """
         self._cluster = cluster
+        self.data = data
         self._data_tokens = data_tokens
         self._exports = 0  # ExportMemories streams running (max_concurrent_exports)
+
+    # -- data sets ------------------------------------------------------------------------------
+
+    async def PutDataset(
+        self,
+        request_iterator: AsyncIterator[coordinator_pb2.DatasetChunk],
+        context: aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[coordinator_pb2.DatasetReply]:
+        """See ``DataServicer.PutDataset``."""
+        # An async generator itself: grpc.aio streams replies from async generator functions.
+        async for reply in self.data.PutDataset(request_iterator, context):
+            yield reply
+
+    async def ListDatasets(
+        self, request: coordinator_pb2.ListDatasetsRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.ListDatasetsResponse:
+        """See ``DataServicer.ListDatasets``."""
+        return await self.data.ListDatasets(request, context)
+
+    async def FetchShard(
+        self, request: coordinator_pb2.FetchShardRequest, context: aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[coordinator_pb2.ShardChunk]:
+        """See ``DataServicer.FetchShard``."""
+        async for chunk in self.data.FetchShard(request, context):  # see PutDataset
+            yield chunk
+
+    # -- membership, memory, jobs ---------------------------------------------------------------
 
     async def RegisterWorker(
         self, request: coordinator_pb2.RegisterWorkerRequest, context: aio.ServicerContext[Any, Any]
@@ -82,7 +149,7 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         """Register (or re-register) a worker; the reply carries the slot count and limits.
 
         A worker declared DEAD is admitted again only after its hold-down and once the
-        coordinator reaches its address (``coordinator.readmission``).
+        coordinator reaches its address (``coordinator.placement.readmission``).
 
         Raises:
             grpc.aio.AbortError: INVALID_ARGUMENT for an empty name or address;
@@ -91,15 +158,13 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 UNAVAILABLE for a DEAD worker held down or unreachable, saying why and
                 when to retry (also as ``grpc-retry-pushback-ms``).
         """
-        if not request.name or not request.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
-        refused = address_error(current_principal(), request.address)
-        if refused is not None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-        try:
+        async with _ERRORS.mapped(context):
+            if not request.name or not request.address:
+                raise BadRequest("name and address are required")
+            refused = address_error(current_principal(), request.address)
+            if refused is not None:
+                raise AddressRefused(refused)
             await self._cluster.readmission.check(request.name, request.address)
-        except ReadmissionRefused as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), exc.pushback())
         self._cluster.register_worker(
             request.name,
             request.address,
@@ -172,10 +237,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         slot_map = self._cluster.rebalancer.wire_map()
         principal = current_principal()
         if self._data_tokens is not None and principal is not None and not principal.is_daemon:
-            try:
+            async with _ERRORS.mapped(context):
                 slot_map.data_token, slot_map.data_token_expires_at = self._data_tokens(principal)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         return slot_map
 
     async def ReportFailure(
@@ -196,25 +259,20 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 ``report_rate_per_s``.
         """
         principal = current_principal()
-        if not request.reporter or (principal is not None and principal.role != "worker"):
-            if not request.worker:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: empty")
-            subject = principal.subject if principal is not None else context.peer()
-            if not self._cluster.reports.allow(subject):
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"ReportFailure: more than report_rate_per_s "
-                    f"{self._cluster.cfg.report_rate_per_s} reports a second from {subject!r}",
-                )
-            self._cluster.failures.suspect(request.worker, request.reason)
-            return coordinator_pb2.ReportFailureResponse()
-        try:
+        async with _ERRORS.mapped(context):
+            if not request.reporter or (principal is not None and principal.role != "worker"):
+                if not request.worker:
+                    raise BadRequest("worker: empty")
+                subject = principal.subject if principal is not None else context.peer()
+                if not self._cluster.reports.allow(subject):
+                    raise TooManyReports(
+                        f"ReportFailure: more than report_rate_per_s "
+                        f"{self._cluster.cfg.report_rate_per_s} reports a second from {subject!r}"
+                    )
+                self._cluster.failures.suspect(request.worker, request.reason)
+                return coordinator_pb2.ReportFailureResponse()
             slots = as_slots(list(request.slots), self._cluster.cfg.slots).tolist()
             self._cluster.report_failure(request.reporter, request.worker, request.reason, slots)
-        except MemoryInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except NotSlotPrimary as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return coordinator_pb2.ReportFailureResponse()
 
     async def DrainWorker(
@@ -225,10 +283,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         Raises:
             grpc.aio.AbortError: NOT_FOUND for an unknown worker.
         """
-        try:
+        async with _ERRORS.mapped(context):
             drained = self._cluster.drain(request.name)
-        except KeyError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
         return coordinator_pb2.DrainWorkerResponse(drained=drained)
 
     async def Decay(
@@ -243,14 +299,10 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             grpc.aio.AbortError: INVALID_ARGUMENT for a rate outside [0, 1] or not finite, or
                 an op_id over 64 bytes; UNAVAILABLE when a primary still failed after retries.
         """
-        try:
+        async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             n = await self._cluster.memory.decay(rate, op_id)
-        except MemoryInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BulkOpError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return common_pb2.DecayResponse(memories=n)
 
     async def Quality(
@@ -261,10 +313,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         Raises:
             grpc.aio.AbortError: UNAVAILABLE when a primary failed.
         """
-        try:
+        async with _ERRORS.mapped(context):
             q = await self._cluster.memory.quality()
-        except BulkOpError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return quality_to_pb(q)
 
     async def TopK(
@@ -276,13 +326,9 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             grpc.aio.AbortError: INVALID_ARGUMENT for k <= 0 or above ``topk_max``;
                 UNAVAILABLE when a primary failed.
         """
-        try:
+        async with _ERRORS.mapped(context):
             k = validate_k(request.k, self._cluster.cfg.topk_max)
             ids, strengths = await self._cluster.memory.topk(k)
-        except MemoryInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BulkOpError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
     async def Sweep(
@@ -298,15 +344,11 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 op_id over 64 bytes, or k above ``topk_max``; UNAVAILABLE when a primary still
                 failed after retries.
         """
-        try:
+        async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             k = validate_k(request.k, self._cluster.cfg.topk_max) if request.k else 0
             r = await self._cluster.memory.sweep(rate, op_id, k, request.want_quality)
-        except MemoryInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BulkOpError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         reply = coordinator_pb2.SweepResponse(
             memories=r.memories,
             topk=common_pb2.TopKResponse(
@@ -332,14 +374,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         """
         principal = current_principal()
         owner = principal.subject if principal else ""
-        try:
+        async with _ERRORS.mapped(context):
             job = await self._cluster.submit(request.spec_json, owner)
-        except (ConfigError, PathRefused) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EntryPointRefused as exc:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except (JobQuotaExceeded, LimitExceeded) as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return job_to_pb(job)
 
     async def GetJob(
@@ -351,7 +387,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job (the
                 same answer).
         """
-        return job_to_pb(await self._job(request.job_id, context))
+        async with _ERRORS.mapped(context):
+            return job_to_pb(self._job(request.job_id))
 
     async def ListJobs(
         self, request: coordinator_pb2.ListJobsRequest, context: aio.ServicerContext[Any, Any]
@@ -373,7 +410,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job
                 (admin may cancel any).
         """
-        await self._job(request.job_id, context)
+        async with _ERRORS.mapped(context):
+            self._job(request.job_id)
         job = await self._cluster.scheduler.cancel(request.job_id)
         return job_to_pb(job)
 
@@ -385,7 +423,8 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         Raises:
             grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job.
         """
-        job = await self._job(request.job_id, context)
+        async with _ERRORS.mapped(context):
+            job = self._job(request.job_id)
         seen = -1
         while True:
             if job.version == seen:
@@ -400,21 +439,17 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
             if terminal:
                 return
 
-    async def _job(self, job_id: str, context: aio.ServicerContext[Any, Any]) -> JobRecord:
+    def _job(self, job_id: str) -> JobRecord:
         """The job ``job_id`` if the caller may see it.
 
         Raises:
-            grpc.aio.AbortError: NOT_FOUND otherwise: another subject's job gets the very
-                answer of an unknown id (no existence oracle).
+            JobNotFound: otherwise (NOT_FOUND): another subject's job gets the very answer of
+                an unknown id (no existence oracle).
         """
-        try:
-            job = self._cluster.jobs.get(job_id)
-            if not may_see_job(job.owner):
-                raise JobNotFound(f"no job with id {job_id!r}")
-            return job
-        except JobNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-            raise  # unreachable: abort raises
+        job = self._cluster.jobs.get(job_id)
+        if not may_see_job(job.owner):
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return job
 
     async def ExportMemories(
         self,
@@ -433,29 +468,27 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
         """
         c = self._cluster
         limit = c.cfg.max_concurrent_exports
-        if self._exports >= limit:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._exports} exports are running, max_concurrent_exports is {limit}; "
-                "retry when one has finished",
+        async with _ERRORS.mapped(context):
+            if self._exports >= limit:
+                raise ExportsBusy(
+                    f"{self._exports} exports are running, max_concurrent_exports is {limit}; "
+                    "retry when one has finished"
+                )
+            export = StoreExport(
+                c.rebalancer,
+                c.membership,
+                c.clients,
+                c.cfg.rpc_timeout_s,
+                c.cfg.chunk_bytes,
+                batch_bytes=c.cfg.export_batch_bytes,
+                batch_memories=c.cfg.export_batch_memories,
             )
-        export = StoreExport(
-            c.rebalancer,
-            c.membership,
-            c.clients,
-            c.cfg.rpc_timeout_s,
-            c.cfg.chunk_bytes,
-            batch_bytes=c.cfg.export_batch_bytes,
-            batch_memories=c.cfg.export_batch_memories,
-        )
-        self._exports += 1
-        try:
-            async for chunk in export.chunks():
-                yield chunk
-        except ExportUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        finally:
-            self._exports -= 1
+            self._exports += 1
+            try:
+                async for chunk in export.chunks():
+                    yield chunk
+            finally:
+                self._exports -= 1
 
     async def ForgetWorker(
         self, request: coordinator_pb2.ForgetWorkerRequest, context: aio.ServicerContext[Any, Any]
@@ -467,14 +500,10 @@ class CoordinatorServicer(DataRpcs, coordinator_pb2_grpc.CoordinatorServicer):
                 one that is ALIVE or DRAINING.
         """
         c = self._cluster
-        try:
+        async with _ERRORS.mapped(context):
             r = forget_worker(
                 request.name, request.confirm, c.membership, c.rebalancer, c.state, c.events
             )
-        except WorkerUnknown as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except WorkerNotDead as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return coordinator_pb2.ForgetWorkerResponse(
             forgotten=r.forgotten,
             lost_slots=r.lost_slots,

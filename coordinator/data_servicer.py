@@ -3,8 +3,8 @@
 PutDataset and ListDatasets (for people, ``neuroshard data put|ls``) and FetchShard (for the
 workers of a train job).
 
-Validation and mapping only; the work is in ``coordinator.dataset_store`` (uploads and
-listing, blocking file I/O run in a thread) and ``coordinator.train_sets`` (the rows of
+Validation and mapping only; the work is in ``coordinator.datasets.dataset_store`` (uploads and
+listing, blocking file I/O run in a thread) and ``coordinator.training.train_sets`` (the rows of
 running jobs).
 """
 
@@ -18,8 +18,8 @@ import grpc
 from grpc import aio
 
 from coordinator.cluster import Cluster
-from coordinator.dataset_check import DatasetInvalid, DatasetTooLarge
-from coordinator.dataset_store import (
+from coordinator.datasets.dataset_check import DatasetInvalid, DatasetTooLarge
+from coordinator.datasets.dataset_store import (
     DatasetExists,
     DatasetNameError,
     DatasetNotOwned,
@@ -30,33 +30,31 @@ from coordinator.dataset_store import (
     UploadLimit,
     list_datasets,
 )
-from coordinator.train_sets import BadShard, NotJobMember, ShardNotServed
+from coordinator.training.train_sets import BadShard, NotJobMember, ShardNotServed
 from shared.logging import get_logger
 from shared.proto import coordinator_pb2
 from shared.rpc.codec import tensors_to_chunks
+from shared.rpc.status_table import BadRequest, StatusTable
 from shared.security.auth import current_principal
 
-log = get_logger("coordinator.data")
+log = get_logger(__name__)
 
 # Domain errors of the data set RPCs and the status each maps to.
-_STATUS: dict[type[Exception], grpc.StatusCode] = {
-    DatasetNameError: grpc.StatusCode.INVALID_ARGUMENT,
-    DatasetInvalid: grpc.StatusCode.INVALID_ARGUMENT,
-    UploadError: grpc.StatusCode.INVALID_ARGUMENT,
-    DatasetTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    DatasetExists: grpc.StatusCode.ALREADY_EXISTS,
-    DatasetNotOwned: grpc.StatusCode.PERMISSION_DENIED,
-    UploadLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ShardNotServed: grpc.StatusCode.NOT_FOUND,
-    NotJobMember: grpc.StatusCode.PERMISSION_DENIED,
-    BadShard: grpc.StatusCode.INVALID_ARGUMENT,
-}
-_ERRORS = tuple(_STATUS)
-
-
-async def _abort(context: aio.ServicerContext[Any, Any], exc: Exception) -> None:
-    message = str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)
-    await context.abort(_STATUS[type(exc)], message)
+_ERRORS = StatusTable(
+    [
+        (BadRequest, grpc.StatusCode.INVALID_ARGUMENT),
+        (DatasetNameError, grpc.StatusCode.INVALID_ARGUMENT),
+        (DatasetInvalid, grpc.StatusCode.INVALID_ARGUMENT),
+        (UploadError, grpc.StatusCode.INVALID_ARGUMENT),
+        (DatasetTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (DatasetExists, grpc.StatusCode.ALREADY_EXISTS),
+        (DatasetNotOwned, grpc.StatusCode.PERMISSION_DENIED),
+        (UploadLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ShardNotServed, grpc.StatusCode.NOT_FOUND),
+        (NotJobMember, grpc.StatusCode.PERMISSION_DENIED),
+        (BadShard, grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+)
 
 
 def info_to_pb(stored: StoredDataset) -> coordinator_pb2.DatasetInfo:
@@ -75,10 +73,12 @@ def info_to_pb(stored: StoredDataset) -> coordinator_pb2.DatasetInfo:
     )
 
 
-class DataRpcs:
-    """PutDataset, ListDatasets and FetchShard, mixed into ``CoordinatorServicer``."""
+class DataServicer:
+    """PutDataset, ListDatasets and FetchShard, served through ``CoordinatorServicer``."""
 
-    _cluster: Cluster
+    def __init__(self, cluster: Cluster) -> None:
+        """Serve the data sets of ``cluster``'s data roots and the rows of its train jobs."""
+        self._cluster = cluster
 
     async def PutDataset(
         self,
@@ -106,36 +106,36 @@ class DataRpcs:
             None if principal is None else Uploader(principal.subject, principal.role == "admin")
         )
         upload: Upload | None = None
-        try:
-            async for msg in request_iterator:
-                if msg.HasField("header"):
-                    if upload is not None:
-                        raise UploadError("a second DatasetHeader in the stream")
-                    h = msg.header
-                    upload = await asyncio.to_thread(
-                        Upload,
-                        cfg.dataset_roots()[0],
-                        h.name,
-                        h.total_bytes,
-                        cfg.max_dataset_bytes,
-                        h.replace,
-                        gate=self._cluster.uploads,
-                        uploader=uploader,
-                    )
-                    yield coordinator_pb2.DatasetReply(accepted=coordinator_pb2.DatasetAccepted())
-                elif upload is None:
+        async with _ERRORS.mapped(context):
+            try:
+                async for msg in request_iterator:
+                    if msg.HasField("header"):
+                        if upload is not None:
+                            raise UploadError("a second DatasetHeader in the stream")
+                        h = msg.header
+                        upload = await asyncio.to_thread(
+                            Upload,
+                            cfg.dataset_roots()[0],
+                            h.name,
+                            h.total_bytes,
+                            cfg.max_dataset_bytes,
+                            h.replace,
+                            gate=self._cluster.uploads,
+                            uploader=uploader,
+                        )
+                        yield coordinator_pb2.DatasetReply(
+                            accepted=coordinator_pb2.DatasetAccepted()
+                        )
+                    elif upload is None:
+                        raise UploadError("the stream must start with a DatasetHeader")
+                    else:
+                        await asyncio.to_thread(upload.write, msg.data)
+                if upload is None:
                     raise UploadError("the stream must start with a DatasetHeader")
-                else:
-                    await asyncio.to_thread(upload.write, msg.data)
-            if upload is None:
-                raise UploadError("the stream must start with a DatasetHeader")
-            stored = await asyncio.to_thread(upload.commit)
-        except _ERRORS as exc:
-            await _abort(context, exc)
-            return
-        finally:
-            if upload is not None:
-                upload.discard()  # a cancelled or failed stream leaves nothing (no-op if kept)
+                stored = await asyncio.to_thread(upload.commit)
+            finally:
+                if upload is not None:
+                    upload.discard()  # a cancelled or failed stream leaves nothing (no-op if kept)
         log.info(
             "dataset_stored",
             name=stored.name,
@@ -177,15 +177,12 @@ class DataRpcs:
                 auth, the interceptor has already refused a worker token naming another
                 worker in ``worker``); NOT_FOUND for no running train job with that id.
         """
-        if not request.worker:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker: a name is required")
-        try:
+        async with _ERRORS.mapped(context):
+            if not request.worker:
+                raise BadRequest("worker: a name is required")
             rows = self._cluster.train_sets.shard(
                 request.job_id, request.worker, request.shard_index, request.shard_count
             )
-        except _ERRORS as exc:
-            await _abort(context, exc)
-            return
         log.info(
             "shard_served",
             job_id=request.job_id,

@@ -20,13 +20,13 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 from coordinator.events import EventLog
-from coordinator.membership import Membership, WorkerState
 from coordinator.persistence import StateStore
-from coordinator.rebalance import Rebalancer
-from coordinator.slot_map import SlotMap
+from coordinator.placement.membership import Membership, WorkerState
+from coordinator.placement.rebalance import Rebalancer
+from coordinator.placement.slot_map import SlotMap
 from shared.logging import get_logger
 
-log = get_logger("coordinator.forget")
+log = get_logger(__name__)
 
 
 class WorkerUnknown(KeyError):

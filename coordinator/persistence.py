@@ -4,7 +4,7 @@ The database is ``<data_dir>/coordinator.db`` (WAL journal).
 
 Written on every change that matters after a crash (a published slot map, a registration, a
 job state change); read once at start. Training progress itself lives in checkpoint files
-(``coordinator.train_job``); a memory job's (loaded, iterations completed) lives here.
+(``coordinator.training.train_job``); a memory job's (loaded, iterations completed) lives here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.jobs import JobRecord, JobState
-from coordinator.slot_map import SlotMap
+from coordinator.jobs.jobs import JobRecord, JobState
+from coordinator.placement.slot_map import SlotMap
 from shared.config import job_spec_from_json
 from shared.private_files import private_dir, touch_private
 

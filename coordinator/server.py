@@ -6,26 +6,24 @@ import asyncio
 from pathlib import Path
 
 import torch
-from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
 from coordinator.dashboard.http_server import DashboardServer
 from coordinator.dashboard.http_server import check_exposure as check_dashboard_exposure
+from coordinator.data_servicer import DataServicer
 from shared import rpc
 from shared.config import CoordinatorConfig
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.private_files import private_dir
 from shared.proto import coordinator_pb2_grpc
+from shared.rpc.daemon_server import DaemonServer
 from shared.rpc.interceptors import auth_interceptor, server_interceptors
-from shared.rpc.limits import server_options
-from shared.rpc.reflection import enable_reflection
-from shared.security.exposure import check_listen, local_host, start_probe_server
+from shared.security.exposure import check_listen, local_host
 from shared.security.transport import DaemonSecurity
 
-log = get_logger("coordinator.server")
+log = get_logger(__name__)
 SERVICE_NAME = "neuroshard.v1.Coordinator"
 
 
@@ -52,27 +50,23 @@ class CoordinatorServer:
         )
         torch.set_num_threads(cfg.torch_threads)  # process-wide: the parameter server's ops
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
-        self.health = health.aio.HealthServicer()
-        self.server = aio.server(
+        servicer = CoordinatorServicer(
+            self.cluster,
+            DataServicer(self.cluster),
+            self.security.data_token_minter(cfg.auth.data_token_ttl_s if cfg.auth else 0),
+        )
+        self.rpc = DaemonServer(
+            SERVICE_NAME,
+            servicer,
+            coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
+            self.security,
             interceptors=server_interceptors(self.metrics, auth_interceptor(self.security)),
-            options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
+            max_message_bytes=cfg.max_message_bytes,
+            max_concurrent_streams=cfg.max_concurrent_streams,
         )
-        # grpcio-tools writes the *_pb2_grpc modules without type annotations.
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(
-            CoordinatorServicer(
-                self.cluster,
-                self.security.data_token_minter(cfg.auth.data_token_ttl_s if cfg.auth else 0),
-            ),
-            self.server,
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        # grpcurl, Postman, Evans: services and descriptors without the .proto files
-        enable_reflection(self.server, SERVICE_NAME)
         self.address = ""
         private_dir(Path(cfg.data_dir))  # 0700: specs, models, checkpoints, data sets
         self.metrics_port: int | None = None
-        self.probe_server: aio.Server | None = None
-        self.probe_port: int | None = None
         self._background: asyncio.Task[None] | None = None
         self.dashboard: DashboardServer | None = None
         if cfg.dashboard_port is not None:
@@ -83,20 +77,14 @@ class CoordinatorServer:
     async def start(self) -> str:
         """Bind, start serving and the background tasks; return ``host:port`` actually bound."""
         host, _, _ = self.cfg.listen.rpartition(":")
-        port = self.security.add_port(self.server, self.cfg.listen)
+        port = await self.rpc.start(self.cfg.listen, self.cfg.probe_port)
         self.address = f"{local_host(host)}:{port}"
-        await self.server.start()
-        if self.cfg.probe_port is not None:
-            self.probe_server, self.probe_port = await start_probe_server(
-                self.health, host, self.cfg.probe_port
-            )
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         if self.dashboard is not None:
             await self.dashboard.start()
         self._background = asyncio.create_task(self.cluster.run_background(), name="background")
-        for svc in ("", SERVICE_NAME):
-            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        await self.rpc.set_serving(True)
         log.info(
             "coordinator_started",
             address=self.address,
@@ -104,14 +92,14 @@ class CoordinatorServer:
             data_dir=self.cfg.data_dir,
             transport=self.security.transport,
             auth=self.security.auth,
-            probe_port=self.probe_port,
+            probe_port=self.rpc.probe_port,
             dashboard=self.dashboard.url if self.dashboard is not None else None,
         )
         return self.address
 
     async def stop(self) -> None:
         """Health NOT_SERVING, drain RPCs for ``grace_s``, cancel background tasks."""
-        await self.health.enter_graceful_shutdown()
+        await self.rpc.begin_stop()
         # Jobs cancelled by this shutdown stay RUNNING on disk: the next coordinator resumes them.
         self.cluster.jobs.on_change = None
         if self.dashboard is not None:
@@ -125,9 +113,7 @@ class CoordinatorServer:
             done, _ = await asyncio.wait({self._background}, timeout=self.cfg.grace_s + 1.0)
             if not done:
                 log.warning("background_tasks_not_stopped", timeout_s=self.cfg.grace_s + 1.0)
-        await self.server.stop(self.cfg.grace_s)
-        if self.probe_server is not None:
-            await self.probe_server.stop(0)
+        await self.rpc.stop(self.cfg.grace_s)
         self.metrics.close()
         self.cluster.state.mark_clean_stop()
         await self.cluster.close()

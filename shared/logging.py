@@ -48,6 +48,9 @@ def configure_logging(cfg: LogConfig | None = None) -> None:
 def get_logger(name: str) -> FilteringBoundLogger:
     """Return a structlog logger whose lines carry ``component=name``.
 
+    Call it as ``log = get_logger(__name__)``, so ``component`` is the module's dotted path
+    (``coordinator.placement.rebalance``).
+
     Safe to call at import time: the logger takes the configuration current at its first
     use, so ``configure_logging`` may run later.
     """

@@ -44,6 +44,12 @@ class Metrics:
         worker_step_seconds: ``neuroshard_worker_step_seconds{worker}``, EWMA of a training
             call's wall time.
         worker_health: ``neuroshard_worker_health{worker}``, health score in [0, 1].
+        readmissions_refused: ``neuroshard_readmissions_refused_total``, registrations of a
+            worker declared DEAD refused (in its hold-down, or unreachable).
+        suspicions_unconfirmed: ``neuroshard_worker_suspicions_unconfirmed_total``, clients'
+            reports of an unreachable worker that the coordinator's probes did not confirm.
+        slot_copy_requests: ``neuroshard_slot_copy_requests_total``, CopySlots requests the
+            rebalancer's copies got answered.
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -137,6 +143,22 @@ class Metrics:
             "neuroshard_worker_health",
             "A worker's health score in [0, 1] (see the README's formula).",
             ["worker"],
+            registry=r,
+        )
+        self.readmissions_refused = Counter(
+            "neuroshard_readmissions_refused_total",
+            "Registrations of a worker declared DEAD refused: in its hold-down, or unreachable.",
+            registry=r,
+        )
+        self.suspicions_unconfirmed = Counter(
+            "neuroshard_worker_suspicions_unconfirmed_total",
+            "Clients' reports of an unreachable worker that the coordinator's probes did not "
+            "confirm.",
+            registry=r,
+        )
+        self.slot_copy_requests = Counter(
+            "neuroshard_slot_copy_requests_total",
+            "CopySlots requests answered during rebalancing.",
             registry=r,
         )
 

@@ -77,6 +77,7 @@ class NpzMember(NpyHeader):
 
     name: str  # the array's name (the member's file name without ``.npy``)
     stored_bytes: int  # the member's uncompressed size, header included, bytes
+    filename: str  # the member's file name in the archive (what ``ZipFile.open`` takes)
 
 
 def read_npy_header(f: IO[bytes]) -> NpyHeader:
@@ -126,7 +127,7 @@ def npz_members(zf: zipfile.ZipFile, names: Iterable[str] | None = None) -> Iter
     for name, info in wanted:
         with zf.open(info) as f:
             h = read_npy_header(f)
-        yield NpzMember(h.shape, h.dtype, h.header_bytes, name, info.file_size)
+        yield NpzMember(h.shape, h.dtype, h.header_bytes, name, info.file_size, info.filename)
 
 
 __all__ = [

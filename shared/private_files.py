@@ -11,6 +11,7 @@ private as well.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -88,15 +89,25 @@ def touch_private(path: Path) -> Path:
     return path
 
 
-def write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes | Iterable[bytes]) -> None:
     """Durably replace ``path`` with ``data`` (0600): temporary file, fsync, rename, dir fsync.
 
+    The one atomic whole-file write of the daemons (data set owners, training checkpoints,
+    journal snapshots): a crash leaves the old file or the new one, never a torn one, and at
+    most the temporary file ``.NAME.tmp`` beside it (replaced by the next write).
+
+    Args:
+        path: the file to replace; its directory must exist.
+        data: the content, or its pieces in order (written as they come, never joined: a
+            snapshot's arrays are not copied into one buffer).
+
     Raises:
-        OSError: the disk refused the write.
+        OSError: the disk refused the write or the fsync.
     """
     tmp = path.with_name(f".{path.name}.tmp")
     with create_private(tmp) as f:
-        f.write(data)
+        for piece in (data,) if isinstance(data, bytes) else data:
+            f.write(piece)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

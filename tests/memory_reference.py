@@ -18,7 +18,7 @@ semantics, in float32 unless stated (docs/architecture.md, "Invariants"):
 Storage is plain: one array of ids sorted by id, the strengths and the payloads (an object
 array) aligned with it, no slots, no keys, no device. Slot numbers only select the rows of
 ``decay``/``quality``/``topk`` slot sets, through ``shared.memory.slots.slot_of``, whose
-values are pinned by golden vectors in ``tests/unit/shared/test_slots.py``.
+values are pinned by golden vectors in ``tests/unit/shared/memory/test_slots.py``.
 
 Inputs are checked with the same acceptance rules as the cluster (a plain local check
 raising ``ReferenceInputError``), so a test may feed both the same batch; the messages are

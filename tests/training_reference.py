@@ -1,4 +1,4 @@
-"""Single-process training on the global batch: the reference sync training is checked against.
+"""Single-process references that sync and diloco training are checked against.
 
 The equivalence (docs/architecture.md, "Invariants"): a ``strategy: sync`` job over W shards, whose
 coordinator averages the workers' gradients weighted by sample count, ends with the same
@@ -18,6 +18,17 @@ empty.
 Controls this reference does not model (precision other than fp32, gradient accumulation,
 clipping, learning-rate schedules) are refused with ``NotImplementedError`` instead of being
 ignored, so a test cannot compare against a reference that trained differently.
+
+``train_diloco_single_process`` is the reference of ``strategy: diloco`` (Douillard et al. 2023,
+"DiLoCo: Distributed Low-Communication Training of Language Models", algorithm 1), in the same
+terms: one replica and one inner optimizer per shard, kept for the whole job; every outer step
+each replica starts from the global parameters and takes the inner steps the outer step covers
+on its shard's batches (an epoch of P inner steps cut into outer steps of H = ``inner_steps``
+consecutive ones, the last of an epoch shorter, the job ending after ``steps`` inner steps), the
+pseudo-gradients (global minus replica parameters) are averaged weighted by the shard's rows
+in the outer step, and an outer Nesterov SGD steps the global parameters with them. The inner
+learning rate follows warm-up then cosine (Goyal et al. 2017, section 2.2; Loshchilov & Hutter
+2017, eq. 5) over the job's inner steps, written out here.
 """
 
 from __future__ import annotations
@@ -72,12 +83,19 @@ def _optimizer(spec: TrainJobSpec, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
 
 
-def _refuse_unmodelled(spec: TrainJobSpec) -> None:
+def _refuse_unmodelled(spec: TrainJobSpec, lr_schedule: bool = False) -> None:
+    """Raise NotImplementedError naming the spec's controls the reference does not model.
+
+    Args:
+        spec: the job.
+        lr_schedule: the caller models warm-up and the cosine schedule itself.
+    """
+    schedule = spec.lr_schedule.name != "constant" or spec.lr_schedule.warmup_steps > 0
     unmodelled = {
         "precision": spec.precision != "fp32",
         "grad_accum_steps": spec.grad_accum_steps != 1,
         "clip_grad_norm": spec.clip_grad_norm is not None,
-        "lr_schedule": spec.lr_schedule.name != "constant" or spec.lr_schedule.warmup_steps > 0,
+        "lr_schedule": schedule and not lr_schedule,
         "sync_batchnorm": spec.sync_batchnorm,
     }
     named = [key for key, differs in unmodelled.items() if differs]
@@ -109,4 +127,96 @@ def train_single_process(spec: TrainJobSpec, dataset: Dataset, steps: int) -> nn
         opt.zero_grad()
         nn.functional.cross_entropy(model(x_all[rows]), y_all[rows]).backward()
         opt.step()
+    return model
+
+
+def _inner_lr_factor(spec: TrainJobSpec, step: int, total: int) -> float:
+    """The inner lr's multiplier at job-wide inner step ``step`` of ``total``.
+
+    Linear warm-up over ``warmup_steps``, then constant or cosine from 1 to ``min_lr_factor``.
+
+    Raises:
+        NotImplementedError: a schedule other than constant or cosine.
+    """
+    sched = spec.lr_schedule
+    if sched.name not in ("constant", "cosine"):
+        raise NotImplementedError(f"the diloco reference does not model lr_schedule {sched.name}")
+    if step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    if sched.name == "constant":
+        return 1.0
+    done = min((step - sched.warmup_steps) / max(total - sched.warmup_steps, 1), 1.0)
+    low = sched.min_lr_factor
+    return low + (1.0 - low) * (1.0 + math.cos(math.pi * done)) / 2.0
+
+
+def train_diloco_single_process(spec: TrainJobSpec, dataset: Dataset) -> nn.Module:
+    """DiLoCo in this process: ``spec.workers`` replicas, ``spec.steps`` inner steps each.
+
+    Args:
+        spec: a ``strategy: diloco`` job with ``steps`` set (inner steps per shard); its model,
+            seed, inner optimizer and lr schedule, ``inner_steps`` (H), ``outer_lr``,
+            ``outer_momentum``, workers (the shard count) and batch size.
+        dataset: the job's data set, as ``load_dataset(spec.data, spec.seed,
+            spec.test_fraction)`` gives it.
+
+    Returns:
+        The global model (CPU, float32, training mode).
+
+    Raises:
+        NotImplementedError: a control this reference does not model, or no ``steps``.
+    """
+    if spec.steps is None:
+        raise NotImplementedError("the diloco reference counts inner steps: set steps")
+    _refuse_unmodelled(spec, lr_schedule=True)
+    n_train, shards = len(dataset.y_train), spec.workers
+    per_epoch = steps_in_epoch(n_train, shards, spec.batch_size)
+    outer_per_epoch = math.ceil(per_epoch / spec.inner_steps)
+
+    def fresh() -> nn.Module:
+        return build_model(spec.model, dataset.input_shape, dataset.num_classes, spec.seed)
+
+    model, replicas = fresh(), [fresh() for _ in range(shards)]
+    inner = [_optimizer(spec, r) for r in replicas]
+    outer = torch.optim.SGD(
+        model.parameters(),
+        lr=spec.outer_lr,
+        momentum=spec.outer_momentum,
+        nesterov=spec.outer_momentum > 0,
+    )
+    x_all, y_all = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
+    done, outer_step = 0, 0
+    while done < spec.steps:
+        epoch, j = divmod(outer_step, outer_per_epoch)
+        first = j * spec.inner_steps
+        stop = min(first + spec.inner_steps, per_epoch, spec.steps - epoch * per_epoch)
+        deltas, counts = [], []
+        for shard, (replica, opt) in enumerate(zip(replicas, inner, strict=True)):
+            replica.load_state_dict(model.state_dict())
+            seen = 0
+            for s in range(first, stop):
+                rows = batch_indices(n_train, shard, shards, spec.batch_size, epoch, s, spec.seed)
+                if len(rows) == 0:
+                    continue
+                factor = _inner_lr_factor(spec, epoch * per_epoch + s, spec.steps)
+                for group in opt.param_groups:
+                    group["lr"] = spec.optimizer.lr * factor
+                opt.zero_grad()
+                idx = torch.from_numpy(rows)
+                nn.functional.cross_entropy(replica(x_all[idx]), y_all[idx]).backward()
+                opt.step()
+                seen += len(rows)
+            pairs = zip(model.parameters(), replica.parameters(), strict=True)
+            deltas.append([g.detach() - r.detach() for g, r in pairs])
+            counts.append(seen)
+        total = sum(counts)
+        outer.zero_grad()
+        for i, p in enumerate(model.parameters()):
+            mean = sum(
+                c / total * d[i].to(torch.float64) for d, c in zip(deltas, counts, strict=True)
+            )
+            p.grad = mean.to(torch.float32)
+        outer.step()
+        done += stop - first
+        outer_step += 1
     return model

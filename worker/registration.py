@@ -17,7 +17,7 @@ from grpc import aio
 from shared.logging import get_logger
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 
-log = get_logger("worker.registration")
+log = get_logger(__name__)
 
 
 class RegistrationRefused(Exception):

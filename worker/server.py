@@ -11,38 +11,36 @@ import socket
 from pathlib import Path
 
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared import rpc
 from shared.config import WorkerConfig
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc, worker_pb2_grpc
+from shared.rpc.daemon_server import DaemonServer
 from shared.rpc.interceptors import auth_interceptor, server_interceptors
-from shared.rpc.limits import server_options
 from shared.rpc.peers import WorkerClients
-from shared.rpc.reflection import enable_reflection
-from shared.security.exposure import check_listen, local_host, start_probe_server
+from shared.security.exposure import check_listen, local_host
 from shared.security.transport import DaemonSecurity
 from shared.training.controls import resolve_device
-from worker import kernels
-from worker.allreduce import AllreduceSessions
-from worker.allreduce_servicer import AllreduceServicer
-from worker.journal import Journal, lock_data_dir, recover
-from worker.journal_format import JournalError
-from worker.memory_node import MemoryNode
-from worker.memory_servicer import MemoryServicer
-from worker.node_holder import NodeHolder
-from worker.peers import PeerLinks
+from worker.allreduce.allreduce_servicer import AllreduceServicer
+from worker.allreduce.allreduce_sessions import AllreduceSessions
+from worker.memory.memory_node import MemoryNode
+from worker.memory.memory_servicer import MemoryServicer
+from worker.memory.node_holder import NodeHolder
+from worker.memory.peers import PeerLinks
 from worker.registration import Registration, RegistrationRefused
-from worker.shards import ShardFetcher
-from worker.store import SlotStore
-from worker.store_metrics import StoreMetrics
-from worker.training import TrainingSessions
-from worker.training_servicer import TrainingServicer
+from worker.store import kernels
+from worker.store.journal import Journal, lock_data_dir, recover
+from worker.store.journal_format import JournalError
+from worker.store.store import SlotStore
+from worker.store.store_metrics import StoreMetrics
+from worker.training.shards import ShardFetcher
+from worker.training.training_servicer import TrainingServicer
+from worker.training.training_sessions import TrainingSessions
 from worker.worker_servicer import WorkerServicer
 
-log = get_logger("worker.server")
+log = get_logger(__name__)
 SERVICE_NAME = "neuroshard.v1.Worker"
 
 
@@ -58,7 +56,6 @@ class WorkerServer:
         self.train_device = str(resolve_device("auto"))
         self.metrics = Metrics()
         check_listen("worker", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure)
-        self.health = health.aio.HealthServicer()
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
         self.coordinator_channel = rpc.channel(
             cfg.coordinator, cfg.max_message_bytes, self.security.channel
@@ -73,12 +70,6 @@ class WorkerServer:
         # (its gloo traffic goes to this host directly, never through advertise_address)
         self.allreduce = AllreduceSessions(
             cfg.torch_threads, cfg.allowed_models, self.name, fetcher, self.advertise_host
-        )
-        self.server = aio.server(
-            interceptors=server_interceptors(
-                self.metrics, auth_interceptor(self.security), self.name, cfg.max_batch_items
-            ),
-            options=server_options(cfg.max_message_bytes, cfg.max_concurrent_streams),
         )
         self.peers = WorkerClients(cfg.max_message_bytes, self.security.channel)
         self.links = PeerLinks(self.peers, cfg.chunk_bytes, cfg.rpc_timeout_s)
@@ -97,17 +88,22 @@ class WorkerServer:
             TrainingServicer(self.sessions, cfg.chunk_bytes),
             AllreduceServicer(self.allreduce, cfg.chunk_bytes),
         )
-        worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        # grpcurl, Postman, Evans: services and descriptors without the .proto files
-        enable_reflection(self.server, SERVICE_NAME)
+        self.rpc = DaemonServer(
+            SERVICE_NAME,
+            self.servicer,
+            worker_pb2_grpc.add_WorkerServicer_to_server,
+            self.security,
+            interceptors=server_interceptors(
+                self.metrics, auth_interceptor(self.security), self.name, cfg.max_batch_items
+            ),
+            max_message_bytes=cfg.max_message_bytes,
+            max_concurrent_streams=cfg.max_concurrent_streams,
+        )
         self.address = ""
         self._data_lock = -1  # fd holding the data dir's lock until a journal owns it
         self.registration: Registration | None = None
         self._tasks: asyncio.Task[None] | None = None
         self.failed = asyncio.Event()  # set when this worker cannot go on (see ``error``)
-        self.probe_server: aio.Server | None = None
-        self.probe_port: int | None = None
         self.port = 0  # the gRPC port bound by start()
         self.metrics_port: int | None = None  # the /metrics port bound (cfg's 0: a free one)
         self.error = ""
@@ -131,15 +127,9 @@ class WorkerServer:
         except BaseException:
             self._release_data_dir()
             raise
-        host, _, _ = self.cfg.listen.rpartition(":")
-        port = self.port = self.security.add_port(self.server, self.cfg.listen)
+        port = self.port = await self.rpc.start(self.cfg.listen, self.cfg.probe_port)
         # advertise_address (e.g. a link proxy in front of us) is registered verbatim.
         self.address = self.cfg.advertise_address or f"{self.advertise_host}:{port}"
-        await self.server.start()
-        if self.cfg.probe_port is not None:
-            self.probe_server, self.probe_port = await start_probe_server(
-                self.health, host, self.cfg.probe_port
-            )
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
         self.registration = Registration(
@@ -157,8 +147,7 @@ class WorkerServer:
         self._tasks = asyncio.create_task(self.registration.run(), name="registration")
         self._tasks.add_done_callback(self._registration_ended)
         if not self.storage_failure:  # a journal failed during the reload stays unhealthy
-            for svc in ("", SERVICE_NAME):
-                await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+            await self.rpc.set_serving(True)
         log.info(
             "worker_started",
             worker=self.name,
@@ -168,7 +157,7 @@ class WorkerServer:
             train_device=self.train_device,
             transport=self.security.transport,
             auth=self.security.auth,
-            probe_port=self.probe_port,
+            probe_port=self.rpc.probe_port,
             metrics_port=self.metrics_port,
         )
         return self.address
@@ -235,11 +224,7 @@ class WorkerServer:
             self._loop.call_soon_threadsafe(self._set_not_serving)
 
     def _set_not_serving(self) -> None:
-        async def work() -> None:
-            for svc in ("", SERVICE_NAME):
-                await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-        self._unhealthy = asyncio.ensure_future(work())
+        self._unhealthy = asyncio.ensure_future(self.rpc.set_serving(False))
 
     def _release_data_dir(self) -> None:
         if self._data_lock >= 0:
@@ -334,16 +319,14 @@ class WorkerServer:
 
     async def stop(self) -> None:
         """Health NOT_SERVING, stop heartbeating, drain RPCs, close channels."""
-        await self.health.enter_graceful_shutdown()
+        await self.rpc.begin_stop()
         if self._tasks is not None:
             self._tasks.cancel()
             # Bounded, as the coordinator's stop: a stop must never hang.
             done, _ = await asyncio.wait({self._tasks}, timeout=self.cfg.grace_s + 1.0)
             if not done:
                 log.warning("background_tasks_not_stopped", timeout_s=self.cfg.grace_s + 1.0)
-        await self.server.stop(self.cfg.grace_s)
-        if self.probe_server is not None:
-            await self.probe_server.stop(0)
+        await self.rpc.stop(self.cfg.grace_s)
         self.metrics.close()
         await self.coordinator_channel.close()
         await self.peers.close()

@@ -1,8 +1,22 @@
 """The ``neuroshard.v1.Worker`` service: one servicer that hands each RPC to its part.
 
 A proto service is registered once, so one servicer serves it; its parts,
-``MemoryServicer`` and ``TrainingServicer``, are each built with what they need. The parts'
-docstrings say what each RPC does and answers.
+``MemoryServicer``, ``TrainingServicer`` and ``AllreduceServicer``, are each built with what
+they need. The parts' docstrings say what each RPC does and answers.
+
+Both daemons compose a service from parts this way (delegation; the coordinator's
+``CoordinatorServicer`` hands the data set RPCs to its ``DataServicer``), not by mixing the
+parts' classes into the registered one:
+
+- a part receives what it needs in its constructor, where a mixin relies on attributes its
+  host happens to set, and shares one namespace with the host and the other mixins (a helper
+  or counter of the same name silently shadows another, in MRO order);
+- the registered class names every RPC of the service and the part it goes to, in one file;
+- an RPC that concerns two parts has one visible place (``StopTraining`` stops a job's
+  allreduce child, then its training session);
+- a part can be built and tested alone.
+
+The cost is one forwarding method per RPC; a streaming one is an async generator itself.
 """
 
 from __future__ import annotations
@@ -13,9 +27,9 @@ from typing import Any
 from grpc import aio
 
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from worker.allreduce_servicer import AllreduceServicer
-from worker.memory_servicer import MemoryServicer
-from worker.training_servicer import TrainingServicer
+from worker.allreduce.allreduce_servicer import AllreduceServicer
+from worker.memory.memory_servicer import MemoryServicer
+from worker.training.training_servicer import TrainingServicer
 
 __all__ = ["WorkerServicer"]
 

@@ -44,7 +44,7 @@ from shared.security.auth import may_see_job, reset_principal, set_principal
 from shared.security.exposure import check_listen, local_host
 from shared.security.tokens import Principal, RevocationList, TokenError, verify_token
 
-log = get_logger("coordinator.dashboard")
+log = get_logger(__name__)
 
 PUSH_INTERVAL_S = 0.5
 EVENT_POLL_S = 0.05  # how soon a new cluster event triggers a push, seconds

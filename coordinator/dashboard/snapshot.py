@@ -21,11 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.cluster import Cluster
-from coordinator.jobs import JobRecord
-from coordinator.memory_ops import BulkOpError
+from coordinator.jobs.jobs import JobRecord
+from coordinator.memory.memory_ops import BulkOpError
 from shared.logging import get_logger
 
-log = get_logger("coordinator.dashboard")
+log = get_logger(__name__)
 
 LATENCY_POINTS = 120  # iteration latencies kept per memory job
 JOBS_SHOWN = 20  # the most recent jobs in a snapshot

@@ -1,4 +1,4 @@
-"""``neuroshard link``: an emulated network link (``shared.net.link_proxy``) in the foreground.
+"""``neuroshard link``: an emulated network link (``shared.netem.link_proxy``) in the foreground.
 
 It prints the address it listens on as one line on stdout (``HOST:PORT``, the real port
 when ``--listen`` asks for port 0), logs to stderr, and runs until SIGINT or SIGTERM.
@@ -24,10 +24,16 @@ from shared import rpc
 from shared.cli.common import EXIT_OK, EXIT_USAGE, CliError, run_event_loop
 from shared.config import ConfigError, format_validation_error
 from shared.logging import configure_logging, get_logger
-from shared.net.link_proxy import LinkProxy, LinkSettings
-from shared.security.exposure import is_loopback
+from shared.netem.link_proxy import LinkProxy, LinkSettings
+from shared.security.exposure import check_listen
 
-log = get_logger("link")
+log = get_logger(__name__)
+
+# What a refused --listen tells the operator (after "the link has no tls and auth; ").
+_REMEDY = (
+    "it relays whoever reaches it to its target; listen on 127.0.0.1, or pass --insecure to "
+    "accept the risk (e.g. when the target serves mutual TLS itself)"
+)
 
 
 def add_link_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -106,48 +112,32 @@ def cmd_link(args: argparse.Namespace) -> int:
         0 after a signal.
 
     Raises:
-        CliError: a flag is not HOST:PORT, a non-loopback ``--listen`` without
-            ``--insecure``, or the listen address cannot be bound (exit code 2).
+        CliError: a flag is not HOST:PORT, or the listen address cannot be bound (exit
+            code 2).
         ConfigError: an invalid link setting (exit code 2).
+        ExposureRefused: a non-loopback ``--listen`` without ``--insecure`` (a
+            ``ConfigError``, exit code 2).
     """
     listen_host, listen_port = _host_port("--listen", args.listen)
     target_host, target_port = _host_port("--target", args.target)
     settings = settings_of(args)
-    check_link_listen(args.listen, listen_host, args.insecure)
-    configure_logging()
-    if not is_loopback(listen_host):
-        log.warning(
-            "insecure_listen",
-            daemon="link",
-            listen=args.listen,
-            target=args.target,
-            hint="anyone who reaches this port reaches the target through the link",
-        )
+    configure_logging()  # before the listen check: its warning is a log line
+    # The daemons' rule: the link has neither TLS nor auth of its own, so beyond loopback it
+    # needs --insecure (then it warns).
+    check_listen(
+        "link",
+        args.listen,
+        tls=False,
+        auth=False,
+        insecure=args.insecure,
+        field="--listen",
+        remedy=_REMEDY,
+        hint="anyone who reaches this port reaches the target through the link",
+    )
     proxy = LinkProxy(listen_host, listen_port, target_host, target_port, settings)
     main = _serve(proxy, args.ready_file)
     run_event_loop(main)
     return EXIT_OK
-
-
-def check_link_listen(listen: str, host: str, insecure: bool) -> None:
-    """Refuse a ``--listen`` host beyond loopback unless ``--insecure`` (as the daemons do).
-
-    Args:
-        listen: the ``--listen`` value, for the message.
-        host: its host part.
-        insecure: the ``--insecure`` flag.
-
-    Raises:
-        CliError: ``host`` is not loopback and ``insecure`` is false (exit code 2).
-    """
-    if is_loopback(host) or insecure:
-        return
-    raise CliError(
-        f"--listen: {listen} is reachable from other machines, and the link relays them to "
-        "its target with no TLS or authentication of its own; listen on 127.0.0.1, or pass "
-        "--insecure to accept the risk (e.g. when the target serves mutual TLS itself)",
-        EXIT_USAGE,
-    )
 
 
 async def _serve(proxy: LinkProxy, ready_file: str | None) -> None:

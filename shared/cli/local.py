@@ -13,7 +13,7 @@ from shared.cli.common import read_job_spec
 from shared.cli.local_cluster import LocalCluster
 from shared.cli.output import err_console, follow_job
 from shared.client import SyncClient
-from shared.net.link_settings import LinkSettings
+from shared.netem.link_settings import LinkSettings
 from shared.security.dev import SecureSetup
 
 

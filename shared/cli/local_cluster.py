@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from shared.client import NeuroshardError, SyncClient
-from shared.net.link_settings import LinkSettings
+from shared.netem.link_settings import LinkSettings
 from shared.security.dev import SecureSetup, prepare
 from shared.security.transport import ChannelSecurity
 

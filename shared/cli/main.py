@@ -246,7 +246,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         CliError: its number of entries is not ``--workers`` (exit code 2).
     """
     from shared.cli.local import run_up
-    from shared.net.link_settings import load_links
+    from shared.netem.link_settings import load_links
 
     links = load_links(args.links) if args.links else None
     workers = args.workers if args.workers is not None else len(links) if links else 3

@@ -1,7 +1,8 @@
 """Client-side routing of memory operations to the slots' primaries.
 
 Keyed operations (upsert, get, delete, reinforce) are validated whole (a refused batch sends
-nothing), split stably by primary worker with the cached slot map, sent concurrently, and
+nothing), split stably by primary worker with the cached slot map (and cut to the requests a
+worker and gRPC take: ``max_batch_items``, ``max_message_bytes``), sent concurrently, and
 the parts a worker refuses because of a stale map (FAILED_PRECONDITION), a failover
 (UNAVAILABLE) or an ordering conflict (ABORTED) are retried after refreshing the map. Only
 the failed parts wait: the others are acknowledged as their workers answer (``progress``),
@@ -15,6 +16,7 @@ Shape letters: N batch items, n items of one part (one worker's share of a batch
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import random
 import time
@@ -29,7 +31,7 @@ from grpc import aio
 
 from shared.client.reports import FailureReports, Reporter
 from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
-from shared.memory.validation import validate_request_id
+from shared.memory.validation import MAX_REQUEST_ID_BYTES, validate_request_id
 from shared.proto import (
     common_pb2,
     coordinator_pb2,
@@ -38,7 +40,7 @@ from shared.proto import (
     worker_pb2_grpc,
 )
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
-from shared.rpc.limits import split_parts
+from shared.rpc.limits import request_items, split_parts
 from shared.rpc.peers import WorkerClients
 from shared.security.transport import ChannelSecurity
 
@@ -137,6 +139,7 @@ class MemoryRouter:
                 security.tls, self.data_token, security.server_name
             )
         self._workers = WorkerClients(max_message_bytes, self.worker_security)
+        self._max_message_bytes = max_message_bytes
         self._map: common_pb2.SlotMap | None = None
         self._renew_at = math.inf  # when the map's data-plane token is half used (Unix s)
         self._retry_budget_s = retry_budget_s
@@ -184,7 +187,11 @@ class MemoryRouter:
         return self._map
 
     async def route(
-        self, ids: npt.NDArray[np.uint64], call: Call[Reply], progress: Progress | None = None
+        self,
+        ids: npt.NDArray[np.uint64],
+        call: Call[Reply],
+        progress: Progress | None = None,
+        item_bytes: int | None = None,
     ) -> list[tuple[Positions, Reply]]:
         """Deliver every position of ``ids`` to its slot's primary, retrying failed parts.
 
@@ -198,6 +205,9 @@ class MemoryRouter:
             call: sends one part: ``call(stub, epoch, positions)``.
             progress: called with the size of each part as soon as its worker answered it,
                 while other parts may still be waiting (e.g. for a failover).
+            item_bytes: bytes of one item of the request, to keep requests within
+                ``max_message_bytes`` too (``request_items``); None: parts are cut to the
+                map's ``max_batch_items`` only.
 
         Returns:
             ``(positions [n] int64, reply)`` for each delivered part; the positions of all
@@ -214,7 +224,7 @@ class MemoryRouter:
         backoff_s = 0.02
         m = await self.slot_map()
         while len(pending):
-            failed, last = await self._send_once(m, ids, pending, call, done, progress)
+            failed, last = await self._send_once(m, ids, pending, call, done, progress, item_bytes)
             if not len(failed):
                 return done
             if loop.time() > deadline:
@@ -239,8 +249,12 @@ class MemoryRouter:
         call: Call[Reply],
         done: list[tuple[Positions, Reply]],
         progress: Progress | None = None,
+        item_bytes: int | None = None,
     ) -> tuple[Positions, tuple[grpc.StatusCode, str]]:
         """Send each pending position once to its primary by map ``m``.
+
+        A part larger than one request may carry (``_request_items``) is cut on slot
+        boundaries (``split_parts``).
 
         Delivered parts are appended to ``done`` (and told to ``progress`` as they arrive);
         workers that look down are reported (``FailureReports``).
@@ -260,10 +274,9 @@ class MemoryRouter:
         parts = [pending[np.flatnonzero(owner == w)] for w in owners.tolist()]
         calls: list[Awaitable[Reply]] = []
         names: list[str] = []
-        if m.max_batch_items:  # workers refuse larger requests (INVALID_ARGUMENT)
-            owners, parts = split_parts(
-                owners, parts, m.max_batch_items, lambda p: slot_of(ids[p], m.slots)
-            )
+        limit = self._request_items(m, item_bytes)
+        if limit:  # workers refuse larger requests (INVALID_ARGUMENT), gRPC larger messages
+            owners, parts = split_parts(owners, parts, limit, lambda p: slot_of(ids[p], m.slots))
         for w, part in zip(owners.tolist(), parts, strict=True):
             if w < 0:
                 calls.append(_unassigned())
@@ -291,36 +304,64 @@ class MemoryRouter:
 
     # -- keyed operations -------------------------------------------------------------------
 
+    def _request_items(self, m: common_pb2.SlotMap, item_bytes: int | None) -> int:
+        """Most items one request may carry by map ``m`` (0: no limit; ``request_items``)."""
+        if item_bytes is None:
+            return int(m.max_batch_items)
+        return request_items(m.max_batch_items, self._max_message_bytes, item_bytes)
+
     async def _write(
         self,
         ids: npt.NDArray[np.uint64],
         send: Send,
         request_id: bytes | None,
         progress: Progress | None,
+        item_bytes: int,
     ) -> int:
         """Route a keyed write of ``ids`` with ``send``; return the sum of ``applied``.
 
-        One request id serves every part and every retry of the batch: workers dedup by it,
-        so a part sent again after a lost reply is not applied twice.
+        One request id serves every part and every retry of the batch: workers dedup by it
+        (per slot), so a part sent again after a lost reply is not applied twice. Parts are
+        cut on slot boundaries to what one request may carry (``max_batch_items``, and
+        ``max_message_bytes`` at ``item_bytes`` per item); a batch where one slot alone has
+        more items than that (a hot id) cannot be cut so, and goes instead as consecutive
+        chunks of that many items, in batch order, one after the other, chunk c with its own
+        request id (``chunk_request_id``: the same on every send of the same batch, so a
+        caller re-sending it is still deduplicated chunk by chunk).
 
         Args:
             ids: [N] uint64.
-            send: sends one part.
+            send: sends one part; its positions index ``ids``.
             request_id: the batch's request id, when a first try already used one (the
                 blocking client's direct call); None: a new random one.
             progress: as ``route``.
+            item_bytes: bytes of one item's fixed-size fields in the request.
 
         Raises:
             RoutingError: as ``route``.
         """
         rid = validate_request_id(request_id) if request_id else uuid.uuid4().bytes
+        m = await self.slot_map()
+        step = self._request_items(m, item_bytes)
+        chunks = [(0, len(ids))]
+        if len(ids) > step and (not m.slots or np.bincount(slot_of(ids, m.slots)).max() > step):
+            chunks = [(a, min(a + step, len(ids))) for a in range(0, len(ids), step)]
+        applied = 0
+        for c, (start, stop) in enumerate(chunks):
+            chunk_rid = chunk_request_id(rid, c)
 
-        async def call(
-            stub: worker_pb2_grpc.WorkerStub, epoch: int, idx: Positions
-        ) -> worker_pb2.WriteResponse:
-            return await send(stub, epoch, rid, idx)
+            async def call(
+                stub: worker_pb2_grpc.WorkerStub,
+                epoch: int,
+                idx: Positions,
+                start: int = start,
+                chunk_rid: bytes = chunk_rid,
+            ) -> worker_pb2.WriteResponse:
+                return await send(stub, epoch, chunk_rid, idx + start)
 
-        return sum(int(r.applied) for _, r in await self.route(ids, call, progress))
+            routed = await self.route(ids[start:stop], call, progress, item_bytes)
+            applied += sum(int(r.applied) for _, r in routed)
+        return applied
 
     async def upsert(
         self,
@@ -353,7 +394,7 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return await self._write(ids, send, request_id, progress)
+        return await self._write(ids, send, request_id, progress, item_bytes=12)
 
     async def reinforce(
         self,
@@ -381,7 +422,7 @@ class MemoryRouter:
                 reinforce_request(epoch, rid, ids[idx], boosts[idx]), timeout=self._timeout_s
             )
 
-        return await self._write(ids, send, request_id, progress)
+        return await self._write(ids, send, request_id, progress, item_bytes=12)
 
     async def delete(
         self,
@@ -408,7 +449,7 @@ class MemoryRouter:
                 timeout=self._timeout_s,
             )
 
-        return await self._write(ids, send, request_id, progress)
+        return await self._write(ids, send, request_id, progress, item_bytes=8)
 
     async def get(
         self, ids: npt.NDArray[np.uint64], with_payloads: bool
@@ -441,6 +482,26 @@ class MemoryRouter:
 
         result = get_result(len(distinct), await self.route(distinct, call), with_payloads)
         return expand_result(result, back)
+
+
+def chunk_request_id(request_id: bytes, chunk: int) -> bytes:
+    """The request id of chunk ``chunk`` of a write sent in chunks (``MemoryRouter._write``).
+
+    Chunk 0 keeps the batch's id; chunk c > 0 appends ``.c`` (``job/3/reinforce`` ->
+    ``job/3/reinforce.1``), or, when that would exceed ``MAX_REQUEST_ID_BYTES``, is the
+    BLAKE2b digest (16 bytes) of the appended form. A pure function of its arguments, so a
+    batch sent again gets the same ids.
+
+    Args:
+        request_id: the batch's request id, at most ``MAX_REQUEST_ID_BYTES``.
+        chunk: the chunk's index, from 0.
+    """
+    if chunk == 0:
+        return request_id
+    chunk_id = request_id + f".{chunk}".encode()
+    if len(chunk_id) <= MAX_REQUEST_ID_BYTES:
+        return chunk_id
+    return hashlib.blake2b(chunk_id, digest_size=16).digest()
 
 
 def upsert_request(

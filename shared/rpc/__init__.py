@@ -2,9 +2,11 @@
 
 This module makes every channel of the code base (``channel``), turns RPC failures into one
 line (``error_message``) and holds the daemons' wait for SIGTERM. Its modules: ``codec``
-(arrays as raw little-endian bytes, chunked tensor streams), ``interceptors`` (every server
-interceptor), ``limits`` (message, stream and batch limits), ``peers`` (one channel and
-stub per worker) and ``reflection`` (gRPC server reflection on both daemons).
+(arrays as raw little-endian bytes, chunked tensor streams), ``daemon_server`` (both daemons'
+gRPC server, built, bound and stopped one way), ``interceptors`` (every server interceptor),
+``limits`` (message, stream and batch limits), ``peers`` (one channel and stub per worker),
+``reflection`` (gRPC server reflection on both daemons) and ``status_table`` (each
+servicer's domain exceptions to status codes).
 """
 
 from __future__ import annotations

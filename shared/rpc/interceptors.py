@@ -86,7 +86,7 @@ if TYPE_CHECKING:  # grpc.RpcMethodHandler is generic in the stubs only
         [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]
     ]
 
-log = get_logger("rpc")
+log = get_logger(__name__)
 
 _FACTORIES: dict[str, Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_BATCH_ITEMS = 1 << 20
 DEFAULT_MAX_RECEIVE_SLOTS_BYTES = 2 << 30
+MESSAGE_HEADROOM_BYTES = 64 * 1024  # a keyed request's fields besides its per-item arrays
 
 
 class BudgetExceeded(ValueError):
@@ -68,6 +69,22 @@ def batch_error(items: int, limit: int, field: str = "ids") -> str | None:
         f"{field}: {items} items exceed max_batch_items {limit}; "
         "split the batch (the Python client does)"
     )
+
+
+def request_items(max_batch_items: int, max_message_bytes: int, item_bytes: int) -> int:
+    """Most items one keyed request may carry, >= 1.
+
+    At most ``max_batch_items`` (what a worker takes; 0: no such cap), and few enough that
+    ``item_bytes`` per item fit in ``max_message_bytes`` with ``MESSAGE_HEADROOM_BYTES`` to
+    spare.
+
+    Args:
+        max_batch_items: the cluster's ``max_batch_items`` (the slot map's), 0 for none.
+        max_message_bytes: the channel's message limit, bytes.
+        item_bytes: bytes of one item's fixed-size fields (an upsert's id and strength: 12).
+    """
+    by_bytes = (max_message_bytes - MESSAGE_HEADROOM_BYTES) // item_bytes
+    return max(1, min(max_batch_items or by_bytes, by_bytes))
 
 
 def split_parts(

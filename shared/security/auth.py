@@ -206,6 +206,13 @@ def bound_name_error(principal: Principal, method: str, request: object) -> str 
     return f"{method}: {principal.describe()} (by its certificate) may not act as {field} {name!r}"
 
 
+class AddressRefused(PermissionError):
+    """A worker advertised a host its certificate does not name (PERMISSION_DENIED).
+
+    The message is ``address_error``'s.
+    """
+
+
 def address_error(principal: Principal | None, address: str) -> str | None:
     """Say why a worker may not register ``address``, or return None.
 

@@ -16,7 +16,14 @@ from grpc_health.v1 import health, health_pb2_grpc
 from shared.config import ConfigError
 from shared.logging import get_logger
 
-log = get_logger("exposure")
+log = get_logger(__name__)
+
+
+_REMEDY = (
+    "configure tls and auth (README: Security), listen on 127.0.0.1, or start with --insecure "
+    "to accept the risk"
+)
+_HINT = "anyone who reaches this port can use the cluster without credentials"
 
 
 class ExposureRefused(ConfigError):
@@ -53,20 +60,35 @@ def is_loopback(host: str) -> bool:
 
 
 def check_listen(
-    daemon: str, listen: str, tls: bool, auth: bool, insecure: bool, field: str = "listen"
+    daemon: str,
+    listen: str,
+    tls: bool,
+    auth: bool,
+    insecure: bool,
+    field: str = "listen",
+    *,
+    remedy: str = _REMEDY,
+    hint: str = _HINT,
 ) -> None:
     """Refuse (or, with ``insecure``, warn about) serving beyond loopback unprotected.
 
+    The one listen rule of every process that accepts connections: the daemons, their
+    dashboard and ``neuroshard link`` (which has neither TLS nor auth, so only loopback or
+    ``--insecure`` pass).
+
     Args:
-        daemon: ``coordinator`` or ``worker``, for the message.
-        listen: the HOST:PORT the daemon binds.
+        daemon: ``coordinator``, ``worker``, ``link``..., for the message and the log.
+        listen: the HOST:PORT the process binds.
         tls: whether mutual TLS is configured.
         auth: whether tokens are required.
         insecure: the operator's ``insecure`` setting (``--insecure``).
-        field: the config key, for the message.
+        field: the config key or flag, for the message.
+        remedy: what the refusal tells the operator to do, after the rule broken.
+        hint: the warning's ``hint`` when ``insecure`` lets it listen.
 
     Raises:
-        ExposureRefused: non-loopback host without both TLS and auth, and not insecure.
+        ExposureRefused: non-loopback host without both TLS and auth, and not insecure
+            (a ``ConfigError``: the process exits 2).
     """
     host = listen.rpartition(":")[0]
     if is_loopback(host) or (tls and auth):
@@ -75,16 +97,9 @@ def check_listen(
     if not insecure:
         raise ExposureRefused(
             f"{field}: {listen} is reachable from other machines but the {daemon} has no "
-            f"{missing}; configure tls and auth (README: Security), listen on 127.0.0.1, or "
-            "start with --insecure to accept the risk"
+            f"{missing}; {remedy}"
         )
-    log.warning(
-        "insecure_listen",
-        daemon=daemon,
-        listen=listen,
-        missing=missing,
-        hint="anyone who reaches this port can use the cluster without credentials",
-    )
+    log.warning("insecure_listen", daemon=daemon, listen=listen, missing=missing, hint=hint)
 
 
 async def start_probe_server(

@@ -64,6 +64,10 @@ class TokenError(Exception):
     """
 
 
+class DataTokenRefused(ValueError):
+    """No data-plane token for a daemon, or for a token about to expire (UNAUTHENTICATED)."""
+
+
 class KeyFileError(ValueError):
     """A key or token file is missing, unreadable or not what it should be.
 
@@ -320,14 +324,14 @@ def mint_data_token(
         The token and its expiry, Unix seconds.
 
     Raises:
-        ValueError: the caller is a daemon, or its token has expired.
+        DataTokenRefused: the caller is a daemon, or its token has expired (UNAUTHENTICATED).
     """
     if caller.role not in ROLES:
-        raise ValueError(f"data-plane tokens are for people and programs, not {caller.role}s")
+        raise DataTokenRefused(f"data-plane tokens are for people and programs, not {caller.role}s")
     now = time.time() if now is None else now
     ttl = min(ttl_s, MAX_DATA_TTL_S, caller.expires_at - now)
     if ttl < 1:
-        raise ValueError("the caller's token expires within a second")
+        raise DataTokenRefused("the caller's token expires within a second")
     role = "reader" if caller.role == "reader" else "writer"
     token = create_token(private_key, role, caller.subject, ttl, now=now, audience=AUD_DATA)
     return token, int(now) + max(1, round(ttl))
@@ -495,40 +499,15 @@ def token_id(token: str) -> str:
 
 
 class TokenSource:
-    """The token a process presents; calling it returns the token to send now.
+    """The fixed token a process presents; calling it returns the token to send now.
 
-    Either a fixed token (read from a file or given), or one the process signs itself with
-    the private key and renews once half of its lifetime has passed. Thread-safe: channels
-    call it from any thread.
+    Read from a file (``--token-file``) or given (``--token``). Channels call it from any
+    thread.
     """
 
-    def __init__(
-        self,
-        token: str | None = None,
-        *,
-        private_key: Ed25519PrivateKey | None = None,
-        role: str = "admin",
-        subject: str = "",
-        ttl_s: float = 3600.0,
-    ) -> None:
-        """Present ``token`` as is, or sign tokens with ``private_key``.
-
-        Args:
-            token: a fixed token (surrounding whitespace is stripped).
-            private_key: the signing key, instead of ``token``.
-            role: the role of signed tokens.
-            subject: the subject of signed tokens.
-            ttl_s: the lifetime of signed tokens, seconds.
-
-        Raises:
-            ValueError: both or neither of ``token`` and ``private_key`` given.
-        """
-        if (token is None) == (private_key is None):
-            raise ValueError("give either a token or a private key to sign one with")
-        self._fixed = token.strip() if token is not None else None
-        self._key, self._role, self._subject, self._ttl_s = private_key, role, subject, ttl_s
-        self._token, self._renew_at = "", 0.0
-        self._lock = threading.Lock()
+    def __init__(self, token: str) -> None:
+        """Present ``token`` (surrounding whitespace is stripped)."""
+        self._token = token.strip()
 
     @classmethod
     def from_file(cls, path: str | Path, field: str = "token_file") -> TokenSource:
@@ -540,15 +519,5 @@ class TokenSource:
         return cls(read_token_file(path, field))
 
     def __call__(self) -> str:
-        """Return the token to present now, signing a new one when the last is half-used."""
-        if self._fixed is not None:
-            return self._fixed
-        now = time.time()
-        with self._lock:
-            if now >= self._renew_at:
-                assert self._key is not None
-                self._token = create_token(
-                    self._key, self._role, self._subject, self._ttl_s, now=now
-                )
-                self._renew_at = now + self._ttl_s / 2
-            return self._token
+        """Return the token to present."""
+        return self._token

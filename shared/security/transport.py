@@ -525,8 +525,8 @@ class DaemonSecurity:
         """Mint data-plane tokens of ``ttl_s`` seconds for callers (None without the key).
 
         Returns:
-            ``mint(principal) -> (token, expires_at)``; it raises ValueError for a daemon or
-            an expiring caller (``tokens.mint_data_token``).
+            ``mint(principal) -> (token, expires_at)``; it raises DataTokenRefused for a
+            daemon or an expiring caller (``tokens.mint_data_token``).
         """
         key = self.signing_key
         if key is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,6 @@ from sklearn.model_selection import train_test_split
 
 from shared.config import BuiltinData, FileData, TrainJobSpec
 from shared.npz import UNREADABLE, npz_members
-from shared.training.outer_steps import outer_total_steps
 from shared.training.partition import allreduce_total_steps
 
 # A class centre is this many noise standard deviations from the origin per feature, so that
@@ -175,17 +175,21 @@ def load_training_npz(path: Path) -> tuple[npt.NDArray[np.float32], npt.NDArray[
     try:
         _check_member_sizes(path)
         with np.load(path, allow_pickle=False) as npz:
-            missing = [k for k in ("x", "y") if k not in npz.files]
-            if missing:
-                raise DataError(
-                    f"{path}: missing array {missing[0]!r} (found: {sorted(npz.files)})"
-                )
+            try:
+                check_training_names(npz.files)
+            except DataError as exc:
+                raise DataError(f"{path}: {exc}") from None
             x, y = npz["x"], npz["y"]
     except UNREADABLE as exc:
         if isinstance(exc, DataError):
             raise
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
-    _check_arrays(path, x, y)
+    try:
+        check_training_layout(x.dtype, x.shape, y.dtype, y.shape)
+        check_features(x)
+        check_labels(int(y.min()), int(y.max()))
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from None
     return x, y
 
 
@@ -208,30 +212,84 @@ def _check_member_sizes(path: Path) -> None:
                 )
 
 
-def _check_arrays(path: Path, x: npt.NDArray[Any], y: npt.NDArray[Any]) -> None:
-    """Refuse arrays that are not a training set: dtypes, shapes, NaN/inf, labels.
+# The rules of a training set, written once: the loader applies them to whole arrays, upload
+# validation (coordinator/datasets/dataset_check.py) to the headers and to streamed pieces.
+# Each raises DataError with a message naming the array but not the file: callers prefix it.
+
+
+def check_training_names(names: Iterable[str]) -> None:
+    """Refuse a set of array names without both ``x`` and ``y``.
+
+    Args:
+        names: the arrays an archive holds.
+
+    Raises:
+        DataError: naming the first missing array and the arrays found.
+    """
+    found = sorted(names)
+    missing = [k for k in ("x", "y") if k not in found]
+    if missing:
+        raise DataError(f"missing array {missing[0]!r} (found: {found})")
+
+
+def check_training_layout(
+    x_dtype: np.dtype[Any],
+    x_shape: tuple[int, ...],
+    y_dtype: np.dtype[Any],
+    y_shape: tuple[int, ...],
+) -> None:
+    """Refuse dtypes and shapes that are not a training set (its ``.npy`` headers suffice).
+
+    Args:
+        x_dtype: dtype of ``x``; must be float32.
+        x_shape: shape of ``x``; must be [N, ...] with ndim >= 2.
+        y_dtype: dtype of ``y``; must be int64.
+        y_shape: shape of ``y``; must be [N], N > 0.
 
     Raises:
         DataError: naming the array and what is wrong with it.
     """
-    if x.dtype != np.float32:
-        raise DataError(f"{path}: array 'x' must be float32, got {x.dtype}")
-    if y.dtype != np.int64:
-        raise DataError(f"{path}: array 'y' must be int64, got {y.dtype}")
-    if x.ndim < 2:
-        raise DataError(f"{path}: array 'x' must be [N, ...] with ndim >= 2, got {x.shape}")
-    if y.ndim != 1:
-        raise DataError(f"{path}: array 'y' must be [N], got shape {y.shape}")
-    if len(x) != len(y):
-        raise DataError(f"{path}: arrays 'x' and 'y' differ in length ({len(x)} != {len(y)})")
-    if len(y) == 0:
-        raise DataError(f"{path}: arrays 'x' and 'y' are empty")
+    if x_dtype != np.float32:
+        raise DataError(f"array 'x' must be float32, got {x_dtype}")
+    if y_dtype != np.int64:
+        raise DataError(f"array 'y' must be int64, got {y_dtype}")
+    if len(x_shape) < 2:
+        raise DataError(f"array 'x' must be [N, ...] with ndim >= 2, got {x_shape}")
+    if len(y_shape) != 1:
+        raise DataError(f"array 'y' must be [N], got shape {y_shape}")
+    if x_shape[0] != y_shape[0]:
+        raise DataError(f"arrays 'x' and 'y' differ in length ({x_shape[0]} != {y_shape[0]})")
+    if y_shape[0] == 0:
+        raise DataError("arrays 'x' and 'y' are empty")
+
+
+def check_features(x: npt.NDArray[Any]) -> None:
+    """Refuse NaN or infinite features.
+
+    Args:
+        x: ``x`` whole, or any piece of it (float32).
+
+    Raises:
+        DataError: a value of ``x`` is NaN or infinite.
+    """
     if not np.isfinite(x).all():
-        raise DataError(f"{path}: array 'x' contains NaN or infinite values")
-    if y.min() < 0:
-        raise DataError(f"{path}: array 'y' has labels out of range (min {y.min()} < 0)")
-    if y.max() < 1:
-        raise DataError(f"{path}: array 'y' needs at least 2 classes (labels 0..C-1)")
+        raise DataError("array 'x' contains NaN or infinite values")
+
+
+def check_labels(low: int, high: int) -> None:
+    """Refuse labels that are not 0..C-1 with C >= 2, from their extremes.
+
+    Args:
+        low: the smallest label of ``y``.
+        high: the largest label of ``y``.
+
+    Raises:
+        DataError: a negative label, or fewer than two classes.
+    """
+    if low < 0:
+        raise DataError(f"array 'y' has labels out of range (min {low} < 0)")
+    if high < 1:
+        raise DataError("array 'y' needs at least 2 classes (labels 0..C-1)")
 
 
 def shard_bounds(n: int, shard_index: int, shard_count: int) -> tuple[int, int]:
@@ -275,7 +333,9 @@ def inner_total_steps(spec: TrainJobSpec, n_train: int) -> int:
     """Return the steps per shard of a sync or diloco job: ``spec.steps``, else epochs x P.
 
     P is ``steps_per_epoch``. For ``strategy: diloco`` these are the inner (local optimizer)
-    steps each shard takes; for ``sync`` they are the optimizer steps.
+    steps each shard takes (its outer steps: ``outer_steps.outer_total_steps``); for ``sync``
+    they are the optimizer steps. Global step g of a sync job is (epoch, step_in_epoch) =
+    divmod(g, P).
 
     Args:
         spec: the job (its steps or epochs, workers, batch size and grad_accum_steps).
@@ -287,27 +347,20 @@ def inner_total_steps(spec: TrainJobSpec, n_train: int) -> int:
     return epochs * steps_per_epoch(n_train, spec.workers, spec.batch_size, spec.grad_accum_steps)
 
 
-def total_steps(spec: TrainJobSpec, n_train: int) -> int:
-    """Return the coordinator's steps of a job: ``spec.steps`` if set, else epochs x P.
+def worker_steps(spec: TrainJobSpec, n_train: int) -> int:
+    """Return the optimizer steps each worker takes over a job: what ``max_steps`` caps.
 
-    With ``strategy: allreduce`` an epoch is ``partition.allreduce_steps_per_epoch`` steps.
-    With ``strategy: diloco`` the steps are OUTER steps, each covering ``inner_steps``
-    consecutive inner steps of an epoch (``outer_steps.outer_total_steps``), and ``spec.steps``
-    counts inner steps per shard.
-
-    Global (outer) step g is (epoch, step_in_epoch) = divmod(g, steps per epoch).
+    sync: the job's steps (``inner_total_steps``); diloco: its inner steps per shard
+    (``inner_total_steps``; its outer steps are fewer); allreduce: the job's steps
+    (``partition.allreduce_total_steps``).
 
     Args:
         spec: the job (its steps or epochs, workers, batch size and grad_accum_steps).
         n_train: training rows N of its data set.
     """
-    if spec.strategy == "allreduce":  # epochs of global batches, whatever the world size
+    if spec.strategy == "allreduce":
         return allreduce_total_steps(spec, n_train)
-    inner = inner_total_steps(spec, n_train)
-    if spec.strategy == "diloco":
-        per_epoch = steps_per_epoch(n_train, spec.workers, spec.batch_size, spec.grad_accum_steps)
-        return outer_total_steps(inner, per_epoch, spec.inner_steps)
-    return inner
+    return inner_total_steps(spec, n_train)
 
 
 def batch_indices(

@@ -7,8 +7,7 @@ epoch has ceil(P / H) outer steps and its last one may cover fewer than H. A spe
 counts INNER steps per worker (S): the job runs the outer steps covering the first S inner
 steps of that layout, the last one cut at S. Local SGD rounds of H steps follow Douillard et
 al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models", algorithm 1.
-
-Kept apart from ``data`` (which imports it) so both can use it without a cycle.
+The coordinator's ``coordinator.training.diloco.DilocoSteps`` lays out a job's steps with it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Part 2 of ``make bench-memory`` (see ``bench_memory.py``). One coordinator and 3 workers run as
 processes on loopback (``shared.local_cluster.LocalCluster``), each memory on two workers
 (RF=2). The benchmark is a client (``shared.client.Client``) in this process, doing what the
-``memory`` job does (``coordinator/memory_job.py``) with the job's defaults
+``memory`` job does (``coordinator/memory/memory_job.py``) with the job's defaults
 (``configs/jobs/memory-zipf.yaml``):
 
 - load: generated memories upserted in batches of 100k (new ids: inserts);
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.access_stream import ScrambledZipfStream, generate_memories
+from coordinator.memory.access_stream import ScrambledZipfStream, generate_memories
 from shared.cli.local_cluster import LocalCluster
 from shared.client import Client
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from worker import kernels
+from worker.store import kernels
 
 K_TOP = 100
 K_REINFORCE = 100_000
@@ -201,14 +201,14 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
 
 
 def run_ingest_bench(sizes: tuple[int, ...], batch: int, batches: int) -> dict[str, float]:
-    """Load a ``worker.store.SlotStore`` (1024 slots) from empty in batches of new ids.
+    """Load a ``worker.store.store.SlotStore`` (1024 slots) from empty in batches of new ids.
 
     At each size held: ``batches`` more batches of new ids, then ``batches`` overwrites of
     ids held (random, with repeats). Returns rates (memories/s, wall and CPU) per phase; a
     phase's rate is its memories over its total time, so a batch that lays the store out
     again counts, and ``*_p50_ms`` the median batch.
     """
-    from worker.store import SlotStore  # the tree under test (see _run_tree)
+    from worker.store.store import SlotStore  # the tree under test (see _run_tree)
 
     warm = SlotStore(1024)  # compile (or load numba's cache) before anything is timed
     warm.upsert(np.arange(5000, dtype=np.uint64), np.zeros(5000, np.float32))
@@ -260,7 +260,7 @@ def run_store_bench(n: int, repeats: int) -> dict[str, float]:
     decay, reinforce of 100k Zipf ids, quality and top-100 over every slot, and over a
     third of the slots (a worker's primaries: what it serves in the memory job).
     """
-    from worker.store import SlotStore
+    from worker.store.store import SlotStore
 
     rng = np.random.default_rng(2)
     ids = np.unique(rng.integers(0, 2**64 - 1, n + n // 50, np.uint64, endpoint=True))

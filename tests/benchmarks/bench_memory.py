@@ -40,7 +40,7 @@ from tests.benchmarks.bench_kernels import _row as _kernel_row
 from tests.benchmarks.bench_kernels import format_table, run_kernel_bench, topk_numba
 from tests.benchmarks.bench_latency import latency_section, run_latency_bench
 from tests.benchmarks.bench_redis import RedisResult, run_redis_bench
-from worker import kernels
+from worker.store import kernels
 
 GOAL_DECAY_VS_FUSED = 1.5
 GOAL_ITERATION_MS = 15.0

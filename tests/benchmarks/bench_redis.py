@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.access_stream import ScrambledZipfStream, generate_memories
+from coordinator.memory.access_stream import ScrambledZipfStream, generate_memories
 from tests.benchmarks.bench_cluster import ALPHA, BATCH, BOOST, DECAY_RATE, PHASES, SEED, TOP_K
 
 KEY = "memories"

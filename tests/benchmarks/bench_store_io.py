@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.access_stream import generate_memories
+from coordinator.memory.access_stream import generate_memories
 from shared.cli.local_cluster import LocalCluster
 from shared.client import Client
 from tests.benchmarks.bench_cluster import _proc_kib

@@ -31,7 +31,7 @@ from typing import Any
 
 from shared.cli.local_cluster import LocalCluster
 from shared.client import SyncClient
-from shared.net.link_settings import load_links
+from shared.netem.link_settings import load_links
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = 0.95

@@ -28,6 +28,7 @@ from tests.chaos.helpers import (
     wait_for,
 )
 from tests.memory_reference import ReferenceStore
+from worker.allreduce.allreduce_sessions import CHILD_MODULE
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -143,7 +144,7 @@ def _training_children() -> int:
     """Processes running an allreduce job's training child (any left behind is a leak)."""
     import subprocess
 
-    out = subprocess.run(["pgrep", "-f", "worker.allreduce_child"], capture_output=True)
+    out = subprocess.run(["pgrep", "-f", CHILD_MODULE], capture_output=True)
     return len(out.stdout.split())
 
 
@@ -160,6 +161,8 @@ async def test_kill9_worker_during_allreduce_new_generation_succeeds(tmp_path: P
                 per_epoch = progress.get("steps", 0) // progress.get("epochs", 1)
                 if progress and progress["step"] >= 2 * per_epoch + per_epoch // 2:
                     break
+            # The pattern finds the children while they run (else "none left" means nothing).
+            assert _training_children() == 3
             # Act
             await asyncio.to_thread(cluster.kill_worker, 1)
             final = await client.wait(job.job_id)

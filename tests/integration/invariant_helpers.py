@@ -111,7 +111,7 @@ class Cluster(InProcessCluster):
         w = self.workers.pop(index)
         if w._tasks is not None:
             w._tasks.cancel()
-        await w.server.stop(0)
+        await w.rpc.server.stop(0)
         self.killed.append(w)
         return w.name
 

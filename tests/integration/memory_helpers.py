@@ -34,8 +34,10 @@ async def settled_copy_counts(cluster) -> tuple[int, int]:
 
 def copy_counts(cluster) -> tuple[int, int]:
     """(CopySlots requests answered, slots copied by completed passes) of the coordinator."""
-    rb = cluster.coordinator.cluster.rebalancer
-    return rb.copy_requests_total, rb.copies_total
+    coord = cluster.coordinator.cluster
+    registry = coord.metrics.registry
+    requests = registry.get_sample_value("neuroshard_slot_copy_requests_total")
+    return int(requests or 0), coord.rebalancer.copies_total
 
 
 async def assert_copies_were_split(cluster, before: tuple[int, int]) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from tests.fixtures import ALLOWED_MODELS
 from tests.integration.test_failover import FAST_HEARTBEATS, kill_abruptly
+from worker.allreduce.allreduce_sessions import CHILD_MODULE
 
 pytestmark = pytest.mark.integration
 
@@ -116,10 +117,12 @@ async def test_refused_model_fails_the_job_with_the_workers_reason(make_cluster)
     assert "refused the job" in final.error and "allowed_models" in final.error
     # Refused before any training process started (nothing imported the module there): no
     # child of this process (the in-process worker's) runs the training child.
+    import importlib.util
     import os
     import subprocess
 
-    mine = ["pgrep", "-P", str(os.getpid()), "-f", "worker.allreduce_child"]
+    assert importlib.util.find_spec(CHILD_MODULE) is not None  # the pattern names the child
+    mine = ["pgrep", "-P", str(os.getpid()), "-f", CHILD_MODULE]
     procs = subprocess.run(mine, capture_output=True)  # noqa: ASYNC221
     assert procs.stdout == b""
 

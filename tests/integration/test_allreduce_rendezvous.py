@@ -26,18 +26,18 @@ import grpc
 import pytest
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from coordinator.allreduce_generation import Generation
+from coordinator.training.allreduce_generation import Generation
 from shared.client import Client
 from shared.proto import worker_pb2, worker_pb2_grpc
 from tests.integration.test_allreduce import _max_diff, _spec, reference_params
-from worker.rendezvous_store import interface_addresses
+from worker.allreduce.rendezvous_store import interface_addresses
 
 pytestmark = pytest.mark.integration
 
 Address = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
 
 
-def _children(name: str = "worker.allreduce_child") -> list[int]:
+def _children(name: str = "worker.allreduce.allreduce_child") -> list[int]:
     """Pids of this process's children running ``name`` (the in-process workers' children)."""
     found = []
     for entry in Path("/proc").iterdir():

@@ -1,5 +1,6 @@
-"""``strategy: diloco`` through real daemons (issue 11, part 7): accuracy with few round trips,
-compressed pseudo-gradients, and a worker killed between outer steps.
+"""``strategy: diloco`` through real daemons (issue 11, part 7): the parameters of a
+single-process DiLoCo, accuracy with few round trips, compressed pseudo-gradients, and a worker
+killed between outer steps.
 
 A coordinator and workers serve in-process over gRPC (port 0). Round trips are counted where
 the worker's servicer calls its sessions (one ``sessions.compute`` per ComputeGradients call).
@@ -13,8 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
+from shared.config import TrainJobSpec
+from shared.training.data import load_dataset
 from tests.integration.test_failover import FAST_HEARTBEATS, kill_abruptly
 from tests.integration.test_network_training import run_job
+from tests.integration.test_training_equivalence import assert_same_state, load_saved_model
+from tests.training_reference import train_diloco_single_process
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +37,43 @@ class CountCalls:
     async def compute(self, *args: Any) -> Any:
         self.calls += 1
         return await self._compute(*args)
+
+
+async def test_diloco_job_ends_with_single_process_diloco_parameters(make_cluster) -> None:
+    # Arrange: shards of 479/478/478 rows, batch 48: 10 inner steps an epoch whose last
+    # batches differ (47/46/46 rows); H = 4 cuts an epoch into 4 + 4 + 2 inner steps, and 18
+    # inner steps end mid-epoch: 5 outer steps. SGD with momentum carries inner state across
+    # outer steps; warm-up then cosine over the job's 18 inner steps sets each one's lr.
+    spec = {
+        "kind": "train",
+        "strategy": "diloco",
+        "workers": 3,
+        "model": {"name": "mlp", "hidden": [32]},
+        "data": "digits",
+        "precision": "fp32",
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "lr_schedule": {"name": "cosine", "warmup_steps": 3, "min_lr_factor": 0.1},
+        "inner_steps": 4,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "steps": 18,
+        "batch_size": 48,
+        "test_fraction": 0.201,
+        "seed": 7,
+    }
+    parsed = TrainJobSpec.model_validate(spec)
+    digits = load_dataset(parsed.data, parsed.seed, parsed.test_fraction)
+    expected = train_diloco_single_process(parsed, digits).state_dict()
+    cluster = await make_cluster(workers=3)
+
+    # Act
+    final = await run_job(cluster, spec)
+
+    # Assert
+    assert final.state == "SUCCEEDED", final.error
+    assert (final.result["inner_steps"], final.result["outer_steps"]) == (18, 5)
+    assert final.result["worker_failures"] == 0
+    assert_same_state(load_saved_model(final.result), expected)
 
 
 async def test_diloco_reaches_095_with_far_fewer_round_trips_than_sync(make_cluster) -> None:

@@ -19,8 +19,8 @@ from tests.conftest import InProcessCluster, wait_until
 from tests.integration.memory_helpers import SMALL_COPIES, SMALL_MESSAGES, assert_cluster_equals
 from tests.integration.test_failover import Writer, kill_abruptly
 from tests.memory_reference import ReferenceStore
-from worker import journal as journal_mod
-from worker.journal import Journal, StorageFailed, lock_data_dir
+from worker.store import journal as journal_mod
+from worker.store.journal import Journal, StorageFailed, lock_data_dir
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +52,7 @@ async def crash_coordinator(cluster: InProcessCluster) -> None:
     if c._background is not None:
         c._background.cancel()
         await asyncio.gather(c._background, return_exceptions=True)
-    await c.server.stop(0)
+    await c.rpc.server.stop(0)
     await c.cluster.close()
 
 

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-import coordinator.store_export as store_export
+import coordinator.memory.store_export as store_export
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
 from shared.rpc.chunking import memory_sizes

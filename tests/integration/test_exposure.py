@@ -79,8 +79,8 @@ async def test_probe_port_serves_health_only(tmp_path: Path) -> None:
     server = CoordinatorServer(cfg)
     await server.start()
     try:
-        assert server.probe_port
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.probe_port}") as ch:
+        assert server.rpc.probe_port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.rpc.probe_port}") as ch:
             health = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(), timeout=5
             )

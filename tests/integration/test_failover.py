@@ -26,7 +26,7 @@ async def kill_abruptly(worker) -> None:
     """Stop serving and heartbeating at once, as kill -9 would (no drain, no goodbye)."""
     if worker._tasks is not None:
         worker._tasks.cancel()
-    await worker.server.stop(0)
+    await worker.rpc.server.stop(0)
 
 
 class Writer:

@@ -12,11 +12,13 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.membership import WorkerState
+from coordinator.placement import failure_detector
+from coordinator.placement.membership import WorkerState
 from shared.client import Client
 from shared.memory.slots import slot_of
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
+from shared.rpc.peers import WorkerClients
 from tests.conftest import wait_until
 from tests.integration.memory_helpers import SMALL_COPIES, SMALL_MESSAGES, assert_cluster_equals
 from tests.integration.test_failover import Writer, kill_abruptly
@@ -208,17 +210,17 @@ async def test_a_readers_reports_about_a_busy_worker_kill_nothing(
     async with Client(cluster.address, security=reader) as c:
         await c.wait_ready()
     coord = cluster.coordinator.cluster
-    answers = coord.failures._answers
+    probe = failure_detector.probe_health
 
     probed: list[str] = []
 
-    async def busy(name: str) -> tuple[bool, str]:
+    async def busy(clients: WorkerClients, name: str, address: str, timeout_s: float) -> str | None:
         probed.append(name)
         if name == "worker-0" and probed.count(name) % 2:
-            return False, "deadline exceeded"
-        return await answers(name)
+            return "DEADLINE_EXCEEDED: deadline exceeded"
+        return await probe(clients, name, address, timeout_s)
 
-    monkeypatch.setattr(coord.failures, "_answers", busy)
+    monkeypatch.setattr(failure_detector, "probe_health", busy)
     epoch, probes = coord.rebalancer.current.epoch, coord.failures.probes_total
 
     # Act: the reader reports worker-0 again and again
@@ -241,7 +243,8 @@ async def test_a_readers_reports_about_a_busy_worker_kill_nothing(
     )
 
     # Assert: probed, not confirmed, still ALIVE, the map unchanged; the excess refused
-    assert coord.failures.unconfirmed_total >= 1
+    unconfirmed = "neuroshard_worker_suspicions_unconfirmed_total"
+    assert coord.metrics.registry.get_sample_value(unconfirmed) >= 1
     assert coord.membership.get("worker-0").state is WorkerState.ALIVE
     assert coord.rebalancer.current.epoch == epoch
     assert codes.count(grpc.StatusCode.OK) <= 11  # burst 10 (+1 refilled)

@@ -58,8 +58,8 @@ class FenceHold:
     def __init__(
         self, monkeypatch: pytest.MonkeyPatch, where: str, joiner: str, keepers: set[str]
     ) -> None:
-        from coordinator.rebalance import Rebalancer
-        from worker.memory_node import MemoryNode
+        from coordinator.placement.rebalance import Rebalancer
+        from worker.memory.memory_node import MemoryNode
 
         self.reached, self.release = asyncio.Event(), asyncio.Event()
         if where == "adoption":

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from grpc import aio
 
-from coordinator.readmission import PUSHBACK_KEY
-from shared.net.link_proxy import LinkProxy, LinkSettings
+from coordinator.placement.readmission import PUSHBACK_KEY
+from shared.netem.link_proxy import LinkProxy, LinkSettings
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import InProcessCluster, wait_until
 from tests.integration.invariant_helpers import wait_settled
@@ -112,7 +112,9 @@ async def test_a_worker_cut_one_way_is_held_down_not_flapping(make_cluster) -> N
         epochs_in_cut = coord.rebalancer.current.epoch - epoch_at_cut
         deaths_in_cut = _deaths(cluster, "w1")
         state_at_heal = coord.membership.get("w1").state.value  # type: ignore[union-attr]
-        refusals_in_cut = coord.readmission.refused_total
+        refusals_in_cut = coord.metrics.registry.get_sample_value(
+            "neuroshard_readmissions_refused_total"
+        )
         acked_at_heal = len(writer.acked)
         link.heal()
         # Admitted once reachable: after the hold-down (at most its cap) and the worker's

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.membership import WorkerState
+from coordinator.placement.membership import WorkerState
 from shared.cli.main import main
 from shared.client import NeuroshardError
 from shared.memory.slots import slot_of
@@ -26,7 +26,7 @@ async def kill_abruptly(worker) -> None:
     """Stop serving and heartbeating at once, as kill -9 would (no drain, no goodbye)."""
     if worker._tasks is not None:
         worker._tasks.cancel()
-    await worker.server.stop(0)
+    await worker.rpc.server.stop(0)
 
 
 def _reported(cluster, ids: np.ndarray) -> bool:

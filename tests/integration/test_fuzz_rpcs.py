@@ -45,7 +45,7 @@ from shared.proto import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from shared.rpc.codec import tensors_to_chunks
+from shared.rpc.codec import rows_to_bytes, tensors_to_chunks
 from tests.fuzz_strategies import fuzz, message_bytes
 from worker.server import WorkerServer
 from worker.worker_servicer import WorkerServicer
@@ -71,7 +71,7 @@ LEFT_OPEN = {"/neuroshard.v1.Coordinator/WatchJob"}  # follows a QUEUED job unti
 SKIPPED = {
     # Copies slots to the named target and forwards every later write of them there; its
     # input is the coordinator's own plan. Its slot list is checked by the store's as_slots,
-    # fuzzed in tests/unit/worker/test_fuzz_decoders.py; an unreachable target is
+    # fuzzed in tests/unit/worker/store/test_fuzz_decoders.py; an unreachable target is
     # test_copy_to_an_unreachable_worker_is_unavailable.
     "/neuroshard.v1.Worker/CopySlots",
 }
@@ -137,6 +137,7 @@ KEPT_IDS = rng.integers(1 << 62, 1 << 63, size=12, dtype=np.uint64)
 KEPT_STRENGTHS = rng.random(12, dtype=np.float32)
 KEPT_PAYLOADS = [bytes([i]) * (i + 1) for i in range(12)]
 SEED_IDS = np.array([1, 2, 3, 1000, 2**33 + 7], np.uint64)  # what the write seeds carry
+STEP_ROWS = rows_to_bytes(np.arange(8))  # the rows ComputeGradients' seeds name
 TINY_TRAIN = {
     "kind": "train",
     "name": "fuzz",
@@ -373,7 +374,13 @@ def seeds(method: Method, c: Cluster) -> list[Any]:
     if method.name == "ComputeGradients":
         header = worker_pb2.GradientRequest(
             header=worker_pb2.StepHeader(
-                job_id=JOB_ID, step=0, params_version=7, params_included=True, shard_count=1
+                job_id=JOB_ID,
+                step=0,
+                params_version=7,
+                params_included=True,
+                shard_count=1,
+                explicit_rows=True,
+                rows=STEP_ROWS,
             )
         )
         chunks = [worker_pb2.GradientRequest(param=ch) for ch in tensors_to_chunks(_params(c), 256)]
@@ -624,7 +631,13 @@ def test_compute_gradients_with_parameters_of_another_model_is_invalid_argument(
     cluster: Cluster,
 ) -> None:
     header = worker_pb2.GradientRequest(
-        header=worker_pb2.StepHeader(job_id=JOB_ID, params_version=7, params_included=True)
+        header=worker_pb2.StepHeader(
+            job_id=JOB_ID,
+            params_version=7,
+            params_included=True,
+            explicit_rows=True,
+            rows=STEP_ROWS,
+        )
     )
     method = next(m for m in METHODS if m.name == "ComputeGradients")
     code = call(cluster, method, [header.SerializeToString()])  # no parameters at all
@@ -635,11 +648,33 @@ def test_compute_gradients_with_a_non_finite_loss_scale_is_invalid_argument(
     cluster: Cluster,
 ) -> None:
     header = worker_pb2.GradientRequest(
-        header=worker_pb2.StepHeader(job_id=JOB_ID, params_version=7, loss_scale=float("nan"))
+        header=worker_pb2.StepHeader(
+            job_id=JOB_ID,
+            params_version=7,
+            loss_scale=float("nan"),
+            explicit_rows=True,
+            rows=STEP_ROWS,
+        )
     )
     method = next(m for m in METHODS if m.name == "ComputeGradients")
     code = call(cluster, method, [header.SerializeToString()])
     assert code is SC.INVALID_ARGUMENT
+
+
+def test_compute_gradients_without_explicit_rows_is_invalid_argument(cluster: Cluster) -> None:
+    # The worker does not choose a step's rows: the coordinator always names them.
+    header = worker_pb2.GradientRequest(
+        header=worker_pb2.StepHeader(job_id=JOB_ID, params_version=7, epoch=0, step_in_epoch=0)
+    )
+    method = next(m for m in METHODS if m.name == "ComputeGradients")
+    request = header.SerializeToString()
+
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in cluster.channels["worker"].stream_stream(method.path)(iter([request]), timeout=10):
+            pass
+
+    assert info.value.code() is SC.INVALID_ARGUMENT
+    assert info.value.details().startswith("explicit_rows: must be true")
 
 
 def test_report_failure_of_a_slot_out_of_range_is_invalid_argument(cluster: Cluster) -> None:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.cli.local_cluster import LocalCluster
 from shared.client import SyncClient
-from shared.net.link_proxy import LinkProxy, LinkSettings
+from shared.netem.link_proxy import LinkProxy, LinkSettings
 from tests.conftest import wait_until
 from tests.integration.cli_helpers import CLI, REPO, processes_mentioning, run_cli, start_link
 

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.access_stream import ScrambledZipfStream, generate_memories
-from coordinator.memory_job import reinforce_chunk
+from coordinator.memory.access_stream import ScrambledZipfStream, generate_memories
 from shared.client import NeuroshardError
+from shared.rpc.limits import request_items
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore
 
@@ -192,8 +192,9 @@ async def test_an_access_batch_is_sent_in_requests_the_workers_take(
 
     assert job.state == "SUCCEEDED", job.error
     assert job.result["accesses"] == 3 * batch
-    # The reference applies the same requests: the batch cut in chunks, in order.
-    step = chunk or reinforce_chunk(1 << 20, 1 << 20)
+    # The reference applies the same requests: the router cut the batch in chunks, in order
+    # (one slot holds more accesses than a request may carry).
+    step = chunk or request_items(1 << 20, 1 << 20, item_bytes=12)
     assert step < batch
     ref = ReferenceStore(slots=SLOTS)
     ids, strengths = generate_memories(memories, seed=5)

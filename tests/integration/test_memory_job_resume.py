@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator.access_stream import ScrambledZipfStream, generate_memories
+from coordinator.memory.access_stream import ScrambledZipfStream, generate_memories
 from coordinator.server import CoordinatorServer
 from shared.config import CoordinatorConfig
 from tests.conftest import wait_until

@@ -19,8 +19,8 @@ from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.rpc import channel
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
 from tests.conftest import InProcessCluster, wait_until
-from worker.store import SlotSnapshot
-from worker.wire import slot_messages
+from worker.memory.wire import slot_messages
+from worker.store.store import SlotSnapshot
 
 pytestmark = pytest.mark.integration
 
@@ -142,6 +142,26 @@ async def _stream(msgs: list[worker_pb2.SlotData]) -> AsyncIterator[worker_pb2.S
         yield m
 
 
+async def _refusal(stub: worker_pb2_grpc.WorkerStub, msgs: list[worker_pb2.SlotData]):
+    """The AioRpcError a ReceiveSlots call of ``msgs`` ends with.
+
+    When the worker refuses while the client still writes, grpcio's asyncio client may report
+    INTERNAL "Failed execute_batch" instead of the worker's status (grpc/grpc#36066: the
+    failed write overwrites the status already received; seen once in a full run under
+    load): such a call is made again, at most twice.
+    """
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ReceiveSlots(_stream(msgs), timeout=30)
+        err = info.value
+        if not (
+            err.code() is grpc.StatusCode.INTERNAL
+            and "execute_batch" in (err.debug_error_string() or "")
+        ):
+            break
+    return err
+
+
 def _snapshot(slot: int, n: int, seq: int = 5) -> SlotSnapshot:
     ids = np.arange(1, 200_000, dtype=np.uint64)
     ids = ids[slot_of(ids, S) == slot][:n]
@@ -161,12 +181,11 @@ async def test_a_slot_copy_stream_over_max_receive_slots_bytes_is_refused(make_c
 
     # Act
     async with channel(cluster.workers[0].address) as ch:
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await worker_pb2_grpc.WorkerStub(ch).ReceiveSlots(_stream(msgs), timeout=30)
+        err = await _refusal(worker_pb2_grpc.WorkerStub(ch), msgs)
 
     # Assert
-    assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"max_receive_slots_bytes {MiB}" in info.value.details()
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"max_receive_slots_bytes {MiB}" in (err.details() or "")
     assert _state(cluster) == before
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shared.net.link_proxy import LinkProxy
-from shared.net.link_settings import LinkSettings
+from shared.netem.link_proxy import LinkProxy
+from shared.netem.link_settings import LinkSettings
 from shared.training.data import Dataset
 from tests.integration.test_training_equivalence import (
     ADAM,

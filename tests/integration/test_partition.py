@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.client.memory import MemoryRouter, RoutingError
 from shared.memory.slots import slot_of
-from shared.net.link_proxy import LinkProxy, LinkSettings
+from shared.netem.link_proxy import LinkProxy, LinkSettings
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc import channel
 from tests.conftest import InProcessCluster, wait_until

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from coordinator.forget import WorkerNotDead, WorkerUnknown, count_lost, forget_worker, sole_copies
-from coordinator.membership import Membership
 from coordinator.persistence import StateStore
-from coordinator.slot_map import SlotMap
-from coordinator.trust import SlotTrust
+from coordinator.placement.membership import Membership
+from coordinator.placement.slot_map import SlotMap
+from coordinator.placement.slot_trust import SlotTrust
 
 # slot: 0 (d0, a)   1 (d0, d1)   2 (a, d0)   3 (d0, "")   4 (b, a)   5 (d0, b)
 # a and b are alive; d0 and d1 are dead; b's copy of slot 5 is untrusted.

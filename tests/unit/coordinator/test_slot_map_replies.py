@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.cluster import Cluster
 from coordinator.coordinator_servicer import CoordinatorServicer
+from coordinator.data_servicer import DataServicer
 from shared.config import CoordinatorConfig
 from shared.metrics import Metrics
 from shared.proto import coordinator_pb2
@@ -33,7 +34,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
 async def test_the_registration_reply_carries_the_slot_count_and_both_limits(
     cluster: Cluster,
 ) -> None:
-    servicer = CoordinatorServicer(cluster)
+    servicer = CoordinatorServicer(cluster, DataServicer(cluster))
     request = coordinator_pb2.RegisterWorkerRequest(name="w0", address="127.0.0.1:1")
 
     reply = await servicer.RegisterWorker(request, None)  # type: ignore[arg-type]
@@ -44,7 +45,7 @@ async def test_the_registration_reply_carries_the_slot_count_and_both_limits(
 
 
 async def test_get_slot_map_and_pushed_maps_carry_both_limits(cluster: Cluster) -> None:
-    servicer = CoordinatorServicer(cluster)
+    servicer = CoordinatorServicer(cluster, DataServicer(cluster))
     cluster.register_worker("w0", "127.0.0.1:1", "cpu")
     cluster.rebalancer.current.primary[:] = ["w0"] * 8
     cluster.rebalancer.current.epoch = 3

@@ -1,0 +1,286 @@
+"""Admission of a job spec: everything checked before a job is queued.
+
+See docs/architecture.md, "Trust boundaries".
+
+In order: the spec's size (``max_spec_bytes``), its schema, its entry points (listed in
+``allowed_models``, args bound to the factory's signature, nothing called), its file paths
+(confined to ``data_roots``), then estimates of what running it would cost, against the caps:
+the data set's bytes (``max_dataset_bytes``) and what generating a synthetic one takes
+(``max_synthetic_bytes``), the model's parameters (``max_model_params``) and one
+micro-batch's activations (``max_activation_bytes``), both from a model built and run on
+torch's ``meta`` device, which allocates no storage, the training steps or memory iterations
+(``max_steps``), the memories (``max_memories_per_job``) and one access batch
+(``max_access_batch_bytes``). Nothing is imported, opened or allocated for a spec that an
+earlier check refused.
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.config import (
+    ACCESS_BYTES,
+    BuiltinData,
+    ConfigError,
+    CoordinatorConfig,
+    FileData,
+    JobSpec,
+    MemoryJobSpec,
+    TraceAccess,
+    TrainJobSpec,
+    ZipfAccess,
+    job_spec_from_json,
+)
+from shared.npz import UNREADABLE, NpyHeaderError, npz_members, read_npy_header
+from shared.security.confinement import resolve_data_paths
+from shared.training.data import synthetic_peak_bytes, worker_steps
+from shared.training.entry_points import EntryPointError, check_entries
+from shared.training.models import ModelError, activation_bytes, build_model, count_params
+
+DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
+
+
+class LimitExceeded(Exception):
+    """A spec asks for more than an admission cap allows (RESOURCE_EXHAUSTED).
+
+    The message names the spec key, the value and the cap.
+    """
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What admission needs to know of a training set: N samples, one sample's shape, C."""
+
+    samples: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def _cap(key: str, value: int, cap: int, cap_name: str, unit: str = "", what: str = "") -> None:
+    """Refuse ``value`` over ``cap``: ``KEY: VALUE UNIT WHAT exceeds ... CAP_NAME CAP UNIT``.
+
+    Raises:
+        LimitExceeded: value > cap (RESOURCE_EXHAUSTED).
+    """
+    if value > cap:
+        raise LimitExceeded(
+            f"{key}: {value}{unit}{what} exceeds the coordinator's {cap_name} {cap}{unit}"
+        )
+
+
+def admit(spec_json: str, cfg: CoordinatorConfig) -> JobSpec:
+    """Parse a submitted spec and check it against the coordinator's policy and caps.
+
+    Args:
+        spec_json: the spec as the SubmitJob RPC carries it (UTF-8 JSON).
+        cfg: the coordinator's config (caps, ``allowed_models``, ``data_roots``).
+
+    Returns:
+        The validated spec, unchanged (paths are resolved again when the job runs).
+
+    Raises:
+        LimitExceeded: over a cap (RESOURCE_EXHAUSTED).
+        ConfigError: invalid spec, a missing or malformed file inside the roots, a model
+            that cannot be built for the data, or an entry's args that do not fit its
+            signature (INVALID_ARGUMENT).
+        PathRefused: a path outside the data roots (INVALID_ARGUMENT).
+        EntryPointRefused: an entry not in ``allowed_models``, or not a public function or
+            class defined in its listed module (PERMISSION_DENIED).
+    """
+    _cap(
+        "spec",
+        len(spec_json.encode("utf-8", "surrogatepass")),
+        cfg.max_spec_bytes,
+        "max_spec_bytes",
+        " bytes",
+    )
+    spec = job_spec_from_json(spec_json)
+    try:
+        check_entries(spec, {"allowed_models": cfg.allowed_models}, "coordinator")
+    except EntryPointError as exc:
+        raise ConfigError(str(exc)) from None
+    paths = resolve_data_paths(spec, cfg.dataset_roots())
+    for key, path in paths.items():
+        _cap(key, _data_bytes(key, path), cfg.max_dataset_bytes, "max_dataset_bytes", " bytes")
+    if isinstance(spec, TrainJobSpec):
+        _admit_train(spec, paths.get("data.path"), cfg)
+    else:
+        _admit_memory(spec, paths.get("load"), paths.get("access.trace"), cfg)
+    return spec
+
+
+def _file_size(key: str, path: Path) -> int:
+    """Size of a file inside the roots, bytes. Raises: ConfigError when it is missing."""
+    if not path.is_file():
+        raise ConfigError(f"{key}: no file {path.name!r} in the coordinator's data roots")
+    return path.stat().st_size
+
+
+def _data_bytes(key: str, path: Path) -> int:
+    """Bytes a file holds once loaded.
+
+    The file's size, or for an ``.npz`` (a zip archive, possibly compressed) the sum of its
+    arrays' sizes from their headers, whichever is larger.
+
+    Raises:
+        ConfigError: missing file, or an archive whose headers cannot be read.
+    """
+    size = _file_size(key, path)
+    if not zipfile.is_zipfile(path):
+        return size
+    arrays = npz_headers(key, path).values()
+    return max(size, sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays))
+
+
+def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
+    shape = data_shape(spec.data, path, cfg.max_dataset_bytes, cfg.max_synthetic_bytes)
+    try:
+        model = build_model(
+            spec.model,
+            shape.input_shape,
+            shape.num_classes,
+            spec.seed,
+            cfg.allowed_models,
+            "coordinator",
+            device="meta",
+        )
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
+    _cap("model", count_params(model), cfg.max_model_params, "max_model_params", " parameters")
+    activations = activation_bytes(model, shape.input_shape, spec.batch_size)
+    if activations is not None:
+        _cap(
+            "batch_size",
+            activations,
+            cfg.max_activation_bytes,
+            "max_activation_bytes",
+            " bytes",
+            f" of activations for {spec.batch_size} rows",
+        )
+    n_train = shape.samples - math.ceil(shape.samples * spec.test_fraction)
+    steps = worker_steps(spec, max(n_train, 1))
+    key = "steps" if spec.steps is not None else "epochs"
+    _cap(key, steps, cfg.max_steps, "max_steps", " steps")
+
+
+def data_shape(
+    data: BuiltinData | FileData,
+    path: Path | None,
+    max_bytes: int,
+    max_synthetic_bytes: int | None = None,
+) -> DataShape:
+    """Samples, sample shape and classes of a job's data set, without loading ``x``.
+
+    Args:
+        data: the spec's ``data``.
+        path: the confined path of a file data set; None for a built-in one.
+        max_bytes: ``max_dataset_bytes``: a synthetic set's x as float32 must fit.
+        max_synthetic_bytes: ``max_synthetic_bytes``: what generating a synthetic set
+            takes (``synthetic_peak_bytes``) must fit; None: not checked.
+
+    Raises:
+        LimitExceeded: a synthetic set over either cap (RESOURCE_EXHAUSTED); the message
+            names the key and its samples, features and classes.
+        ConfigError: a file whose arrays are missing or malformed (names the array).
+    """
+    if isinstance(data, BuiltinData):
+        if data.name == "digits":
+            return DataShape(DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES)
+        _cap(
+            "data.samples",
+            data.samples * data.features * 4,
+            max_bytes,
+            "max_dataset_bytes",
+            " bytes",
+        )
+        if max_synthetic_bytes is not None:
+            _cap(
+                "data",
+                synthetic_peak_bytes(data.samples, data.features, data.classes),
+                max_synthetic_bytes,
+                "max_synthetic_bytes",
+                " bytes",
+                f" to generate (samples {data.samples}, features {data.features}, "
+                f"classes {data.classes})",
+            )
+        return DataShape(data.samples, (data.features,), data.classes)
+    assert path is not None
+    headers = npz_headers("data.path", path)
+    x_shape, y_shape = headers.get("x"), headers.get("y")
+    if x_shape is None or y_shape is None:
+        raise ConfigError(f"data.path: {path.name} needs arrays 'x' and 'y'")
+    if len(x_shape[0]) < 2 or len(y_shape[0]) != 1 or x_shape[0][0] != y_shape[0][0]:
+        raise ConfigError(
+            f"data.path: {path.name}: expected x [N, ...] and y [N], got x {x_shape[0]} "
+            f"and y {y_shape[0]}"
+        )
+    if y_shape[1] != np.dtype(np.int64) or y_shape[0][0] == 0:
+        raise ConfigError(f"data.path: {path.name}: y must be non-empty int64 labels")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            classes = int(npz["y"].max()) + 1
+    except UNREADABLE as exc:
+        raise ConfigError(f"data.path: {path.name}: array 'y' is not readable ({exc})") from None
+    return DataShape(int(x_shape[0][0]), tuple(int(d) for d in x_shape[0][1:]), max(classes, 2))
+
+
+def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of every ``.npy`` member of an ``.npz``, read from the headers only.
+
+    Raises:
+        ConfigError: not a zip of ``.npy`` arrays, or a header that cannot be read.
+    """
+    out: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for member in npz_members(zf):
+                out[member.name] = (member.shape, member.dtype)
+    except UNREADABLE as exc:
+        raise ConfigError(f"{key}: {path.name} is not a readable .npz ({exc})") from None
+    return out
+
+
+def _admit_memory(
+    spec: MemoryJobSpec, load: Path | None, trace: Path | None, cfg: CoordinatorConfig
+) -> None:
+    if spec.topk > cfg.topk_max:
+        raise ConfigError(f"topk: {spec.topk} exceeds the coordinator's topk_max {cfg.topk_max}")
+    _cap("iterations", spec.iterations, cfg.max_steps, "max_steps")
+    batch = spec.access.batch if isinstance(spec.access, ZipfAccess) else None
+    if isinstance(spec.access, TraceAccess) and trace is not None:
+        batch = _trace_batch(trace)
+    if batch is not None:
+        key = "access.batch" if isinstance(spec.access, ZipfAccess) else "access.trace"
+        _cap(
+            key,
+            batch * ACCESS_BYTES,
+            cfg.max_access_batch_bytes,
+            "max_access_batch_bytes",
+            " bytes",
+            f" for {batch} accesses",
+        )
+    if load is None:
+        _cap("memories", spec.memories, cfg.max_memories_per_job, "max_memories_per_job")
+        return
+    ids = npz_headers("load", load).get("ids")
+    if ids is not None:  # a missing array is reported, naming it, when the job loads the file
+        count = math.prod(ids[0])
+        _cap("load", count, cfg.max_memories_per_job, "max_memories_per_job", " memories")
+
+
+def _trace_batch(path: Path) -> int | None:
+    """B, the accesses per iteration of an ``.npy`` trace ([I, B] or [B]), from its header.
+
+    None when the header cannot be read: the job then fails naming the file when it loads it.
+    """
+    try:
+        with path.open("rb") as f:
+            shape = read_npy_header(f).shape
+    except (OSError, NpyHeaderError):
+        return None
+    return int(shape[-1]) if shape else None

@@ -1,0 +1,475 @@
+"""The ``train`` job with ``strategy: allreduce``: DDP on the workers, elastic generations.
+
+The job's workers form a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA) in
+child processes of the worker daemons and train with ``DistributedDataParallel``; the
+coordinator is their rendezvous (``coordinator.training.allreduce_generation``). Rank 0 sends its
+state (model, optimizer, lr schedule, grad scaler, step) every ``checkpoint_every_steps``
+and at every epoch's end: the coordinator checkpoints it to disk, evaluates it on the test
+split, and keeps the best model.
+
+Elastic membership: when a member dies or drains, the survivors' collectives fail (or time
+out after ``collective_timeout_s``) and their children keep their replicas. The coordinator
+opens a new generation with the survivors plus idle ALIVE workers, up to ``workers`` and at
+least ``min_workers`` (waiting up to ``queue_timeout_s`` for them). The survivor holding the
+newest step becomes rank 0 and broadcasts its state; with no survivor, the coordinator's
+newest state is sent instead. The next step's rows are split over the new ranks
+(``shared.training.partition``), so every row of an epoch is trained on exactly once. A
+worker that turns up while the job has fewer than ``workers`` ranks is taken in at the next
+generation, which the coordinator opens by asking the ranks to stop at their next control
+point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator.jobs.jobs import JobFailed, JobRecord, JobStore
+from coordinator.placement.membership import WorkerRecord
+from coordinator.training.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
+from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.training.evaluation import evaluate
+from coordinator.training.train_job import job_device
+from coordinator.training.train_sets import TrainSets
+from shared.config import CoordinatorConfig, TrainJobSpec
+from shared.logging import get_logger
+from shared.metrics import Metrics
+from shared.proto import worker_pb2
+from shared.rpc.peers import WorkerClients
+from shared.security.confinement import PathRefused, with_resolved_paths
+from shared.training.data import load_dataset
+from shared.training.models import build_model
+from shared.training.partition import (
+    allreduce_steps_per_epoch,
+    allreduce_total_steps,
+    global_batch_size,
+    step_rows,
+)
+
+log = get_logger(__name__)
+
+# Generations in a row that may end without a step of progress before the job fails.
+MAX_STALLED_GENERATIONS = 5
+# How long a worker may take to start its training process and open the store, seconds.
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class _EpochStats:
+    """What the ranks reported for one epoch: rows trained, loss summed (nats), correct."""
+
+    samples: int = 0
+    loss_sum: float = 0.0
+    correct: int = 0
+    seconds: float = 0.0  # rank 0's seconds in the epoch's training steps
+
+
+@dataclass
+class _Progress:
+    """The job's position and what it accumulated.
+
+    Attributes:
+        applied: steps applied (the newest step any replica or the coordinator holds).
+        rows: epoch -> rows of the applied steps of that epoch.
+        epochs: epoch -> what the ranks reported.
+    """
+
+    applied: int = 0
+    rows: dict[int, int] = field(default_factory=dict)
+    epochs: dict[int, _EpochStats] = field(default_factory=dict)
+    lr: float = float("nan")
+    test_loss: float = float("nan")
+    test_acc: float = float("nan")
+    best_acc: float = float("-inf")
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class AllreduceJob:
+    """Runs one allreduce train job to completion; ``run`` returns the result document."""
+
+    def __init__(
+        self,
+        job: JobRecord,
+        workers: list[WorkerRecord],
+        cfg: CoordinatorConfig,
+        clients: WorkerClients,
+        jobs: JobStore,
+        metrics: Metrics,
+        alive: Callable[[], list[WorkerRecord]],
+        train_sets: TrainSets,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """Prepare the job; nothing runs until ``run``.
+
+        Args:
+            job: a record whose spec is a ``TrainJobSpec`` with ``strategy: allreduce``.
+            workers: the workers the scheduler picked (the first generation's ranks).
+            cfg: the coordinator's config (timeouts in seconds, checkpoint interval, data
+                dir, chunk size).
+            clients: channels to the workers.
+            jobs: where progress is published.
+            metrics: step counters.
+            alive: the ALIVE workers now.
+            train_sets: where workers fetch a file data set's rows (all of them, one shard).
+            clock: seconds, for throughput.
+        """
+        assert isinstance(job.spec, TrainJobSpec)
+        self.job, self.spec, self.cfg = job, job.spec, cfg
+        self._workers, self._clients, self._jobs = workers, clients, jobs
+        self._metrics, self._alive, self._train_sets, self._clock = (
+            metrics,
+            alive,
+            train_sets,
+            clock,
+        )
+        self._invited: set[str] = set()
+        self._contributed: dict[str, int] = {}  # worker -> generations it trained in
+        self._state = b""  # the newest state received (or restored), torch.save bytes
+        self._state_step = 0
+        self._final = b""
+        self._chunks: dict[str, list[bytes]] = {}
+        self._progress = _Progress()
+        self.generations = 0
+        self.failures = 0
+        self._device = "cpu"  # where the last generation trained
+        data_dir = Path(cfg.data_dir)
+        self.checkpoint_path = data_dir / "checkpoints" / f"{job.job_id}.ckpt"
+        self.run_path = data_dir / "checkpoints" / f"{job.job_id}.run"  # history, best
+        self.model_path = data_dir / "models" / f"{job.job_id}.pt"
+        self.best_model_path = data_dir / "models" / f"{job.job_id}.best.pt"
+
+    async def run(self) -> dict[str, Any]:
+        """Train to the spec's epochs/steps and return the result.
+
+        Raises:
+            JobFailed: the data or model was refused, a worker refused the job, fewer than
+                ``min_workers`` stayed ALIVE for ``queue_timeout_s``, or generations kept
+                ending without progress (FAILED).
+        """
+        try:
+            return await self._run()
+        finally:
+            self._train_sets.close(self.job.job_id)
+            await self._stop_children()
+
+    async def _run(self) -> dict[str, Any]:
+        spec = self.spec
+        try:  # confined again: a symlink may have changed since admission
+            data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
+        except PathRefused as exc:
+            raise JobFailed(str(exc)) from None
+        dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
+        self._dataset = dataset
+        self._model = await asyncio.to_thread(
+            build_model,
+            spec.model,
+            dataset.input_shape,
+            dataset.num_classes,
+            spec.seed,
+            self.cfg.allowed_models,
+        )
+        n_train = len(dataset.y_train)
+        self._global_batch = global_batch_size(spec)
+        self._per_epoch = allreduce_steps_per_epoch(n_train, self._global_batch)
+        self._total = allreduce_total_steps(spec, n_train)
+        resumed = await asyncio.to_thread(self._restore)
+        self._train_sets.open(self.job.job_id, dataset, 1, self._invited.__contains__)
+        t0 = self._clock()
+        await self._generations()
+        seconds = max(self._clock() - t0, 1e-9)
+        return await asyncio.to_thread(self._result, resumed, seconds)
+
+    async def _generations(self) -> None:
+        members = list(self._workers)
+        held: dict[str, int] = {}
+        stalled, last_reason = 0, ""
+        failed: set[str] = set()
+        while not self._final:
+            members = await self._fill(members, failed)
+            before = self._progress.applied
+            outcome = await self._generation(members, held)
+            self.generations += 1
+            self.failures += len(outcome.failed)
+            failed = set(outcome.failed)  # sat out for one generation, in case they are down
+            held = {n: s for n, s in outcome.held.items() if self._is_alive(n)}
+            members = [w for w in members if w.name in held]
+            if outcome.done and not self._final:
+                raise JobFailed("the workers finished without sending the final state")
+            self._advance(max(held.values(), default=self._progress.applied))
+            stalled = 0 if self._progress.applied > before else stalled + 1
+            last_reason = "; ".join([*outcome.failed.values(), *outcome.reasons])[:500]
+            if stalled >= MAX_STALLED_GENERATIONS and not self._final:
+                raise JobFailed(
+                    f"{stalled} generations in a row made no progress; last: {last_reason}"
+                )
+
+    async def _generation(
+        self, members: list[WorkerRecord], held: dict[str, int]
+    ) -> GenerationOutcome:
+        ranks = sorted(members, key=lambda w: (-held.get(w.name, -1), w.name))
+        newest = held.get(ranks[0].name, -1)
+        state = b"" if newest >= self._state_step and newest >= 0 else self._state
+        if state:
+            self._rollback(self._state_step)
+        elif newest >= 0:
+            self._rollback(newest)
+        self._invited.update(w.name for w in ranks)
+        for w in ranks:
+            self._contributed[w.name] = self._contributed.get(w.name, 0) + 1
+        plan = GenerationPlan(
+            number=self.generations,
+            ranks=ranks,
+            spec_json=self._spec_json(ranks),
+            state=state,
+            checkpoint_every=self.cfg.checkpoint_every_steps,
+            timeout_s=self.spec.collective_timeout_s,
+            start_timeout_s=START_TIMEOUT_S,
+            held_before={w.name: held[w.name] for w in ranks if w.name in held},
+        )
+        log.info(
+            "allreduce_generation",
+            job_id=self.job.job_id,
+            generation=plan.number,
+            ranks=[w.name for w in ranks],
+            from_step=self._state_step if state else max(newest, 0),
+        )
+        return await Generation(
+            self.job.job_id,
+            plan,
+            self._clients,
+            self.cfg.chunk_bytes,
+            self._on_event,
+            self._is_alive,
+            lambda: len(ranks) < self.spec.workers and bool(self._idle(ranks)),
+        ).run()
+
+    def _spec_json(self, ranks: list[WorkerRecord]) -> str:
+        """The spec with ``device`` resolved for this generation's ranks (``job_device``)."""
+        device = self._device = job_device(self.spec.device, ranks)
+        return self.spec.model_copy(update={"device": device}).model_dump_json(by_alias=True)
+
+    async def _fill(self, members: list[WorkerRecord], failed: set[str]) -> list[WorkerRecord]:
+        """Survivors plus idle ALIVE workers, up to ``workers``; wait for ``min_workers``.
+
+        Workers in ``failed`` (their call failed in the last generation, while the
+        coordinator may not have declared them DEAD yet) are left out this time.
+        """
+        spec = self.spec
+        min_workers = spec.min_workers or spec.workers
+        deadline = self._clock() + self.cfg.queue_timeout_s
+        while True:
+            alive = {w.name: w for w in self._alive() if w.name not in failed}
+            kept = [alive[w.name] for w in members if w.name in alive]
+            idle = [w for w in self._idle(kept) if w.name not in failed]
+            kept += idle[: spec.workers - len(kept)]
+            if len(kept) >= min_workers:
+                return kept
+            if self._clock() >= deadline:
+                raise JobFailed(
+                    f"only {len(kept)} workers ALIVE for the job, min_workers is {min_workers} "
+                    f"(waited {self.cfg.queue_timeout_s:g} s, queue_timeout_s)"
+                )
+            await asyncio.sleep(0.2)
+
+    def _idle(self, members: list[WorkerRecord]) -> list[WorkerRecord]:
+        names = {w.name for w in members}
+        return sorted((w for w in self._alive() if w.name not in names), key=lambda w: w.name)
+
+    def _is_alive(self, name: str) -> bool:
+        return any(w.name == name for w in self._alive())
+
+    # -- events -----------------------------------------------------------------------------
+
+    async def _on_event(self, name: str, event: worker_pb2.AllreduceEvent) -> None:
+        if event.HasField("progress"):
+            await self._on_progress(event.progress)
+        elif event.HasField("state"):
+            st = event.state
+            self._chunks.setdefault(name, []).append(st.data)
+            if st.last:
+                data = b"".join(self._chunks.pop(name))
+                await self._on_state(int(st.step), st.reason, data)
+
+    async def _on_progress(self, p: worker_pb2.AllreduceProgress) -> None:
+        prog = self._progress
+        e = prog.epochs.setdefault(int(p.epoch), _EpochStats())
+        e.samples += int(p.samples)
+        e.loss_sum += float(p.loss_sum)
+        e.correct += int(p.correct)
+        e.seconds += float(p.seconds)
+        self._advance(int(p.step))
+        prog.lr = float(p.lr)
+        step_s = float(p.seconds) / max(int(p.steps), 1)
+        if p.steps:
+            self._metrics.train_steps.inc(int(p.steps))
+            self._metrics.step_seconds.labels("allreduce").observe(step_s)
+        await self._publish(e, step_s)
+
+    async def _publish(self, epoch: _EpochStats, step_s: float) -> None:
+        prog = self._progress
+        await self._jobs.update(
+            self.job,
+            progress={
+                "step": prog.applied,
+                "steps": self._total,
+                "epoch": min(prog.applied // self._per_epoch + 1, self._epochs),
+                "epochs": self._epochs,
+                "loss": epoch.loss_sum / max(epoch.samples, 1),
+                "train_accuracy": epoch.correct / max(epoch.samples, 1),
+                "test_accuracy": prog.test_acc,
+                "test_loss": prog.test_loss,
+                "samples_per_s": self.spec.workers
+                * self.spec.batch_size
+                * self.spec.grad_accum_steps
+                / max(step_s, 1e-9),
+                "workers": len(self._contributed),
+                "generation": self.generations,
+                "history": prog.history[-20:],  # the result holds them all
+            },
+        )
+
+    @property
+    def _epochs(self) -> int:
+        return -(-self._total // self._per_epoch)
+
+    async def _on_state(self, step: int, reason: str, data: bytes) -> None:
+        """A state from rank 0: full (checkpoint, final) or the model alone (epoch)."""
+        self._advance(step)
+        if reason == "final":
+            self._final = data
+        if reason in ("checkpoint", "final"):
+            self._state, self._state_step = data, step
+        if reason == "checkpoint":
+            await asyncio.to_thread(self._checkpoint, step, data)
+        at_epoch_end = step % self._per_epoch == 0 or step >= self._total
+        if at_epoch_end and step not in {h["step"] for h in self._progress.history}:
+            await asyncio.to_thread(self._evaluate, step, data)
+
+    def _advance(self, step: int) -> None:
+        """Count the rows of the steps applied up to ``step`` into their epochs."""
+        prog = self._progress
+        for s in range(prog.applied, step):
+            epoch, in_epoch = divmod(s, self._per_epoch)
+            prog.rows[epoch] = prog.rows.get(epoch, 0) + self._rows_of(in_epoch)
+        prog.applied = max(prog.applied, step)
+
+    def _rollback(self, step: int) -> None:
+        """Training goes on from ``step``: the rows of later steps will be trained again."""
+        prog = self._progress
+        for s in range(step, prog.applied):
+            epoch, in_epoch = divmod(s, self._per_epoch)
+            prog.rows[epoch] -= self._rows_of(in_epoch)
+        prog.applied = min(prog.applied, step)
+
+    def _rows_of(self, step_in_epoch: int) -> int:
+        return step_rows(len(self._dataset.y_train), self._global_batch, step_in_epoch)
+
+    # -- state, evaluation, files -----------------------------------------------------------
+
+    def _load(self, data: bytes) -> None:
+        """Load rank 0's model into the coordinator's copy (from a full state or the model's)."""
+        state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        full = "model" in state and "optimizer" in state and "step" in state
+        self._model.load_state_dict(state["model"] if full else state)
+
+    def _evaluate(self, step: int, data: bytes) -> None:
+        """Evaluate rank 0's state at an epoch's end; keep the history and the best model."""
+        self._load(data)
+        prog = self._progress
+        prog.test_loss, prog.test_acc = evaluate(
+            self._model, self._dataset.x_test, self._dataset.y_test
+        )
+        epoch = (step - 1) // self._per_epoch
+        stats = prog.epochs.get(epoch, _EpochStats())
+        prog.history.append(
+            {
+                "epoch": epoch + 1,
+                "step": step,
+                "train_loss": stats.loss_sum / max(stats.samples, 1),
+                "train_accuracy": stats.correct / max(stats.samples, 1),
+                "test_loss": prog.test_loss,
+                "test_accuracy": prog.test_acc,
+                "lr": prog.lr,
+                "samples": prog.rows.get(epoch, 0),
+                "samples_per_s": stats.samples / max(stats.seconds, 1e-9),
+            }
+        )
+        if prog.test_acc > prog.best_acc:
+            prog.best_acc = prog.test_acc
+            save_model(self._model, self.best_model_path)
+
+    def _checkpoint(self, step: int, data: bytes) -> None:
+        """Rank 0's state, and beside it the job's history and best accuracy (JSON)."""
+        prog = self._progress
+        run = {"history": prog.history, "best_acc": prog.best_acc}
+        write_checkpoint(self.run_path, step, json.dumps(run).encode())
+        write_checkpoint(self.checkpoint_path, step, data)
+
+    def _restore(self) -> int:
+        """Load the checkpoint if one exists; return the step it holds (0: none)."""
+        saved = read_checkpoint(self.checkpoint_path)
+        if saved is None:
+            return 0
+        self._state_step, self._state = saved
+        self._advance(self._state_step)
+        run = read_checkpoint(self.run_path)
+        if run is not None:
+            doc = json.loads(run[1])
+            prog = self._progress
+            prog.history = [h for h in doc["history"] if h["step"] <= self._state_step]
+            prog.best_acc = float(doc["best_acc"])
+            if prog.history:
+                prog.test_loss = prog.history[-1]["test_loss"]
+                prog.test_acc = prog.history[-1]["test_accuracy"]
+        log.info("train_resumed", job_id=self.job.job_id, step=self._state_step)
+        return self._state_step
+
+    def _result(self, resumed: int, seconds: float) -> dict[str, Any]:
+        self._load(self._final)
+        save_model(self._model, self.model_path)
+        self.checkpoint_path.unlink(missing_ok=True)
+        self.run_path.unlink(missing_ok=True)
+        prog = self._progress
+        samples = sum(e.samples for e in prog.epochs.values())
+        training_s = sum(e.seconds for e in prog.epochs.values())  # rank 0's steps
+        return {
+            "strategy": "allreduce",
+            "device": self._device,
+            "test_accuracy": prog.test_acc,
+            "test_loss": prog.test_loss,
+            "best_test_accuracy": prog.best_acc,
+            "steps": self._total,
+            "epochs": self._epochs,
+            "samples": samples,
+            # Throughput of the training steps (rank 0's clock; not the processes' start-up).
+            "samples_per_s": samples / max(training_s, 1e-9),
+            "seconds": seconds,
+            "model_path": str(self.model_path.resolve()),
+            "best_model_path": str(self.best_model_path.resolve()),
+            "resumed_from_step": resumed,
+            "generations": self.generations,
+            "worker_failures": self.failures,
+            "history": prog.history,
+            "workers": {n: {"generations": g} for n, g in sorted(self._contributed.items())},
+        }
+
+    async def _stop_children(self) -> None:
+        """StopTraining on every worker invited (kills its child; errors ignored)."""
+        req = worker_pb2.StopTrainingRequest(job_id=self.job.job_id)
+        alive = {w.name: w for w in self._alive()}
+        await asyncio.gather(
+            *(
+                self._clients.stub(n, alive[n].address).StopTraining(req, timeout=5.0)
+                for n in self._invited
+                if n in alive
+            ),
+            return_exceptions=True,
+        )

@@ -1,0 +1,410 @@
+"""The ``train`` job, synchronous parameter server (docs/architecture.md, "Invariants").
+
+Each step the coordinator streams the current parameters and buffers to the job's workers,
+each computes the gradient of the mean loss over one data shard's rows of the step
+(``grad_accum_steps`` micro-batches), and the coordinator averages them weighted by sample
+count, clips, and steps the optimizer and the lr schedule; the workers' buffers (BatchNorm
+running statistics) are averaged into the model the same way. With equal shards this equals
+single-process training on the concatenated global batch. With fp16 the coordinator keeps the
+loss scale (``coordinator.training.loss_scale``). Failed workers' shards are recomputed by the
+survivors (``coordinator.training.train_members``); every ``checkpoint_every_steps`` the parameter
+server's state is checkpointed so a restarted coordinator resumes the job where it was. Every
+epoch the model is evaluated, an entry is added to the history
+(``coordinator.training.train_history``) and the model is saved as the best one when its test
+accuracy improved.
+
+What a strategy decides is asked of its ``StepScheme``: the step counts, each step's pieces,
+the parameter server's optimizer, schedule and clipping, and its fields of the result.
+``strategy: sync`` is ``coordinator.training.sync.SyncSteps``; ``strategy: diloco`` (Douillard
+et al. 2023) is ``coordinator.training.diloco.DilocoSteps``, where a step is an OUTER step whose
+pieces are a shard's rows of ``inner_steps`` consecutive inner steps, the worker answers the
+pseudo-gradient of its local steps on them, and the parameter server's step is the outer
+Nesterov step on their sample-weighted average. The coordinator picks the scheme in one place
+(``coordinator.cluster``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+from coordinator.jobs.jobs import JobFailed, JobRecord, JobStore
+from coordinator.network.link_stats import LinkStats
+from coordinator.placement.membership import WorkerRecord
+from coordinator.training.aggregation import average_buffers
+from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.training.parameter_server import ParameterServer, StepControls
+from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
+from coordinator.training.step_monitor import StepMonitor
+from coordinator.training.step_types import StepPlan
+from coordinator.training.train_history import TrainHistory
+from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
+from coordinator.training.train_sets import TrainSets
+from shared.config import CoordinatorConfig, TrainJobSpec
+from shared.logging import get_logger
+from shared.metrics import Metrics
+from shared.rpc.peers import WorkerClients
+from shared.security.confinement import PathRefused, with_resolved_paths
+from shared.training.compression import sync_compressor
+from shared.training.data import load_dataset
+
+log = get_logger(__name__)
+
+
+class StepScheme(Protocol):
+    """What the parameter-server loop asks of a job's strategy (sync, diloco).
+
+    Built from the spec and the data set's training rows N once the data is loaded.
+    """
+
+    @property
+    def per_epoch(self) -> int:
+        """Global steps in one epoch (diloco: outer steps)."""
+        ...
+
+    @property
+    def total(self) -> int:
+        """Global steps of the job (diloco: outer steps)."""
+        ...
+
+    def plan(
+        self, step: int, members: Sequence[str], rates: Mapping[str, float | None]
+    ) -> StepPlan:
+        """Global step ``step``'s pieces for the active ``members`` (samples/s ``rates``)."""
+        ...
+
+    def controls(self, model: nn.Module) -> StepControls:
+        """The parameter server's optimizer, lr schedule and clipping, built on ``model``."""
+        ...
+
+    def result_fields(self) -> dict[str, Any]:
+        """The strategy's fields added to the job's result document."""
+        ...
+
+
+@dataclass
+class _Run:
+    """A run's step counts and what its steps accumulate.
+
+    Attributes:
+        scheme: the strategy's steps.
+        per_epoch: global steps in one epoch (``scheme.per_epoch``).
+        total: global steps of the job (``scheme.total``).
+        t_start: ``clock()`` seconds when this process started (or resumed) the job.
+        history: the per-epoch entries and the best test accuracy.
+        samples: training samples whose gradients were applied by this process.
+        test_loss: mean loss on the test split at the last evaluation (NaN before one).
+        test_acc: accuracy on the test split at the last evaluation (NaN before one).
+        n_train: training rows of the data set.
+    """
+
+    scheme: StepScheme
+    per_epoch: int
+    total: int
+    t_start: float
+    n_train: int
+    history: TrainHistory
+    samples: int = 0
+    test_loss: float = float("nan")
+    test_acc: float = float("nan")
+
+    @property
+    def epochs(self) -> int:
+        """Epochs the job spans, the last one possibly partial."""
+        return -(-self.total // self.per_epoch)
+
+
+class TrainJob:
+    """Runs one train job to completion; ``run`` returns the result document."""
+
+    def __init__(
+        self,
+        job: JobRecord,
+        workers: list[WorkerRecord],
+        cfg: CoordinatorConfig,
+        clients: WorkerClients,
+        jobs: JobStore,
+        metrics: Metrics,
+        scheme: Callable[[TrainJobSpec, int], StepScheme],
+        alive: Callable[[], list[WorkerRecord]] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        train_sets: TrainSets | None = None,
+        links: LinkStats | None = None,
+    ) -> None:
+        """Prepare the job; nothing runs until ``run``.
+
+        Args:
+            job: a record whose spec is a ``TrainJobSpec``.
+            workers: the workers the scheduler picked.
+            cfg: the coordinator's config (data roots, timeouts in seconds, chunk size,
+                checkpoint interval, data dir).
+            clients: channels to the workers.
+            jobs: where progress is published.
+            metrics: step counters and timings.
+            scheme: builds the strategy's steps from the spec and the training rows N
+                (``SyncSteps``, ``DilocoSteps``).
+            alive: the ALIVE workers now (replacements for failed members); None: none.
+            clock: seconds for step timings and throughput (injected by tests).
+            train_sets: where the job's workers fetch their shards' rows; None: a private one.
+            links: the cluster's per-worker link telemetry (RTT, step times, health), updated
+                by the job; None: a private one.
+        """
+        assert isinstance(job.spec, TrainJobSpec)
+        self.job, self.spec, self.cfg = job, job.spec, cfg
+        self._jobs, self._metrics, self._clock = jobs, metrics, clock
+        self._workers = workers
+        self._scheme = scheme
+        # Where the job's workers fetch their shards' rows (FetchShard) while it runs.
+        self._train_sets = train_sets if train_sets is not None else TrainSets()
+        self.members = Members(
+            job.job_id,
+            job.spec_json,
+            job.spec.workers,
+            clients,
+            alive or (lambda: []),
+            cfg.rpc_timeout_s,
+            cfg.step_timeout_s,
+            cfg.chunk_bytes,
+        )
+        self.members.compressor = sync_compressor(
+            job.spec.compression.name, job.spec.compression.ratio
+        )
+        self.links = links if links is not None else LinkStats()
+        self.monitor = StepMonitor(job.job_id, job.spec, self.links, metrics, cfg.step_timeout_s)
+        self.checkpoint_path = Path(cfg.data_dir) / "checkpoints" / f"{job.job_id}.ckpt"
+        self.model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.pt"
+        self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
+
+    async def run(self) -> dict[str, Any]:
+        """Train to the spec's epochs/steps and return the result.
+
+        Raises:
+            JobFailed: the spec or data was refused, or every worker failed (FAILED).
+        """
+        try:
+            return await self._run()
+        finally:
+            self._train_sets.close(self.job.job_id)
+
+    async def _run(self) -> dict[str, Any]:
+        spec = self.spec
+        try:  # confined again: a symlink may have changed since admission
+            data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
+        except PathRefused as exc:
+            raise JobFailed(str(exc)) from None
+        device = job_device(spec.device, self._workers)
+        # Workers get the spec with the job's device resolved (``auto`` is decided once, here).
+        self.members.spec_json = spec.model_copy(update={"device": device}).model_dump_json(
+            by_alias=True
+        )
+        dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
+        n_train = len(dataset.y_train)
+        scheme = self._scheme(spec, n_train)
+        run = _Run(
+            scheme=scheme,
+            n_train=n_train,
+            per_epoch=scheme.per_epoch,
+            total=scheme.total,
+            t_start=self._clock(),
+            history=TrainHistory(self._clock),
+        )
+        ps = await asyncio.to_thread(
+            ParameterServer, spec, dataset, self.cfg.allowed_models, run.total, scheme.controls
+        )
+        start_step = await asyncio.to_thread(self._restore, ps, run.history)
+        self._train_sets.open(
+            self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
+        )
+        await self.members.start(self._workers)
+        run.history.start()
+        try:
+            for step in range(start_step, run.total):
+                await self._train_step(ps, step, run)
+        finally:
+            self.monitor.release(self.members)
+            await self.members.stop()
+        await asyncio.to_thread(save_model, ps.model, self.model_path)
+        self.checkpoint_path.unlink(missing_ok=True)
+        return self._result(ps, run, start_step, device)
+
+    def _result(
+        self, ps: ParameterServer, run: _Run, start_step: int, device: str
+    ) -> dict[str, Any]:
+        elapsed = max(self._clock() - run.t_start, 1e-9)
+        return self._outcome_doc(ps, run, start_step, device, elapsed) | run.scheme.result_fields()
+
+    def _outcome_doc(
+        self, ps: ParameterServer, run: _Run, start_step: int, device: str, elapsed: float
+    ) -> dict[str, Any]:
+        return {
+            "test_accuracy": run.test_acc,
+            "test_loss": run.test_loss,
+            "best_test_accuracy": run.history.best_test_accuracy,
+            "steps": run.total,
+            "epochs": run.epochs,
+            "samples": run.samples,
+            "samples_per_s": run.samples / elapsed,
+            "seconds": elapsed,
+            "device": device,
+            "skipped_steps": ps.skipped_steps,
+            "model_path": str(self.model_path.resolve()),
+            "best_model_path": str(self.best_model_path.resolve()),
+            "history": run.history.entries,
+            "resumed_from_step": start_step,
+            "worker_failures": self.members.failures,
+            **self.monitor.result_doc(),
+            "workers": self.monitor.worker_docs(self.members),
+        }
+
+    async def _train_step(self, ps: ParameterServer, step: int, run: _Run) -> None:
+        """One global step of the job, with its progress event.
+
+        Gradients from the workers, an optimizer step, evaluation (a history entry, the best
+        model) at the end of an epoch, a checkpoint every ``checkpoint_every_steps``.
+        """
+        spec = self.spec
+        epoch, step_in_epoch = divmod(step, run.per_epoch)
+        t0 = self._clock()
+        self.members.admit()
+        policy = StepPolicy(
+            spec.straggler.mode,
+            self.monitor.deadline_s(),
+            spec.straggler.min_fraction,
+            reject_nonfinite=spec.precision != "fp16",
+        )
+        lr = ps.lr  # the rate this step applies
+        buffers = ps.buffers()
+        active = [m.name for m in self.members.active()]
+        rates = {n: self.links.get(n).samples_per_s for n in active}
+        plan = run.scheme.plan(step, active, rates)
+        order = StepOrder(
+            step,
+            epoch,
+            plan.step_in_epoch,
+            ps.version,
+            ps.params() | buffers,
+            frozenset(buffers),
+            ps.loss_scale.scale,
+            plan.inner_steps,
+        )
+        outcome = await self.members.step(order, plan.pieces, policy)
+        self.monitor.observe(outcome, step, self.members)
+        n, loss_sum, correct = await self._apply(ps, outcome, step)
+        run.samples += n
+        run.history.add_step(n, loss_sum)
+        self._metrics.train_steps.inc()
+        self._metrics.step_seconds.labels("coordinator").observe(self._clock() - t0)
+        if step_in_epoch == run.per_epoch - 1 or step == run.total - 1:
+            await self._end_epoch(ps, epoch, lr, run)
+        if (step + 1) % self.cfg.checkpoint_every_steps == 0 and step + 1 < run.total:
+            await asyncio.to_thread(self._checkpoint, ps, step + 1, run.history)
+        elapsed = max(self._clock() - run.t_start, 1e-9)
+        await self._jobs.update(
+            self.job,
+            progress={
+                "step": step + 1,
+                "steps": run.total,
+                "epoch": epoch + 1,
+                "epochs": run.epochs,
+                "loss": loss_sum / max(n, 1),
+                "train_accuracy": correct / max(n, 1),
+                "test_accuracy": run.test_acc,
+                "test_loss": run.test_loss,
+                "lr": lr,
+                "samples_per_s": run.samples / elapsed,
+                "workers": len(self.members.live),
+                "history": run.history.recent(),
+            },
+        )
+
+    async def _end_epoch(self, ps: ParameterServer, epoch: int, lr: float, run: _Run) -> None:
+        """Evaluate, add the epoch's history entry, save the model if it is the best yet."""
+        run.test_loss, run.test_acc = await asyncio.to_thread(ps.evaluate)
+        if run.history.end_epoch(epoch + 1, run.test_loss, run.test_acc, lr):
+            await asyncio.to_thread(save_model, ps.model, self.best_model_path)
+
+    async def _apply(
+        self, ps: ParameterServer, outcome: StepOutcome, step: int
+    ) -> tuple[int, float, int]:
+        """Combine the pieces' gradients and buffers into the parameter server.
+
+        Gradients whose L2 norm is an outlier (``max_grad_norm_ratio``) are rejected first;
+        the rest are combined by ``aggregation`` (``coordinator.training.robust_aggregation``). With
+        fp16, a step where a piece's gradients are not finite is skipped (the buffers are
+        still merged: the forward passes ran, as in single-process AMP training).
+
+        Raises:
+            JobFailed: no piece of the step had samples (FAILED).
+        """
+        results = dict(outcome.results)
+        spec = self.spec
+        if spec.max_grad_norm_ratio is not None and len(results) >= 3:
+            keys = sorted(results)
+            norms = [global_norm(results[k].grads) for k in keys]
+            for i in norm_outliers(norms, spec.max_grad_norm_ratio):
+                r = results.pop(keys[i])
+                self.monitor.reject(r.worker, step, f"gradient norm {norms[i]:.3g} is an outlier")
+        counts = [r.samples for r in results.values()]
+        if sum(counts) == 0:
+            raise JobFailed(f"step {step}: no piece of the step had samples")
+        finite = all(r.finite for r in results.values())
+        skip = ps.loss_scale.enabled and not finite
+
+        def apply() -> None:
+            grads = None
+            if not skip:  # pieces without rows weigh nothing in every method
+                grads = aggregate(
+                    [r.grads for r in results.values()], counts, spec.aggregation, spec.trim
+                )
+            ps.set_buffers(average_buffers([r.buffers for r in results.values()], counts))
+            ps.step(grads)
+
+        await asyncio.to_thread(apply)
+        return (
+            sum(counts),
+            sum(r.loss_sum for r in results.values()),
+            sum(r.correct for r in results.values()),
+        )
+
+    def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
+        """Atomically write (next step, parameter-server state, history) to the checkpoint."""
+        write_checkpoint(self.checkpoint_path, next_step, ps.state({"history": history.to_doc()}))
+
+    def _restore(self, ps: ParameterServer, history: TrainHistory) -> int:
+        """Load the checkpoint if one exists; return the step to start from."""
+        saved = read_checkpoint(self.checkpoint_path)
+        if saved is None:
+            return 0
+        step, state = saved
+        run = ps.load_state(state)
+        history.load_doc(run.get("history", {}))
+        log.info("train_resumed", job_id=self.job.job_id, step=step)
+        return step
+
+
+def job_device(spec_device: str, workers: list[WorkerRecord]) -> str:
+    """The device the job's workers train on: ``cpu`` or ``cuda``.
+
+    ``auto`` is ``cuda`` only when every worker of the job trains on CUDA (its registered
+    ``train_device``), so that no worker is left out and the job's arithmetic is the same on
+    every worker.
+
+    Args:
+        spec_device: the spec's ``device`` (``auto``, ``cpu`` or ``cuda``).
+        workers: the workers the scheduler picked.
+
+    Raises:
+        JobFailed: ``cuda`` asked for and a worker has no CUDA device (FAILED).
+    """
+    without = sorted(w.name for w in workers if not w.train_device.startswith("cuda"))
+    if spec_device == "cuda" and without:
+        raise JobFailed(f"device: cuda asked for, but worker {without[0]} trains on cpu")
+    if spec_device == "auto":
+        return "cuda" if workers and not without else "cpu"
+    return spec_device

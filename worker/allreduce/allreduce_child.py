@@ -1,0 +1,320 @@
+"""The process training one allreduce job: ``python -m worker.allreduce.allreduce_child``.
+
+The worker daemon starts one per job and talks to it in frames (``worker.allreduce.child_pipe``) on
+its stdin/stdout, so a hung collective or a crash in torch never takes the daemon (and its
+memory slots) down: the daemon kills the child instead. The child keeps its replica across
+generations, which is what lets survivors go on from their newest state.
+
+Frames, daemon to child:
+    ``init`` {spec_json, data_path, num_classes, torch_threads, allowed_models, daemon,
+    bind_host}: ``bind_host`` is the worker's advertised host, where rank 0's store and
+    every rank's gloo listen (``worker.allreduce.rendezvous_store``)
+    ``generation`` {generation, rank, world_size, master_addr, master_port, checkpoint_every,
+    timeout_s, secret} with the state to start from as payload (rank 0, when the coordinator
+    sends one); ``secret`` seals the generation's store keys
+    ``stop`` {}: end the generation at the next control point (a rescale)
+Frames, child to daemon:
+    ``ready`` {port}: rank 0's store listens (the coordinator tells the other ranks)
+    ``progress`` {step, epoch, samples, loss_sum, correct, steps, seconds, lr} (rank 0)
+    ``state`` {step, reason} + torch.save bytes (rank 0): the full state (reason checkpoint,
+    final) or the model's state_dict alone (epoch, for evaluation)
+    ``ended`` {held_step, done, reason}: the generation is over; the replica holds held_step
+    ``fatal`` {message}: the child cannot train this job, and exits
+
+The child exits when its stdin closes (the daemon died or let it go).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from shared.config import TrainJobSpec, job_spec_from_json
+from shared.training.controls import resolve_device
+from shared.training.data import load_dataset
+from worker.allreduce.child_pipe import BlockingPipe, Frame, PipeClosed
+from worker.allreduce.ddp_replica import Replica, StepStats
+from worker.allreduce.rendezvous_store import SealedStore, bound_listener, gloo_interface
+
+# Steps between control points (a small all-reduce of the stop flag and progress sums: one
+# more latency-bound collective, so not every step);
+# epoch ends, checkpoints and the last step are control points too.
+CONTROL_EVERY = 20
+
+
+class _Inbox:
+    """Frames from the daemon, read on a thread; ``stop`` sets a flag instead of queueing."""
+
+    def __init__(self, pipe: BlockingPipe) -> None:
+        self.frames: queue.Queue[Frame] = queue.Queue()
+        self.stop = threading.Event()
+        self._pipe = pipe
+        threading.Thread(target=self._run, name="inbox", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                frame = self._pipe.read()
+            except (PipeClosed, ValueError):
+                os._exit(0)  # the daemon is gone: nobody to train for
+            if frame.type == "stop":
+                self.stop.set()
+            else:
+                self.frames.put(frame)
+
+
+def _load_replica(init: dict[str, Any]) -> Replica:
+    spec = job_spec_from_json(init["spec_json"])
+    assert isinstance(spec, TrainJobSpec)
+    torch.set_num_threads(int(init["torch_threads"]))
+    if init["data_path"]:
+        with np.load(init["data_path"], allow_pickle=False) as f:
+            x, y = f["x"], f["y"]
+        num_classes = int(init["num_classes"])
+    else:
+        ds = load_dataset(spec.data, spec.seed, spec.test_fraction)
+        x, y, num_classes = ds.x_train, ds.y_train, ds.num_classes
+    return Replica(
+        spec,
+        x,
+        y,
+        num_classes,
+        resolve_device(spec.device),
+        dict(init["allowed_models"]),
+        str(init["daemon"]),
+    )
+
+
+def _backend(replica: Replica) -> str:
+    backend = replica.spec.backend
+    if backend == "auto":
+        return "nccl" if replica.device.type == "cuda" else "gloo"
+    return backend
+
+
+class _Generation:
+    """One generation: rendezvous, state broadcast, DDP, steps until done, stop or failure."""
+
+    def __init__(
+        self, pipe: BlockingPipe, inbox: _Inbox, replica: Replica, bind_host: str, cmd: Frame
+    ) -> None:
+        self.pipe, self.inbox, self.replica = pipe, inbox, replica
+        self.bind_host = bind_host
+        f = cmd.fields
+        self.rank, self.world = int(f["rank"]), int(f["world_size"])
+        self.timeout = datetime.timedelta(seconds=float(f["timeout_s"]))
+        self.checkpoint_every = int(f["checkpoint_every"])
+        self.master = (str(f["master_addr"]), int(f["master_port"]))
+        self.generation = int(f["generation"])
+        self.secret = str(f["secret"])
+        self.state = cmd.payload
+
+    def run(self) -> None:
+        held, done, reason = self.replica.step, False, ""
+        try:
+            # gloo (and NCCL's bootstrap) listen on the interface of the advertised host, not
+            # every interface; an operator's own setting wins.
+            interface = gloo_interface(self.bind_host)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+            store = SealedStore(self._store(), self.secret, self.generation)
+            # Ranks name their process group's keys by a process-wide counter: every rank
+            # starts a generation from 0, whatever its earlier generations did.
+            _c10d()._world.group_count = 0
+            dist.init_process_group(
+                _backend(self.replica),
+                store=store,
+                rank=self.rank,
+                world_size=self.world,
+                timeout=self.timeout,
+            )
+            self._sync_state()
+            done, reason = self._train()
+        except Exception as exc:  # a collective failed or timed out: the generation is over
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        finally:
+            held = self.replica.step
+            _release_group()
+        self.pipe.write(Frame("ended", {"held_step": held, "done": done, "reason": reason}))
+
+    def _store(self) -> TCPStore:
+        """Rank 0: a store listening on the advertised host only; others: a client of it.
+
+        TCPStore's own server would listen on every interface whatever host it is given,
+        so rank 0 binds the socket and hands its descriptor over (``master_listen_fd``).
+        """
+        if self.rank == 0:
+            sock = bound_listener(self.bind_host)
+            port = int(sock.getsockname()[1])
+            store = TCPStore(
+                self.bind_host,
+                port,
+                None,
+                True,
+                self.timeout,
+                wait_for_workers=False,
+                master_listen_fd=sock.detach(),
+            )
+            self.pipe.write(Frame("ready", {"port": port}))
+            return store
+        host, port = self.master
+        return TCPStore(host, port, None, False, self.timeout)
+
+    def _sync_state(self) -> None:
+        """Rank 0 (which holds the newest state) broadcasts it; every rank loads it."""
+        r = self.replica
+        if self.rank == 0:
+            if self.state:
+                r.load_state(self.state)
+            data = r.state_bytes()
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, 0)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if self.rank == 0
+            else torch.empty(int(size[0]), dtype=torch.uint8)
+        )
+        dist.broadcast(buf, 0)
+        if self.rank != 0:
+            r.load_state(buf.numpy().tobytes())
+
+    def _train(self) -> tuple[bool, str]:
+        r = self.replica
+        ddp = r.wrap(self.world)
+        if self.rank == 0 and r.step > 0 and (r.step >= r.total_steps or r.step % r.per_epoch == 0):
+            # The last generation may have ended between an epoch's (or the job's) last step
+            # and the state it owed: send it again; the coordinator takes it once.
+            self._send_state("final" if r.step >= r.total_steps else "epoch")
+        sums, steps, t0 = StepStats(), 0, time.perf_counter()
+        while r.step < r.total_steps:
+            s = r.train_step(ddp, self.rank, self.world)
+            sums.samples += s.samples
+            sums.loss_sum += s.loss_sum
+            sums.correct += s.correct
+            steps += 1
+            reason = self._boundary(r.step)
+            if reason is None and r.step % CONTROL_EVERY:
+                continue
+            stop, totals = self._control(sums)
+            now = time.perf_counter()
+            if self.rank == 0:
+                self._progress(totals, steps, now - t0)
+                if reason is not None:  # its time counts in the next report's seconds
+                    self._send_state(reason)
+            sums, steps, t0 = StepStats(), 0, now
+            if stop and r.step < r.total_steps:
+                return False, "stopped for a new generation"
+        return True, ""
+
+    def _send_state(self, reason: str) -> None:
+        """Rank 0's state: the full state (checkpoint, final), the model alone (epoch)."""
+        r = self.replica
+        payload = r.model_bytes() if reason == "epoch" else r.state_bytes()
+        self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, payload))
+
+    def _boundary(self, step: int) -> str | None:
+        """Why rank 0 sends its state after ``step`` steps (None: it does not)."""
+        r = self.replica
+        if step >= r.total_steps:
+            return "final"
+        if step % self.checkpoint_every == 0:
+            return "checkpoint"
+        if step % r.per_epoch == 0:
+            return "epoch"
+        return None
+
+    def _control(self, sums: StepStats) -> tuple[bool, StepStats]:
+        """All-reduce the stop flag and the progress sums: (stop, the sums of every rank)."""
+        flag = 1.0 if self.inbox.stop.is_set() else 0.0
+        t = torch.tensor([flag, sums.samples, sums.loss_sum, sums.correct], dtype=torch.float64)
+        dist.all_reduce(t)
+        return bool(t[0] > 0), StepStats(int(t[1]), float(t[2]), int(t[3]))
+
+    def _progress(self, totals: StepStats, steps: int, seconds: float) -> None:
+        """Rank 0 reports the steps since the last report and their wall seconds.
+
+        The seconds run from the previous report to this one, so the time rank 0 spends
+        sending a state counts in the report after it.
+        """
+        r = self.replica
+        epoch, _ = r.epoch_of(r.step - 1)
+        fields = {
+            "step": r.step,
+            "epoch": epoch,
+            "samples": totals.samples,
+            "loss_sum": totals.loss_sum,
+            "correct": totals.correct,
+            "steps": steps,
+            "seconds": seconds,
+            "lr": r.last_lr,
+        }
+        self.pipe.write(Frame("progress", fields))
+
+
+def _c10d() -> Any:
+    return dist.distributed_c10d
+
+
+def _release_group() -> None:
+    """Destroy the process group, even a broken one, so that the next generation can init.
+
+    ``destroy_process_group`` shuts the backend down first and may raise on a group whose
+    peers are gone, leaving the default group registered; then its bookkeeping is cleared
+    as ``destroy_process_group`` would (torch 2.13's ``distributed_c10d``).
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # the group is broken: drop it without a shutdown
+        c10d = _c10d()
+        c10d._update_default_pg(None)
+        for name in (
+            "pg_map",
+            "pg_names",
+            "pg_group_ranks",
+            "pg_backend_config",
+            "pg_to_tag",
+            "tags_to_pg",
+            "pg_coalesce_state",
+        ):
+            getattr(c10d._world, name).clear()
+        c10d._world.group_count = 0
+
+
+def main() -> None:
+    """Serve the daemon's frames until stdin closes."""
+    pipe = BlockingPipe(sys.stdin.buffer, sys.stdout.buffer)
+    sys.stdout = sys.stderr  # nothing but frames may reach the pipe
+    try:
+        init = pipe.read()
+    except PipeClosed:
+        return
+    try:
+        replica = _load_replica(init.fields)
+    except Exception as exc:  # refused model, bad data, no device: the daemon says why
+        pipe.write(Frame("fatal", {"message": f"{type(exc).__name__}: {exc}"}))
+        return
+    inbox = _Inbox(pipe)
+    pipe.write(Frame("loaded", {"total_steps": replica.total_steps}))
+    while True:
+        cmd = inbox.frames.get()
+        if cmd.type == "generation":
+            inbox.stop.clear()
+            _Generation(pipe, inbox, replica, str(init.fields["bind_host"]), cmd).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""One rank's replica of an ``allreduce`` job: model, optimizer, schedule, scaler and data.
+
+Lives in the job's child process (``worker.allreduce.allreduce_child``); a generation wraps the
+model in ``DistributedDataParallel`` and calls :meth:`Replica.train_step` once per optimizer step.
+
+Each step the ranks train on their parts of the step's global batch
+(``shared.training.partition``). A rank's loss is ``sum(cross-entropy of its rows) x W / G'``
+(W ranks, G' rows in the step), so DDP's average over ranks is the gradient of the mean loss
+over the whole global batch, even when the ranks hold different numbers of rows: the step
+equals single-process training on the global batch (Goyal et al. 2017, section 2).
+Micro-batches (``grad_accum_steps``) skip DDP's all-reduce until the last one (``no_sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shared.config import TrainJobSpec
+from shared.training.controls import (
+    UNLOADABLE,
+    autocast,
+    current_lr,
+    make_grad_scaler,
+    make_lr_scheduler,
+    make_optimizer,
+)
+from shared.training.models import build_model
+from shared.training.partition import (
+    allreduce_steps_per_epoch,
+    allreduce_total_steps,
+    epoch_permutation,
+    global_batch_size,
+    micro_batches,
+    rank_rows,
+)
+from worker.allreduce.ddp_hooks import register_compression_hook
+from worker.allreduce.sync_batchnorm import convert_sync_batchnorm
+
+
+class StateError(ValueError):
+    """State bytes that are not a checkpoint of this job's replica."""
+
+
+@dataclass
+class StepStats:
+    """What one rank's part of one step contributed: rows, loss summed (nats), correct."""
+
+    samples: int = 0
+    loss_sum: float = 0.0
+    correct: int = 0
+
+
+class Replica:
+    """The state one rank trains; identical on every rank after each step."""
+
+    def __init__(
+        self,
+        spec: TrainJobSpec,
+        x_train: npt.NDArray[np.float32],
+        y_train: npt.NDArray[np.int64],
+        num_classes: int,
+        device: torch.device,
+        allowed_models: Mapping[str, str] | None = None,
+        daemon: str = "worker",
+    ) -> None:
+        """Build the model (seeded, as on every rank), optimizer, lr schedule and scaler.
+
+        Args:
+            spec: the job (``device`` already resolved by the coordinator).
+            x_train: [N, *input_shape] float32, the whole training split.
+            y_train: [N] int64 labels in [0, num_classes).
+            num_classes: C.
+            device: where the model, its state and the batches live.
+            allowed_models: this worker's ``allowed_models``.
+            daemon: ``worker NAME``, for a refusal's message.
+
+        Raises:
+            EntryPointRefused, ModelError: as ``build_model``.
+        """
+        self.spec, self.device = spec, device
+        self.x, self.y = torch.from_numpy(x_train), torch.from_numpy(y_train)
+        self.n_train = len(y_train)
+        self.global_batch = global_batch_size(spec)
+        self.per_epoch = allreduce_steps_per_epoch(self.n_train, self.global_batch)
+        self.total_steps = allreduce_total_steps(spec, self.n_train)
+        model = build_model(
+            spec.model, tuple(x_train.shape[1:]), num_classes, spec.seed, allowed_models, daemon
+        )
+        if spec.sync_batchnorm:
+            model = convert_sync_batchnorm(model, device)
+        self.model: nn.Module = model.to(device)
+        self.optimizer = make_optimizer(spec, self.model.parameters())
+        self.scheduler = make_lr_scheduler(spec, self.optimizer, self.total_steps)
+        self.scaler = make_grad_scaler(spec.precision, device)
+        self.step = 0
+        self.last_lr = self.lr  # the learning rate of the last step taken
+        self._perm_epoch = -1
+        self._perm = np.empty(0, np.int64)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return current_lr(self.optimizer)
+
+    def epoch_of(self, step: int) -> tuple[int, int]:
+        """(epoch, step_in_epoch) of a global step."""
+        return divmod(step, self.per_epoch)
+
+    def _rows(self, step: int) -> npt.NDArray[np.int64]:
+        """The global batch of ``step`` (as ``global_rows``, its epoch's permutation cached)."""
+        epoch, in_epoch = self.epoch_of(step)
+        if self._perm_epoch != epoch:
+            self._perm = epoch_permutation(self.n_train, self.spec.seed, epoch)
+            self._perm_epoch = epoch
+        g = self.global_batch
+        return self._perm[in_epoch * g : (in_epoch + 1) * g]
+
+    def wrap(self, world_size: int) -> nn.Module:
+        """The model as a generation trains it: DDP, or the model itself for one rank.
+
+        With one rank there is nothing to all-reduce (and no buffer to broadcast). DDP gets
+        the communication hook of the spec's compression (``worker.allreduce.ddp_hooks``).
+
+        Raises:
+            CompressionNotSupported: a compression the group's backend cannot run.
+        """
+        if world_size == 1:
+            return self.model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(
+            self.model, device_ids=device_ids, gradient_as_bucket_view=True
+        )
+        # The spec's compression (issue 11) as one of torch's comm hooks; getattr until the
+        # field lands in TrainJobSpec.
+        compression = getattr(self.spec, "compression", None)
+        if compression is not None:
+            register_compression_hook(
+                ddp, compression.name, compression.ratio, compression.rank, dist.get_backend()
+            )
+        return ddp
+
+    def train_step(self, ddp: nn.Module, rank: int, world_size: int) -> StepStats:
+        """Train one optimizer step (``self.step``) on this rank's rows, then advance.
+
+        Raises:
+            RuntimeError (torch.distributed.DistBackendError among them): a collective
+                failed or timed out; the replica keeps the state of ``self.step``.
+        """
+        self.last_lr = self.lr
+        rows = self._rows(self.step)
+        mine = rank_rows(rows, rank, world_size)
+        scale = world_size / max(len(rows), 1)
+        stats = StepStats()
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = micro_batches(mine, self.spec.grad_accum_steps)
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+            if not last and isinstance(ddp, DistributedDataParallel):
+                ctx = ddp.no_sync()  # accumulate locally; all-reduce on the last micro-batch
+            with ctx:
+                self._backward(ddp, part, scale, stats)
+        self.scaler.unscale_(self.optimizer)
+        if self.spec.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.step += 1
+        return stats
+
+    def _backward(
+        self, ddp: nn.Module, part: npt.NDArray[np.int64], scale: float, s: StepStats
+    ) -> None:
+        index = torch.from_numpy(part)
+        x = self.x[index].to(self.device, non_blocking=True)
+        y = self.y[index].to(self.device, non_blocking=True)
+        with autocast(self.spec.precision, self.device):
+            logits = ddp(x)
+        losses = nn.functional.cross_entropy(logits.float(), y, reduction="sum")
+        self.scaler.scale(losses * scale).backward()  # type: ignore[no-untyped-call]
+        s.samples += len(part)
+        s.loss_sum += float(losses.detach())
+        s.correct += int((logits.argmax(dim=1) == y).sum())
+
+    def model_bytes(self) -> bytes:
+        """torch.save bytes of the model's state_dict alone (parameters and buffers)."""
+        buf = io.BytesIO()
+        torch.save(self.model.state_dict(), buf)
+        return buf.getvalue()
+
+    def state_bytes(self) -> bytes:
+        """torch.save bytes of model, optimizer, lr schedule, grad scaler and step."""
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "step": self.step,
+            },
+            buf,
+        )
+        return buf.getvalue()
+
+    def load_state(self, data: bytes) -> None:
+        """Restore what :meth:`state_bytes` wrote (``torch.load(weights_only=True)``).
+
+        Raises:
+            StateError: the bytes are not a checkpoint of this replica (the replica may be
+                partly loaded: the caller ends the generation).
+        """
+        try:
+            state: dict[str, Any] = torch.load(
+                io.BytesIO(data), map_location=self.device, weights_only=True
+            )
+            step = int(state["step"])
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+        except UNLOADABLE as exc:
+            raise StateError(f"not a checkpoint of this job: {exc}") from None
+        self.step = step
