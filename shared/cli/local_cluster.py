@@ -133,15 +133,22 @@ class LocalCluster:
     def start(self, timeout_s: float = 60.0) -> str:
         """Start every process and wait until all workers are ALIVE; return the address.
 
+        What started is stopped again when this fails (a chaos run under load once left a
+        cluster running after its start timed out).
+
         Raises:
             ClusterStartError: a process exited early or the deadline passed.
         """
         deadline = time.monotonic() + timeout_s
-        self.address = self._start_coordinator(self.port, deadline)
-        for i in range(self.n_workers):
-            link = self.links[i] if i < len(self.links) else None
-            self.add_worker(f"worker-{i}", link=link)
-        self.wait_workers(self.n_workers, deadline)
+        try:
+            self.address = self._start_coordinator(self.port, deadline)
+            for i in range(self.n_workers):
+                link = self.links[i] if i < len(self.links) else None
+                self.add_worker(f"worker-{i}", link=link)
+            self.wait_workers(self.n_workers, deadline)
+        except BaseException:
+            self.stop()
+            raise
         if self.secure is not None:
             self.secure.write_env(self.address)
         return self.address
@@ -353,12 +360,8 @@ class LocalCluster:
             self._tmp = None
 
     def __enter__(self) -> LocalCluster:
-        """Start the cluster (stopping what started if that fails) and return it."""
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
+        """Start the cluster (``start`` stops what started if that fails) and return it."""
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
