@@ -414,7 +414,11 @@ class AllreduceJob:
             save_model(self._model, self.best_model_path)
 
     def _checkpoint(self, step: int, data: bytes) -> None:
-        """Rank 0's state, and beside it the job's history and best accuracy (JSON)."""
+        """Rank 0's state, and beside it the job's history and best accuracy (JSON).
+
+        The event files are flushed first: a resumed job keeps what they hold up to here.
+        """
+        self.board.flush()
         prog = self._progress
         run = {"history": prog.history, "best_acc": prog.best_acc}
         write_checkpoint(self.run_path, step, json.dumps(run).encode())

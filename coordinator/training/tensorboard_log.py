@@ -18,9 +18,9 @@ ended it, line up on one axis. The tags:
 
 Writing never holds up a step: the step loop only appends (tag, value, step) to a list;
 the board's own thread turns them into events and ``SummaryWriter`` (with its own writer
-thread) writes the file, a batch at a time, at each epoch's end (then flushed to disk) and
-when the job ends, fails or is cancelled (then the file is closed). A writer that fails (a
-full disk) is logged and dropped: the job goes on without its event files.
+thread) writes the file, a batch at a time; the file is flushed to disk at each epoch's end
+and before each checkpoint, and closed when the job ends, fails or is cancelled. A writer
+that fails (a full disk) is logged and dropped: the job goes on without its event files.
 """
 
 from __future__ import annotations

@@ -379,7 +379,11 @@ class TrainJob:
         )
 
     def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
-        """Atomically write (next step, parameter-server state, history) to the checkpoint."""
+        """Atomically write (next step, parameter-server state, history) to the checkpoint.
+
+        The event files are flushed first: a resumed job keeps what they hold up to here.
+        """
+        self.board.flush()
         write_checkpoint(self.checkpoint_path, next_step, ps.state({"history": history.to_doc()}))
 
     def _restore(self, ps: ParameterServer, history: TrainHistory) -> int:
