@@ -4,8 +4,8 @@ A short ``sync`` job and a short ``allreduce`` job run through real daemons; the
 directories (``DATA_DIR/tensorboard/JOB_ID``) are loaded with ``EventAccumulator`` and must
 hold the tags of ``coordinator.training.tensorboard_log``: one scalar per epoch equal to the
 job's history entry (float32, as TensorBoard stores scalars), the step's figures at every
-step (allreduce: at every progress report). ``neuroshard tensorboard`` is then started on
-port 0 over the same data dir and must list the jobs' runs.
+step (allreduce: at every progress report). A cancelled job's file holds the steps it ran.
+``neuroshard tensorboard`` is started on port 0 over a data dir and must list its job's run.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -116,6 +117,27 @@ async def test_an_allreduce_job_writes_its_progress_and_epochs(make_cluster) -> 
     assert len(rank0) == 1 and re.fullmatch(r"workers/worker-\d/step_ms", rank0[0])
     assert [s for s, _ in scalars[rank0[0]]] == reports
     assert all(v > 0 for _, v in scalars[rank0[0]])
+
+
+async def test_a_cancelled_job_closes_its_file_with_the_steps_it_ran(make_cluster) -> None:
+    # Arrange: a job far from its first epoch's end
+    cluster = await make_cluster(workers=1)
+    async with cluster.client() as client:
+        job = await client.submit({"kind": "train", "workers": 1, "batch_size": 8, "steps": 10**5})
+        async for _info, progress in client.watch(job.job_id):
+            if progress.get("step", 0) >= 3:
+                break
+
+        # Act
+        await client.cancel(job.job_id)
+        final = await client.wait(job.job_id)
+
+    # Assert: the buffered steps written (no epoch ended to flush them), the board's thread gone
+    assert final.state == "CANCELLED"
+    scalars = _scalars(Path(cluster.coordinator.cfg.tensorboard_dir()) / job.job_id)
+    steps = [s for s, _ in scalars["train/loss"]]
+    assert steps[:3] == [1, 2, 3] and steps == list(range(1, len(steps) + 1))
+    assert not any(t.name.startswith(f"tensorboard-{job.job_id}") for t in threading.enumerate())
 
 
 async def test_the_tensorboard_command_serves_the_jobs_runs(make_cluster, tmp_path: Path) -> None:
