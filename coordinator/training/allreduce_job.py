@@ -37,6 +37,7 @@ from coordinator.placement.membership import WorkerRecord
 from coordinator.training.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.evaluation import evaluate
+from coordinator.training.tensorboard_log import TrainBoard
 from coordinator.training.train_job import job_device
 from coordinator.training.train_sets import TrainSets
 from shared.config import CoordinatorConfig, TrainJobSpec
@@ -145,6 +146,7 @@ class AllreduceJob:
         self.run_path = data_dir / "checkpoints" / f"{job.job_id}.run"  # history, best
         self.model_path = data_dir / "models" / f"{job.job_id}.pt"
         self.best_model_path = data_dir / "models" / f"{job.job_id}.best.pt"
+        self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
@@ -159,6 +161,7 @@ class AllreduceJob:
         finally:
             self._train_sets.close(self.job.job_id)
             await self._stop_children()
+            await asyncio.to_thread(self.board.close)
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec
@@ -181,6 +184,7 @@ class AllreduceJob:
         self._per_epoch = allreduce_steps_per_epoch(n_train, self._global_batch)
         self._total = allreduce_total_steps(spec, n_train)
         resumed = await asyncio.to_thread(self._restore)
+        await asyncio.to_thread(self.board.open, resumed)
         self._train_sets.open(self.job.job_id, dataset, 1, self._invited.__contains__)
         t0 = self._clock()
         await self._generations()
@@ -290,7 +294,7 @@ class AllreduceJob:
 
     async def _on_event(self, name: str, event: worker_pb2.AllreduceEvent) -> None:
         if event.HasField("progress"):
-            await self._on_progress(event.progress)
+            await self._on_progress(name, event.progress)
         elif event.HasField("state"):
             st = event.state
             self._chunks.setdefault(name, []).append(st.data)
@@ -298,7 +302,7 @@ class AllreduceJob:
                 data = b"".join(self._chunks.pop(name))
                 await self._on_state(int(st.step), st.reason, data)
 
-    async def _on_progress(self, p: worker_pb2.AllreduceProgress) -> None:
+    async def _on_progress(self, name: str, p: worker_pb2.AllreduceProgress) -> None:
         prog = self._progress
         e = prog.epochs.setdefault(int(p.epoch), _EpochStats())
         e.samples += int(p.samples)
@@ -311,6 +315,8 @@ class AllreduceJob:
         if p.steps:
             self._metrics.train_steps.inc(int(p.steps))
             self._metrics.step_seconds.labels("allreduce").observe(step_s)
+            loss = float(p.loss_sum) / max(int(p.samples), 1)
+            self.board.add_step(int(p.step), loss, prog.lr, {name: (step_s,)})
         await self._publish(e, step_s)
 
     async def _publish(self, epoch: _EpochStats, step_s: float) -> None:
@@ -402,12 +408,17 @@ class AllreduceJob:
                 "samples_per_s": stats.samples / max(stats.seconds, 1e-9),
             }
         )
+        self.board.add_epoch(step, prog.history[-1])
         if prog.test_acc > prog.best_acc:
             prog.best_acc = prog.test_acc
             save_model(self._model, self.best_model_path)
 
     def _checkpoint(self, step: int, data: bytes) -> None:
-        """Rank 0's state, and beside it the job's history and best accuracy (JSON)."""
+        """Rank 0's state, and beside it the job's history and best accuracy (JSON).
+
+        The event files are flushed first: a resumed job keeps what they hold up to here.
+        """
+        self.board.flush()
         prog = self._progress
         run = {"history": prog.history, "best_acc": prog.best_acc}
         write_checkpoint(self.run_path, step, json.dumps(run).encode())
