@@ -38,6 +38,10 @@ HOLDDOWN_MAX_S = 2.0  # readmit_holddown_max_s
 CUT_S = 6 * TIMEOUT_S  # the issue's 6 s cut
 BATCH = 64  # fresh ids per write
 MAX_EPOCHS_IN_CUT = 4  # w1 dead, its slots promoted, new replicas in (before: one per flap)
+# A healthy worker declared dead on a busy machine (its heartbeats late by TIMEOUT_S: seen at a
+# load average of 8 on 2 cores, `make test-loaded` beside other test runs) and readmitted costs
+# epochs of its own that say nothing about w1: each such death allows this many more.
+EPOCHS_PER_OTHER_DEATH = 4
 
 
 @dataclass
@@ -103,6 +107,7 @@ async def test_a_worker_cut_one_way_is_held_down_not_flapping(make_cluster) -> N
         # Act: cut w1's inbound link (its heartbeats still arrive) for CUT_S, then heal.
         loop = asyncio.get_running_loop()
         epoch_at_cut, cut_until = coord.rebalancer.current.epoch, loop.time() + CUT_S
+        others_at_cut = _deaths(cluster, "w0") + _deaths(cluster, "w2")
         link.cut()
         await wait_until(
             lambda: loop.time() >= cut_until,
@@ -111,6 +116,7 @@ async def test_a_worker_cut_one_way_is_held_down_not_flapping(make_cluster) -> N
         )
         epochs_in_cut = coord.rebalancer.current.epoch - epoch_at_cut
         deaths_in_cut = _deaths(cluster, "w1")
+        other_deaths = _deaths(cluster, "w0") + _deaths(cluster, "w2") - others_at_cut
         state_at_heal = coord.membership.get("w1").state.value  # type: ignore[union-attr]
         refusals_in_cut = coord.metrics.registry.get_sample_value(
             "neuroshard_readmissions_refused_total"
@@ -139,8 +145,10 @@ async def test_a_worker_cut_one_way_is_held_down_not_flapping(make_cluster) -> N
         assert deaths_in_cut == 1, f"w1 declared DEAD {deaths_in_cut} times during the cut"
         assert state_at_heal == "DEAD"
         assert refusals_in_cut >= 2, "w1 did not keep trying to register during the cut"
-        assert epochs_in_cut <= MAX_EPOCHS_IN_CUT, (
-            f"{epochs_in_cut} map epochs during a {CUT_S} s one-way cut (flapping)"
+        allowed = MAX_EPOCHS_IN_CUT + EPOCHS_PER_OTHER_DEATH * other_deaths
+        assert epochs_in_cut <= allowed, (
+            f"{epochs_in_cut} map epochs during a {CUT_S} s one-way cut (flapping; "
+            f"{other_deaths} deaths of the other workers)"
         )
         assert writer.acked, "nothing was acknowledged"
         written = [np.concatenate(writer.acked)]
