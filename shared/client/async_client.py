@@ -32,6 +32,7 @@ from shared.client.datasets import (
     upload_timeout_s,
 )
 from shared.client.memory import MemoryRouter, Progress, RoutingError
+from shared.client.models import ModelStreamError, model_to_file, models_from_pb
 from shared.client.store_io import (
     ExportProgress,
     ExportStreamError,
@@ -403,6 +404,60 @@ class Client:
         """
         return entries_from_pb(
             await self._call(self._stub.ListDatasets, coordinator_pb2.ListDatasetsRequest())
+        )
+
+    async def get_model(
+        self,
+        job_id: str,
+        path: str | os.PathLike[str],
+        best: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Write a train job's saved model (a ``torch.save`` state dict) to ``path``, streamed.
+
+        The file appears only once the whole model arrived and matched its header's size
+        and SHA-256; load it with ``torch.load(path, weights_only=True)``.
+
+        Args:
+            job_id: a train job of the caller's (any job for an admin).
+            path: the file to create or replace; its directory must exist.
+            best: the best model by test accuracy instead of the final one.
+            timeout_s: deadline of the whole stream, seconds; None: the client's.
+
+        Returns:
+            ``job_id``, ``best``, ``path``, ``bytes`` and ``sha256`` (hex).
+
+        Raises:
+            NeuroshardError: NOT_FOUND (unknown job, another user's, or no such saved
+                model), INVALID_ARGUMENT (the file cannot be written), INTERNAL (a stream
+                that does not match its header).
+        """
+        try:
+            return await model_to_file(
+                self._stub, job_id, path, best, timeout_s or max(self.timeout_s, 300.0)
+            )
+        except aio.AioRpcError as exc:
+            raise _error(exc, self.address, self._security) from None
+        except ModelStreamError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INTERNAL) from None
+        except OSError as exc:
+            raise NeuroshardError(
+                f"{path}: cannot write it ({exc.strerror or exc})", grpc.StatusCode.INVALID_ARGUMENT
+            ) from None
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        """List the caller's jobs (every job for an admin) that have a saved model.
+
+        Returns:
+            One dict per job (``shared.client.models.models_from_pb``): ``job_id``,
+            ``kind``, ``strategy``, ``best_test_accuracy`` (None: never evaluated),
+            ``bytes``, ``best_bytes`` and ``saved_at`` (Unix seconds).
+
+        Raises:
+            NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
+        """
+        return models_from_pb(
+            await self._call(self._stub.ListModels, coordinator_pb2.ListModelsRequest())
         )
 
     async def status(self) -> dict[str, Any]:

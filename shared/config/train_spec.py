@@ -74,6 +74,25 @@ class FileData(ConfigModel):
     )
 
 
+class InitSpec(ConfigModel):
+    """Where a train job's initial parameters come from: another job's saved model.
+
+    Written ``{job: ID}`` (or ``{job: ID, best: true}``); the submitter must own that job (or
+    be admin). The state dict must fit the spec's model tensor for tensor, checked before
+    the job is queued.
+    """
+
+    job: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Id of a finished train job whose saved model the parameters start from.",
+    )
+    best: bool = Field(
+        False, description="Start from that job's best model by test accuracy, not its final one."
+    )
+
+
 class OptimizerSpec(ConfigModel):
     """The optimizer: SGD (with momentum), Adam or AdamW (``torch.optim``)."""
 
@@ -207,6 +226,11 @@ class TrainJobSpec(ConfigModel):
     data: DataField = Field(
         default_factory=BuiltinData,
         description="'digits', 'synthetic', {name: ...} or {path: F.npz}.",
+    )
+    init: InitSpec | None = Field(
+        None,
+        description="{job: ID, best: false}: initial parameters and buffers from that job's "
+        "saved model (yours, or any for admin); null: seeded by seed.",
     )
     optimizer: OptimizerSpec = Field(
         default_factory=OptimizerSpec,
