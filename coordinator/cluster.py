@@ -262,13 +262,15 @@ class Cluster:
         Admission (``coordinator.jobs.admission.admit``) runs in a thread: it may read file
         headers and build the model on the meta device to count its parameters.
 
-        A train spec's ``init`` must name a job the caller may see with a saved model that
-        fits the spec's model (``coordinator.training.saved_models.check_init``).
+        A train spec's ``init`` must name a job the caller may see with a saved model, or an
+        uploaded state dict, that fits the spec's model
+        (``coordinator.training.saved_models.check_init``).
 
         Raises:
             ConfigError: invalid spec, naming the field, or an ``init`` that is unknown or
                 does not fit (names the first misfit tensor) (INVALID_ARGUMENT).
-            PathRefused: a path outside the data roots (INVALID_ARGUMENT).
+            PathRefused: a path (or ``init.dataset``) outside the data roots
+                (INVALID_ARGUMENT).
             EntryPointRefused: a model entry not in ``allowed_models`` (PERMISSION_DENIED).
             LimitExceeded: over an admission cap (RESOURCE_EXHAUSTED).
             JobQuotaExceeded: ``owner`` has ``max_jobs_per_client`` unfinished jobs
@@ -276,8 +278,9 @@ class Cluster:
         """
         spec: JobSpec = await asyncio.to_thread(admit, spec_json, self.cfg)
         if isinstance(spec, TrainJobSpec) and spec.init is not None:
-            init = self._init_model(spec.init)
-            await asyncio.to_thread(check_init, spec, init, self.cfg)
+            if spec.init.job is not None:
+                self._check_init_job(spec.init)
+            await asyncio.to_thread(check_init, spec, self.cfg)
         limit = self.cfg.max_jobs_per_client
         if self.jobs.active(owner) >= limit:
             who = f"client {owner!r}" if owner else "unauthenticated clients"
@@ -298,24 +301,26 @@ class Cluster:
         self._update_gauges()
         return job
 
-    def _init_model(self, init: InitSpec) -> Path:
-        """The saved model ``init`` names, if the caller may see that job (``may_see_job``).
+    def _check_init_job(self, init: InitSpec) -> None:
+        """Refuse an ``init.job`` the caller may not see (``may_see_job``) or without that model.
 
         Raises:
             ConfigError: an unknown job, another subject's, or one without that saved model
                 (the same answer for the first two: no existence oracle) (INVALID_ARGUMENT).
         """
+        assert init.job is not None
         try:
             job = self.jobs.get(init.job)
         except JobNotFound:
             job = None
         if job is None or not may_see_job(job.owner):
             raise ConfigError(f"init.job: no job {init.job!r}")
-        path = model_file(self.cfg.data_dir, job.job_id, init.best)
-        if job.kind != "train" or not path.is_file():
+        if (
+            job.kind != "train"
+            or not model_file(self.cfg.data_dir, job.job_id, init.best).is_file()
+        ):
             which = "best" if init.best else "final"
             raise ConfigError(f"init.job: job {init.job!r} has no saved {which} model")
-        return path
 
     def _job_event(self, job: JobRecord) -> None:
         """Tell ``events`` a job's new state (``JobStore.on_state``)."""

@@ -4,18 +4,18 @@ A train job writes ``DATA_DIR/models/JOB.pt`` when it finishes and ``JOB.best.pt
 an epoch's test accuracy is the best yet (``coordinator.training.checkpoints.save_model``, a
 ``torch.save`` of the state dict). Clients name a model by job id only (``GetModel``,
 ``ListModels``); the id is looked up in the job store before a path is built from it, so no
-client string becomes a path. A job may start from one of them (``init: {job: ID}``): the
-file is size-checked against ``max_dataset_bytes`` before it is read, loaded with
-``torch.load(weights_only=True)`` and checked tensor by tensor against the spec's model
-(built on the meta device) before the job is queued.
+client string becomes a path. A job may start from one of them (``init: {job: ID}``) or from
+a state dict uploaded as a data set (``init: {dataset: NAME}``, ``NAME.pt`` in the data
+roots, confined there like any data path): the file is size-checked against
+``max_dataset_bytes`` before it is read, loaded with ``torch.load(weights_only=True)`` and
+checked tensor by tensor against the spec's model (built on the meta device) before the job
+is queued.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import struct
-import zipfile
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from coordinator.datasets.state_dicts import WEIGHTS_SUFFIX, StateDictError, read_state_dict
 from coordinator.jobs.admission import data_shape
 from coordinator.jobs.jobs import JobRecord
-from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
-from shared.security.confinement import resolve_data_paths
-from shared.training.controls import UNLOADABLE
+from shared.config import ConfigError, CoordinatorConfig, InitSpec, TrainJobSpec
+from shared.security.confinement import resolve_data_path, resolve_data_paths
 from shared.training.models import ModelError, build_model
-
-# Besides UNLOADABLE, torch.load on bytes that are not a torch.save file fails in the legacy
-# unpickler's struct reads (a short file) or in zipfile (a torn archive): refusals of the
-# file, not faults of the coordinator.
-_UNREADABLE: tuple[type[Exception], ...] = (*UNLOADABLE, struct.error, zipfile.BadZipFile, OSError)
 
 
 class ModelMissing(Exception):
@@ -121,7 +116,7 @@ def load_state_dict(path: Path, label: str, max_bytes: int) -> dict[str, torch.T
     """Read a ``torch.save``'d state dict with ``weights_only=True``, onto the CPU.
 
     Args:
-        path: the file (from ``model_file``).
+        path: the file (``model_file``, or an uploaded ``NAME.pt``).
         label: how messages name it (``init.job``), never the coordinator's path.
         max_bytes: ``max_dataset_bytes``: a larger file is refused before it is read.
 
@@ -130,23 +125,11 @@ def load_state_dict(path: Path, label: str, max_bytes: int) -> dict[str, torch.T
             tensors (INVALID_ARGUMENT).
     """
     try:
-        size = path.stat().st_size
+        return read_state_dict(path, label, max_bytes)
     except FileNotFoundError:
         raise ConfigError(f"{label}: that job has no saved model") from None
-    if size > max_bytes:
-        raise ConfigError(
-            f"{label}: the saved model is {size} bytes, over the coordinator's "
-            f"max_dataset_bytes {max_bytes}"
-        )
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except _UNREADABLE as exc:
-        raise ConfigError(f"{label}: not a readable state dict ({exc})") from None
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise ConfigError(f"{label}: not a state dict (a mapping of names to tensors)")
-    return state
+    except StateDictError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], label: str) -> None:
@@ -208,16 +191,45 @@ def spec_model(spec: TrainJobSpec, cfg: CoordinatorConfig) -> nn.Module:
         raise ConfigError(str(exc)) from None
 
 
-def check_init(spec: TrainJobSpec, path: Path, cfg: CoordinatorConfig) -> None:
-    """Check before queueing that the saved model at ``path`` fits the spec's model.
+def init_source(init: InitSpec, cfg: CoordinatorConfig) -> tuple[Path, str]:
+    """The file an ``init`` names, and its spec key for messages (``init.job``, ``init.dataset``).
+
+    A job's id must have been checked against the job store (``Cluster.submit``) or come
+    from an admitted spec; a data set's name is confined to the data roots.
+
+    Raises:
+        PathRefused: the data set's name resolves outside the data roots (INVALID_ARGUMENT).
+    """
+    if init.job is not None:
+        return model_file(cfg.data_dir, init.job, init.best), "init.job"
+    assert init.dataset is not None
+    name = init.dataset.removesuffix(WEIGHTS_SUFFIX) + WEIGHTS_SUFFIX
+    return resolve_data_path("init.dataset", name, cfg.dataset_roots()), "init.dataset"
+
+
+def _read_init(init: InitSpec, cfg: CoordinatorConfig) -> tuple[dict[str, torch.Tensor], str]:
+    """Read the state dict ``init`` names. Raises: ConfigError, PathRefused."""
+    path, label = init_source(init, cfg)
+    if init.dataset is not None and not path.is_file():
+        raise ConfigError(
+            f"{label}: no {path.name} in the coordinator's data roots "
+            "(neuroshard data put W.pt --name NAME)"
+        )
+    return load_state_dict(path, label, cfg.max_dataset_bytes), label
+
+
+def check_init(spec: TrainJobSpec, cfg: CoordinatorConfig) -> None:
+    """Check before queueing that the spec's ``init`` model fits the spec's model.
 
     Blocking (reads the file, builds the model on the meta device): call it in a thread.
 
     Raises:
         ConfigError: see ``load_state_dict`` and ``check_state_dict`` (INVALID_ARGUMENT).
+        PathRefused: a data set name outside the data roots (INVALID_ARGUMENT).
     """
-    state = load_state_dict(path, "init.job", cfg.max_dataset_bytes)
-    check_state_dict(spec_model(spec, cfg), state, "init.job")
+    assert spec.init is not None
+    state, label = _read_init(spec.init, cfg)
+    check_state_dict(spec_model(spec, cfg), state, label)
 
 
 def initial_state(spec: TrainJobSpec, model: nn.Module, cfg: CoordinatorConfig) -> None:
@@ -228,15 +240,15 @@ def initial_state(spec: TrainJobSpec, model: nn.Module, cfg: CoordinatorConfig) 
     Args:
         spec: the job.
         model: the job's freshly built model, on the CPU.
-        cfg: the coordinator's config (``data_dir``, ``max_dataset_bytes``).
+        cfg: the coordinator's config (``data_dir``, ``data_roots``, ``max_dataset_bytes``).
 
     Raises:
         ConfigError: the saved model is gone, too large, or no longer fits.
+        PathRefused: a data set name now outside the data roots.
     """
     if spec.init is None:
         return
-    path = model_file(cfg.data_dir, spec.init.job, spec.init.best)
-    state = load_state_dict(path, "init.job", cfg.max_dataset_bytes)
-    check_state_dict(model, state, "init.job")
+    state, label = _read_init(spec.init, cfg)
+    check_state_dict(model, state, label)
     with torch.no_grad():
         model.load_state_dict(state)

@@ -341,23 +341,27 @@ class Client:
         progress: Callable[[int], None] | None = None,
         chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> dict[str, Any]:
-        """Upload a local ``.npz`` to the coordinator's first data root as ``NAME.npz``.
+        """Upload a local ``.npz`` (or ``.pt`` state dict) to the coordinator's first data root.
 
-        A job then names it ``data: {path: NAME.npz}`` (or ``load: NAME.npz``); the
-        coordinator validates it as it arrives and serves the workers their rows.
+        An ``.npz`` is stored as ``NAME.npz``: a job then names it ``data: {path: NAME.npz}``
+        (or ``load: NAME.npz``); the coordinator validates it as it arrives and serves the
+        workers their rows. A ``.pt`` file (a ``torch.save`` of a state dict, read with
+        ``weights_only=True``) is stored as ``NAME.pt``, for ``init: {dataset: NAME}``.
 
         Args:
             path: the file: arrays ``x`` float32 [N, ...] and ``y`` int64 [N] (a training
-                set) or ``ids`` and ``strengths`` (a memory set).
+                set), ``ids`` and ``strengths`` (a memory set), or a ``.pt`` state dict.
             name: ``[A-Za-z0-9][A-Za-z0-9._-]*``, at most 128 characters; default the
-                file's stem; a trailing ``.npz`` is dropped.
+                file's stem; a trailing ``.npz`` is dropped (``.pt`` is added for a
+                ``.pt`` file).
             replace: overwrite a data set of that name.
             progress: called with each chunk's size in bytes as it is sent.
             chunk_bytes: bytes of the file per message, >= 1 (default 1 MiB).
 
         Returns:
             ``name``, ``path`` (in the data root), ``bytes``, ``sha256`` (hex), ``kind``
-            (``train`` or ``memory``) and ``arrays`` (name, dtype, shape of each).
+            (``train``, ``memory`` or ``weights``) and ``arrays`` (name, dtype, shape of
+            each).
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT (no such local file, a bad name, not a valid
@@ -374,9 +378,10 @@ class Client:
         if not await asyncio.to_thread(p.is_file):
             raise NeuroshardError(f"{p}: no such file", grpc.StatusCode.INVALID_ARGUMENT)
         size = (await asyncio.to_thread(p.stat)).st_size
-        header = coordinator_pb2.DatasetHeader(
-            name=p.stem if name is None else name, total_bytes=size, replace=replace
-        )
+        stem = p.stem if name is None else name
+        if p.suffix == ".pt" and not stem.endswith(".pt"):
+            stem += ".pt"  # a state dict: stored as NAME.pt, not as an .npz data set
+        header = coordinator_pb2.DatasetHeader(name=stem, total_bytes=size, replace=replace)
         try:
             info = await put_file(
                 self._stub,

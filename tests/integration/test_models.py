@@ -173,6 +173,54 @@ async def test_a_misfit_or_unknown_init_is_refused_before_queueing(make_cluster)
     assert [j.job_id for j in jobs] == [a.job_id]  # nothing queued
 
 
+async def test_init_from_an_uploaded_state_dict(make_cluster, tmp_path: Path) -> None:
+    # Arrange: a state dict made here, uploaded as a data set; a torch.save of anything else
+    # and a state dict of other shapes are refused.
+    cluster = await make_cluster(workers=1)
+    tmp_path = fresh_dir(tmp_path)
+    mine = build_model(MlpSpec(hidden=[32]), DIGITS_SHAPE, DIGITS_CLASSES, 99).state_dict()
+    torch.save(mine, tmp_path / "mine.pt")
+    torch.save({"w": [1, 2, 3]}, tmp_path / "junk.pt")
+    other = build_model(MlpSpec(hidden=[16]), DIGITS_SHAPE, DIGITS_CLASSES, 0).state_dict()
+    torch.save(other, tmp_path / "other.pt")
+    still = {"optimizer": {"name": "sgd", "lr": 1e-12, "momentum": 0.0}, "steps": 2}
+    async with cluster.client() as client:
+        stored = await client.put_dataset(tmp_path / "mine.pt", name="start")
+        with pytest.raises(NeuroshardError) as junk:
+            await client.put_dataset(tmp_path / "junk.pt")
+        await client.put_dataset(tmp_path / "other.pt")
+        listed = [e["path"] for e in await client.list_datasets()]
+
+        # Act
+        b = await run(client, tiny(init={"dataset": "start"}, **still))
+        with pytest.raises(NeuroshardError) as misfit:
+            await client.submit(tiny(init={"dataset": "other"}))
+        with pytest.raises(NeuroshardError) as missing:
+            await client.submit(tiny(init={"dataset": "nothing"}))
+
+    # Assert
+    assert (stored["name"], stored["path"], stored["kind"]) == ("start", "start.pt", "weights")
+    assert [(a["name"], a["dtype"], a["shape"]) for a in stored["arrays"]][:1] == [
+        ("1.weight", "float32", [32, 64])
+    ]
+    assert (junk.value.code.name, str(junk.value)) == (
+        "INVALID_ARGUMENT",
+        "junk.pt: not a state dict (a mapping of names to tensors)",
+    )
+    assert sorted(listed) == ["other.pt", "start.pt"]
+    models = Path(cluster.coordinator.cfg.data_dir) / "models"
+    assert_same(load(models / f"{b.job_id}.pt"), mine, atol=1e-6)
+    assert (misfit.value.code.name, str(misfit.value)) == (
+        "INVALID_ARGUMENT",
+        "init.dataset: tensor '1.weight': expected shape [32, 64], found [16, 64]",
+    )
+    assert (missing.value.code.name, str(missing.value)) == (
+        "INVALID_ARGUMENT",
+        "init.dataset: no nothing.pt in the coordinator's data roots "
+        "(neuroshard data put W.pt --name NAME)",
+    )
+
+
 async def test_models_are_their_owners_and_admins_only(
     secure, material: Material, tmp_path: Path
 ) -> None:
