@@ -177,13 +177,13 @@ class AllreduceJob:
             spec.seed,
             self.cfg.allowed_models,
         )
-        if spec.init is not None:  # rank 0 starts from it and broadcasts it
-            self._state = await asyncio.to_thread(self._initial_state)
         n_train = len(dataset.y_train)
         self._global_batch = global_batch_size(spec)
         self._per_epoch = allreduce_steps_per_epoch(n_train, self._global_batch)
         self._total = allreduce_total_steps(spec, n_train)
         resumed = await asyncio.to_thread(self._restore)
+        if resumed == 0 and spec.init is not None:  # rank 0 starts from it, broadcasts it
+            self._state = await asyncio.to_thread(self._initial_state)
         self._train_sets.open(self.job.job_id, dataset, 1, self._invited.__contains__)
         t0 = self._clock()
         await self._generations()

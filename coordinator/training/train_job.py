@@ -218,11 +218,12 @@ class TrainJob:
         ps = await asyncio.to_thread(
             ParameterServer, spec, dataset, self.cfg.allowed_models, run.total, scheme.controls
         )
-        try:  # the spec's init weights, checked again: the file may have changed
-            await asyncio.to_thread(initial_state, spec, ps.model, self.cfg)
-        except ConfigError as exc:
-            raise JobFailed(str(exc)) from None
         start_step = await asyncio.to_thread(self._restore, ps, run.history)
+        if start_step == 0:  # a resumed job goes on from its checkpoint, not from init
+            try:  # the spec's init weights, checked again: the file may have changed
+                await asyncio.to_thread(initial_state, spec, ps.model, self.cfg)
+            except ConfigError as exc:
+                raise JobFailed(str(exc)) from None
         self._train_sets.open(
             self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
         )
