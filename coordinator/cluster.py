@@ -7,6 +7,7 @@ Servicers call these methods; background tasks (failure detection, scheduling) r
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -418,7 +419,7 @@ class Cluster:
         """Apply ``job_retention``; return the ids pruned.
 
         Old finished jobs are forgotten in memory and in SQLite, and their checkpoint files
-        deleted.
+        and TensorBoard run directories deleted.
 
         Args:
             now: wall-clock seconds to measure ages against; None for ``time.time()``.
@@ -429,6 +430,7 @@ class Cluster:
             self.state.delete_jobs(dropped)
             for job_id in dropped:
                 (Path(self.cfg.data_dir) / "checkpoints" / f"{job_id}.ckpt").unlink(missing_ok=True)
+                shutil.rmtree(self.cfg.tensorboard_dir() / job_id, ignore_errors=True)
             log.info("jobs_pruned", jobs=len(dropped))
         return dropped
 

@@ -38,6 +38,7 @@ from coordinator.training.allreduce_generation import Generation, GenerationOutc
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.evaluation import evaluate
 from coordinator.training.saved_models import initial_state
+from coordinator.training.tensorboard_log import TrainBoard
 from coordinator.training.train_job import job_device
 from coordinator.training.train_sets import TrainSets
 from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
@@ -146,6 +147,7 @@ class AllreduceJob:
         self.run_path = data_dir / "checkpoints" / f"{job.job_id}.run"  # history, best
         self.model_path = data_dir / "models" / f"{job.job_id}.pt"
         self.best_model_path = data_dir / "models" / f"{job.job_id}.best.pt"
+        self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
@@ -160,6 +162,7 @@ class AllreduceJob:
         finally:
             self._train_sets.close(self.job.job_id)
             await self._stop_children()
+            await asyncio.to_thread(self.board.close)
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec
@@ -184,6 +187,7 @@ class AllreduceJob:
         resumed = await asyncio.to_thread(self._restore)
         if resumed == 0 and spec.init is not None:  # rank 0 starts from it, broadcasts it
             self._state = await asyncio.to_thread(self._initial_state)
+        await asyncio.to_thread(self.board.open, resumed)
         self._train_sets.open(self.job.job_id, dataset, 1, self._invited.__contains__)
         t0 = self._clock()
         await self._generations()
@@ -293,7 +297,7 @@ class AllreduceJob:
 
     async def _on_event(self, name: str, event: worker_pb2.AllreduceEvent) -> None:
         if event.HasField("progress"):
-            await self._on_progress(event.progress)
+            await self._on_progress(name, event.progress)
         elif event.HasField("state"):
             st = event.state
             self._chunks.setdefault(name, []).append(st.data)
@@ -301,7 +305,7 @@ class AllreduceJob:
                 data = b"".join(self._chunks.pop(name))
                 await self._on_state(int(st.step), st.reason, data)
 
-    async def _on_progress(self, p: worker_pb2.AllreduceProgress) -> None:
+    async def _on_progress(self, name: str, p: worker_pb2.AllreduceProgress) -> None:
         prog = self._progress
         e = prog.epochs.setdefault(int(p.epoch), _EpochStats())
         e.samples += int(p.samples)
@@ -314,6 +318,8 @@ class AllreduceJob:
         if p.steps:
             self._metrics.train_steps.inc(int(p.steps))
             self._metrics.step_seconds.labels("allreduce").observe(step_s)
+            loss = float(p.loss_sum) / max(int(p.samples), 1)
+            self.board.add_step(int(p.step), loss, prog.lr, {name: (step_s,)})
         await self._publish(e, step_s)
 
     async def _publish(self, epoch: _EpochStats, step_s: float) -> None:
@@ -405,12 +411,17 @@ class AllreduceJob:
                 "samples_per_s": stats.samples / max(stats.seconds, 1e-9),
             }
         )
+        self.board.add_epoch(step, prog.history[-1])
         if prog.test_acc > prog.best_acc:
             prog.best_acc = prog.test_acc
             save_model(self._model, self.best_model_path)
 
     def _checkpoint(self, step: int, data: bytes) -> None:
-        """Rank 0's state, and beside it the job's history and best accuracy (JSON)."""
+        """Rank 0's state, and beside it the job's history and best accuracy (JSON).
+
+        The event files are flushed first: a resumed job keeps what they hold up to here.
+        """
+        self.board.flush()
         prog = self._progress
         run = {"history": prog.history, "best_acc": prog.best_acc}
         write_checkpoint(self.run_path, step, json.dumps(run).encode())

@@ -44,6 +44,7 @@ from coordinator.training.robust_aggregation import aggregate, global_norm, norm
 from coordinator.training.saved_models import initial_state
 from coordinator.training.step_monitor import StepMonitor
 from coordinator.training.step_types import StepPlan
+from coordinator.training.tensorboard_log import TrainBoard, worker_times
 from coordinator.training.train_history import TrainHistory
 from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
 from coordinator.training.train_sets import TrainSets
@@ -181,6 +182,7 @@ class TrainJob:
         self.checkpoint_path = Path(cfg.data_dir) / "checkpoints" / f"{job.job_id}.ckpt"
         self.model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.pt"
         self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
+        self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
@@ -192,6 +194,7 @@ class TrainJob:
             return await self._run()
         finally:
             self._train_sets.close(self.job.job_id)
+            await asyncio.to_thread(self.board.close)
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec
@@ -224,6 +227,7 @@ class TrainJob:
                 await asyncio.to_thread(initial_state, spec, ps.model, self.cfg)
             except ConfigError as exc:
                 raise JobFailed(str(exc)) from None
+        await asyncio.to_thread(self.board.open, start_step)
         self._train_sets.open(
             self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
         )
@@ -304,10 +308,12 @@ class TrainJob:
         n, loss_sum, correct = await self._apply(ps, outcome, step)
         run.samples += n
         run.history.add_step(n, loss_sum)
+        self.board.add_step(step + 1, loss_sum / max(n, 1), lr, worker_times(outcome))
         self._metrics.train_steps.inc()
         self._metrics.step_seconds.labels("coordinator").observe(self._clock() - t0)
         if step_in_epoch == run.per_epoch - 1 or step == run.total - 1:
             await self._end_epoch(ps, epoch, lr, run)
+            await asyncio.to_thread(self.board.add_epoch, step + 1, run.history.entries[-1])
         if (step + 1) % self.cfg.checkpoint_every_steps == 0 and step + 1 < run.total:
             await asyncio.to_thread(self._checkpoint, ps, step + 1, run.history)
         elapsed = max(self._clock() - run.t_start, 1e-9)
@@ -379,7 +385,11 @@ class TrainJob:
         )
 
     def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
-        """Atomically write (next step, parameter-server state, history) to the checkpoint."""
+        """Atomically write (next step, parameter-server state, history) to the checkpoint.
+
+        The event files are flushed first: a resumed job keeps what they hold up to here.
+        """
+        self.board.flush()
         write_checkpoint(self.checkpoint_path, next_step, ps.state({"history": history.to_doc()}))
 
     def _restore(self, ps: ParameterServer, history: TrainHistory) -> int:

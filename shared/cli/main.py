@@ -30,6 +30,7 @@ from shared.cli.security import (
     client_security_of,
     daemon_overrides,
 )
+from shared.cli.tensorboard import add_tensorboard_command
 from shared.config import (
     ConfigError,
     CoordinatorConfig,
@@ -338,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_security_commands(sub)
     add_link_command(sub)
+    add_tensorboard_command(sub)
 
     s = client_parser("submit", "submit a job spec")
     s.add_argument("spec", help="job YAML, e.g. configs/jobs/digits-mlp.yaml")

@@ -395,6 +395,10 @@ class CoordinatorConfig(_DaemonConfig):
         roots = self.data_roots if self.data_roots else [str(Path(self.data_dir) / "datasets")]
         return [Path(r).expanduser().absolute() for r in roots]
 
+    def tensorboard_dir(self) -> Path:
+        """Where train jobs write TensorBoard event files: ``DATA_DIR/tensorboard``."""
+        return Path(self.data_dir).expanduser().absolute() / "tensorboard"
+
     @field_validator("slots")
     @classmethod
     def _power_of_two(cls, v: int) -> int:

@@ -117,6 +117,25 @@ async def test_kill9_coordinator_during_training_resumes_and_succeeds(
     assert final.result["test_accuracy"] >= accuracy
     # The epochs before the restart come back from the checkpoint with the model.
     assert [e["epoch"] for e in final.result["history"]] == list(range(1, epochs + 1))
+    # TensorBoard: the restarted coordinator's event file replaces what the killed one wrote
+    # after the checkpoint (purge_step), so each epoch is there once, equal to the history.
+    scalars = _board_scalars(tmp_path / "cluster" / "coordinator" / "tensorboard" / job.job_id)
+    history = final.result["history"]
+    assert [v for _, v in scalars["epoch/train_loss"]] == [
+        pytest.approx(e["train_loss"], rel=1e-6) for e in history
+    ]
+    if strategy == "sync":  # every step once (allreduce: a report every few steps)
+        steps = [s for s, _ in scalars["train/loss"]]
+        assert steps == list(range(1, final.result["steps"] + 1))
+
+
+def _board_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag -> [(step, value)] of a job's TensorBoard run directory, as TensorBoard reads it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
 async def test_kill9_worker_during_training_succeeds(tmp_path: Path) -> None:

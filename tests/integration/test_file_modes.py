@@ -1,9 +1,10 @@
 """Nothing the daemons keep is readable by group or others: data dirs 0700, files 0600.
 
 Real in-process daemons write what they keep (journals with payloads and a snapshot,
-``coordinator.db`` with every user's specs, checkpoints, models, an uploaded data set); then
-every directory and file under their data dirs is checked. The test process keeps its usual
-umask (022), so the modes come from the daemons' explicit ones, not from a umask.
+``coordinator.db`` with every user's specs, checkpoints, models, TensorBoard event files, an
+uploaded data set); then every directory and file under their data dirs is checked. The test
+process keeps its usual umask (022), so the modes come from the daemons' explicit ones, not
+from a umask.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ async def test_data_dirs_are_0700_and_files_0600(make_cluster, tmp_path: Path) -
         "checkpoints",  # the job's checkpoint is deleted once it succeeded
         f"models/{job.job_id}.pt",
         f"models/{job.job_id}.best.pt",
+        f"tensorboard/{job.job_id}",  # and its event file
     } <= kept
+    assert any(k.startswith(f"tensorboard/{job.job_id}/events.out.tfevents.") for k in kept)
     for w in workers:
         names = {p.name for p in w.iterdir()}
         assert {"LOCK", "snapshot.bin"} <= names and any(n.endswith(".wal") for n in names)

@@ -82,6 +82,10 @@ async def test_retention_prunes_old_and_excess_finished_jobs(tmp_path: Path) -> 
         checkpoint = tmp_path / "checkpoints" / f"{jobs[1].job_id}.ckpt"
         checkpoint.parent.mkdir()
         checkpoint.write_bytes(b"x")
+        boards = [tmp_path / "tensorboard" / j.job_id for j in jobs[1:3]]
+        for board in boards:
+            board.mkdir(parents=True)
+            (board / "events.out.tfevents.1").write_bytes(b"x")
 
         dropped = cluster.prune_jobs(now=550.0)
 
@@ -91,6 +95,7 @@ async def test_retention_prunes_old_and_excess_finished_jobs(tmp_path: Path) -> 
         assert kept == [j.job_id for j in jobs[2:]]
         assert [j.job_id for j in cluster.state.load_jobs()] == kept
         assert not checkpoint.exists()
+        assert [b.exists() for b in boards] == [False, True]  # a kept job keeps its own
     finally:
         await cluster.close()
 
