@@ -16,7 +16,7 @@ from coordinator.datasets.dataset_store import UploadGate, remove_stale_uploads
 from coordinator.events import EventLog
 from coordinator.forget import WorkerUnknown
 from coordinator.jobs.admission import admit
-from coordinator.jobs.jobs import JobQuotaExceeded, JobRecord, JobStore
+from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord, JobStore
 from coordinator.jobs.scheduler import Scheduler
 from coordinator.memory.memory_job import MemoryJob
 from coordinator.memory.memory_ops import MemoryOps
@@ -30,13 +30,15 @@ from coordinator.placement.rebalance import Rebalancer
 from coordinator.placement.slot_map import WireLimits
 from coordinator.training.allreduce_job import AllreduceJob
 from coordinator.training.diloco import DilocoSteps
+from coordinator.training.saved_models import check_init, model_file
 from coordinator.training.sync import SyncSteps
 from coordinator.training.train_job import StepScheme, TrainJob
 from coordinator.training.train_sets import TrainSets
-from shared.config import CoordinatorConfig, JobSpec, TrainJobSpec
+from shared.config import ConfigError, CoordinatorConfig, InitSpec, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
+from shared.security.auth import may_see_job
 from shared.security.transport import ChannelSecurity
 
 # The strategies that run the parameter-server loop, and their steps (``StepScheme``).
@@ -261,15 +263,25 @@ class Cluster:
         Admission (``coordinator.jobs.admission.admit``) runs in a thread: it may read file
         headers and build the model on the meta device to count its parameters.
 
+        A train spec's ``init`` must name a job the caller may see with a saved model, or an
+        uploaded state dict, that fits the spec's model
+        (``coordinator.training.saved_models.check_init``).
+
         Raises:
-            ConfigError: invalid spec, naming the field (INVALID_ARGUMENT).
-            PathRefused: a path outside the data roots (INVALID_ARGUMENT).
+            ConfigError: invalid spec, naming the field, or an ``init`` that is unknown or
+                does not fit (names the first misfit tensor) (INVALID_ARGUMENT).
+            PathRefused: a path (or ``init.dataset``) outside the data roots
+                (INVALID_ARGUMENT).
             EntryPointRefused: a model entry not in ``allowed_models`` (PERMISSION_DENIED).
             LimitExceeded: over an admission cap (RESOURCE_EXHAUSTED).
             JobQuotaExceeded: ``owner`` has ``max_jobs_per_client`` unfinished jobs
                 (RESOURCE_EXHAUSTED).
         """
         spec: JobSpec = await asyncio.to_thread(admit, spec_json, self.cfg)
+        if isinstance(spec, TrainJobSpec) and spec.init is not None:
+            if spec.init.job is not None:
+                self._check_init_job(spec.init)
+            await asyncio.to_thread(check_init, spec, self.cfg)
         limit = self.cfg.max_jobs_per_client
         if self.jobs.active(owner) >= limit:
             who = f"client {owner!r}" if owner else "unauthenticated clients"
@@ -289,6 +301,27 @@ class Cluster:
         self.scheduler.wake()
         self._update_gauges()
         return job
+
+    def _check_init_job(self, init: InitSpec) -> None:
+        """Refuse an ``init.job`` the caller may not see (``may_see_job``) or without that model.
+
+        Raises:
+            ConfigError: an unknown job, another subject's, or one without that saved model
+                (the same answer for the first two: no existence oracle) (INVALID_ARGUMENT).
+        """
+        assert init.job is not None
+        try:
+            job = self.jobs.get(init.job)
+        except JobNotFound:
+            job = None
+        if job is None or not may_see_job(job.owner):
+            raise ConfigError(f"init.job: no job {init.job!r}")
+        if (
+            job.kind != "train"
+            or not model_file(self.cfg.data_dir, job.job_id, init.best).is_file()
+        ):
+            which = "best" if init.best else "final"
+            raise ConfigError(f"init.job: job {init.job!r} has no saved {which} model")
 
     def _job_event(self, job: JobRecord) -> None:
         """Tell ``events`` a job's new state (``JobStore.on_state``)."""

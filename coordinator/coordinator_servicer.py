@@ -9,6 +9,7 @@ one table, ``_ERRORS`` (``shared.rpc.status_table``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -26,6 +27,7 @@ from coordinator.memory.store_export import ExportsBusy, ExportUnavailable, Stor
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.membership import WorkerState
 from coordinator.placement.readmission import ReadmissionRefused
+from coordinator.training.saved_models import ModelMissing, model_chunks, model_file, saved_model
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import (
@@ -66,6 +68,7 @@ _ERRORS = StatusTable(
         (JobQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (JobNotFound, grpc.StatusCode.NOT_FOUND),
+        (ModelMissing, grpc.StatusCode.NOT_FOUND),
         (WorkerUnknown, grpc.StatusCode.NOT_FOUND),
         (WorkerNotDead, grpc.StatusCode.FAILED_PRECONDITION),
     ]
@@ -438,6 +441,64 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             )
             if terminal:
                 return
+
+    async def GetModel(
+        self, request: coordinator_pb2.GetModelRequest, context: aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[coordinator_pb2.ModelChunk]:
+        """Stream a train job's saved model: a header, then the file in ``chunk_bytes`` pieces.
+
+        The file is named by the job id only, looked up in the job store first.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown id, another subject's job (admin:
+                any), or a job without that saved model (not finished, or never evaluated
+                for ``best``).
+        """
+        async with _ERRORS.mapped(context):
+            job = self._job(request.job_id)
+            if job.kind != "train":
+                raise ModelMissing(f"job {job.job_id!r} is not a train job: it has no model")
+            path = model_file(self._cluster.cfg.data_dir, job.job_id, request.best)
+            try:
+                size, sha, pieces = await asyncio.to_thread(
+                    model_chunks, path, self._cluster.cfg.chunk_bytes
+                )
+            except ModelMissing:
+                which = "best" if request.best else "final"
+                raise ModelMissing(f"job {job.job_id!r} has no saved {which} model") from None
+        yield coordinator_pb2.ModelChunk(
+            header=coordinator_pb2.ModelHeader(
+                job_id=job.job_id, best=request.best, bytes=size, sha256=sha
+            )
+        )
+        try:
+            while piece := await asyncio.to_thread(next, pieces, b""):
+                yield coordinator_pb2.ModelChunk(data=piece)
+        finally:
+            pieces.close()  # a cancelled stream closes the file now, not at collection
+
+    async def ListModels(
+        self, request: coordinator_pb2.ListModelsRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.ListModelsResponse:
+        """The jobs the caller may see (``may_see_job``) that have a saved model."""
+        data_dir = self._cluster.cfg.data_dir
+        jobs = [j for j in self._cluster.jobs.list() if may_see_job(j.owner)]
+        found = await asyncio.to_thread(lambda: [saved_model(j, data_dir) for j in jobs])
+        return coordinator_pb2.ListModelsResponse(
+            models=[
+                coordinator_pb2.ModelEntry(
+                    job_id=m.job.job_id,
+                    kind=m.job.kind,
+                    strategy=getattr(m.job.spec, "strategy", ""),
+                    best_test_accuracy=m.best_test_accuracy,
+                    bytes=m.bytes,
+                    best_bytes=m.best_bytes,
+                    saved_at=m.saved_at,
+                )
+                for m in found
+                if m is not None
+            ]
+        )
 
     def _job(self, job_id: str) -> JobRecord:
         """The job ``job_id`` if the caller may see it.

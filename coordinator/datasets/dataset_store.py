@@ -1,6 +1,8 @@
 """Data sets in the coordinator's data roots.
 
-Names, uploads (``neuroshard data put``) and the listing (``neuroshard data ls``).
+Names, uploads (``neuroshard data put``) and the listing (``neuroshard data ls``). An upload
+named ``NAME.pt`` is a state dict (``coordinator.datasets.state_dicts``), stored as NAME.pt for
+a train job's ``init: {dataset: NAME}``; any other name is an ``.npz`` data set, NAME.npz.
 
 An upload streams into a temporary file next to its target in the first data root, counted
 against ``max_dataset_bytes`` as the bytes arrive; once complete it is validated
@@ -28,13 +30,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from coordinator.datasets.dataset_check import ArrayInfo, DatasetTooLarge, check_dataset
+from coordinator.datasets.dataset_check import (
+    ArrayInfo,
+    DatasetInvalid,
+    DatasetTooLarge,
+    check_dataset,
+)
+from coordinator.datasets.state_dicts import WEIGHTS_SUFFIX, StateDictError, check_weights
 from shared.fsync import fsync_dir
 from shared.private_files import private_dir, write_private
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_NAME_CHARS = 128
-LISTED_SUFFIXES = (".npz", ".npy")
+LISTED_SUFFIXES = (".npz", ".npy", WEIGHTS_SUFFIX)
 _PART_SUFFIX = ".part"  # a temporary upload: never listed, never a data set's name
 _OWNER_SUFFIX = ".owner"  # ``.NAME.npz.owner``: the subject that stored NAME.npz
 
@@ -254,8 +262,10 @@ class Upload:
             DatasetNotOwned: replacing a data set of another subject (PERMISSION_DENIED).
             UploadLimit: the gate refused (RESOURCE_EXHAUSTED); nothing is created.
         """
-        self.name = dataset_name(name)
-        self.label = f"{self.name}.npz"
+        # NAME.pt: a state dict (a job's ``init: {dataset: NAME}``); else an .npz data set
+        self.suffix = WEIGHTS_SUFFIX if name.endswith(WEIGHTS_SUFFIX) else ".npz"
+        self.name = dataset_name(name.removesuffix(WEIGHTS_SUFFIX))
+        self.label = f"{self.name}{self.suffix}"
         if total_bytes > max_bytes:
             raise _too_large(self.label, str(total_bytes), max_bytes)
         self.target = root / self.label
@@ -331,7 +341,7 @@ class Upload:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
-            kind, arrays = check_dataset(self.tmp, self.label, self.max_bytes)
+            kind, arrays = self._check()
             self._place()
         except BaseException:
             self.discard()
@@ -343,6 +353,15 @@ class Upload:
         return StoredDataset(
             self.name, self.label, self.received, self._sha.hexdigest(), kind, arrays, owner
         )
+
+    def _check(self) -> tuple[str, list[ArrayInfo]]:
+        """Validate the complete file by its kind. Raises: DatasetInvalid, DatasetTooLarge."""
+        if self.suffix != WEIGHTS_SUFFIX:
+            return check_dataset(self.tmp, self.label, self.max_bytes)
+        try:
+            return check_weights(self.tmp, self.label, self.max_bytes)
+        except StateDictError as exc:
+            raise DatasetInvalid(str(exc)) from None
 
     def _place(self) -> None:
         """Move the file into place and record its owner.
@@ -414,7 +433,7 @@ class DatasetEntry:
 
 
 def list_datasets(roots: Sequence[Path]) -> list[DatasetEntry]:
-    """The ``.npz`` and ``.npy`` files in the data roots, sorted by root then path.
+    """The ``.npz``, ``.npy`` and ``.pt`` files in the data roots, sorted by root then path.
 
     Symlinked directories are not entered, and a symlinked file is listed only when its
     target lies inside the same root; temporary uploads are skipped. A missing root lists

@@ -37,10 +37,11 @@ from coordinator.placement.membership import WorkerRecord
 from coordinator.training.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.evaluation import evaluate
+from coordinator.training.saved_models import initial_state
 from coordinator.training.tensorboard_log import TrainBoard
 from coordinator.training.train_job import job_device
 from coordinator.training.train_sets import TrainSets
-from shared.config import CoordinatorConfig, TrainJobSpec
+from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import worker_pb2
@@ -184,6 +185,8 @@ class AllreduceJob:
         self._per_epoch = allreduce_steps_per_epoch(n_train, self._global_batch)
         self._total = allreduce_total_steps(spec, n_train)
         resumed = await asyncio.to_thread(self._restore)
+        if resumed == 0 and spec.init is not None:  # rank 0 starts from it, broadcasts it
+            self._state = await asyncio.to_thread(self._initial_state)
         await asyncio.to_thread(self.board.open, resumed)
         self._train_sets.open(self.job.job_id, dataset, 1, self._invited.__contains__)
         t0 = self._clock()
@@ -423,6 +426,20 @@ class AllreduceJob:
         run = {"history": prog.history, "best_acc": prog.best_acc}
         write_checkpoint(self.run_path, step, json.dumps(run).encode())
         write_checkpoint(self.checkpoint_path, step, data)
+
+    def _initial_state(self) -> bytes:
+        """The ``init`` model as a state of the model and step 0 alone (``DdpReplica.load_state``).
+
+        Raises:
+            JobFailed: the saved model is gone or no longer fits the job's model.
+        """
+        try:
+            initial_state(self.spec, self._model, self.cfg)
+        except ConfigError as exc:
+            raise JobFailed(str(exc)) from None
+        buf = io.BytesIO()
+        torch.save({"model": self._model.state_dict(), "step": 0}, buf)
+        return buf.getvalue()
 
     def _restore(self) -> int:
         """Load the checkpoint if one exists; return the step it holds (0: none)."""

@@ -41,13 +41,14 @@ from coordinator.training.aggregation import average_buffers
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.parameter_server import ParameterServer, StepControls
 from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
+from coordinator.training.saved_models import initial_state
 from coordinator.training.step_monitor import StepMonitor
 from coordinator.training.step_types import StepPlan
 from coordinator.training.tensorboard_log import TrainBoard, worker_times
 from coordinator.training.train_history import TrainHistory
 from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
 from coordinator.training.train_sets import TrainSets
-from shared.config import CoordinatorConfig, TrainJobSpec
+from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
@@ -221,6 +222,11 @@ class TrainJob:
             ParameterServer, spec, dataset, self.cfg.allowed_models, run.total, scheme.controls
         )
         start_step = await asyncio.to_thread(self._restore, ps, run.history)
+        if start_step == 0:  # a resumed job goes on from its checkpoint, not from init
+            try:  # the spec's init weights, checked again: the file may have changed
+                await asyncio.to_thread(initial_state, spec, ps.model, self.cfg)
+            except ConfigError as exc:
+                raise JobFailed(str(exc)) from None
         await asyncio.to_thread(self.board.open, start_step)
         self._train_sets.open(
             self.job.job_id, dataset, spec.workers, self.members.invited.__contains__

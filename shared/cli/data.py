@@ -21,7 +21,11 @@ from typing import Any
 from shared.cli.security import add_client_command, client_security_of
 
 EXIT_OK, EXIT_USAGE = 0, 2
-_USE = {"train": "data: {{path: {path}}}", "memory": "load: {path}"}
+_USE = {
+    "train": "data: {{path: {path}}}",
+    "memory": "load: {path}",
+    "weights": "init: {{dataset: {name}}}",
+}
 
 
 @contextlib.contextmanager
@@ -52,7 +56,7 @@ def _bytes_bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
 
 
 def cmd_put(args: argparse.Namespace) -> int:
-    """Upload an .npz (x, y or ids, strengths) to the coordinator as NAME.npz."""
+    """Upload an .npz (x, y or ids, strengths) as NAME.npz, or a .pt state dict as NAME.pt."""
     from shared.client import SyncClient
 
     path = Path(args.file)
@@ -79,7 +83,8 @@ def _print_info(info: dict[str, Any]) -> None:
         print(f"  {a['name']}: {a['dtype']} {a['shape']}")
     use = _USE.get(info["kind"])
     if use is not None:
-        print(f"use it in a {info['kind']} job as  {use.format(path=info['path'])}")
+        job = "train" if info["kind"] == "weights" else info["kind"]
+        print(f"use it in a {job} job as  {use.format(path=info['path'], name=info['name'])}")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -125,7 +130,9 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
         sub, "put", "upload an .npz data set to the coordinator's data root", cmd_put
     )
     p.add_argument(
-        "file", help=".npz with x [N, ...] float32 and y [N] int64, or ids and strengths"
+        "file",
+        help=".npz with x [N, ...] float32 and y [N] int64, or ids and strengths; or a .pt "
+        "state dict (stored as NAME.pt, for init: {dataset: NAME})",
     )
     p.add_argument(
         "--name",

@@ -368,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     from shared.cli.data import add_data_commands
 
     add_data_commands(client_parser("data", "data sets in the coordinator's data roots"))
+    from shared.cli.models import add_model_commands
+
+    add_model_commands(client_parser("model", "train jobs' saved models"))
     from shared.cli.memory_io import add_forget_worker_command
 
     add_forget_worker_command(

@@ -32,6 +32,7 @@ from shared.client.datasets import (
     upload_timeout_s,
 )
 from shared.client.memory import MemoryRouter, Progress, RoutingError
+from shared.client.models import ModelStreamError, model_to_file, models_from_pb
 from shared.client.store_io import (
     ExportProgress,
     ExportStreamError,
@@ -340,23 +341,27 @@ class Client:
         progress: Callable[[int], None] | None = None,
         chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> dict[str, Any]:
-        """Upload a local ``.npz`` to the coordinator's first data root as ``NAME.npz``.
+        """Upload a local ``.npz`` (or ``.pt`` state dict) to the coordinator's first data root.
 
-        A job then names it ``data: {path: NAME.npz}`` (or ``load: NAME.npz``); the
-        coordinator validates it as it arrives and serves the workers their rows.
+        An ``.npz`` is stored as ``NAME.npz``: a job then names it ``data: {path: NAME.npz}``
+        (or ``load: NAME.npz``); the coordinator validates it as it arrives and serves the
+        workers their rows. A ``.pt`` file (a ``torch.save`` of a state dict, read with
+        ``weights_only=True``) is stored as ``NAME.pt``, for ``init: {dataset: NAME}``.
 
         Args:
             path: the file: arrays ``x`` float32 [N, ...] and ``y`` int64 [N] (a training
-                set) or ``ids`` and ``strengths`` (a memory set).
+                set), ``ids`` and ``strengths`` (a memory set), or a ``.pt`` state dict.
             name: ``[A-Za-z0-9][A-Za-z0-9._-]*``, at most 128 characters; default the
-                file's stem; a trailing ``.npz`` is dropped.
+                file's stem; a trailing ``.npz`` is dropped (``.pt`` is added for a
+                ``.pt`` file).
             replace: overwrite a data set of that name.
             progress: called with each chunk's size in bytes as it is sent.
             chunk_bytes: bytes of the file per message, >= 1 (default 1 MiB).
 
         Returns:
             ``name``, ``path`` (in the data root), ``bytes``, ``sha256`` (hex), ``kind``
-            (``train`` or ``memory``) and ``arrays`` (name, dtype, shape of each).
+            (``train``, ``memory`` or ``weights``) and ``arrays`` (name, dtype, shape of
+            each).
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT (no such local file, a bad name, not a valid
@@ -373,9 +378,10 @@ class Client:
         if not await asyncio.to_thread(p.is_file):
             raise NeuroshardError(f"{p}: no such file", grpc.StatusCode.INVALID_ARGUMENT)
         size = (await asyncio.to_thread(p.stat)).st_size
-        header = coordinator_pb2.DatasetHeader(
-            name=p.stem if name is None else name, total_bytes=size, replace=replace
-        )
+        stem = p.stem if name is None else name
+        if p.suffix == ".pt" and not stem.endswith(".pt"):
+            stem += ".pt"  # a state dict: stored as NAME.pt, not as an .npz data set
+        header = coordinator_pb2.DatasetHeader(name=stem, total_bytes=size, replace=replace)
         try:
             info = await put_file(
                 self._stub,
@@ -403,6 +409,60 @@ class Client:
         """
         return entries_from_pb(
             await self._call(self._stub.ListDatasets, coordinator_pb2.ListDatasetsRequest())
+        )
+
+    async def get_model(
+        self,
+        job_id: str,
+        path: str | os.PathLike[str],
+        best: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Write a train job's saved model (a ``torch.save`` state dict) to ``path``, streamed.
+
+        The file appears only once the whole model arrived and matched its header's size
+        and SHA-256; load it with ``torch.load(path, weights_only=True)``.
+
+        Args:
+            job_id: a train job of the caller's (any job for an admin).
+            path: the file to create or replace; its directory must exist.
+            best: the best model by test accuracy instead of the final one.
+            timeout_s: deadline of the whole stream, seconds; None: the client's.
+
+        Returns:
+            ``job_id``, ``best``, ``path``, ``bytes`` and ``sha256`` (hex).
+
+        Raises:
+            NeuroshardError: NOT_FOUND (unknown job, another user's, or no such saved
+                model), INVALID_ARGUMENT (the file cannot be written), INTERNAL (a stream
+                that does not match its header).
+        """
+        try:
+            return await model_to_file(
+                self._stub, job_id, path, best, timeout_s or max(self.timeout_s, 300.0)
+            )
+        except aio.AioRpcError as exc:
+            raise _error(exc, self.address, self._security) from None
+        except ModelStreamError as exc:
+            raise NeuroshardError(str(exc), grpc.StatusCode.INTERNAL) from None
+        except OSError as exc:
+            raise NeuroshardError(
+                f"{path}: cannot write it ({exc.strerror or exc})", grpc.StatusCode.INVALID_ARGUMENT
+            ) from None
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        """List the caller's jobs (every job for an admin) that have a saved model.
+
+        Returns:
+            One dict per job (``shared.client.models.models_from_pb``): ``job_id``,
+            ``kind``, ``strategy``, ``best_test_accuracy`` (None: never evaluated),
+            ``bytes``, ``best_bytes`` and ``saved_at`` (Unix seconds).
+
+        Raises:
+            NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
+        """
+        return models_from_pb(
+            await self._call(self._stub.ListModels, coordinator_pb2.ListModelsRequest())
         )
 
     async def status(self) -> dict[str, Any]:

@@ -171,6 +171,20 @@ class SyncClient:
         """List the files in the coordinator's data roots (see ``Client.list_datasets``)."""
         return self._run(self._client.list_datasets())
 
+    def get_model(
+        self,
+        job_id: str,
+        path: str | os.PathLike[str],
+        best: bool = False,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """Write a train job's saved model to ``path`` (see ``Client.get_model``)."""
+        return self._run(self._client.get_model(job_id, path, best, timeout_s))
+
+    def list_models(self) -> list[dict[str, Any]]:
+        """List the jobs with a saved model (see ``Client.list_models``)."""
+        return self._run(self._client.list_models())
+
     def status(self) -> dict[str, Any]:
         """Return the cluster's status (see ``Client.status``)."""
         return self._run(self._client.status())

@@ -74,6 +74,43 @@ class FileData(ConfigModel):
     )
 
 
+class InitSpec(ConfigModel):
+    """Where a train job's initial parameters come from: a saved model or an uploaded one.
+
+    Written ``{job: ID}`` (that job's final model; ``best: true`` its best one), which the
+    submitter must own (or be admin), or ``{dataset: NAME}``, a state dict uploaded with
+    ``neuroshard data put W.pt --name NAME`` (stored as ``NAME.pt`` in the data roots).
+    The state dict must fit the spec's model tensor for tensor, checked before the job is
+    queued.
+    """
+
+    job: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Id of a finished train job whose saved model the parameters start from.",
+    )
+    dataset: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*$",
+        description="Name of an uploaded state dict (NAME.pt in the coordinator's data roots).",
+    )
+    best: bool = Field(
+        False, description="job: start from its best model by test accuracy, not its final one."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InitSpec:
+        if (self.job is None) == (self.dataset is None):
+            raise ValueError("give exactly one of job and dataset")
+        if self.best and self.job is None:
+            raise ValueError("best: only with job")
+        return self
+
+
 class OptimizerSpec(ConfigModel):
     """The optimizer: SGD (with momentum), Adam or AdamW (``torch.optim``)."""
 
@@ -207,6 +244,12 @@ class TrainJobSpec(ConfigModel):
     data: DataField = Field(
         default_factory=BuiltinData,
         description="'digits', 'synthetic', {name: ...} or {path: F.npz}.",
+    )
+    init: InitSpec | None = Field(
+        None,
+        description="{job: ID, best: false} or {dataset: NAME}: initial parameters and buffers "
+        "from that job's saved model (yours, or any for admin) or an uploaded state dict "
+        "NAME.pt; null: seeded by seed.",
     )
     optimizer: OptimizerSpec = Field(
         default_factory=OptimizerSpec,

@@ -16,10 +16,11 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
 - **people and programs**, known by their bearer token (``shared.security.tokens``), whose
   audience says where it may be presented:
   - coordinator tokens (``aud`` ``neuroshard``), on the Coordinator service only:
-    ``reader``: GetJob, ListJobs, WatchJob, GetClusterStatus, GetSlotMap, Quality, TopK,
-    ListDatasets, ExportMemories, ReportFailure (a suspicion, confirmed by the coordinator
-    before it acts); ``writer``: those and SubmitJob, CancelJob, PutDataset; ``admin``:
-    every Coordinator RPC (Decay and Sweep of the whole store, DrainWorker, ForgetWorker).
+    ``reader``: GetJob, ListJobs, WatchJob, GetModel, ListModels, GetClusterStatus,
+    GetSlotMap, Quality, TopK, ListDatasets, ExportMemories, ReportFailure (a suspicion,
+    confirmed by the coordinator before it acts); ``writer``: those and SubmitJob, CancelJob,
+    PutDataset; ``admin``: every Coordinator RPC (Decay and Sweep of the whole store,
+    DrainWorker, ForgetWorker).
   - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
     for at most an hour), on the Worker service's keyed RPCs only: ``reader`` Get;
     ``writer`` Get, Upsert, Reinforce, Delete (an admin's data-plane token is a writer's).
@@ -31,7 +32,8 @@ of people's tokens (``reader``, ``writer``, ``admin``) of the daemon's own audie
 coordinator token on the coordinator, a data-plane token (``GetSlotMap``'s) on a worker. Not
 of daemons: they never need it. The gRPC health service is open to all, without a token.
 
-People (readers and writers) see their own jobs only: ``may_see_job``.
+People (readers and writers) see their own jobs (and their saved models) only:
+``may_see_job``.
 
 A token is checked from the request's metadata before its message is deserialized; a
 daemon's certificate is read from the call's auth context when the call starts, before the
@@ -65,6 +67,8 @@ _READER_COORDINATOR = frozenset(
         "ListDatasets",
         "ReportFailure",  # from a person's token: a suspicion, confirmed before it acts
         "ExportMemories",
+        "GetModel",
+        "ListModels",
     }
 )
 _WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset"}

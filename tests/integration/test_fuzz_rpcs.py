@@ -331,6 +331,11 @@ def seeds(method: Method, c: Cluster) -> list[Any]:
             coordinator_pb2.JobRequest(job_id=c.finished_job),
             coordinator_pb2.JobRequest(job_id=c.queued_job),
         ],
+        "GetModel": [
+            coordinator_pb2.GetModelRequest(job_id=c.finished_job),
+            coordinator_pb2.GetModelRequest(job_id=c.finished_job, best=True),
+        ],
+        "ListModels": [coordinator_pb2.ListModelsRequest()],
         "Decay": [coordinator_pb2.DecayRequest(rate=0.0), worker_pb2.WorkerDecayRequest(epoch=e)],
         "TopK": [coordinator_pb2.TopKRequest(k=5), worker_pb2.WorkerTopKRequest(epoch=e, k=5)],
         "Quality": [worker_pb2.WorkerQualityRequest(epoch=e)],

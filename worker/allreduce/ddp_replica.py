@@ -218,6 +218,9 @@ class Replica:
     def load_state(self, data: bytes) -> None:
         """Restore what :meth:`state_bytes` wrote (``torch.load(weights_only=True)``).
 
+        A state of ``model`` and ``step`` alone (a job's ``init`` weights) loads the model
+        and leaves the optimizer, schedule and grad scaler as built.
+
         Raises:
             StateError: the bytes are not a checkpoint of this replica (the replica may be
                 partly loaded: the caller ends the generation).
@@ -228,8 +231,11 @@ class Replica:
             )
             step = int(state["step"])
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            # A job's initial state (``init``) holds the model and step 0 alone: the fresh
+            # optimizer and schedule are then the right ones.
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.scheduler.load_state_dict(state["scheduler"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
         except UNLOADABLE as exc:

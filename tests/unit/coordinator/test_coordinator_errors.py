@@ -23,6 +23,7 @@ from coordinator.memory.memory_ops import BulkOpError
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.readmission import PUSHBACK_KEY, ReadmissionRefused
+from coordinator.training.saved_models import ModelMissing
 from shared.config import ConfigError
 from shared.memory.validation import MemoryInputError
 from shared.proto import coordinator_pb2 as pb
@@ -216,6 +217,19 @@ CASES = [
         stand_in(jobs=SimpleNamespace(get=raising(NO_JOB, False))),
         SC.NOT_FOUND,
         "no job with id 'j9'",
+    ),
+    Case(
+        ModelMissing,
+        "GetModel",
+        pb.GetModelRequest(job_id="train-1", best=True),
+        stand_in(
+            cfg={"data_dir": "/nonexistent-neuroshard-test", "chunk_bytes": 1024},
+            jobs=SimpleNamespace(
+                get=lambda _id: SimpleNamespace(job_id="train-1", kind="train", owner="")
+            ),
+        ),
+        SC.NOT_FOUND,
+        "job 'train-1' has no saved best model",
     ),
     Case(
         ExportsBusy,

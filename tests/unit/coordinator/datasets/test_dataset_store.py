@@ -96,6 +96,32 @@ def test_a_memory_set_is_stored(tmp_path: Path) -> None:
     assert put(tmp_path, "mem", data).kind == "memory"
 
 
+def test_a_state_dict_is_stored_as_weights_and_anything_else_named_pt_is_refused(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"0.weight": torch.zeros(4, 3), "0.bias": torch.zeros(4)}, buf)
+    pickled = io.BytesIO()
+    torch.save({"w": [1, 2]}, pickled)
+
+    stored = put(tmp_path, "start.pt", buf.getvalue())
+    with pytest.raises(DatasetInvalid) as refused:
+        put(tmp_path, "junk.pt", pickled.getvalue())
+    with pytest.raises(DatasetInvalid):
+        put(tmp_path, "npz-as-pt.pt", train_set())
+
+    assert (stored.name, stored.path, stored.kind) == ("start", "start.pt", "weights")
+    assert [(a.name, a.dtype, a.shape) for a in stored.arrays] == [
+        ("0.weight", "float32", (4, 3)),
+        ("0.bias", "float32", (4,)),
+    ]
+    assert str(refused.value) == "junk.pt: not a state dict (a mapping of names to tensors)"
+    assert os.listdir(tmp_path) == ["start.pt"]
+    assert [e.path for e in list_datasets([tmp_path])] == ["start.pt"]
+
+
 def test_a_bad_name_creates_nothing(tmp_path: Path) -> None:
     root = tmp_path / "datasets"
 

@@ -66,6 +66,8 @@ ALL_COORDINATOR = (
     "ListDatasets",
     "ExportMemories",
     "ForgetWorker",
+    "GetModel",
+    "ListModels",
 )
 WORKER_CONTROL = (
     "ApplySlotMap",
@@ -191,6 +193,10 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("admin", W + "Upsert", False),
         ("reader", C + "ExportMemories", True),  # memory export
         ("writer", C + "ExportMemories", True),
+        ("reader", C + "GetModel", True),  # a model of one's own job (servicer: may_see_job)
+        ("reader", C + "ListModels", True),
+        ("worker", C + "GetModel", False),
+        ("coordinator", C + "GetModel", False),
         ("writer", C + "ForgetWorker", False),
         ("reader", C + "ForgetWorker", False),
         ("writer", C + "Sweep", False),
