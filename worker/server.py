@@ -63,13 +63,20 @@ class WorkerServer:
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         # File data sets' rows come from the coordinator over its channel (no shared disk).
         fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
-        self.sessions = TrainingSessions(cfg.torch_threads, cfg.allowed_models, self.name, fetcher)
+        self.sessions = TrainingSessions(
+            cfg.torch_threads, cfg.allowed_models, self.name, fetcher, cfg.allowed_losses
+        )
         listen_host, _, _ = cfg.listen.rpartition(":")
         self.advertise_host = cfg.advertise_host or local_host(listen_host)
         # strategy allreduce: one child process per job, which joins the job's process group
         # (its gloo traffic goes to this host directly, never through advertise_address)
         self.allreduce = AllreduceSessions(
-            cfg.torch_threads, cfg.allowed_models, self.name, fetcher, self.advertise_host
+            cfg.torch_threads,
+            cfg.allowed_models,
+            self.name,
+            fetcher,
+            self.advertise_host,
+            cfg.allowed_losses,
         )
         self.peers = WorkerClients(cfg.max_message_bytes, self.security.channel)
         self.links = PeerLinks(self.peers, cfg.chunk_bytes, cfg.rpc_timeout_s)

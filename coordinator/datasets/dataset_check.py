@@ -182,24 +182,35 @@ def _chunks(zf: zipfile.ZipFile, label: str, m: NpzMember) -> Iterator[npt.NDArr
 
 
 def _check_training(zf: zipfile.ZipFile, label: str, members: dict[str, NpzMember]) -> None:
-    """Refuse what is not a training set: arrays, dtypes, shapes, NaN/inf, labels.
+    """Refuse what is no task's training set: arrays, dtypes, shapes, NaN/inf, labels.
 
-    The rules are ``shared.training.data``'s (the loader's), applied to the headers and
-    then to the arrays piece by piece.
+    The rules are ``shared.training.data``'s, applied to the headers and then to the arrays
+    piece by piece. The task is not known yet: the dtypes pick the one the set fits
+    (``layout_task``); the job's own rules (token ids against its vocab_size, ...) are
+    checked when a job loads it.
 
     Raises:
         DatasetInvalid: naming the array and what is wrong with it.
     """
     try:
-        check_training_names(members)
-        x, y = members["x"], members["y"]
-        check_training_layout(x.dtype, x.shape, y.dtype, y.shape)
+        check_training_names(members, members["x"].dtype if "x" in members else None)
+        x, y = members["x"], members.get("y")
+        task = check_training_layout(
+            x.dtype, x.shape, None if y is None else y.dtype, None if y is None else y.shape
+        )
         for piece in _chunks(zf, label, x):
             check_features(piece)
+        if y is None:
+            return
         low, high = np.iinfo(np.int64).max, np.iinfo(np.int64).min
         for piece in _chunks(zf, label, y):
-            low, high = min(low, int(piece.min())), max(high, int(piece.max()))
-        check_labels(low, high)
+            check_features(piece, "y")
+            if task != "regression" and len(piece):
+                low, high = min(low, int(piece.min())), max(high, int(piece.max()))
+        if task == "classification":
+            check_labels(low, high)
+        elif task == "language_model" and low < 0:
+            raise DataError(f"array 'y' has a token id out of range (min {low} < 0)")
     except DataError as exc:
         raise DatasetInvalid(f"{label}: {exc}") from None
 

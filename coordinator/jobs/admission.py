@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from shared.config import (
     ACCESS_BYTES,
@@ -41,6 +42,14 @@ from shared.security.confinement import resolve_data_paths
 from shared.training.data import synthetic_peak_bytes, worker_steps
 from shared.training.entry_points import EntryPointError, check_entries
 from shared.training.models import ModelError, activation_bytes, build_model, count_params
+from shared.training.tasks import (
+    DataError,
+    check_layout,
+    check_names,
+    check_targets,
+    output_width,
+    task_of,
+)
 
 DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
 
@@ -54,11 +63,21 @@ class LimitExceeded(Exception):
 
 @dataclass(frozen=True)
 class DataShape:
-    """What admission needs to know of a training set: N samples, one sample's shape, C."""
+    """What admission needs to know of a training set.
+
+    Attributes:
+        samples: N.
+        input_shape: one sample's input shape (language_model: ``(T',)``).
+        num_classes: the model's output width (classes, regression targets, vocabulary).
+        target_shape: one sample's target shape (``()`` labels, ``(D,)``, ``(T',)``).
+        input_dtype: of the model's input (float32, or int64 tokens).
+    """
 
     samples: int
     input_shape: tuple[int, ...]
     num_classes: int
+    target_shape: tuple[int, ...] = ()
+    input_dtype: str = "float32"
 
 
 def _cap(key: str, value: int, cap: int, cap_name: str, unit: str = "", what: str = "") -> None:
@@ -101,7 +120,8 @@ def admit(spec_json: str, cfg: CoordinatorConfig) -> JobSpec:
     )
     spec = job_spec_from_json(spec_json)
     try:
-        check_entries(spec, {"allowed_models": cfg.allowed_models}, "coordinator")
+        tables = {"allowed_models": cfg.allowed_models, "allowed_losses": cfg.allowed_losses}
+        check_entries(spec, tables, "coordinator")
     except EntryPointError as exc:
         raise ConfigError(str(exc)) from None
     paths = resolve_data_paths(spec, cfg.dataset_roots())
@@ -138,7 +158,14 @@ def _data_bytes(key: str, path: Path) -> int:
 
 
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
-    shape = data_shape(spec.data, path, cfg.max_dataset_bytes, cfg.max_synthetic_bytes)
+    shape = data_shape(
+        spec.data,
+        path,
+        cfg.max_dataset_bytes,
+        cfg.max_synthetic_bytes,
+        spec.task,
+        spec.vocab_size,
+    )
     try:
         model = build_model(
             spec.model,
@@ -152,7 +179,9 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
     _cap("model", count_params(model), cfg.max_model_params, "max_model_params", " parameters")
-    activations = activation_bytes(model, shape.input_shape, spec.batch_size)
+    _check_output_shape(spec, model, shape, cfg)
+    dtype = torch.int64 if shape.input_dtype == "int64" else torch.float32
+    activations = activation_bytes(model, shape.input_shape, spec.batch_size, dtype)
     if activations is not None:
         _cap(
             "batch_size",
@@ -168,13 +197,51 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
     _cap(key, steps, cfg.max_steps, "max_steps", " steps")
 
 
+def _check_output_shape(
+    spec: TrainJobSpec, model: torch.nn.Module, shape: DataShape, cfg: CoordinatorConfig
+) -> None:
+    """Refuse a model whose output does not fit the task's targets (a meta-device forward).
+
+    A forward that fails on the meta device (an op without a meta kernel) is not judged here:
+    the job would fail at its first step instead.
+
+    Raises:
+        ConfigError: naming the model's output shape and the targets' (INVALID_ARGUMENT).
+    """
+    if spec.task == "classification" or not isinstance(spec.loss, str):
+        return  # the width is the classes; a user loss judges its own shapes
+    rows = 2
+    dtype = torch.int64 if shape.input_dtype == "int64" else torch.float32
+    x = torch.zeros((rows, *shape.input_shape), dtype=dtype, device="meta")
+    targets_dtype = torch.int64 if spec.task == "language_model" else torch.float32
+    y = torch.zeros((rows, *shape.target_shape), dtype=targets_dtype, device="meta")
+    try:
+        out = model(x)
+    except Exception:  # noqa: BLE001 (the model's own code; judged at the first step)
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(f"model: returns {type(out).__name__}, not a tensor")
+    try:
+        task_of(spec).per_sample_loss(out, y)
+    except ValueError as exc:
+        raise ConfigError(f"model: {exc}") from None
+    except RuntimeError:
+        return
+
+
 def data_shape(
     data: BuiltinData | FileData,
     path: Path | None,
     max_bytes: int,
     max_synthetic_bytes: int | None = None,
+    task: str = "classification",
+    vocab_size: int | None = None,
 ) -> DataShape:
-    """Samples, sample shape and classes of a job's data set, without loading ``x``.
+    """Samples, sample shape and output width of a job's data set, checked for its task.
+
+    The headers are checked against the task's layout, then the targets' values (for
+    language_model the tokens) are read and checked (``shared.training.tasks``), so a set
+    the task's loss cannot take is refused before the job is queued, its first bad row named.
 
     Args:
         data: the spec's ``data``.
@@ -182,6 +249,8 @@ def data_shape(
         max_bytes: ``max_dataset_bytes``: a synthetic set's x as float32 must fit.
         max_synthetic_bytes: ``max_synthetic_bytes``: what generating a synthetic set
             takes (``synthetic_peak_bytes``) must fit; None: not checked.
+        task: the job's ``task``.
+        vocab_size: the job's ``vocab_size`` (language_model), or None.
 
     Raises:
         LimitExceeded: a synthetic set over either cap (RESOURCE_EXHAUSTED); the message
@@ -210,23 +279,49 @@ def data_shape(
             )
         return DataShape(data.samples, (data.features,), data.classes)
     assert path is not None
+    return _file_shape(path, task, vocab_size)
+
+
+def _file_shape(path: Path, task: str, vocab_size: int | None) -> DataShape:
+    """``data_shape`` of an ``.npz`` file: headers, then the targets' values.
+
+    Raises:
+        ConfigError: ``data.path: FILE: ...`` naming the array (and its first bad row).
+    """
     headers = npz_headers("data.path", path)
-    x_shape, y_shape = headers.get("x"), headers.get("y")
-    if x_shape is None or y_shape is None:
-        raise ConfigError(f"data.path: {path.name} needs arrays 'x' and 'y'")
-    if len(x_shape[0]) < 2 or len(y_shape[0]) != 1 or x_shape[0][0] != y_shape[0][0]:
-        raise ConfigError(
-            f"data.path: {path.name}: expected x [N, ...] and y [N], got x {x_shape[0]} "
-            f"and y {y_shape[0]}"
-        )
-    if y_shape[1] != np.dtype(np.int64) or y_shape[0][0] == 0:
-        raise ConfigError(f"data.path: {path.name}: y must be non-empty int64 labels")
+    x_head, y_head = headers.get("x"), headers.get("y")
     try:
+        check_names(set(headers), task)
+        assert x_head is not None
+        check_layout(
+            task,
+            x_head[1],
+            x_head[0],
+            None if y_head is None else y_head[1],
+            None if y_head is None else y_head[0],
+        )
         with np.load(path, allow_pickle=False) as npz:
-            classes = int(npz["y"].max()) + 1
+            if task == "language_model":
+                x_all = npz["x"]
+                check_targets(task, x_all, vocab_size, "x")
+                y_all = npz["y"] if y_head is not None else None
+                if y_all is not None:
+                    check_targets(task, y_all, vocab_size)
+                width = output_width(task, x_all if y_all is None else y_all, vocab_size, x_all)
+            else:
+                y_all = npz["y"]
+                check_targets(task, y_all)
+                width = output_width(task, y_all)
+    except DataError as exc:
+        raise ConfigError(f"data.path: {path.name}: {exc}") from None
     except UNREADABLE as exc:
-        raise ConfigError(f"data.path: {path.name}: array 'y' is not readable ({exc})") from None
-    return DataShape(int(x_shape[0][0]), tuple(int(d) for d in x_shape[0][1:]), max(classes, 2))
+        raise ConfigError(f"data.path: {path.name}: an array is not readable ({exc})") from None
+    n, x_shape = int(x_head[0][0]), tuple(int(d) for d in x_head[0][1:])
+    if task == "language_model":
+        t = x_shape[0] - (1 if y_head is None else 0)
+        return DataShape(n, (t,), width, (t,), "int64")
+    assert y_head is not None
+    return DataShape(n, x_shape, width, tuple(int(d) for d in y_head[0][1:]))
 
 
 def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

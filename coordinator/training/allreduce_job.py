@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from coordinator.training.checkpoints import read_checkpoint, save_model, write_
 from coordinator.training.evaluation import evaluate
 from coordinator.training.saved_models import initial_state
 from coordinator.training.tensorboard_log import TrainBoard
+from coordinator.training.train_history import history_task, train_accuracy
 from coordinator.training.train_job import job_device
 from coordinator.training.train_sets import TrainSets
 from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
@@ -55,6 +57,7 @@ from shared.training.partition import (
     global_batch_size,
     step_rows,
 )
+from shared.training.tasks import task_of
 
 log = get_logger(__name__)
 
@@ -90,7 +93,9 @@ class _Progress:
     lr: float = float("nan")
     test_loss: float = float("nan")
     test_acc: float = float("nan")
+    test_metrics: dict[str, float] = field(default_factory=dict)
     best_acc: float = float("-inf")
+    best_score: float = float("-inf")  # accuracy, or minus the test loss (not classification)
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -170,8 +175,11 @@ class AllreduceJob:
             data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
         except PathRefused as exc:
             raise JobFailed(str(exc)) from None
-        dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
+        dataset = await asyncio.to_thread(
+            load_dataset, data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size
+        )
         self._dataset = dataset
+        self._task = await asyncio.to_thread(task_of, spec, self.cfg.allowed_losses)
         self._model = await asyncio.to_thread(
             build_model,
             spec.model,
@@ -332,9 +340,10 @@ class AllreduceJob:
                 "epoch": min(prog.applied // self._per_epoch + 1, self._epochs),
                 "epochs": self._epochs,
                 "loss": epoch.loss_sum / max(epoch.samples, 1),
-                "train_accuracy": epoch.correct / max(epoch.samples, 1),
+                "train_accuracy": train_accuracy(self.spec.task, epoch.correct, epoch.samples),
                 "test_accuracy": prog.test_acc,
                 "test_loss": prog.test_loss,
+                **prog.test_metrics,
                 "samples_per_s": self.spec.workers
                 * self.spec.batch_size
                 * self.spec.grad_accum_steps
@@ -393,27 +402,36 @@ class AllreduceJob:
         """Evaluate rank 0's state at an epoch's end; keep the history and the best model."""
         self._load(data)
         prog = self._progress
-        prog.test_loss, prog.test_acc = evaluate(
-            self._model, self._dataset.x_test, self._dataset.y_test
-        )
+        metrics = evaluate(self._model, self._dataset.x_test, self._dataset.y_test, self._task)
+        prog.test_loss = metrics.pop("test_loss")
+        prog.test_acc = metrics.pop("test_accuracy", float("nan"))
+        prog.test_metrics = metrics
         epoch = (step - 1) // self._per_epoch
         stats = prog.epochs.get(epoch, _EpochStats())
-        prog.history.append(
-            {
-                "epoch": epoch + 1,
-                "step": step,
-                "train_loss": stats.loss_sum / max(stats.samples, 1),
-                "train_accuracy": stats.correct / max(stats.samples, 1),
-                "test_loss": prog.test_loss,
-                "test_accuracy": prog.test_acc,
-                "lr": prog.lr,
-                "samples": prog.rows.get(epoch, 0),
-                "samples_per_s": stats.samples / max(stats.seconds, 1e-9),
-            }
-        )
-        self.board.add_epoch(step, prog.history[-1])
-        if prog.test_acc > prog.best_acc:
-            prog.best_acc = prog.test_acc
+        samples_per_s = stats.samples / max(stats.seconds, 1e-9)
+        _, tokens_per_sample = history_task(self.spec.task, self._dataset.input_shape)
+        entry = {
+            "epoch": epoch + 1,
+            "step": step,
+            "train_loss": stats.loss_sum / max(stats.samples, 1),
+            "train_accuracy": train_accuracy(self.spec.task, stats.correct, stats.samples),
+            "test_loss": prog.test_loss,
+            "test_accuracy": prog.test_acc,
+            **metrics,
+            "lr": prog.lr,
+            "samples": prog.rows.get(epoch, 0),
+            "samples_per_s": samples_per_s,
+        }
+        if tokens_per_sample:
+            entry["tokens_per_s"] = samples_per_s * tokens_per_sample
+        prog.history.append(entry)
+        self.board.add_epoch(step, entry)
+        by_accuracy = self._task.scored_by_accuracy
+        score = prog.test_acc if by_accuracy else -prog.test_loss
+        if score > prog.best_score:
+            prog.best_score = score
+            if by_accuracy:
+                prog.best_acc = prog.test_acc
             save_model(self._model, self.best_model_path)
 
     def _checkpoint(self, step: int, data: bytes) -> None:
@@ -423,7 +441,7 @@ class AllreduceJob:
         """
         self.board.flush()
         prog = self._progress
-        run = {"history": prog.history, "best_acc": prog.best_acc}
+        run = {"history": prog.history, "best_acc": prog.best_acc, "best_score": prog.best_score}
         write_checkpoint(self.run_path, step, json.dumps(run).encode())
         write_checkpoint(self.checkpoint_path, step, data)
 
@@ -454,6 +472,7 @@ class AllreduceJob:
             prog = self._progress
             prog.history = [h for h in doc["history"] if h["step"] <= self._state_step]
             prog.best_acc = float(doc["best_acc"])
+            prog.best_score = float(doc.get("best_score", prog.best_acc))
             if prog.history:
                 prog.test_loss = prog.history[-1]["test_loss"]
                 prog.test_acc = prog.history[-1]["test_accuracy"]
@@ -473,7 +492,8 @@ class AllreduceJob:
             "device": self._device,
             "test_accuracy": prog.test_acc,
             "test_loss": prog.test_loss,
-            "best_test_accuracy": prog.best_acc,
+            "best_test_accuracy": prog.best_acc if self._task.scored_by_accuracy else math.nan,
+            **prog.test_metrics,
             "steps": self._total,
             "epochs": self._epochs,
             "samples": samples,

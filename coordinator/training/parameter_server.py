@@ -25,6 +25,7 @@ from shared.config import TrainJobSpec
 from shared.training.controls import UNLOADABLE, make_lr_scheduler, make_optimizer
 from shared.training.data import Dataset
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
+from shared.training.tasks import task_of
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ParameterServer:
         allowed_models: Mapping[str, str] | None = None,
         total_steps: int = 1,
         controls: Callable[[nn.Module], StepControls] | None = None,
+        allowed_losses: Mapping[str, str] | None = None,
     ) -> None:
         """Build the model, optimizer and schedule (in a thread: it may import and allocate).
 
@@ -83,13 +85,15 @@ class ParameterServer:
             controls: builds the optimizer, schedule and clipping on the model (the job's
                 strategy's: ``coordinator.training.diloco.outer_controls`` for diloco); None:
                 the spec's own (``spec_controls`` over ``total_steps``).
+            allowed_losses: the operator's ``allowed_losses`` for ``loss: {entry: NAME}``.
 
         Raises:
-            EntryPointRefused: the model's entry is not listed (PERMISSION_DENIED).
+            EntryPointRefused: the model's or loss's entry is not listed (PERMISSION_DENIED).
             ModelError: the model cannot be built (INVALID_ARGUMENT).
         """
         self.spec = spec
         self.dataset = dataset
+        self.task = task_of(spec, allowed_losses)
         self.model: nn.Module = build_model(
             spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_models
         )
@@ -181,9 +185,9 @@ class ParameterServer:
                 b.copy_(torch.tensor(np.asarray(buffers[name]), dtype=b.dtype))
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """Mean cross-entropy (nats) and accuracy in [0, 1] on the test split (eval mode)."""
-        return evaluate(self.model, self.dataset.x_test, self.dataset.y_test)
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics on the test split (eval mode): ``test_loss`` and the task's."""
+        return evaluate(self.model, self.dataset.x_test, self.dataset.y_test, self.task)
 
     def state(self, run: dict[str, Any] | None = None) -> bytes:
         """Serialize model, optimizer, schedule, loss scale and version, for a checkpoint.

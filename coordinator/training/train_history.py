@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # Entries a progress event carries: enough for ``submit --follow`` to print every epoch even
@@ -25,15 +25,27 @@ PROGRESS_ENTRIES = 20
 class TrainHistory:
     """Accumulates the running epoch's steps and appends an entry when it ends."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        by_accuracy: bool = True,
+        tokens_per_sample: int = 0,
+    ) -> None:
         """An empty history; the first epoch starts now.
 
         Args:
             clock: seconds (injected by tests).
+            by_accuracy: the best epoch is the most accurate one (classification); False:
+                the one with the lowest test loss (regression, language_model).
+            tokens_per_sample: T' of a language model's samples: entries then carry
+                ``tokens_per_s``; 0: none.
         """
         self._clock = clock
+        self._by_accuracy = by_accuracy
+        self._tokens_per_sample = tokens_per_sample
         self.entries: list[dict[str, Any]] = []
         self.best_test_accuracy = math.nan
+        self.best_test_loss = math.nan
         self._samples = 0
         self._loss_sum = 0.0
         self._carried_s = 0.0  # seconds of the running epoch before a checkpoint
@@ -56,35 +68,54 @@ class TrainHistory:
         self._samples += samples
         self._loss_sum += loss_sum
 
-    def end_epoch(self, epoch: int, test_loss: float, test_accuracy: float, lr: float) -> bool:
+    def end_epoch(
+        self,
+        epoch: int,
+        test_loss: float,
+        test_accuracy: float,
+        lr: float,
+        metrics: Mapping[str, float] | None = None,
+    ) -> bool:
         """Append the running epoch's entry and start the next epoch.
 
         Args:
             epoch: the epoch that ended, from 1.
-            test_loss: mean cross-entropy on the test split, nats.
-            test_accuracy: accuracy on the test split, in [0, 1].
+            test_loss: mean per-sample loss on the test split.
+            test_accuracy: accuracy on the test split, in [0, 1] (NaN: not classification).
             lr: the learning rate of the epoch's last optimizer step.
+            metrics: the task's other test metrics (``test_mse``, ``test_perplexity``, ...),
+                added to the entry.
 
         Returns:
-            True when ``test_accuracy`` beats every earlier epoch's (the first epoch does).
+            True when the epoch is the best yet (the first epoch is): the highest
+            ``test_accuracy``, or without accuracy (``by_accuracy`` False) the lowest
+            ``test_loss``.
         """
         now = self._clock()
         before = self.entries[-1].get("seconds", 0.0) if self.entries else 0.0
-        self.entries.append(
-            {
-                "epoch": epoch,
-                "train_loss": self._loss_sum / max(self._samples, 1),
-                "test_loss": test_loss,
-                "test_accuracy": test_accuracy,
-                "lr": lr,
-                "samples_per_s": self._samples / max(now - self._t0, 1e-9),
-                "seconds": before + (now - self._t0),
-            }
-        )
+        samples_per_s = self._samples / max(now - self._t0, 1e-9)
+        entry = {
+            "epoch": epoch,
+            "train_loss": self._loss_sum / max(self._samples, 1),
+            "test_loss": test_loss,
+            "test_accuracy": test_accuracy,
+            "lr": lr,
+            "samples_per_s": samples_per_s,
+            "seconds": before + (now - self._t0),
+        }
+        entry |= dict(metrics or {})
+        if self._tokens_per_sample:
+            entry["tokens_per_s"] = samples_per_s * self._tokens_per_sample
+        self.entries.append(entry)
         self._samples, self._loss_sum, self._t0, self._carried_s = 0, 0.0, now, 0.0
-        improved = math.isnan(self.best_test_accuracy) or test_accuracy > self.best_test_accuracy
+        if self._by_accuracy:
+            improved = (
+                math.isnan(self.best_test_accuracy) or test_accuracy > self.best_test_accuracy
+            )
+        else:
+            improved = math.isnan(self.best_test_loss) or test_loss < self.best_test_loss
         if improved:
-            self.best_test_accuracy = test_accuracy
+            self.best_test_accuracy, self.best_test_loss = test_accuracy, test_loss
         return improved
 
     def recent(self) -> list[dict[str, Any]]:
@@ -96,6 +127,7 @@ class TrainHistory:
         return {
             "entries": self.entries,
             "best_test_accuracy": self.best_test_accuracy,
+            "best_test_loss": self.best_test_loss,
             "samples": self._samples,
             "loss_sum": self._loss_sum,
             "seconds": self._clock() - self._t0,
@@ -111,6 +143,25 @@ class TrainHistory:
             return
         self.entries = [dict(e) for e in doc["entries"]]
         self.best_test_accuracy = float(doc["best_test_accuracy"])
+        self.best_test_loss = float(doc.get("best_test_loss", math.nan))
         self._samples, self._loss_sum = int(doc["samples"]), float(doc["loss_sum"])
         self._carried_s = float(doc["seconds"])
         self.start()
+
+
+def history_task(task: str, input_shape: tuple[int, ...]) -> tuple[bool, int]:
+    """``TrainHistory``'s task arguments: (by_accuracy, tokens_per_sample).
+
+    Args:
+        task: the job's ``task``.
+        input_shape: one sample's input shape (language_model: ``(T',)``).
+    """
+    tokens = int(input_shape[0]) if task == "language_model" and input_shape else 0
+    return task == "classification", tokens
+
+
+def train_accuracy(task: str, correct: int, samples: int) -> float:
+    """The share of training rows predicted right (classification); NaN for other tasks."""
+    if task != "classification":
+        return math.nan
+    return correct / max(samples, 1)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,7 +45,7 @@ from coordinator.training.saved_models import initial_state
 from coordinator.training.step_monitor import StepMonitor
 from coordinator.training.step_types import StepPlan
 from coordinator.training.tensorboard_log import TrainBoard, worker_times
-from coordinator.training.train_history import TrainHistory
+from coordinator.training.train_history import TrainHistory, history_task, train_accuracy
 from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
 from coordinator.training.train_sets import TrainSets
 from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
@@ -102,7 +102,9 @@ class _Run:
         history: the per-epoch entries and the best test accuracy.
         samples: training samples whose gradients were applied by this process.
         test_loss: mean loss on the test split at the last evaluation (NaN before one).
-        test_acc: accuracy on the test split at the last evaluation (NaN before one).
+        test_acc: accuracy on the test split at the last evaluation (NaN before one, and
+            for tasks other than classification).
+        test_metrics: the task's other metrics at the last evaluation (``test_mse``, ...).
         n_train: training rows of the data set.
     """
 
@@ -115,6 +117,7 @@ class _Run:
     samples: int = 0
     test_loss: float = float("nan")
     test_acc: float = float("nan")
+    test_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def epochs(self) -> int:
@@ -207,7 +210,9 @@ class TrainJob:
         self.members.spec_json = spec.model_copy(update={"device": device}).model_dump_json(
             by_alias=True
         )
-        dataset = await asyncio.to_thread(load_dataset, data, spec.seed, spec.test_fraction)
+        dataset = await asyncio.to_thread(
+            load_dataset, data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size
+        )
         n_train = len(dataset.y_train)
         scheme = self._scheme(spec, n_train)
         run = _Run(
@@ -216,10 +221,16 @@ class TrainJob:
             per_epoch=scheme.per_epoch,
             total=scheme.total,
             t_start=self._clock(),
-            history=TrainHistory(self._clock),
+            history=TrainHistory(self._clock, *history_task(spec.task, dataset.input_shape)),
         )
         ps = await asyncio.to_thread(
-            ParameterServer, spec, dataset, self.cfg.allowed_models, run.total, scheme.controls
+            ParameterServer,
+            spec,
+            dataset,
+            self.cfg.allowed_models,
+            run.total,
+            scheme.controls,
+            self.cfg.allowed_losses,
         )
         start_step = await asyncio.to_thread(self._restore, ps, run.history)
         if start_step == 0:  # a resumed job goes on from its checkpoint, not from init
@@ -256,6 +267,7 @@ class TrainJob:
             "test_accuracy": run.test_acc,
             "test_loss": run.test_loss,
             "best_test_accuracy": run.history.best_test_accuracy,
+            **run.test_metrics,
             "steps": run.total,
             "epochs": run.epochs,
             "samples": run.samples,
@@ -325,9 +337,10 @@ class TrainJob:
                 "epoch": epoch + 1,
                 "epochs": run.epochs,
                 "loss": loss_sum / max(n, 1),
-                "train_accuracy": correct / max(n, 1),
+                "train_accuracy": train_accuracy(spec.task, correct, n),
                 "test_accuracy": run.test_acc,
                 "test_loss": run.test_loss,
+                **run.test_metrics,
                 "lr": lr,
                 "samples_per_s": run.samples / elapsed,
                 "workers": len(self.members.live),
@@ -337,8 +350,11 @@ class TrainJob:
 
     async def _end_epoch(self, ps: ParameterServer, epoch: int, lr: float, run: _Run) -> None:
         """Evaluate, add the epoch's history entry, save the model if it is the best yet."""
-        run.test_loss, run.test_acc = await asyncio.to_thread(ps.evaluate)
-        if run.history.end_epoch(epoch + 1, run.test_loss, run.test_acc, lr):
+        metrics = await asyncio.to_thread(ps.evaluate)
+        run.test_loss = metrics.pop("test_loss")
+        run.test_acc = metrics.pop("test_accuracy", float("nan"))
+        run.test_metrics = metrics
+        if run.history.end_epoch(epoch + 1, run.test_loss, run.test_acc, lr, metrics):
             await asyncio.to_thread(save_model, ps.model, self.best_model_path)
 
     async def _apply(

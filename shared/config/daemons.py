@@ -142,6 +142,13 @@ class _DaemonConfig(ConfigModel):
         "returning an nn.Module (e.g. {small_cnn: 'mymodels.vision:small_cnn'}); args are "
         "checked against its signature; empty: built-in models only.",
     )
+    allowed_losses: dict[EntryName, EntryTarget] = Field(
+        default_factory=dict,
+        description="Loss entry points a train job may name as `loss: {entry: NAME, args: "
+        "{...}}`: NAME -> 'package.module:function', a function or class defined in that "
+        "module whose call with args returns loss(outputs, targets) -> per-sample losses [B] "
+        "(e.g. {pinball: 'mylosses.quantile:pinball'}); empty: built-in losses only.",
+    )
 
     @model_validator(mode="before")
     @classmethod

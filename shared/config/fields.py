@@ -19,6 +19,7 @@ TRUST_KEY = "neuroshard_trust"
 ENTRY_TABLE_KEY = "neuroshard_entry_table"
 DATA_PATH_REF: dict[str, Any] = {TRUST_KEY: "data_path"}
 MODEL_ENTRY_REF: dict[str, Any] = {TRUST_KEY: "entry", ENTRY_TABLE_KEY: "allowed_models"}
+LOSS_ENTRY_REF: dict[str, Any] = {TRUST_KEY: "entry", ENTRY_TABLE_KEY: "allowed_losses"}
 
 # An entry point as the operator lists it: ``package.module:function`` (one public attribute of
 # a dotted module, no leading underscores), and an entry name as a spec gives it.

@@ -6,7 +6,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from shared.config.fields import DATA_PATH_REF, MODEL_ENTRY_REF, ConfigModel, EntryName
+from shared.config.fields import (
+    DATA_PATH_REF,
+    LOSS_ENTRY_REF,
+    MODEL_ENTRY_REF,
+    ConfigModel,
+    EntryName,
+)
 
 
 class MlpSpec(ConfigModel):
@@ -45,6 +51,24 @@ class EntryModelSpec(ConfigModel):
     )
 
 
+class EntryLossSpec(ConfigModel):
+    """A loss built by an entry point the operator listed in ``allowed_losses``.
+
+    Written ``{entry: NAME, args: {...}}``: the factory, called with ``args``, returns a
+    callable ``loss(outputs, targets) -> [B]`` per-sample losses (the framework takes their
+    mean); looked up and checked as model entries are (``shared.training.entry_points``).
+    """
+
+    entry: EntryName = Field(
+        description="Name of a loss entry point in allowed_losses of the coordinator and "
+        "of the workers.",
+        json_schema_extra=LOSS_ENTRY_REF,
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the entry point's factory."
+    )
+
+
 class BuiltinData(ConfigModel):
     """A built-in data set: ``digits`` (scikit-learn's bundled 8x8 digits) or ``synthetic``."""
 
@@ -68,8 +92,8 @@ class FileData(ConfigModel):
 
     path: str = Field(
         max_length=4096,
-        description=".npz file with arrays x (float32) and y (int64), inside the "
-        "coordinator's data_roots (relative: looked up in each root).",
+        description=".npz file with arrays x and y as the job's task needs them (see "
+        "task), inside the coordinator's data_roots (relative: looked up in each root).",
         json_schema_extra=DATA_PATH_REF,
     )
 
@@ -251,6 +275,27 @@ class TrainJobSpec(ConfigModel):
         "from that job's saved model (yours, or any for admin) or an uploaded state dict "
         "NAME.pt; null: seeded by seed.",
     )
+    task: Literal["classification", "regression", "language_model"] = Field(
+        "classification",
+        description="What is learnt (shared.training.tasks): classification: x float32, y "
+        "int64 labels, cross-entropy, accuracy; regression: x float32, y float32 [N] or "
+        "[N, D], mse or huber, MSE/MAE/R^2; language_model: x int64/int32 tokens [N, T], "
+        "next-token cross-entropy over every position (targets x shifted by one unless y is "
+        "given), perplexity and tokens/s.",
+    )
+    loss: Literal["default", "mse", "huber"] | EntryLossSpec = Field(
+        "default",
+        description="default: the task's loss (cross-entropy; regression: mse); mse or huber "
+        "(regression); or {entry: NAME, args: {...}} (NAME listed in allowed_losses), a "
+        "factory returning loss(outputs, targets) -> per-sample losses [B].",
+    )
+    vocab_size: int | None = Field(
+        None,
+        ge=2,
+        le=16_777_216,
+        description="language_model: the vocabulary size V (the model's output width; token "
+        "ids must be < V); null: the largest token id + 1.",
+    )
     optimizer: OptimizerSpec = Field(
         default_factory=OptimizerSpec,
         description="{name: sgd|adam|adamw, lr, momentum (sgd), weight_decay}.",
@@ -415,7 +460,20 @@ class TrainJobSpec(ConfigModel):
                 f"{self.strategy} (expected one of {', '.join(allowed)})"
             )
         self._diloco_controls()
+        self._task_fields()
         return self
+
+    def _task_fields(self) -> None:
+        """Refuse fields that do not go with the job's task, naming them."""
+        if self.loss in ("mse", "huber") and self.task != "regression":
+            raise ValueError(f"loss: {self.loss} needs task regression, not {self.task}")
+        if self.vocab_size is not None and self.task != "language_model":
+            raise ValueError(f"vocab_size: needs task language_model, not {self.task}")
+        if self.task != "classification" and isinstance(self.data, BuiltinData):
+            raise ValueError(
+                f"data: the built-in sets are classification data; task {self.task} needs "
+                "{path: F.npz}"
+            )
 
     def _diloco_controls(self) -> None:
         """Refuse what ``strategy: diloco`` does not do, naming the field.

@@ -25,6 +25,16 @@ from sklearn.model_selection import train_test_split
 from shared.config import BuiltinData, FileData, TrainJobSpec
 from shared.npz import UNREADABLE, npz_members
 from shared.training.partition import allreduce_total_steps
+from shared.training.tasks import (
+    DataError,
+    check_layout,
+    check_names,
+    check_values,
+    output_width,
+    split_tokens,
+)
+
+__all__ = ["DataError", "Dataset", "load_dataset"]
 
 # A class centre is this many noise standard deviations from the origin per feature, so that
 # the synthetic blobs are learnable to high accuracy but not trivially by one feature.
@@ -32,62 +42,74 @@ _SYNTHETIC_SEPARATION = 1.0
 _SYNTHETIC_BLOCK_ROWS = 4096  # rows of class centres gathered at a time while adding them
 
 
-class DataError(ValueError):
-    """A data set cannot be loaded or is malformed; the message names the array or file."""
-
-
 @dataclass
 class Dataset:
     """A data set split into training and test rows.
 
+    The arrays are as the job's task defines them (``shared.training.tasks``):
+    classification x float32, y int64 labels in [0, C); regression x float32, y float32 [N]
+    or [N, D]; language_model x and y int64 tokens [N, T'] (inputs and targets).
+
     Attributes:
-        x_train: [N_train, *input_shape] float32.
-        y_train: [N_train] int64 labels in [0, num_classes).
-        x_test: [N_test, *input_shape] float32.
-        y_test: [N_test] int64 labels in [0, num_classes).
+        x_train: [N_train, *input_shape] the inputs.
+        y_train: [N_train, ...] the targets.
+        x_test: [N_test, *input_shape] the inputs.
+        y_test: [N_test, ...] the targets.
         input_shape: shape of one sample, e.g. (1, 8, 8) for digits.
-        num_classes: number of classes C.
+        num_classes: the model's output width: classes C, regression targets D, or
+            vocabulary size V.
     """
 
-    x_train: npt.NDArray[np.float32]
-    y_train: npt.NDArray[np.int64]
-    x_test: npt.NDArray[np.float32]
-    y_test: npt.NDArray[np.int64]
+    x_train: npt.NDArray[Any]
+    y_train: npt.NDArray[Any]
+    x_test: npt.NDArray[Any]
+    y_test: npt.NDArray[Any]
     input_shape: tuple[int, ...]
     num_classes: int
 
 
-def load_dataset(spec: BuiltinData | FileData, seed: int, test_fraction: float) -> Dataset:
+def load_dataset(
+    spec: BuiltinData | FileData,
+    seed: int,
+    test_fraction: float,
+    task: str = "classification",
+    vocab_size: int | None = None,
+) -> Dataset:
     """Load a data set and split it into training and test rows.
 
     ``digits`` is scikit-learn's bundled UCI handwritten digits (1797 8x8 images, no
     download), scaled to [0, 1] and shaped [N, 1, 8, 8] so the mlp and cnn take the same data.
     ``synthetic`` is seeded Gaussian blobs, [N, features]. A ``FileData`` is an ``.npz`` with
-    ``x`` [N, ...] float32 and ``y`` [N] int64; C is ``y.max() + 1``.
+    ``x`` and ``y`` as ``task`` needs them (``load_training_npz``).
 
     Args:
         spec: the job's ``data`` field.
         seed: seeds the synthetic data and the split.
         test_fraction: share of the samples held out for testing, in (0, 1).
+        task: the job's ``task``; built-in sets are classification data.
+        vocab_size: the job's ``vocab_size`` (language_model), or None.
 
     Returns:
-        The split data set; the split is stratified by label when every class has enough
-        samples, and is the same for the same (data, seed, test_fraction).
+        The split data set; a classification split is stratified by label when every class
+        has enough samples; the split is the same for the same (data, seed, test_fraction).
 
     Raises:
         DataError: the file is missing or unreadable, or an array is missing or malformed
             (INVALID_ARGUMENT).
     """
     if isinstance(spec, FileData):
-        x, y = load_training_npz(Path(spec.path))
+        x, y = load_training_npz(Path(spec.path), task, vocab_size)
+    elif task != "classification":
+        raise DataError(f"data: the built-in sets are classification data, not {task}")
     elif spec.name == "digits":
         bunch = load_digits()
         x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
         y = bunch.target.astype(np.int64)
     else:
         x, y = _synthetic(spec.samples, spec.features, spec.classes, seed)
-    num_classes = int(y.max()) + 1
-    return _split(x, y, num_classes, seed, test_fraction)
+    num_classes = output_width(task, y, vocab_size, x)
+    stratify = task == "classification"
+    return _split(x, y, num_classes, seed, test_fraction, stratify)
 
 
 def synthetic_peak_bytes(samples: int, features: int, classes: int) -> int:
@@ -126,13 +148,22 @@ def _synthetic(
 
 
 def _split(
-    x: npt.NDArray[np.float32],
-    y: npt.NDArray[np.int64],
+    x: npt.NDArray[Any],
+    y: npt.NDArray[Any],
     num_classes: int,
     seed: int,
     test_fraction: float,
+    stratify: bool = True,
 ) -> Dataset:
     """Hold out ``ceil(N * test_fraction)`` rows for testing, stratified when possible.
+
+    Args:
+        x: [N, ...] the inputs.
+        y: [N, ...] the targets.
+        num_classes: the output width (classes, when stratifying).
+        seed: seeds the split.
+        test_fraction: share of the rows held out, in (0, 1).
+        stratify: ``y`` holds labels to stratify by (classification), when sklearn can.
 
     Raises:
         DataError: too few samples to leave at least one row on each side.
@@ -141,10 +172,12 @@ def _split(
     n_test = math.ceil(n * test_fraction)
     if n_test < 1 or n - n_test < 1:
         raise DataError(f"y: {n} samples are too few to hold out test_fraction={test_fraction}")
-    counts = np.bincount(y, minlength=num_classes)
-    present = int((counts > 0).sum())
-    # Stratify only when sklearn can: every class needs two rows and one per side of the split.
-    can_stratify = counts[counts > 0].min() >= 2 and min(n_test, n - n_test) >= present
+    can_stratify = False
+    if stratify:
+        counts = np.bincount(y, minlength=num_classes)
+        present = int((counts > 0).sum())
+        # Stratify only when sklearn can: every class needs two rows, one per side of the split.
+        can_stratify = counts[counts > 0].min() >= 2 and min(n_test, n - n_test) >= present
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=n_test, random_state=seed, stratify=y if can_stratify else None
     )
@@ -158,14 +191,24 @@ def _split(
     )
 
 
-def load_training_npz(path: Path) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
-    """Read and validate ``x`` and ``y`` from an .npz file (no pickles).
+def load_training_npz(
+    path: Path, task: str = "classification", vocab_size: int | None = None
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Read and validate ``x`` and ``y`` from an .npz file (no pickles) for a task.
 
     Headers are checked against the members' sizes before NumPy allocates anything, and the
-    arrays' dtypes, shapes, finiteness and labels before they are returned.
+    arrays' dtypes, shapes and values (``shared.training.tasks``: finiteness, labels, token
+    ids, the first bad row named) before they are returned.
+
+    Args:
+        path: the file.
+        task: the job's ``task``.
+        vocab_size: the job's ``vocab_size`` (language_model), or None.
 
     Returns:
-        x [N, ...] float32 (finite), y [N] int64 labels in [0, C) with C >= 2.
+        classification: x [N, ...] float32 (finite), y [N] int64 labels in [0, C), C >= 2;
+        regression: x [N, ...] float32, y [N] or [N, D] float32, finite; language_model:
+        inputs and targets [N, T'] int64 (``x`` shifted by one when the file has no ``y``).
 
     Raises:
         DataError: missing or unreadable file, or an array missing or malformed (names it).
@@ -176,20 +219,29 @@ def load_training_npz(path: Path) -> tuple[npt.NDArray[np.float32], npt.NDArray[
         _check_member_sizes(path)
         with np.load(path, allow_pickle=False) as npz:
             try:
-                check_training_names(npz.files)
+                check_names(npz.files, task)
             except DataError as exc:
                 raise DataError(f"{path}: {exc}") from None
-            x, y = npz["x"], npz["y"]
+            x = npz["x"]
+            y = npz["y"] if "y" in npz.files else None
     except UNREADABLE as exc:
         if isinstance(exc, DataError):
             raise
         raise DataError(f"{path}: not a readable .npz file ({exc})") from None
     try:
-        check_training_layout(x.dtype, x.shape, y.dtype, y.shape)
-        check_features(x)
-        check_labels(int(y.min()), int(y.max()))
+        check_layout(
+            task,
+            x.dtype,
+            x.shape,
+            None if y is None else y.dtype,
+            None if y is None else y.shape,
+        )
+        check_values(task, x, y, vocab_size)
     except DataError as exc:
         raise DataError(f"{path}: {exc}") from None
+    if task == "language_model":
+        return split_tokens(x, y)
+    assert y is not None  # check_names and check_layout require it
     return x, y
 
 
@@ -212,68 +264,88 @@ def _check_member_sizes(path: Path) -> None:
                 )
 
 
-# The rules of a training set, written once: the loader applies them to whole arrays, upload
-# validation (coordinator/datasets/dataset_check.py) to the headers and to streamed pieces.
-# Each raises DataError with a message naming the array but not the file: callers prefix it.
+# The rules of a training set whose task is not known yet (an upload): the loader applies the
+# task's rules (shared.training.tasks), upload validation (coordinator/datasets/dataset_check.py)
+# these to the headers and to streamed pieces. Each raises DataError with a message naming the
+# array but not the file: callers prefix it.
 
 
-def check_training_names(names: Iterable[str]) -> None:
-    """Refuse a set of array names without both ``x`` and ``y``.
+def check_training_names(names: Iterable[str], x_dtype: np.dtype[Any] | None = None) -> None:
+    """Refuse a set of array names without ``x``, or without ``y`` beside a float ``x``.
+
+    A token set (integer ``x``) needs no ``y``: its targets are ``x`` shifted by one.
 
     Args:
         names: the arrays an archive holds.
+        x_dtype: the dtype of ``x`` when it is there.
 
     Raises:
-        DataError: naming the first missing array and the arrays found.
+        DataError: naming the missing array and the arrays found.
     """
-    found = sorted(names)
-    missing = [k for k in ("x", "y") if k not in found]
-    if missing:
-        raise DataError(f"missing array {missing[0]!r} (found: {found})")
+    found = set(names)
+    check_names(found, None)
+    if x_dtype is not None and np.issubdtype(x_dtype, np.floating):
+        check_names(found, "classification")
+
+
+def layout_task(x_dtype: np.dtype[Any], y_dtype: np.dtype[Any] | None) -> str:
+    """The task an upload's dtypes fit (the dtypes of ``x`` and ``y``; None: no ``y``).
+
+    float32 x with int64 y is classification, with float32 y regression; int64/int32 x is
+    language_model.
+
+    Raises:
+        DataError: dtypes that fit no task (names the array and what each task takes).
+    """
+    if x_dtype == np.float32:
+        if y_dtype is None:
+            raise DataError("missing array 'y' (float32 x needs targets y)")
+        return "regression" if y_dtype == np.float32 else "classification"
+    if x_dtype in (np.dtype(np.int64), np.dtype(np.int32)):
+        return "language_model"
+    raise DataError(
+        f"array 'x' must be float32 (classification, regression) or int64/int32 tokens "
+        f"(language_model), got {x_dtype}"
+    )
 
 
 def check_training_layout(
     x_dtype: np.dtype[Any],
     x_shape: tuple[int, ...],
-    y_dtype: np.dtype[Any],
-    y_shape: tuple[int, ...],
-) -> None:
-    """Refuse dtypes and shapes that are not a training set (its ``.npy`` headers suffice).
+    y_dtype: np.dtype[Any] | None,
+    y_shape: tuple[int, ...] | None,
+) -> str:
+    """Refuse dtypes and shapes that are no task's training set (the ``.npy`` headers suffice).
 
     Args:
-        x_dtype: dtype of ``x``; must be float32.
-        x_shape: shape of ``x``; must be [N, ...] with ndim >= 2.
-        y_dtype: dtype of ``y``; must be int64.
-        y_shape: shape of ``y``; must be [N], N > 0.
+        x_dtype: of ``x``.
+        x_shape: of ``x``.
+        y_dtype: of ``y``, or None without one.
+        y_shape: of ``y``, or None without one.
+
+    Returns:
+        The task the layout fits (``layout_task``).
 
     Raises:
         DataError: naming the array and what is wrong with it.
     """
-    if x_dtype != np.float32:
-        raise DataError(f"array 'x' must be float32, got {x_dtype}")
-    if y_dtype != np.int64:
-        raise DataError(f"array 'y' must be int64, got {y_dtype}")
-    if len(x_shape) < 2:
-        raise DataError(f"array 'x' must be [N, ...] with ndim >= 2, got {x_shape}")
-    if len(y_shape) != 1:
-        raise DataError(f"array 'y' must be [N], got shape {y_shape}")
-    if x_shape[0] != y_shape[0]:
-        raise DataError(f"arrays 'x' and 'y' differ in length ({x_shape[0]} != {y_shape[0]})")
-    if y_shape[0] == 0:
-        raise DataError("arrays 'x' and 'y' are empty")
+    task = layout_task(x_dtype, y_dtype)
+    check_layout(task, x_dtype, x_shape, y_dtype, y_shape)
+    return task
 
 
-def check_features(x: npt.NDArray[Any]) -> None:
-    """Refuse NaN or infinite features.
+def check_features(x: npt.NDArray[Any], name: str = "x") -> None:
+    """Refuse NaN or infinite values of a float array (integer arrays pass).
 
     Args:
-        x: ``x`` whole, or any piece of it (float32).
+        x: ``x`` or ``y`` whole, or any piece of it.
+        name: the array's name, for the message.
 
     Raises:
-        DataError: a value of ``x`` is NaN or infinite.
+        DataError: a value is NaN or infinite.
     """
-    if not np.isfinite(x).all():
-        raise DataError("array 'x' contains NaN or infinite values")
+    if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        raise DataError(f"array {name!r} contains NaN or infinite values")
 
 
 def check_labels(low: int, high: int) -> None:

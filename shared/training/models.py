@@ -26,11 +26,15 @@ class ModelError(ValueError):
 
 
 def check_model_entry(
-    spec: TrainJobSpec, allowed_models: Mapping[str, str], daemon: str = "coordinator"
+    spec: TrainJobSpec,
+    allowed_models: Mapping[str, str],
+    daemon: str = "coordinator",
+    allowed_losses: Mapping[str, str] | None = None,
 ) -> None:
     """Check every entry point a train spec names against a daemon's tables, calling nothing.
 
     Lets a worker refuse a job before it loads data (``build_model`` checks again).
+    ``allowed_losses`` is the daemon's loss table (``loss: {entry: NAME}``).
 
     Raises:
         EntryPointRefused: an entry not listed or not usable (PERMISSION_DENIED).
@@ -38,7 +42,8 @@ def check_model_entry(
             imported (INVALID_ARGUMENT).
     """
     try:
-        check_entries(spec, {"allowed_models": allowed_models}, daemon)
+        tables = {"allowed_models": allowed_models, "allowed_losses": allowed_losses or {}}
+        check_entries(spec, tables, daemon)
     except EntryPointError as exc:
         raise ModelError(str(exc)) from None
 
@@ -158,7 +163,12 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes(model: nn.Module, input_shape: Sequence[int], rows: int) -> int | None:
+def activation_bytes(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    rows: int,
+    dtype: torch.dtype = torch.float32,
+) -> int | None:
     """Estimate the activation memory of one forward pass of ``rows`` samples, bytes.
 
     Runs the forward pass on torch's ``meta`` device (shapes only, nothing allocated) and adds
@@ -169,13 +179,14 @@ def activation_bytes(model: nn.Module, input_shape: Sequence[int], rows: int) ->
         model: built on the meta device (``build_model(..., device="meta")``).
         input_shape: shape of one sample.
         rows: samples in the micro-batch (the job's ``batch_size``).
+        dtype: of the input (int64 for a language model's tokens).
 
     Returns:
         The estimate in bytes, or None when the model's forward pass does not run on the meta
         device (an operator's model with data-dependent code); then only the parameter cap
         bounds it.
     """
-    total = [rows * math.prod(input_shape) * 4]
+    total = [rows * math.prod(input_shape) * torch.empty((), dtype=dtype).element_size()]
 
     def count(_m: nn.Module, _inputs: object, output: object) -> None:
         for t in output if isinstance(output, (tuple, list)) else (output,):
@@ -186,7 +197,7 @@ def activation_bytes(model: nn.Module, input_shape: Sequence[int], rows: int) ->
     handles = [m.register_forward_hook(count) for m in leaves]
     try:
         with torch.no_grad():
-            model(torch.empty((rows, *input_shape), device="meta"))
+            model(torch.zeros((rows, *input_shape), dtype=dtype, device="meta"))
     except Exception:
         return None
     finally:

@@ -6,9 +6,9 @@ memory slots) down: the daemon kills the child instead. The child keeps its repl
 generations, which is what lets survivors go on from their newest state.
 
 Frames, daemon to child:
-    ``init`` {spec_json, data_path, num_classes, torch_threads, allowed_models, daemon,
-    bind_host}: ``bind_host`` is the worker's advertised host, where rank 0's store and
-    every rank's gloo listen (``worker.allreduce.rendezvous_store``)
+    ``init`` {spec_json, data_path, num_classes, torch_threads, allowed_models,
+    allowed_losses, daemon, bind_host}: ``bind_host`` is the worker's advertised host, where
+    rank 0's store and every rank's gloo listen (``worker.allreduce.rendezvous_store``)
     ``generation`` {generation, rank, world_size, master_addr, master_port, checkpoint_every,
     timeout_s, secret} with the state to start from as payload (rank 0, when the coordinator
     sends one); ``secret`` seals the generation's store keys
@@ -82,7 +82,7 @@ def _load_replica(init: dict[str, Any]) -> Replica:
             x, y = f["x"], f["y"]
         num_classes = int(init["num_classes"])
     else:
-        ds = load_dataset(spec.data, spec.seed, spec.test_fraction)
+        ds = load_dataset(spec.data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size)
         x, y, num_classes = ds.x_train, ds.y_train, ds.num_classes
     return Replica(
         spec,
@@ -92,6 +92,7 @@ def _load_replica(init: dict[str, Any]) -> Replica:
         resolve_device(spec.device),
         dict(init["allowed_models"]),
         str(init["daemon"]),
+        dict(init.get("allowed_losses", {})),
     )
 
 

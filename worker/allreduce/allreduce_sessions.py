@@ -166,6 +166,7 @@ class AllreduceSessions:
         name: str,
         fetcher: ShardFetcher | None,
         advertise_host: str,
+        allowed_losses: Mapping[str, str] | None = None,
     ) -> None:
         """No child yet.
 
@@ -176,9 +177,11 @@ class AllreduceSessions:
             fetcher: gets a file data set's rows from the coordinator (None: refused).
             advertise_host: the host other workers reach this one at: rank 0's store and
                 every rank's gloo listen there only.
+            allowed_losses: the loss entry points a job may name.
         """
         self._torch_threads = torch_threads
         self._allowed_models = dict(allowed_models)
+        self._allowed_losses = dict(allowed_losses or {})
         self._daemon = f"worker {name}".strip()
         self._fetcher = fetcher
         self._advertise_host = advertise_host
@@ -205,7 +208,7 @@ class AllreduceSessions:
             spec = job_spec_from_json(spec_json)
             if not isinstance(spec, TrainJobSpec):
                 raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
-            check_model_entry(spec, self._allowed_models, self._daemon)
+            check_model_entry(spec, self._allowed_models, self._daemon, self._allowed_losses)
             tmp = Path(tempfile.mkdtemp(prefix=f"neuroshard-{job_id[:16]}-"))
             try:
                 init = await self._init(job_id, spec, spec_json, tmp)
@@ -232,6 +235,7 @@ class AllreduceSessions:
             "num_classes": num_classes,
             "torch_threads": self._torch_threads,
             "allowed_models": self._allowed_models,
+            "allowed_losses": self._allowed_losses,
             "daemon": self._daemon,
             "bind_host": self._advertise_host,
         }

@@ -4,7 +4,8 @@ Lives in the job's child process (``worker.allreduce.allreduce_child``); a gener
 model in ``DistributedDataParallel`` and calls :meth:`Replica.train_step` once per optimizer step.
 
 Each step the ranks train on their parts of the step's global batch
-(``shared.training.partition``). A rank's loss is ``sum(cross-entropy of its rows) x W / G'``
+(``shared.training.partition``). A rank's loss is ``sum(per-sample losses of its rows) x W / G'``
+(the task's loss, ``shared.training.tasks``)
 (W ranks, G' rows in the step), so DDP's average over ranks is the gradient of the mean loss
 over the whole global batch, even when the ranks hold different numbers of rows: the step
 equals single-process training on the global batch (Goyal et al. 2017, section 2).
@@ -44,6 +45,7 @@ from shared.training.partition import (
     micro_batches,
     rank_rows,
 )
+from shared.training.tasks import task_of
 from worker.allreduce.ddp_hooks import register_compression_hook
 from worker.allreduce.sync_batchnorm import convert_sync_batchnorm
 
@@ -54,7 +56,7 @@ class StateError(ValueError):
 
 @dataclass
 class StepStats:
-    """What one rank's part of one step contributed: rows, loss summed (nats), correct."""
+    """What one rank's part of one step contributed: rows, per-sample losses summed, correct."""
 
     samples: int = 0
     loss_sum: float = 0.0
@@ -67,28 +69,32 @@ class Replica:
     def __init__(
         self,
         spec: TrainJobSpec,
-        x_train: npt.NDArray[np.float32],
-        y_train: npt.NDArray[np.int64],
+        x_train: npt.NDArray[Any],
+        y_train: npt.NDArray[Any],
         num_classes: int,
         device: torch.device,
         allowed_models: Mapping[str, str] | None = None,
         daemon: str = "worker",
+        allowed_losses: Mapping[str, str] | None = None,
     ) -> None:
         """Build the model (seeded, as on every rank), optimizer, lr schedule and scaler.
 
         Args:
             spec: the job (``device`` already resolved by the coordinator).
-            x_train: [N, *input_shape] float32, the whole training split.
-            y_train: [N] int64 labels in [0, num_classes).
-            num_classes: C.
+            x_train: [N, *input_shape] the whole training split's inputs (float32, or int64
+                tokens).
+            y_train: [N, ...] its targets, as the task defines them.
+            num_classes: the model's output width (classes, regression targets, vocabulary).
             device: where the model, its state and the batches live.
             allowed_models: this worker's ``allowed_models``.
             daemon: ``worker NAME``, for a refusal's message.
+            allowed_losses: this worker's ``allowed_losses``.
 
         Raises:
-            EntryPointRefused, ModelError: as ``build_model``.
+            EntryPointRefused, ModelError: as ``build_model`` (and ``task_of`` for a loss).
         """
         self.spec, self.device = spec, device
+        self.task = task_of(spec, allowed_losses, daemon)
         self.x, self.y = torch.from_numpy(x_train), torch.from_numpy(y_train)
         self.n_train = len(y_train)
         self.global_batch = global_batch_size(spec)
@@ -187,12 +193,12 @@ class Replica:
         x = self.x[index].to(self.device, non_blocking=True)
         y = self.y[index].to(self.device, non_blocking=True)
         with autocast(self.spec.precision, self.device):
-            logits = ddp(x)
-        losses = nn.functional.cross_entropy(logits.float(), y, reduction="sum")
+            outputs = ddp(x)
+        losses = self.task.per_sample_loss(outputs, y).sum()
         self.scaler.scale(losses * scale).backward()  # type: ignore[no-untyped-call]
         s.samples += len(part)
         s.loss_sum += float(losses.detach())
-        s.correct += int((logits.argmax(dim=1) == y).sum())
+        s.correct += self.task.correct(outputs, y)
 
     def model_bytes(self) -> bytes:
         """torch.save bytes of the model's state_dict alone (parameters and buffers)."""

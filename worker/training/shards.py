@@ -27,6 +27,8 @@ from shared.rpc.codec import ChunkAssembler, CodecError
 from shared.training.data import DataError, Dataset, load_dataset, shard_bounds
 
 log = get_logger(__name__)
+_X_DTYPES = (np.dtype(np.float32), np.dtype(np.int64))  # the loader's (tokens made int64)
+_Y_DTYPES = (np.dtype(np.int64), np.dtype(np.float32))
 Shard = tuple[int, int]  # (shard_index, shard_count)
 
 
@@ -48,8 +50,8 @@ class ShardRows:
     """Global training rows [start, stop) of one shard.
 
     Attributes:
-        x: [R, *S] float32, R = stop - start.
-        y: [R] int64 labels in [0, num_classes).
+        x: [R, *S] the inputs (float32, or int64 tokens), R = stop - start.
+        y: [R, ...] the targets as the task defines them (``shared.training.tasks``).
     """
 
     start: int
@@ -73,7 +75,7 @@ class TrainData:
         Args:
             n_train: training rows of the whole set (all shards).
             input_shape: ``S``, the shape of one sample.
-            num_classes: C.
+            num_classes: the model's output width (classes, regression targets, vocabulary).
             full: the whole split data set when it was made here (built-in sets); then every
                 shard is held.
         """
@@ -94,7 +96,7 @@ class TrainData:
                 "data.path: a worker does not open data files; it fetches its shards' rows "
                 "from the coordinator"
             )
-        ds = load_dataset(spec.data, spec.seed, spec.test_fraction)
+        ds = load_dataset(spec.data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size)
         return cls(len(ds.y_train), ds.input_shape, ds.num_classes, full=ds)
 
     def has(self, shard: Shard) -> bool:
@@ -136,7 +138,7 @@ class TrainData:
             shard_count: the job's shard count, to find the shards that hold them.
 
         Returns:
-            x: [R, *S] float32; y: [R] int64.
+            x: [R, *S]; y: [R, ...], in the dtypes of the held shards.
 
         Raises:
             ValueError: a row outside [0, n_train) (INVALID_ARGUMENT).
@@ -146,9 +148,14 @@ class TrainData:
         if self._full is not None:
             self._check_rows(rows)
             return self._full.x_train[rows], self._full.y_train[rows]
-        x = np.empty((len(rows), *self.input_shape), np.float32)
-        y = np.empty(len(rows), np.int64)
-        for shard in self.shards_of(rows, shard_count):
+        shards = self.shards_of(rows, shard_count)
+        first = self.rows(shards[0]) if shards else None
+        x_dtype = first.x.dtype if first is not None else np.dtype(np.float32)
+        y_dtype = first.y.dtype if first is not None else np.dtype(np.int64)
+        y_tail = first.y.shape[1:] if first is not None else ()
+        x = np.empty((len(rows), *self.input_shape), x_dtype)
+        y = np.empty((len(rows), *y_tail), y_dtype)
+        for shard in shards:
             part = self.rows(shard)
             mask = (rows >= part.start) & (rows < part.stop)
             x[mask] = part.x[rows[mask] - part.start]
@@ -173,15 +180,21 @@ class TrainData:
                 f"shard {shard[0]} of {shard[1]}: got rows [{rows.start}, {rows.stop}), "
                 f"expected [{start}, {stop})"
             )
-        if rows.x.dtype != np.float32 or rows.x.shape != (n, *self.input_shape):
+        if rows.x.dtype not in _X_DTYPES or rows.x.shape != (n, *self.input_shape):
             raise DataError(
-                f"shard {shard[0]}: x must be float32 {[n, *self.input_shape]}, got "
+                f"shard {shard[0]}: x must be float32 or int64 {[n, *self.input_shape]}, got "
                 f"{rows.x.dtype} {list(rows.x.shape)}"
             )
-        if rows.y.dtype != np.int64 or rows.y.shape != (n,):
-            raise DataError(f"shard {shard[0]}: y must be int64 [{n}], got {rows.y.dtype}")
-        if n and (rows.y.min() < 0 or rows.y.max() >= self.num_classes):
-            raise DataError(f"shard {shard[0]}: labels outside [0, {self.num_classes})")
+        if rows.y.dtype not in _Y_DTYPES or rows.y.shape[:1] != (n,):
+            raise DataError(
+                f"shard {shard[0]}: y must be int64 or float32 [{n}, ...], got "
+                f"{rows.y.dtype} {list(rows.y.shape)}"
+            )
+        # Labels and tokens index the model's outputs; regression targets are checked finite
+        # where the set is loaded.
+        if n and rows.y.dtype == np.int64:
+            if rows.y.min() < 0 or rows.y.max() >= self.num_classes:
+                raise DataError(f"shard {shard[0]}: labels or tokens outside [0, {self.num_classes})")
         self._shards[shard] = rows
 
 

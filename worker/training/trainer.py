@@ -2,7 +2,8 @@
 
 Each step the coordinator sends the current parameters and buffers (``set_params``), or only
 their version when this worker already holds them, and asks for the gradients of the mean
-cross-entropy over the rows it names (``compute_rows``; the coordinator chooses a step's rows,
+per-sample loss of the job's task (``shared.training.tasks``) over the rows it names
+(``compute_rows``; the coordinator chooses a step's rows,
 ``coordinator.training.step_plan``): micro-batches of ``batch_size`` rows, each forward pass
 under ``torch.autocast`` in the spec's precision, the loss multiplied by the coordinator's loss
 scale (fp16) and the gradients unscaled in float32. Model and batches live on
@@ -26,6 +27,7 @@ from shared.config import TrainJobSpec
 from shared.training.controls import autocast, resolve_device
 from shared.training.data import shard_bounds
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
+from shared.training.tasks import task_of
 from worker.training.shards import TrainData
 
 
@@ -43,13 +45,13 @@ class GradResult:
 
     Attributes:
         grads: name -> float32 array, the names and shapes of ``model.named_parameters()``;
-            gradients of the MEAN cross-entropy over the step's rows, unscaled (zeros when
-            samples == 0).
+            gradients of the MEAN per-sample loss of the task over the step's rows, unscaled
+            (zeros when samples == 0).
         buffers: name -> array of ``model.named_buffers()`` after the step's forward passes
             (BatchNorm running statistics), in each buffer's dtype; as set when samples == 0.
         samples: rows of the step (0 when the shard is exhausted at this step).
-        loss_sum: sum of the per-sample cross-entropy over those rows, nats.
-        correct: rows whose arg-max logit equals the label.
+        loss_sum: sum of the per-sample losses over those rows (nats for cross-entropy).
+        correct: rows whose arg-max logit equals the label (classification; else 0).
         compute_s: wall-clock seconds spent in forward and backward.
         finite: every gradient element is finite (after unscaling).
     """
@@ -75,6 +77,7 @@ class Trainer:
         allowed_models: Mapping[str, str] | None = None,
         daemon: str = "worker",
         data: TrainData | None = None,
+        allowed_losses: Mapping[str, str] | None = None,
     ) -> None:
         """Load this worker's data and build the model on the job's device.
 
@@ -88,9 +91,11 @@ class Trainer:
             daemon: ``worker NAME``, for a refusal's message.
             data: the job's training rows held here (at least this shard's); None makes a
                 built-in data set here.
+            allowed_losses: this worker's ``allowed_losses`` (a loss entry must be listed).
 
         Raises:
-            EntryPointRefused: the model's entry is not listed here (PERMISSION_DENIED).
+            EntryPointRefused: the model's or loss's entry is not listed here
+                (PERMISSION_DENIED).
             DeviceUnavailable: ``device: cuda`` where torch sees no CUDA device
                 (FAILED_PRECONDITION).
             DataError: the job's data cannot be loaded, or ``data`` is None for a file data set
@@ -105,6 +110,7 @@ class Trainer:
             self.device = resolve_device(spec.device)
         except ValueError as exc:
             raise DeviceUnavailable(f"{daemon}: {exc}") from None
+        self.task = task_of(spec, allowed_losses, daemon)
         self.data = data if data is not None else TrainData.local(spec)
         # Built on the CPU (the same seeded values as the coordinator's), then moved.
         self.model: nn.Module = build_model(
@@ -153,7 +159,7 @@ class Trainer:
         self.params_version = version
 
     def compute_rows(self, rows: np.ndarray, loss_scale: float = 1.0) -> GradResult:
-        """Gradients of the mean cross-entropy over the given global training rows.
+        """Gradients of the mean per-sample loss over the given global training rows.
 
         The rows are run in micro-batches of ``batch_size`` in their order; each backward
         pass adds the gradient of its rows' loss sum divided by ``len(rows)``, so the total
@@ -198,7 +204,12 @@ class Trainer:
             loss_scale: as ``compute_rows``.
 
         Returns:
-            The loss summed over the rows (nats) and the rows predicted right.
+            The per-sample losses summed over the rows and the rows predicted right
+            (classification; else 0).
+
+        Raises:
+            ValueError: the model's outputs do not fit the task's targets (names both
+                shapes; INVALID_ARGUMENT).
         """
         spec = self.spec
         x_all, y_all = self.data.gather(rows, self.shard_count)
@@ -207,12 +218,12 @@ class Trainer:
             x = torch.from_numpy(x_all[i : i + spec.batch_size]).to(self.device)
             y = torch.from_numpy(y_all[i : i + spec.batch_size]).to(self.device)
             with autocast(spec.precision, self.device):
-                logits = self.model(x)
-                loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+                outputs = self.model(x)
+                loss = self.task.per_sample_loss(outputs, y).sum()
             # torch leaves Tensor.backward unannotated
             (loss * (loss_scale / len(rows))).backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
-            correct += int((logits.argmax(dim=1) == y).sum())
+            correct += self.task.correct(outputs, y)
         return loss_sum, correct
 
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:

@@ -91,6 +91,7 @@ class TrainingSessions:
         allowed_models: Mapping[str, str] | None = None,
         name: str = "",
         fetcher: ShardFetcher | None = None,
+        allowed_losses: Mapping[str, str] | None = None,
     ) -> None:
         """Start with no job; torch work gets its own thread.
 
@@ -100,11 +101,13 @@ class TrainingSessions:
             name: this worker's name, for messages.
             fetcher: gets file data sets' shards from the coordinator (None: file data sets
                 are refused).
+            allowed_losses: the loss entry points a job may name.
         """
         self._fetcher = fetcher
         self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, ShardRows]]] = {}
         self._torch_threads = torch_threads
         self._allowed_models = dict(allowed_models or {})
+        self._allowed_losses = dict(allowed_losses or {})
         self._daemon = f"worker {name}".strip()
         self._trainers: dict[str, Trainer] = {}
         self._links: dict[str, CompressedLink] = {}
@@ -130,7 +133,7 @@ class TrainingSessions:
         spec = job_spec_from_json(spec_json)
         if not isinstance(spec, TrainJobSpec):
             raise ConfigError(f"kind: expected 'train', got {spec.kind!r}")
-        check_model_entry(spec, self._allowed_models, self._daemon)
+        check_model_entry(spec, self._allowed_models, self._daemon, self._allowed_losses)
         data = None  # a built-in data set is made on the torch thread by the Trainer
         if isinstance(spec.data, FileData):
             data, _rows = await self._fetch(job_id, (shard_index, shard_count))
@@ -145,6 +148,7 @@ class TrainingSessions:
             self._allowed_models,
             self._daemon,
             data,
+            self._allowed_losses,
         )
         self._trainers[job_id] = trainer
         if spec.compression.name != "none":

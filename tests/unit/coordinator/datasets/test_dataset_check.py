@@ -149,7 +149,6 @@ Y4 = np.array([0, 1, 1, 0], np.int64)
 @pytest.mark.parametrize(
     "arrays",
     [
-        {"x": X4.astype(np.float64), "y": Y4},
         {"x": X4, "y": Y4.astype(np.int32)},
         {"x": np.ones(4, np.float32), "y": Y4},
         {"x": X4, "y": Y4.reshape(2, 2)},
@@ -161,7 +160,6 @@ Y4 = np.array([0, 1, 1, 0], np.int64)
         {"x": X4, "extra": Y4},
     ],
     ids=[
-        "x dtype",
         "y dtype",
         "x ndim",
         "y ndim",
@@ -187,6 +185,22 @@ def test_an_upload_is_refused_with_the_loaders_own_message(tmp_path: Path, array
     # Assert
     assert str(loaded.value).startswith(f"{path}: ")
     assert str(uploaded.value) == "d.npz: " + str(loaded.value).removeprefix(f"{path}: ")
+
+
+def test_an_upload_whose_x_fits_no_task_is_refused_naming_every_tasks_dtypes(
+    tmp_path: Path,
+) -> None:
+    # The upload's task is not known: its message names what each task takes (a job's loader
+    # names its own task's).
+    path = _write(tmp_path, npz_bytes(x=X4.astype(np.float64), y=Y4))
+
+    with pytest.raises(DatasetInvalid) as uploaded:
+        check_dataset(path, "d.npz", 1 << 30)
+
+    assert str(uploaded.value) == (
+        "d.npz: array 'x' must be float32 (classification, regression) or int64/int32 tokens "
+        "(language_model), got float64"
+    )
 
 
 def test_the_arrays_are_the_members_npz_members_reads(tmp_path: Path) -> None:
