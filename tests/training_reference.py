@@ -34,6 +34,7 @@ learning rate follows warm-up then cosine (Goyal et al. 2017, section 2.2; Loshc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -42,6 +43,11 @@ from torch import nn
 from shared.config import TrainJobSpec
 from shared.training.data import Dataset, batch_indices
 from shared.training.models import build_model
+
+# The mean loss of a batch: (model outputs, targets) -> scalar. Tests of other tasks pass their
+# own, written out in the test (regression's mean squared error, a language model's mean
+# next-token cross-entropy).
+MeanLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def steps_in_epoch(n_train: int, workers: int, batch_size: int) -> int:
@@ -103,7 +109,13 @@ def _refuse_unmodelled(spec: TrainJobSpec, lr_schedule: bool = False) -> None:
         raise NotImplementedError(f"the single-process reference does not model {named}")
 
 
-def train_single_process(spec: TrainJobSpec, dataset: Dataset, steps: int) -> nn.Module:
+def train_single_process(
+    spec: TrainJobSpec,
+    dataset: Dataset,
+    steps: int,
+    loss: MeanLoss = nn.functional.cross_entropy,
+    allowed_models: Mapping[str, str] | None = None,
+) -> nn.Module:
     """Train the spec's model in this process on the global batch for ``steps`` steps.
 
     Args:
@@ -111,6 +123,8 @@ def train_single_process(spec: TrainJobSpec, dataset: Dataset, steps: int) -> nn
         dataset: the job's data set, as ``load_dataset(spec.data, spec.seed,
             spec.test_fraction)`` gives it.
         steps: optimizer steps.
+        loss: the mean loss of a batch (default: cross-entropy of logits and labels).
+        allowed_models: the entry points the spec's model may name.
 
     Returns:
         The trained model (CPU, float32, training mode).
@@ -119,13 +133,15 @@ def train_single_process(spec: TrainJobSpec, dataset: Dataset, steps: int) -> nn
         NotImplementedError: the spec uses a control this reference does not model.
     """
     _refuse_unmodelled(spec)
-    model = build_model(spec.model, dataset.input_shape, dataset.num_classes, spec.seed)
+    model = build_model(
+        spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_models
+    )
     opt = _optimizer(spec, model)
     x_all, y_all = torch.from_numpy(dataset.x_train), torch.from_numpy(dataset.y_train)
     for step in range(steps):
         rows = torch.from_numpy(global_batch_rows(spec, len(y_all), step))
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x_all[rows]), y_all[rows]).backward()
+        loss(model(x_all[rows]), y_all[rows]).backward()
         opt.step()
     return model
 
@@ -150,7 +166,12 @@ def _inner_lr_factor(spec: TrainJobSpec, step: int, total: int) -> float:
     return low + (1.0 - low) * (1.0 + math.cos(math.pi * done)) / 2.0
 
 
-def train_diloco_single_process(spec: TrainJobSpec, dataset: Dataset) -> nn.Module:
+def train_diloco_single_process(
+    spec: TrainJobSpec,
+    dataset: Dataset,
+    loss: MeanLoss = nn.functional.cross_entropy,
+    allowed_models: Mapping[str, str] | None = None,
+) -> nn.Module:
     """DiLoCo in this process: ``spec.workers`` replicas, ``spec.steps`` inner steps each.
 
     Args:
@@ -159,6 +180,8 @@ def train_diloco_single_process(spec: TrainJobSpec, dataset: Dataset) -> nn.Modu
             ``outer_momentum``, workers (the shard count) and batch size.
         dataset: the job's data set, as ``load_dataset(spec.data, spec.seed,
             spec.test_fraction)`` gives it.
+        loss: the mean loss of a batch (default: cross-entropy of logits and labels).
+        allowed_models: the entry points the spec's model may name.
 
     Returns:
         The global model (CPU, float32, training mode).
@@ -174,7 +197,9 @@ def train_diloco_single_process(spec: TrainJobSpec, dataset: Dataset) -> nn.Modu
     outer_per_epoch = math.ceil(per_epoch / spec.inner_steps)
 
     def fresh() -> nn.Module:
-        return build_model(spec.model, dataset.input_shape, dataset.num_classes, spec.seed)
+        return build_model(
+            spec.model, dataset.input_shape, dataset.num_classes, spec.seed, allowed_models
+        )
 
     model, replicas = fresh(), [fresh() for _ in range(shards)]
     inner = [_optimizer(spec, r) for r in replicas]
@@ -203,7 +228,7 @@ def train_diloco_single_process(spec: TrainJobSpec, dataset: Dataset) -> nn.Modu
                     group["lr"] = spec.optimizer.lr * factor
                 opt.zero_grad()
                 idx = torch.from_numpy(rows)
-                nn.functional.cross_entropy(replica(x_all[idx]), y_all[idx]).backward()
+                loss(replica(x_all[idx]), y_all[idx]).backward()
                 opt.step()
                 seen += len(rows)
             pairs = zip(model.parameters(), replica.parameters(), strict=True)

@@ -194,7 +194,9 @@ class TrainData:
         # where the set is loaded.
         if n and rows.y.dtype == np.int64:
             if rows.y.min() < 0 or rows.y.max() >= self.num_classes:
-                raise DataError(f"shard {shard[0]}: labels or tokens outside [0, {self.num_classes})")
+                raise DataError(
+                    f"shard {shard[0]}: labels or tokens outside [0, {self.num_classes})"
+                )
         self._shards[shard] = rows
 
 

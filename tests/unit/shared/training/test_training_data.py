@@ -73,8 +73,14 @@ Y = np.arange(10, dtype=np.int64) % 2
     [
         ({"y": Y}, "missing array 'x'"),
         ({"x": X}, "missing array 'y'"),
-        ({"x": X.astype(np.float64), "y": Y}, "array 'x' must be float32 for task classification, got float64"),
-        ({"x": X, "y": Y.astype(np.int32)}, "array 'y' must be int64 labels for task classification, got int32"),
+        (
+            {"x": X.astype(np.float64), "y": Y},
+            "array 'x' must be float32 for task classification, got float64",
+        ),
+        (
+            {"x": X, "y": Y.astype(np.int32)},
+            "array 'y' must be int64 labels for task classification, got int32",
+        ),
         ({"x": X, "y": Y[:7]}, "arrays 'x' and 'y' differ in length (10 != 7)"),
         ({"x": X, "y": Y - 1}, "array 'y' has labels out of range (min -1 < 0)"),
         ({"x": X[:, 0], "y": Y}, "array 'x' must be [N, ...]"),
