@@ -161,7 +161,7 @@ def make_task(
     """
     if loss_entry is not None:
         factory = resolve_entry_point(
-            "loss", loss_entry, allowed_losses or {}, loss_args or {}, daemon
+            "loss", loss_entry, allowed_losses or {}, loss_args or {}, daemon, "allowed_losses"
         )
         fn = factory()
         if not callable(fn):

@@ -295,3 +295,20 @@ async def test_a_loss_the_operator_did_not_list_is_permission_denied(
 
     assert err.code is grpc.StatusCode.PERMISSION_DENIED
     assert "loss.entry: 'scaled_abs' is not in the coordinator's allowed_losses" in str(err)
+
+
+async def test_an_uploaded_token_set_trains_a_language_model(make_cluster, tmp_path: Path) -> None:
+    # Arrange: the upload's task is not known; int64 x without y is a token set.
+    cluster = await make_cluster(workers=2, **OPERATOR, worker_overrides=OPERATOR)
+    src = write_npz(tmp_path / "src", "tokens.npz", token_arrays())
+
+    # Act
+    async with cluster.client() as client:
+        info = await client.put_dataset(src)
+        submitted = await client.submit(job(LANGUAGE_MODEL, "sync"))
+        final = await client.wait(submitted.job_id)
+
+    # Assert
+    assert info["arrays"] == [{"name": "x", "dtype": "int64", "shape": [101, TOKENS]}]
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result["test_perplexity"] < VOCAB  # better than uniform over the vocabulary
