@@ -169,7 +169,8 @@ class DataServicer:
     ) -> AsyncIterator[coordinator_pb2.ShardChunk]:
         """Stream one shard's training rows of a running train job to one of its workers.
 
-        A ShardHeader, then TensorChunks of ``x`` [rows, ...] float32 and ``y`` [rows] int64.
+        A ShardHeader, then TensorChunks of ``x`` [rows, ...] and ``y`` [rows, ...] in the
+        dtypes of the job's task (``shared.training.tasks``).
 
         Raises:
             grpc.aio.AbortError: INVALID_ARGUMENT for no worker name, or a shard that is not

@@ -35,8 +35,10 @@ class ShardRows:
     """The training rows [start, stop) of one shard and what a worker needs to train on them.
 
     Attributes:
-        x: [stop - start, *input_shape] float32, a view of the job's training rows.
-        y: [stop - start] int64 labels in [0, num_classes).
+        x: [stop - start, *input_shape] a view of the job's training inputs (float32, or
+            int64 tokens).
+        y: [stop - start, ...] the targets as the job's task defines them
+            (``shared.training.tasks``); num_classes is the model's output width.
     """
 
     n_train: int

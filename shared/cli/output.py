@@ -35,6 +35,10 @@ def _describe(progress: dict[str, Any]) -> str:
     acc = progress.get("test_accuracy")
     if isinstance(acc, float) and acc == acc:
         parts.append(f"acc {acc:.3f}")
+    for key, label in (("test_r2", "r2"), ("test_perplexity", "ppl")):
+        value = progress.get(key)
+        if isinstance(value, float) and value == value:
+            parts.append(f"{label} {value:.3f}")
     if "samples_per_s" in progress:
         parts.append(f"{progress['samples_per_s']:.0f} samples/s")
     if "iteration_ms" in progress:
@@ -47,7 +51,10 @@ def _describe(progress: dict[str, Any]) -> str:
 class HistoryTable:
     """Prints a train job's history on stdout as its epochs end: a header, then a row each.
 
-    Rows are rich tables of one row with fixed column widths, so that they line up.
+    Rows are rich tables of one row with fixed column widths, so that they line up. The
+    accuracy column is the task's (``shared.training.tasks``): ``test_acc``, or for a
+    regression ``test_mae`` and ``test_r2``, for a language model ``ppl`` and ``tokens/s``,
+    chosen by the keys of the first entry.
     """
 
     # (title, history key, width in characters, format)
@@ -60,9 +67,18 @@ class HistoryTable:
         ("samples/s", "samples_per_s", 9, "{:,.0f}"),
     )
 
+    TASK_COLUMNS = {
+        "test_r2": (("test_mae", "test_mae", 8, "{:.4f}"), ("test_r2", "test_r2", 8, "{:.4f}")),
+        "test_perplexity": (
+            ("ppl", "test_perplexity", 8, "{:.3f}"),
+            ("tokens/s", "tokens_per_s", 10, "{:,.0f}"),
+        ),
+    }
+
     def __init__(self) -> None:
         """Nothing printed yet."""
         self.last_epoch = 0
+        self._columns: tuple[tuple[str, str, int, str], ...] = self.COLUMNS
 
     def update(self, history: list[dict[str, Any]]) -> None:
         """Print the entries of epochs after the last one printed (in epoch order)."""
@@ -72,10 +88,16 @@ class HistoryTable:
                 self.last_epoch = entry["epoch"]
 
     def _row(self, entry: dict[str, Any], header: bool) -> None:
+        if header:
+            for key, columns in self.TASK_COLUMNS.items():
+                if key in entry:
+                    self._columns = (*self.COLUMNS[:3], *columns, *self.COLUMNS[4:])
         table = Table(show_header=header, box=None, pad_edge=False)
-        for title, _, width, _ in self.COLUMNS:
+        for title, _, width, _ in self._columns:
             table.add_column(title, justify="right", width=width, no_wrap=True)
-        table.add_row(*(fmt.format(entry[key]) for _, key, _, fmt in self.COLUMNS))
+        table.add_row(
+            *(fmt.format(entry.get(key, float("nan"))) for _, key, _, fmt in self._columns)
+        )
         out_console.print(table)
 
 

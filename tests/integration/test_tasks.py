@@ -196,14 +196,15 @@ async def test_task_job_equals_single_process_training(
         assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * (TOKENS - 1))
 
 
+@pytest.mark.parametrize("strategy", ["sync", "allreduce"])
 async def test_a_listed_user_loss_trains_as_single_process_with_that_loss(
-    make_cluster, tmp_path: Path
+    make_cluster, tmp_path: Path, strategy: str
 ) -> None:
     # Arrange: tests.fixtures.losses:scaled_abs(scale=2) gives 2 x mean |outputs - targets| per
     # sample; the reference writes that loss out.
     root = tmp_path / "data"
     write_npz(root, "reg.npz", regression_arrays())
-    spec = job(REGRESSION, "sync", loss={"entry": "scaled_abs", "args": {"scale": 2.0}})
+    spec = job(REGRESSION, strategy, loss={"entry": "scaled_abs", "args": {"scale": 2.0}})
     expected = reference(spec, root, lambda out, y: 2.0 * (out - y).abs().mean())
 
     # Act
@@ -312,3 +313,27 @@ async def test_an_uploaded_token_set_trains_a_language_model(make_cluster, tmp_p
     assert info["arrays"] == [{"name": "x", "dtype": "int64", "shape": [101, TOKENS]}]
     assert final.state == "SUCCEEDED", final.error
     assert final.result["test_perplexity"] < VOCAB  # better than uniform over the vocabulary
+
+
+@pytest.mark.parametrize("strategy", ["sync", "allreduce"])
+async def test_a_loss_the_workers_do_not_list_fails_the_job_with_their_reason(
+    make_cluster, tmp_path: Path, strategy: str
+) -> None:
+    # The coordinator lists the loss; the workers do not: they refuse before loading anything.
+    root = tmp_path / "data"
+    write_npz(root, "reg.npz", regression_arrays())
+    cluster = await make_cluster(
+        workers=2,
+        data_roots=[str(root)],
+        **OPERATOR,
+        worker_overrides={"allowed_models": ALLOWED_MODELS},
+    )
+    spec = job(REGRESSION, strategy, loss={"entry": "scaled_abs"})
+
+    async with cluster.client() as client:
+        submitted = await client.submit(spec)
+        final = await client.wait(submitted.job_id)
+
+    assert final.state == "FAILED"
+    assert "loss.entry: 'scaled_abs' is not in the worker" in final.error
+    assert "allowed_losses" in final.error

@@ -59,6 +59,21 @@ def test_follow_prints_each_epoch_once_under_one_header(capsys: pytest.CaptureFi
     assert not any("history" in line for line in lines)  # not repeated as a JSON field
 
 
+def test_a_language_models_history_shows_perplexity_and_tokens_per_s(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    lm = entry(1) | {"test_accuracy": float("nan"), "test_perplexity": 3.5, "tokens_per_s": 8e4}
+    events = [(job("SUCCEEDED", {"history": [lm]}), {"step": 1, "steps": 1, "history": [lm]})]
+
+    follow_job(FakeClient(events), job("QUEUED"), as_json=False)  # type: ignore[arg-type]
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "epoch", "train_loss", "test_loss", "ppl", "tokens/s", "lr", "samples/s"
+    ]  # fmt: skip
+    assert lines[1].split() == ["1", "1.0000", "0.5000", "3.500", "80,000", "0.001", "12,345"]
+
+
 def test_follow_json_prints_only_the_document(capsys: pytest.CaptureFixture) -> None:
     follow_job(FakeClient(EVENTS), job("QUEUED"), as_json=True)  # type: ignore[arg-type]
 
