@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
 from shared.client import NeuroshardError
@@ -158,7 +159,10 @@ def reference(spec_fields: dict[str, Any], root: Path, loss: MeanLoss) -> dict[s
 
 
 async def run(make_cluster, root: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one job on a fresh 2-worker cluster; return its result (the job must succeed)."""
+    """Run one job on a fresh 2-worker cluster; return its result (the job must succeed).
+
+    The result gets ``board_tags``: the scalar tags of the job's TensorBoard event files.
+    """
     cluster = await make_cluster(
         workers=2, data_roots=[str(root)], **OPERATOR, worker_overrides=OPERATOR
     )
@@ -166,7 +170,10 @@ async def run(make_cluster, root: Path, spec: dict[str, Any]) -> dict[str, Any]:
         submitted = await client.submit(spec)
         final = await client.wait(submitted.job_id)
     assert final.state == "SUCCEEDED", final.error
-    return final.result
+    run_dir = Path(cluster.coordinator.cfg.tensorboard_dir()) / final.job_id
+    board = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    board.Reload()
+    return final.result | {"board_tags": set(board.Tags()["scalars"])}
 
 
 @pytest.mark.parametrize("strategy", ["sync", "allreduce", "diloco"])
@@ -191,9 +198,12 @@ async def test_task_job_equals_single_process_training(
     if case == "regression":
         assert {"test_mse", "test_mae", "test_r2"} <= set(result)
         assert result["test_mse"] == pytest.approx(result["test_loss"], rel=1e-5)
+        assert {"epoch/test_mse", "epoch/test_mae", "epoch/test_r2"} <= result["board_tags"]
     else:
         assert result["test_perplexity"] == pytest.approx(np.exp(result["test_loss"]), rel=1e-6)
         assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * (TOKENS - 1))
+        assert {"epoch/test_perplexity", "epoch/tokens_per_s"} <= result["board_tags"]
+    assert "epoch/test_accuracy" not in result["board_tags"]  # NaN: not written
 
 
 @pytest.mark.parametrize("strategy", ["sync", "allreduce"])
