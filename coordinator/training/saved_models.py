@@ -176,7 +176,14 @@ def spec_model(spec: TrainJobSpec, cfg: CoordinatorConfig) -> nn.Module:
         PathRefused: the data path is outside the data roots (INVALID_ARGUMENT).
     """
     path = resolve_data_paths(spec, cfg.dataset_roots()).get("data.path")
-    shape = data_shape(spec.data, path, cfg.max_dataset_bytes, cfg.max_synthetic_bytes)
+    shape = data_shape(
+        spec.data,
+        path,
+        cfg.max_dataset_bytes,
+        cfg.max_synthetic_bytes,
+        spec.task,
+        spec.vocab_size,
+    )
     try:
         return build_model(
             spec.model,

@@ -347,3 +347,22 @@ async def test_a_loss_the_workers_do_not_list_fails_the_job_with_their_reason(
     assert final.state == "FAILED"
     assert "loss.entry: 'scaled_abs' is not in the worker" in final.error
     assert "allowed_losses" in final.error
+
+
+async def test_a_regression_job_starts_from_an_earlier_jobs_weights(
+    make_cluster, tmp_path: Path
+) -> None:
+    # init: {job: ID} builds the spec's model for the task's data (D = 2 outputs) at admission.
+    root = tmp_path / "data"
+    write_npz(root, "reg.npz", regression_arrays())
+    cluster = await make_cluster(
+        workers=2, data_roots=[str(root)], **OPERATOR, worker_overrides=OPERATOR
+    )
+
+    async with cluster.client() as client:
+        first = await client.wait((await client.submit(job(REGRESSION, "sync"))).job_id)
+        again = job(REGRESSION, "sync", init={"job": first.job_id})
+        second = await client.wait((await client.submit(again)).job_id)
+
+    assert (first.state, second.state) == ("SUCCEEDED", "SUCCEEDED"), second.error
+    assert second.result["test_loss"] < first.result["history"][0]["test_loss"]
