@@ -44,6 +44,9 @@ def run_up(
     def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
+    # SIGINT too: a shell without job control starts `neuroshard up ... &` with SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt for it (`kill -INT` did nothing).
+    previous_int = signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     cluster = LocalCluster(
         workers, port=port, data_dir=data_dir, secure=secure, links=links, dashboard=True
@@ -71,6 +74,7 @@ def run_up(
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, previous_int)
         cluster.stop()
 
 

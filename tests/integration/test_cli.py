@@ -65,3 +65,38 @@ def test_unknown_job_and_unreachable_coordinator(up_cluster: tuple[str, Path]) -
     assert down.returncode == 1
     assert down.stderr.startswith("error: cannot reach the coordinator at 127.0.0.1:1")
     assert "Traceback" not in down.stderr
+
+
+def test_up_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path: Path) -> None:
+    # Arrange: `up` started as a shell without job control starts `cmd &`: SIGINT ignored
+    # (Python then installs no KeyboardInterrupt of its own; `up` used to ignore `kill -INT`).
+    import signal
+    import subprocess
+
+    from tests.integration.cli_helpers import CLI, REPO, processes_mentioning
+
+    data_dir = tmp_path / "up"
+    proc = subprocess.Popen(
+        [*CLI, "up", "--workers", "1", "--port", "0", "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip(), "neuroshard up exited before printing its address"
+
+        # Act
+        proc.send_signal(signal.SIGINT)
+
+        # Assert: it stops, with its daemons.
+        assert proc.wait(timeout=30) == 0
+        assert processes_mentioning(str(data_dir)) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
