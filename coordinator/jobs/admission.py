@@ -157,7 +157,20 @@ def _data_bytes(key: str, path: Path) -> int:
     return max(size, sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays))
 
 
-def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
+def meta_model(
+    spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig
+) -> tuple[torch.nn.Module, DataShape]:
+    """The spec's model on the meta device (shapes only, no storage) and its data's shape.
+
+    Args:
+        spec: the train job spec.
+        path: its data file, already confined to the data roots (None: built-in data).
+        cfg: the coordinator's limits and ``allowed_models``.
+
+    Raises:
+        ConfigError: the data set's header or the model cannot be read or built
+            (INVALID_ARGUMENT).
+    """
     shape = data_shape(
         spec.data,
         path,
@@ -178,6 +191,11 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
         )
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
+    return model, shape
+
+
+def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
+    model, shape = meta_model(spec, path, cfg)
     _cap("model", count_params(model), cfg.max_model_params, "max_model_params", " parameters")
     _check_output_shape(spec, model, shape, cfg)
     dtype = torch.int64 if shape.input_dtype == "int64" else torch.float32

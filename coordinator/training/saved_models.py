@@ -24,11 +24,10 @@ import torch
 from torch import nn
 
 from coordinator.datasets.state_dicts import WEIGHTS_SUFFIX, StateDictError, read_state_dict
-from coordinator.jobs.admission import data_shape
+from coordinator.jobs.admission import meta_model
 from coordinator.jobs.jobs import JobRecord
 from shared.config import ConfigError, CoordinatorConfig, InitSpec, TrainJobSpec
 from shared.security.confinement import resolve_data_path, resolve_data_paths
-from shared.training.models import ModelError, build_model
 
 
 class ModelMissing(Exception):
@@ -168,7 +167,9 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], label: st
 
 
 def spec_model(spec: TrainJobSpec, cfg: CoordinatorConfig) -> nn.Module:
-    """The spec's model on the meta device (shapes only, no storage), as admission builds it.
+    """The spec's model on the meta device (shapes only), as admission builds it.
+
+    ``coordinator.jobs.admission.meta_model`` on the spec's confined data path.
 
     Raises:
         ConfigError: the data set's header or the model cannot be read or built
@@ -176,26 +177,7 @@ def spec_model(spec: TrainJobSpec, cfg: CoordinatorConfig) -> nn.Module:
         PathRefused: the data path is outside the data roots (INVALID_ARGUMENT).
     """
     path = resolve_data_paths(spec, cfg.dataset_roots()).get("data.path")
-    shape = data_shape(
-        spec.data,
-        path,
-        cfg.max_dataset_bytes,
-        cfg.max_synthetic_bytes,
-        spec.task,
-        spec.vocab_size,
-    )
-    try:
-        return build_model(
-            spec.model,
-            shape.input_shape,
-            shape.num_classes,
-            spec.seed,
-            cfg.allowed_models,
-            "coordinator",
-            device="meta",
-        )
-    except ModelError as exc:
-        raise ConfigError(str(exc)) from None
+    return meta_model(spec, path, cfg)[0]
 
 
 def init_source(init: InitSpec, cfg: CoordinatorConfig) -> tuple[Path, str]:
