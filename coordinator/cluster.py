@@ -20,6 +20,7 @@ from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord, JobS
 from coordinator.jobs.scheduler import Scheduler
 from coordinator.memory.memory_job import MemoryJob
 from coordinator.memory.memory_ops import MemoryOps
+from coordinator.memory.tables import Tables
 from coordinator.network.link_probe import LinkProbe
 from coordinator.network.link_stats import LinkStats
 from coordinator.persistence import CRASHED_TWICE, StateStore
@@ -127,6 +128,7 @@ class Cluster:
         self.reports = ReportLimiter(cfg.report_rate_per_s, burst=10)
         self.rebalancer.events = self.events
         self.state = StateStore(cfg.data_dir)
+        self.tables = Tables(self.rebalancer, cfg.max_payload_bytes)
         self._restore()
         self.memory = MemoryOps(
             self.rebalancer,
@@ -155,6 +157,10 @@ class Cluster:
         for job_id in self.state.crashed_twice:
             log.warning("job_failed", job_id=job_id, error=CRASHED_TWICE)
         self.rebalancer.persist = self.state.save_slot_map
+        tables = self.state.load_tables()
+        if tables is not None:
+            self.tables.load_doc(tables)
+        self.tables.persist = self.state.save_tables
         self.jobs.on_change = self.state.save_job
         if saved is not None or jobs:
             log.info(

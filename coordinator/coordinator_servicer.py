@@ -24,12 +24,14 @@ from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.memory.memory_ops import BulkOpError
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable, StoreExport
+from coordinator.memory.tables import TableExists
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.membership import WorkerState
 from coordinator.placement.readmission import ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing, model_chunks, model_file, saved_model
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
+from shared.memory.tables import DEFAULT_TABLE, TableNotFound
 from shared.memory.validation import (
     MemoryInputError,
     as_slots,
@@ -71,6 +73,8 @@ _ERRORS = StatusTable(
         (ModelMissing, grpc.StatusCode.NOT_FOUND),
         (WorkerUnknown, grpc.StatusCode.NOT_FOUND),
         (WorkerNotDead, grpc.StatusCode.FAILED_PRECONDITION),
+        (TableNotFound, grpc.StatusCode.NOT_FOUND),
+        (TableExists, grpc.StatusCode.ALREADY_EXISTS),
     ]
 )
 
@@ -305,7 +309,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
-            n = await self._cluster.memory.decay(rate, op_id)
+            table = self._wire_table(request.table)
+            n = await self._cluster.memory.decay(rate, op_id, table)
         return common_pb2.DecayResponse(memories=n)
 
     async def Quality(
@@ -314,10 +319,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Count, sum, mean, min, max and 10-bin histogram of all strengths.
 
         Raises:
-            grpc.aio.AbortError: UNAVAILABLE when a primary failed.
+            grpc.aio.AbortError: NOT_FOUND naming an unknown table; UNAVAILABLE when a
+                primary failed.
         """
         async with _ERRORS.mapped(context):
-            q = await self._cluster.memory.quality()
+            table = self._wire_table(request.table)
+            q = await self._cluster.memory.quality(table)
         return quality_to_pb(q)
 
     async def TopK(
@@ -331,7 +338,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """
         async with _ERRORS.mapped(context):
             k = validate_k(request.k, self._cluster.cfg.topk_max)
-            ids, strengths = await self._cluster.memory.topk(k)
+            table = self._wire_table(request.table)
+            ids, strengths = await self._cluster.memory.topk(k, table)
         return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
     async def Sweep(
@@ -351,7 +359,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             k = validate_k(request.k, self._cluster.cfg.topk_max) if request.k else 0
-            r = await self._cluster.memory.sweep(rate, op_id, k, request.want_quality)
+            table = self._wire_table(request.table)
+            r = await self._cluster.memory.sweep(rate, op_id, k, request.want_quality, table)
         reply = coordinator_pb2.SweepResponse(
             memories=r.memories,
             topk=common_pb2.TopKResponse(
@@ -361,6 +370,53 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if r.quality is not None:
             reply.quality.CopyFrom(quality_to_pb(r.quality))
         return reply
+
+    def _wire_table(self, name: str) -> str:
+        """The table a bulk request names, as workers take it ("" for the default one).
+
+        Raises:
+            TableNotFound: no such table (NOT_FOUND).
+        """
+        table = self._cluster.tables.check(name)
+        return "" if table == DEFAULT_TABLE else table
+
+    async def CreateTable(
+        self, request: coordinator_pb2.CreateTableRequest, context: aio.ServicerContext[Any, Any]
+    ) -> common_pb2.TableSpec:
+        """Create a replay table (admin); answered once the map listing it is published.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT naming the field out of range (name,
+                capacity, eviction, max_payload_bytes, forget_below); ALREADY_EXISTS.
+        """
+        spec = common_pb2.TableSpec()
+        async with _ERRORS.mapped(context):
+            spec = await self._cluster.tables.create(
+                request.name,
+                request.capacity,
+                request.eviction,
+                request.max_payload_bytes,
+                request.forget_below if request.has_forget_below else None,
+            )
+        return spec
+
+    async def ListTables(
+        self, request: coordinator_pb2.ListTablesRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.ListTablesResponse:
+        """Every replay table, "default" first, then by name."""
+        return coordinator_pb2.ListTablesResponse(tables=self._cluster.tables.list())
+
+    async def DropTable(
+        self, request: coordinator_pb2.DropTableRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.DropTableResponse:
+        """Drop a replay table and its memories (admin); answered once the map is published.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND naming the table; INVALID_ARGUMENT for "default".
+        """
+        async with _ERRORS.mapped(context):
+            await self._cluster.tables.drop(request.name)
+        return coordinator_pb2.DropTableResponse()
 
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext[Any, Any]
@@ -517,15 +573,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         request: coordinator_pb2.ExportMemoriesRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[coordinator_pb2.ExportChunk]:
-        """Stream every memory: a header, then chunks slot by slot (``StoreExport``).
+        """Stream every memory of a table: a header, then chunks slot by slot (``StoreExport``).
 
         Each slot is a point-in-time copy from its primary; writes during the export may or
         may not be included.
 
         Raises:
-            grpc.aio.AbortError: UNAVAILABLE when a slot has no live primary or a primary
-                failed past the retry budget; RESOURCE_EXHAUSTED when
-                ``max_concurrent_exports`` exports are running already.
+            grpc.aio.AbortError: NOT_FOUND naming an unknown table; UNAVAILABLE when a slot
+                has no live primary or a primary failed past the retry budget;
+                RESOURCE_EXHAUSTED when ``max_concurrent_exports`` exports are running already.
         """
         c = self._cluster
         limit = c.cfg.max_concurrent_exports
@@ -543,6 +599,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 c.cfg.chunk_bytes,
                 batch_bytes=c.cfg.export_batch_bytes,
                 batch_memories=c.cfg.export_batch_memories,
+                table=self._wire_table(request.table),
             )
             self._exports += 1
             try:

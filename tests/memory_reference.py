@@ -248,3 +248,31 @@ class ReferenceStore:
     def payloads(self) -> dict[int, bytes]:
         """Return the payloads as ``{id: bytes}`` (for comparison with a store's dict)."""
         return {int(i): p for i, p in zip(self.ids, self.payload, strict=True) if p is not None}
+
+
+class ReferenceTables:
+    """Named ``ReferenceStore``s: the replay tables of one cluster, ids per table.
+
+    ``default`` always exists; ``create`` adds an empty table (with its own payload limit),
+    ``drop`` forgets one and its memories. ``tables[name]`` is the table's store.
+    """
+
+    DEFAULT = "default"
+
+    def __init__(self, slots: int = 1024, max_payload_bytes: int = 4096, k_max: int = 10000):
+        self.slots, self.max_payload_bytes, self.k_max = slots, max_payload_bytes, k_max
+        self.tables = {self.DEFAULT: ReferenceStore(slots, max_payload_bytes, k_max)}
+
+    def __getitem__(self, name: str) -> ReferenceStore:
+        return self.tables[name or self.DEFAULT]
+
+    def create(self, name: str, max_payload_bytes: int | None = None) -> None:
+        if name in self.tables:
+            raise ReferenceInputError(f"table {name!r} exists")
+        limit = max_payload_bytes or self.max_payload_bytes
+        self.tables[name] = ReferenceStore(self.slots, limit, self.k_max)
+
+    def drop(self, name: str) -> None:
+        if name == self.DEFAULT or name not in self.tables:
+            raise ReferenceInputError(f"table {name!r} cannot be dropped")
+        del self.tables[name]

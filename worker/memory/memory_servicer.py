@@ -17,6 +17,7 @@ from grpc import aio
 
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
+from shared.memory.tables import TableNotFound
 from shared.memory.validation import (
     MemoryInputError,
     validate_op_id,
@@ -51,6 +52,7 @@ _ERRORS = StatusTable(
         (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
         (NotReady, grpc.StatusCode.UNAVAILABLE),
         (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (TableNotFound, grpc.StatusCode.NOT_FOUND),
     ]
 )
 
@@ -158,7 +160,7 @@ class MemoryServicer:
         async with _ERRORS.mapped(context):
             ids = ids_from_bytes(request.ids, "ids")
             return await self._nodes.get().get(
-                request.epoch, ids, request.with_payloads, self._max_message_bytes
+                request.epoch, ids, request.with_payloads, self._max_message_bytes, request.table
             )
 
     async def Decay(
@@ -172,7 +174,7 @@ class MemoryServicer:
         async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
-            n = await self._nodes.get().decay(request.epoch, rate, op_id)
+            n = await self._nodes.get().decay(request.epoch, rate, op_id, request.table)
             return common_pb2.DecayResponse(memories=n)
 
     async def Quality(
@@ -184,7 +186,8 @@ class MemoryServicer:
             FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
         """
         async with _ERRORS.mapped(context):
-            return quality_to_pb(await self._nodes.get().quality(request.epoch))
+            q = await self._nodes.get().quality(request.epoch, request.table)
+            return quality_to_pb(q)
 
     async def TopK(
         self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext[Any, Any]
@@ -196,7 +199,7 @@ class MemoryServicer:
             UNAVAILABLE: not registered yet.
         """
         async with _ERRORS.mapped(context):
-            ids, strengths = await self._nodes.get().topk(request.epoch, request.k)
+            ids, strengths = await self._nodes.get().topk(request.epoch, request.k, request.table)
             return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
     async def Sweep(
@@ -215,7 +218,7 @@ class MemoryServicer:
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             n, (q, top) = await self._nodes.get().sweep(
-                request.epoch, rate, op_id, request.k, request.want_quality
+                request.epoch, rate, op_id, request.k, request.want_quality, request.table
             )
             reply = worker_pb2.WorkerSweepResponse(memories=n)
             if q is not None:
@@ -304,7 +307,7 @@ class MemoryServicer:
         if node is None:
             return
         async with _ERRORS.mapped(context):
-            snaps = await node.export_slots(list(request.slots))
+            snaps = await node.export_slots(list(request.slots), request.table)
         for snap in snaps:
             for msg in slot_messages(snap, self._chunk_bytes, digest=False):
                 yield msg

@@ -286,15 +286,18 @@ class _Split:
                 self._values = f32_from_bytes(getattr(req, field), field)
         ids = ids_to_bytes(self._ids[keep])
         rid = req.request_id
+        table = req.table  # a forward names the table its request named
         if op == "delete":
-            return worker_pb2.DeleteRequest(epoch=req.epoch, ids=ids, request_id=rid)
+            return worker_pb2.DeleteRequest(epoch=req.epoch, ids=ids, request_id=rid, table=table)
         assert self._values is not None
         values = f32_to_bytes(self._values[keep])
         if op == "upsert":
             return worker_pb2.UpsertRequest(
-                epoch=req.epoch, ids=ids, strengths=values, request_id=rid
+                epoch=req.epoch, ids=ids, strengths=values, request_id=rid, table=table
             )
-        return worker_pb2.ReinforceRequest(epoch=req.epoch, ids=ids, boosts=values, request_id=rid)
+        return worker_pb2.ReinforceRequest(
+            epoch=req.epoch, ids=ids, boosts=values, request_id=rid, table=table
+        )
 
 
 def check_forward(

@@ -248,7 +248,10 @@ class SlotStore:
         """Return [S] int64 memories per slot, of one table or (None) of all."""
         if table is not None:
             return self.table(table).slot_counts()
-        return np.sum([t.slot_counts() for t in self._tables.values()], axis=0, dtype=np.int64)
+        counts = np.zeros(self.slots, np.int64)
+        for t in self._tables.values():
+            counts += t.slot_counts()
+        return counts
 
     def held_slots(self) -> np.ndarray:
         """Return the slots holding at least one memory (in any table), ascending, int64."""
