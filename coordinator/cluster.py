@@ -18,6 +18,7 @@ from coordinator.forget import WorkerUnknown
 from coordinator.jobs.admission import admit
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord, JobStore
 from coordinator.jobs.scheduler import Scheduler
+from coordinator.memory.capped_inserts import CappedInserts
 from coordinator.memory.memory_job import MemoryJob
 from coordinator.memory.memory_ops import MemoryOps
 from coordinator.memory.tables import Tables
@@ -35,9 +36,11 @@ from coordinator.training.saved_models import check_init, model_file
 from coordinator.training.sync import SyncSteps
 from coordinator.training.train_job import StepScheme, TrainJob
 from coordinator.training.train_sets import TrainSets
+from shared.client.memory import MemoryRouter
 from shared.config import ConfigError, CoordinatorConfig, InitSpec, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
+from shared.proto import common_pb2
 from shared.rpc.peers import WorkerClients
 from shared.security.auth import may_see_job
 from shared.security.transport import ChannelSecurity
@@ -138,6 +141,10 @@ class Cluster:
             # long enough for a dead primary to be declared and its replicas promoted
             retry_budget_s=3 * cfg.heartbeat_timeout_s + 5.0,
         )
+        self._insert_router = MemoryRouter(
+            self._wire_map, cfg.rpc_timeout_s, cfg.max_message_bytes, security=security
+        )
+        self.inserts = CappedInserts(self.tables, self.memory, self._insert_router)
 
     def _restore(self) -> None:
         """Load the slot map, workers and jobs saved by a previous coordinator process."""
@@ -440,7 +447,12 @@ class Cluster:
             log.info("jobs_pruned", jobs=len(dropped))
         return dropped
 
+    async def _wire_map(self) -> common_pb2.SlotMap:
+        """The current map as ``GetSlotMap`` returns it (the capped inserts route with it)."""
+        return self.rebalancer.wire_map()
+
     async def close(self) -> None:
         """Close worker channels and the state database."""
+        await self._insert_router.close()
         await self.clients.close()
         self.state.close()

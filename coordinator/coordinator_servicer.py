@@ -29,6 +29,7 @@ from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReport
 from coordinator.placement.membership import WorkerState
 from coordinator.placement.readmission import ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing, model_chunks, model_file, saved_model
+from shared.client.memory import RoutingError
 from shared.config import ConfigError
 from shared.memory.stats import quality_to_pb
 from shared.memory.tables import DEFAULT_TABLE, TableNotFound
@@ -38,9 +39,11 @@ from shared.memory.validation import (
     validate_k,
     validate_op_id,
     validate_rate,
+    validate_request_id,
+    validate_upsert,
 )
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.status_table import BadRequest, Status, StatusTable
 from shared.security.auth import AddressRefused, address_error, current_principal, may_see_job
 from shared.security.confinement import PathRefused
@@ -49,6 +52,19 @@ from shared.training.entry_points import EntryPointRefused
 
 # Mints a data-plane token for a caller: (token, expiry in Unix seconds).
 DataTokenMinter = Callable[[Principal], tuple[str, float]]
+
+
+class InsertFailed(Exception):
+    """A capped insert's write or eviction failed at a worker: with that worker's status.
+
+    A refusal such as INVALID_ARGUMENT, or UNAVAILABLE: retry with the same request id.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        """Carry the worker's ``code``."""
+        super().__init__(message)
+        self.code = code
+
 
 # Domain errors of the coordinator's RPCs and the status each maps to.
 _ERRORS = StatusTable(
@@ -75,6 +91,7 @@ _ERRORS = StatusTable(
         (WorkerNotDead, grpc.StatusCode.FAILED_PRECONDITION),
         (TableNotFound, grpc.StatusCode.NOT_FOUND),
         (TableExists, grpc.StatusCode.ALREADY_EXISTS),
+        (InsertFailed, lambda e: Status(e.code)),
     ]
 )
 
@@ -399,6 +416,40 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 request.forget_below if request.has_forget_below else None,
             )
         return spec
+
+    async def Insert(
+        self, request: coordinator_pb2.InsertRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.InsertResponse:
+        """Upsert into a capped table, evicting per its policy (``CappedInserts``).
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND naming an unknown table; INVALID_ARGUMENT for bad
+                values (payloads over the table's limit, naming the index), a request_id over
+                64 bytes or a table without a capacity (nothing applied); UNAVAILABLE when a
+                primary could not be reached (retry with the same request_id).
+        """
+        reply = coordinator_pb2.InsertResponse()
+        async with _ERRORS.mapped(context):
+            spec = self._cluster.tables.spec(request.table)
+            if not spec.capacity:
+                raise BadRequest(f"table {spec.name!r} has no capacity: upsert to the workers")
+            validate_request_id(request.request_id)
+            payloads = list(request.payloads) if len(request.payloads) else None
+            ids, strengths, plain = validate_upsert(
+                ids_from_bytes(request.ids, "ids"),
+                f32_from_bytes(request.strengths, "strengths"),
+                payloads,
+                spec.max_payload_bytes,
+            )
+            wire = None if plain is None else [p or b"" for p in plain]  # bytes on the wire
+            try:
+                applied, evicted = await self._cluster.inserts.insert(
+                    spec.name, ids, strengths, wire, request.request_id
+                )
+            except RoutingError as exc:
+                raise InsertFailed(str(exc), exc.code) from None
+            reply = coordinator_pb2.InsertResponse(applied=applied, evicted=evicted)
+        return reply
 
     async def ListTables(
         self, request: coordinator_pb2.ListTablesRequest, context: aio.ServicerContext[Any, Any]

@@ -28,7 +28,7 @@ from grpc import aio
 from coordinator.placement.membership import Membership
 from coordinator.placement.rebalance import Rebalancer
 from shared.memory.stats import Quality, merge_quality, merge_topk, quality_from_pb
-from shared.proto import worker_pb2, worker_pb2_grpc
+from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 from shared.rpc.peers import WorkerClients
 
@@ -256,6 +256,29 @@ class MemoryOps:
             "quality",
         )
         return merge_quality([quality_from_pb(r) for r in replies])
+
+    async def candidates(self, k: int, order: str, table: str) -> list[common_pb2.TopKResponse]:
+        """Every primary's count of a table and its first k memories in an eviction order.
+
+        Args:
+            k: how many per primary, >= 1.
+            order: "oldest" (by insert stamp) or "weakest" (by strength, then id).
+            table: the table, as on the wire.
+
+        Returns:
+            One ``TopKResponse`` per primary (ids, strengths, stamps, count).
+
+        Raises:
+            BulkOpError: a primary still failed after the retry budget (UNAVAILABLE).
+        """
+        return await self._until_all(
+            lambda s, e: s.TopK(
+                worker_pb2.WorkerTopKRequest(epoch=e, k=k, table=table, order=order),
+                timeout=self._timeout_s,
+            ),
+            "candidates",
+            b"candidates",
+        )
 
     async def topk(self, k: int, table: str = "") -> tuple[np.ndarray, np.ndarray]:
         """The exact global top-k of a table, strongest first, ties broken by smaller id.

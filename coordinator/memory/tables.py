@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from coordinator.placement.rebalance import Rebalancer
 from shared.memory.tables import (
     DEFAULT_TABLE,
@@ -28,6 +30,9 @@ __all__ = ["TableExists", "Tables"]
 
 # Saves the tables' document (``Tables.to_doc``) durably before a change is published.
 Persist = Callable[[dict[str, Any]], None]
+# Insert stamps are reserved (and saved) this many at a time: a restarted coordinator goes on
+# from the reserved mark, so stamps only grow, at one save per block.
+STAMP_BLOCK = 1 << 20
 
 
 class TableExists(Exception):
@@ -52,6 +57,8 @@ class Tables:
         self.persist = persist
         self._specs: dict[str, common_pb2.TableSpec] = {}
         self._next_id = 1
+        # A capped table's next insert stamp and the end of the block reserved on disk.
+        self._stamps: dict[str, tuple[int, int]] = {}
         rebalancer.tables = self.specs
 
     def specs(self) -> list[common_pb2.TableSpec]:
@@ -66,6 +73,8 @@ class Tables:
         """Restore the tables saved by ``to_doc`` (a restarted coordinator)."""
         self._next_id = int(doc.get("next_id", 1))
         self._specs = {}
+        reserved = doc.get("stamps_reserved", {})
+        self._stamps = {n: (int(v), int(v)) for n, v in reserved.items()}
         for t in doc.get("tables", []):
             spec = common_pb2.TableSpec(
                 name=t["name"],
@@ -90,7 +99,8 @@ class Tables:
             }
             for s in self.specs()
         ]
-        return {"next_id": self._next_id, "tables": tables}
+        reserved = {n: end for n, (_, end) in self._stamps.items() if n in self._specs}
+        return {"next_id": self._next_id, "tables": tables, "stamps_reserved": reserved}
 
     async def create(
         self,
@@ -140,8 +150,35 @@ class Tables:
             if name not in self._specs:
                 raise TableNotFound(f"table {name!r} does not exist")
             del self._specs[name]
+            self._stamps.pop(name, None)
             self._save()
             await self._rebalancer.publish_same()
+
+    def spec(self, name: str) -> common_pb2.TableSpec:
+        """Return a table's spec (the default one's too).
+
+        Raises:
+            TableNotFound: no such table (NOT_FOUND).
+        """
+        if not name or name == DEFAULT_TABLE:
+            return default_spec(self._max_payload_bytes)
+        spec = self._specs.get(name)
+        if spec is None:
+            raise TableNotFound(f"table {name!r} does not exist")
+        return spec
+
+    def take_stamps(self, name: str, n: int) -> np.ndarray:
+        """Return the next n insert stamps [n] uint64 of a table (>= 1, never given before).
+
+        A block of ``STAMP_BLOCK`` is saved before its first stamp is given.
+        """
+        start, end = self._stamps.get(name, (1, 1))
+        if start + n > end:
+            end = start + n + STAMP_BLOCK
+            self._stamps[name] = (start, end)
+            self._save()
+        self._stamps[name] = (start + n, end)
+        return np.arange(start, start + n, dtype=np.uint64)
 
     def check(self, name: str) -> str:
         """Return the table a bulk request names (empty: the default one).

@@ -51,7 +51,7 @@ from shared.memory.validation import (
     validate_upsert,
 )
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from shared.rpc.codec import f32_from_bytes, ids_from_bytes
+from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.security.transport import ChannelSecurity, explain_unavailable
 
 DEFAULT_ADDRESS = "localhost:50051"
@@ -552,7 +552,10 @@ class Client:
             progress: called with the number of items of each part of the batch as its
                 primary acknowledges it (both copies applied it), while other parts may
                 still wait, e.g. for the failover of a dead worker; the calls add up to N.
-            table: the table written (ids are per table).
+            table: the table written (ids are per table). Into a table with a capacity the
+                batch goes to the coordinator, which orders the table's inserts, writes them
+                and evicts what exceeds the capacity before answering (one message: at most
+                ``max_message_bytes``).
 
         Returns:
             Distinct ids written.
@@ -562,8 +565,22 @@ class Client:
                 NOT_FOUND naming an unknown table (nothing is sent); UNAVAILABLE when the
                 batch could not be delivered.
         """
-        limit = await self._payload_limit(table)
-        ids, strengths, plain = _checked_upsert(ids, strengths, payloads, limit)
+        spec = await self._routed(self._router.table_spec(table))
+        ids, strengths, plain = _checked_upsert(ids, strengths, payloads, spec.max_payload_bytes)
+        if spec.capacity:  # the coordinator orders a capped table's inserts and evicts
+            reply: coordinator_pb2.InsertResponse = await self._call(
+                self._stub.Insert,
+                coordinator_pb2.InsertRequest(
+                    table=spec.name,
+                    ids=ids_to_bytes(ids),
+                    strengths=f32_to_bytes(strengths),
+                    payloads=plain or [],
+                    request_id=uuid.uuid4().bytes,
+                ),
+            )
+            if progress is not None:
+                progress(len(ids))
+            return int(reply.applied)
         work = self._router.upsert(ids, strengths, plain, None, progress, _wire(table))
         return int(await self._routed(work))
 
@@ -847,7 +864,7 @@ class Client:
         async def upsert(
             ids: npt.NDArray[np.uint64], s: npt.NDArray[np.float32], p: list[bytes] | None
         ) -> int:
-            return int(await self._routed(self._router.upsert(ids, s, p, table=_wire(table))))
+            return await self.upsert(ids, s, p, table=table)
 
         written = await upsert_export(data, upsert, batch, progress)
         return {

@@ -386,6 +386,7 @@ class MemoryRouter:
         request_id: bytes | None = None,
         progress: Progress | None = None,
         table: str = "",
+        stamps: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         """Upsert a validated batch; return the distinct ids written.
 
@@ -397,6 +398,8 @@ class MemoryRouter:
                 same one: slots that applied it skip it); None: a new random one.
             progress: as ``route``.
             table: the table written, as on the wire ("": the default one).
+            stamps: [N] uint64 insert stamps (the coordinator's, for a capped table); None:
+                none.
 
         Raises:
             RoutingError: as ``route``.
@@ -407,7 +410,15 @@ class MemoryRouter:
         ) -> worker_pb2.WriteResponse:
             part = [payloads[i] for i in idx.tolist()] if payloads is not None else None
             return await stub.Upsert(
-                upsert_request(epoch, rid, ids[idx], strengths[idx], part, table),
+                upsert_request(
+                    epoch,
+                    rid,
+                    ids[idx],
+                    strengths[idx],
+                    part,
+                    table,
+                    None if stamps is None else stamps[idx],
+                ),
                 timeout=self._timeout_s,
             )
 
@@ -539,10 +550,11 @@ def upsert_request(
     strengths: npt.NDArray[np.float32],
     payloads: Sequence[bytes] | None,
     table: str = "",
+    stamps: npt.NDArray[np.uint64] | None = None,
 ) -> worker_pb2.UpsertRequest:
     """One worker's Upsert: ids [n] uint64, strengths [n] float32, payloads (n or None).
 
-    ``table`` as on the wire ("": the default one).
+    ``table`` as on the wire ("": the default one); ``stamps`` [n] uint64 or None.
     """
     return worker_pb2.UpsertRequest(
         epoch=epoch,
@@ -551,6 +563,7 @@ def upsert_request(
         strengths=f32_to_bytes(strengths),
         payloads=list(payloads) if payloads is not None else [],
         table=table,
+        stamps=b"" if stamps is None else ids_to_bytes(stamps),
     )
 
 

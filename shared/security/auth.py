@@ -19,8 +19,9 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
     ``reader``: GetJob, ListJobs, WatchJob, GetModel, ListModels, GetClusterStatus,
     GetSlotMap, Quality, TopK, ListDatasets, ExportMemories, ListTables, ReportFailure (a
     suspicion, confirmed by the coordinator before it acts); ``writer``: those and SubmitJob,
-    CancelJob, PutDataset; ``admin``: every Coordinator RPC (Decay and Sweep of a whole
-    table, CreateTable, DropTable, DrainWorker, ForgetWorker).
+    CancelJob, PutDataset, Insert (a capped table's upsert); ``admin``: every Coordinator
+    RPC (Decay and Sweep of a whole table, CreateTable, DropTable, DrainWorker,
+    ForgetWorker).
   - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
     for at most an hour), on the Worker service's keyed RPCs only: ``reader`` Get;
     ``writer`` Get, Upsert, Reinforce, Delete (an admin's data-plane token is a writer's).
@@ -72,7 +73,7 @@ _READER_COORDINATOR = frozenset(
         "ListTables",
     }
 )
-_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset"}
+_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset", "Insert"}
 _WORKER_COORDINATOR = frozenset(
     {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker", "FetchShard"}
 )

@@ -37,8 +37,10 @@ from tests.memory_reference import ReferenceTables
 pytestmark = pytest.mark.integration
 
 REPLAY = "replay"
-TABLES = ["", REPLAY]  # as requests name them: "" is the default table
 REPLAY_PAYLOAD_BYTES = 6  # the replay table's payload limit (the cluster's is 4096)
+# Capped tables: (name, capacity, eviction, forget_below).
+CAPPED = [("fifo", 20, "fifo", None), ("weak", 15, "weakest", 0.25)]
+TABLES = ["", REPLAY] + [c[0] for c in CAPPED]  # as requests name them: "" is the default
 
 
 @pytest.fixture
@@ -49,10 +51,24 @@ async def pool(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
     await p.close()
 
 
-async def ensure_replay(client: Client) -> None:
-    """The pooled cluster has the replay table (an earlier example may have made it)."""
-    if REPLAY not in {t["name"] for t in await client.list_tables()}:
+async def ensure_tables(client: Client, slots: int) -> ReferenceTables:
+    """The pooled cluster has every table (an earlier example may have made them); return a
+    reference with the same tables, empty."""
+    held = {t["name"] for t in await client.list_tables()}
+    if REPLAY not in held:
         await client.create_table(REPLAY, max_payload_bytes=REPLAY_PAYLOAD_BYTES)
+    for name, capacity, eviction, forget in CAPPED:
+        if name not in held:
+            await client.create_table(name, capacity, eviction, forget_below=forget)
+    return reference_tables(slots)
+
+
+def reference_tables(slots: int) -> ReferenceTables:
+    ref = ReferenceTables(slots=slots)
+    ref.create(REPLAY, REPLAY_PAYLOAD_BYTES)
+    for name, capacity, eviction, forget in CAPPED:
+        ref.create(name, None, capacity, eviction, forget)
+    return ref
 
 
 async def apply_op(client: Client, ref: ReferenceTables, i: int, op: tuple) -> None:
@@ -110,7 +126,7 @@ async def clean(client: Client, ref: ReferenceTables) -> None:
 
 
 TABLE_OPS = st.one_of(
-    st.tuples(st.just("in"), st.integers(0, 1), OPS),
+    st.tuples(st.just("in"), st.integers(0, len(TABLES) - 1), OPS),
     st.tuples(st.just("recreate")),
 )
 SETTINGS = dict(
@@ -128,10 +144,8 @@ SETTINGS = dict(
 )
 async def test_every_table_equals_its_reference(pool: ClusterPool, ops, joins, k) -> None:
     cluster = await pool.checkout()
-    ref = ReferenceTables(slots=pool.slots)
-    ref.create(REPLAY, REPLAY_PAYLOAD_BYTES)
     async with cluster.client() as client:
-        await ensure_replay(client)
+        ref = await ensure_tables(client, pool.slots)
         at = [min(j, len(ops)) for j in joins]
         for i in range(len(ops) + 1):
             for _ in range(at.count(i)):
@@ -158,10 +172,8 @@ async def test_every_table_equals_its_reference(pool: ClusterPool, ops, joins, k
 )
 async def test_every_table_survives_a_kill(pool: ClusterPool, ops, kill_at, victim) -> None:
     cluster = await pool.checkout()  # never checked in: a killed cluster is rebuilt
-    ref = ReferenceTables(slots=pool.slots)
-    ref.create(REPLAY, REPLAY_PAYLOAD_BYTES)
     async with cluster.client() as client:
-        await ensure_replay(client)
+        ref = await ensure_tables(client, pool.slots)
         for i in range(len(ops) + 1):
             if i == min(kill_at, len(ops)):
                 await cluster.kill(victim % len(cluster.workers))
@@ -317,3 +329,84 @@ async def test_a_worker_refuses_an_unknown_table_before_applying_anything(make_c
             await stub.Upsert(request, timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in err.value.details()
     assert len(w.nodes.current) == 0
+
+
+# --- capacity, eviction, forgetting ---------------------------------------------------------
+
+
+async def test_capped_tables_evict_exactly_as_one_process_with_a_join_and_a_kill(
+    tmp_path,
+) -> None:
+    pool = ClusterPool(tmp_path, 3, 64, **KILL_HEARTBEATS)
+    cluster = await pool.checkout()
+    rng = np.random.default_rng(7)
+    try:
+        async with cluster.client() as client:
+            ref = await ensure_tables(client, 64)
+            for step in range(12):
+                if step == 4:
+                    await cluster.add_worker()
+                    await wait_settled(cluster)
+                if step == 8:
+                    await cluster.kill(1)
+                for name in ("fifo", "weak"):
+                    n = int(rng.integers(1, 30))
+                    ids = POOL[rng.integers(0, len(POOL), n)]
+                    strengths = rng.random(n, dtype=np.float32)
+                    got = await client.upsert(ids, strengths, table=name)
+                    assert got == ref[name].upsert(ids, strengths)
+                    assert (await client.quality(table=name))["count"] == ref[name].count()
+                    assert ref[name].count() <= dict((c[0], c[1]) for c in CAPPED)[name]
+                if step % 3 == 2:
+                    assert await client.decay(0.125, table="weak") == ref["weak"].decay(0.125)
+                    reinforced = await client.reinforce(
+                        POOL[:40], np.full(40, 0.5, np.float32), table="weak"
+                    )
+                    assert reinforced == ref["weak"].reinforce(POOL[:40], np.full(40, 0.5))
+            assert ref["fifo"].count() == 20 and 0 < ref["weak"].count() <= 15
+            await wait_settled(cluster)
+            await wait_until(
+                lambda: cluster.coordinator.cluster.slot_summary()["under_replicated_slots"] == 0,
+                what="every slot back at its replication factor",
+            )
+            for table in TABLES:
+                await assert_cluster_equals(cluster, ref[table], table)
+                await assert_copies_identical(cluster, table)
+            await assert_reads_match(client, ref, 10)
+            assert len(cluster.workers) == 3
+    finally:
+        await pool.close()
+
+
+async def test_a_capped_table_refuses_a_direct_upsert_and_a_bad_insert(make_cluster) -> None:
+    from shared.proto import coordinator_pb2, worker_pb2, worker_pb2_grpc
+    from shared.rpc import channel
+    from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+
+    cluster = await make_cluster(workers=1)
+    async with cluster.client() as client:
+        await client.wait_ready()
+        await client.create_table("capped", capacity=3, max_payload_bytes=2)
+        m = await client._router.slot_map(refresh=True)
+        with pytest.raises(NeuroshardError) as err:
+            await client.upsert(POOL[:2], np.ones(2, np.float32), [b"ok", b"big"], table="capped")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "payloads[1]" in str(err.value)
+        with pytest.raises(NeuroshardError) as err:  # an insert names a capped table
+            await client._call(
+                client._stub.Insert, coordinator_pb2.InsertRequest(table="default", ids=b"")
+            )
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    async with channel(cluster.workers[0].address) as ch:
+        request = worker_pb2.UpsertRequest(
+            epoch=m.epoch,
+            ids=ids_to_bytes(POOL[:4]),
+            strengths=f32_to_bytes(np.ones(4, np.float32)),
+            request_id=b"r1",
+            table="capped",
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as rpc_err:
+            await worker_pb2_grpc.WorkerStub(ch).Upsert(request, timeout=10)
+    assert rpc_err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "through the coordinator" in rpc_err.value.details()
+    assert len(cluster.workers[0].nodes.current) == 0

@@ -25,9 +25,16 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from shared.memory.stats import Quality
-from shared.memory.tables import DEFAULT_TABLE, TableNotFound, table_name, table_specs
-from shared.memory.validation import as_slots, validate_k
+from shared.memory.tables import (
+    DEFAULT_TABLE,
+    TableNotFound,
+    default_spec,
+    table_name,
+    table_specs,
+)
+from shared.memory.validation import MemoryInputError, as_slots, validate_k
 from shared.proto import common_pb2, worker_pb2
+from shared.rpc.codec import ids_from_bytes
 from worker.memory.primary import PrimaryWrites, Sweep
 from worker.memory.replication import Forwarder, Replicator, Reporter, check_forward
 from worker.memory.roles import Placement
@@ -37,12 +44,20 @@ from worker.store.journal_format import Request
 from worker.store.store import SlotSnapshot, SlotStore
 from worker.store.store_metrics import StoreMetrics
 
-__all__ = ["COPY_BATCH_SLOTS", "MemoryNode", "SlotSender"]
+__all__ = ["COPY_BATCH_SLOTS", "CappedTable", "MemoryNode", "SlotSender"]
 
 # Slots snapshotted and sent per hold of the write order: writes wait for one batch at most.
 COPY_BATCH_SLOTS = 64
 # Streams slot snapshots to the named worker at an address; returns (memories, bytes) sent.
 SlotSender = Callable[[str, str, list[SlotSnapshot]], Awaitable[tuple[int, int]]]
+
+
+class CappedTable(Exception):
+    """An upsert into a table with a capacity that did not come through the coordinator.
+
+    FAILED_PRECONDITION: a capped table's inserts are ordered (stamped) by the coordinator,
+    which evicts; a worker refuses one without stamps before applying anything.
+    """
 
 
 class MemoryNode:
@@ -76,7 +91,7 @@ class MemoryNode:
         self._replicator = Replicator(name, forward, report)
         self._place = Placement(name, self._held())
         # The tables of the adopted map, by name (the default one: the cluster's limits).
-        self._tables = {DEFAULT_TABLE: common_pb2.TableSpec(name=DEFAULT_TABLE)}
+        self._tables = {DEFAULT_TABLE: default_spec(0)}
         # Primary writes, slot-map changes and copy snapshots take turns (module docstring).
         self._order = asyncio.Lock()
         self._writes = PrimaryWrites(name, self._data, self._replicator, self._place, self._order)
@@ -274,6 +289,31 @@ class MemoryNode:
         with self._ops.op("quality"):
             return await self._data.run(self._store.quality, self._primary_slots(), name)
 
+    async def candidates(
+        self, epoch: int, k: int, order: str, table: str
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Return a table's count in the primary slots and its first k there to evict.
+
+        Args:
+            epoch: the epoch the request was routed with.
+            k: how many, >= 1.
+            order: "oldest" (insert stamp, then id) or "weakest" (strength, then id).
+            table: the table.
+
+        Returns:
+            ``(ids [k'] uint64, strengths [k'] float32, stamps [k'] uint64, count)``.
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
+            MemoryInputError: an unknown order (INVALID_ARGUMENT).
+        """
+        self.check_epoch(epoch)
+        name = self.table(table).name
+        with self._ops.op("candidates"):
+            return await self._data.run(
+                self._store.candidates, k, order, self._primary_slots(), name
+            )
+
     async def topk(
         self, epoch: int, k: int, table: str = DEFAULT_TABLE
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -314,6 +354,8 @@ class MemoryNode:
             MemoryInputError: invalid values, or a payload over the table's limit; nothing
                 applied (INVALID_ARGUMENT).
             TableNotFound: no such table; nothing applied (NOT_FOUND).
+            CappedTable: a capped table's upsert without the coordinator's stamps
+                (FAILED_PRECONDITION); nothing applied.
             ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE);
                 also a retry while the first attempt's copies are still unconfirmed.
             StorageFailed: the journal failed to write or fsync, now or before; the write is
@@ -322,12 +364,23 @@ class MemoryNode:
         self.check_epoch(request.epoch)  # a lagging map may lack the table: stale first
         spec = self.table(request.table)
         limit = spec.max_payload_bytes or None
+        stamps = ids_from_bytes(request.stamps, "stamps") if request.stamps else None
+        if stamps is not None and len(stamps) != len(ids):
+            raise MemoryInputError(f"ids and stamps differ in length ({len(ids)} != {len(stamps)})")
+        if spec.capacity and stamps is None:
+            raise CappedTable(
+                f"table {spec.name!r} has a capacity: insert through the coordinator "
+                "(Client.upsert does), which orders its inserts and evicts"
+            )
 
         def apply(keep: np.ndarray) -> int:
             kept = (
                 None if payloads is None else [p for p, k in zip(payloads, keep, strict=True) if k]
             )
-            return self._store.upsert(ids[keep], strengths[keep], kept, spec.name, limit)
+            kept_stamps = None if stamps is None else stamps[keep]
+            return self._store.upsert(
+                ids[keep], strengths[keep], kept, spec.name, limit, kept_stamps
+            )
 
         with self._ops.op("upsert"):
             return await self._writes.keyed(request.epoch, "upsert", request, ids, apply)
@@ -399,10 +452,10 @@ class MemoryNode:
             StorageFailed: the journal failed; nothing applied (UNAVAILABLE).
             ReplicationError: as ``upsert`` (UNAVAILABLE).
         """
-        name = self.table(table).name
+        spec = self.table(table)
         self._data.check_writable()
         with self._ops.op("decay"):
-            return await self._writes.decay(epoch, rate, op_id, name)
+            return await self._writes.decay(epoch, rate, op_id, spec.name, _forget(spec))
 
     async def sweep(
         self,
@@ -435,12 +488,14 @@ class MemoryNode:
             MemoryInputError: k above the store's limit (INVALID_ARGUMENT).
             StorageFailed, ReplicationError: as ``decay`` (UNAVAILABLE).
         """
-        name = self.table(table).name
+        spec = self.table(table)
         k = validate_k(k, self._store.k_max) if k else 0
         if rate > 0:
             self._data.check_writable()
         with self._ops.op("sweep"):
-            return await self._writes.sweep(epoch, rate, op_id, k, want_quality, name)
+            return await self._writes.sweep(
+                epoch, rate, op_id, k, want_quality, spec.name, _forget(spec)
+            )
 
     # -- replica side ---------------------------------------------------------------------------
 
@@ -540,3 +595,8 @@ class MemoryNode:
     def _export(self, slots: list[int]) -> list[SlotSnapshot]:
         """On the store thread: copy out ``slots``, with the request ids each applied."""
         return self._data.export(slots)
+
+
+def _forget(spec: common_pb2.TableSpec) -> float | None:
+    """A table's ``forget_below`` as the store takes it (None: the table forgets nothing)."""
+    return None if spec.forget_below < 0 else float(spec.forget_below)

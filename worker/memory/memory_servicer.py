@@ -28,7 +28,7 @@ from shared.proto import common_pb2, worker_pb2
 from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.limits import DEFAULT_MAX_RECEIVE_SLOTS_BYTES, BudgetExceeded
 from shared.rpc.status_table import StatusTable
-from worker.memory.memory_node import SlotSender
+from worker.memory.memory_node import CappedTable, SlotSender
 from worker.memory.node_holder import NodeHolder, NotReady
 from worker.memory.replication import OutOfSync, ReplicationError, StaleForward
 from worker.memory.roles import NotPrimary, StaleEpoch
@@ -53,6 +53,7 @@ _ERRORS = StatusTable(
         (NotReady, grpc.StatusCode.UNAVAILABLE),
         (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (TableNotFound, grpc.StatusCode.NOT_FOUND),
+        (CappedTable, grpc.StatusCode.FAILED_PRECONDITION),
     ]
 )
 
@@ -194,12 +195,26 @@ class MemoryServicer:
     ) -> common_pb2.TopKResponse:
         """The k strongest memories of this worker's primary slots (ties: smaller id).
 
+        With an ``order`` ("oldest", "weakest"): a capped table's first k memories to evict
+        and its count in the primary slots (the coordinator's insert path).
+
         Raises:
             INVALID_ARGUMENT: k out of range. FAILED_PRECONDITION: stale epoch.
             UNAVAILABLE: not registered yet.
         """
         async with _ERRORS.mapped(context):
-            ids, strengths = await self._nodes.get().topk(request.epoch, request.k, request.table)
+            node = self._nodes.get()
+            if request.order:  # a capped table's eviction candidates
+                ids, strengths, stamps, count = await node.candidates(
+                    request.epoch, request.k, request.order, request.table
+                )
+                return common_pb2.TopKResponse(
+                    ids=ids_to_bytes(ids),
+                    strengths=f32_to_bytes(strengths),
+                    stamps=ids_to_bytes(stamps),
+                    count=count,
+                )
+            ids, strengths = await node.topk(request.epoch, request.k, request.table)
             return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
     async def Sweep(

@@ -92,7 +92,12 @@ class PrimaryWrites:
         return await asyncio.shield(self._keyed(epoch, op, request, ids, apply))
 
     async def decay(
-        self, epoch: int, rate: float, op_id: bytes = b"", table: str = DEFAULT_TABLE
+        self,
+        epoch: int,
+        rate: float,
+        op_id: bytes = b"",
+        table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
     ) -> int:
         """Decay every memory of the primary slots by ``rate``, then replicate (shielded).
 
@@ -105,6 +110,7 @@ class PrimaryWrites:
             rate: subtracted from each strength, in [0, 1].
             op_id: the decay's operation id (empty: no de-duplication).
             table: the table decayed.
+            forget_below: as ``sweep``'s.
 
         Returns:
             The number of memories of the primary slots that have applied the decay, now or
@@ -113,7 +119,7 @@ class PrimaryWrites:
         Raises:
             StaleEpoch: (FAILED_PRECONDITION). ReplicationError: as ``keyed`` (UNAVAILABLE).
         """
-        return await asyncio.shield(self._decay(epoch, rate, op_id, table))
+        return await asyncio.shield(self._decay(epoch, rate, op_id, table, forget_below))
 
     async def _keyed(
         self, epoch: int, op: str, request: Any, ids: np.ndarray, apply: Callable[..., int]
@@ -162,8 +168,10 @@ class PrimaryWrites:
             raise
         self._data.recent.confirm(rid)
 
-    async def _decay(self, epoch: int, rate: float, op_id: bytes, table: str) -> int:
-        n, _ = await self._sweep(epoch, rate, op_id, 0, False, table)
+    async def _decay(
+        self, epoch: int, rate: float, op_id: bytes, table: str, forget_below: float | None
+    ) -> int:
+        n, _ = await self._sweep(epoch, rate, op_id, 0, False, table, forget_below)
         return n
 
     async def sweep(
@@ -174,6 +182,7 @@ class PrimaryWrites:
         k: int,
         want_quality: bool,
         table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
     ) -> tuple[int, Sweep]:
         """Decay the primary slots as ``decay`` does, then summarize them, in one pass.
 
@@ -188,6 +197,9 @@ class PrimaryWrites:
             k: top-k size, 0 (none) to the store's ``k_max``.
             want_quality: compute the statistics.
             table: the table swept (the op id is recorded per slot, whatever the table).
+            forget_below: the table's ``forget_below`` (None: none): the decay then removes
+                the memories it leaves at or below it, here and, through the forward, on
+                every copy.
 
         Returns:
             (memories of the primary slots that have applied the decay, the store's
@@ -207,10 +219,19 @@ class PrimaryWrites:
                 return store.count(primary, table), answer
 
             return await self._data.run(read)
-        return await asyncio.shield(self._sweep(epoch, rate, op_id, k, want_quality, table))
+        return await asyncio.shield(
+            self._sweep(epoch, rate, op_id, k, want_quality, table, forget_below)
+        )
 
     async def _sweep(
-        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool, table: str
+        self,
+        epoch: int,
+        rate: float,
+        op_id: bytes,
+        k: int,
+        want_quality: bool,
+        table: str,
+        forget_below: float | None = None,
     ) -> tuple[int, Sweep]:
         """Pipelined: the decay is logged and forwarded before this copy's pass over it.
 
@@ -228,7 +249,7 @@ class PrimaryWrites:
             part = None if fresh.all() else mine
             wire_table = "" if table == DEFAULT_TABLE else table
             req = worker_pb2.WorkerDecayRequest(
-                epoch=epoch, rate=rate, op_id=op_id, table=wire_table
+                epoch=epoch, rate=rate, op_id=op_id, table=wire_table, forget_below=forget_below
             )
             store, data = self._data.store, self._data
             loop = asyncio.get_running_loop()
@@ -239,7 +260,7 @@ class PrimaryWrites:
                 seqs, pos = data.commit("decay", req, mine, epoch, self._name, applied=False)
                 data.recent.record(op_id, mine)
                 loop.call_soon_threadsafe(_settle, logged, (seqs, pos))
-                answer = store.sweep(rate, primary, k, want_quality, part, table)
+                answer = store.sweep(rate, primary, k, want_quality, part, table, forget_below)
                 data.settled()
                 return store.count(primary, table), answer
 

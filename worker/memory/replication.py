@@ -277,8 +277,8 @@ class _Split:
         in_target[target_slots] = True
         keep = in_target[self._slots]
         req, op = self._request, self._op
-        if op == "upsert" and len(req.payloads):
-            return sub_request(op, req, keep)  # payloads: the general path
+        if op == "upsert" and (len(req.payloads) or req.stamps):
+            return sub_request(op, req, keep)  # payloads or stamps: the general path
         if self._ids is None:  # each bytes field is read (copied out of the message) once
             self._ids = ids_from_bytes(req.ids)
             if op in ("upsert", "reinforce"):

@@ -27,6 +27,7 @@ from shared.proto import worker_pb2
 from shared.rpc.chunking import byte_ranges, memory_sizes
 from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.limits import BudgetExceeded
+from worker.store.journal_format import stamps_bytes, stamps_dict
 from worker.store.store import SlotSnapshot
 
 __all__ = [
@@ -65,6 +66,7 @@ def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
             request_id=rid,
             strengths=f32_to_bytes(f32_from_bytes(request.strengths, "strengths")[keep]),
             table=request.table,
+            stamps=ids_to_bytes(ids_from_bytes(request.stamps)[keep]) if request.stamps else b"",
         )
     if op == "reinforce":
         return worker_pb2.ReinforceRequest(
@@ -135,6 +137,8 @@ def slot_digest(snap: SlotSnapshot) -> bytes:
             if p is not None:
                 h.update(struct.pack("<QQ", i, len(p)))
                 h.update(p)
+    if snap.stamps:  # a capped table's insert stamps, aligned with ids
+        h.update(b"stamps" + stamps_bytes(snap.ids, snap.stamps))
     h.update(struct.pack("<Q", len(snap.requests)))
     for rid in snap.requests:
         h.update(struct.pack("<Q", len(rid)))
@@ -183,6 +187,7 @@ def slot_messages(
                 count=len(snap.ids) if k == 0 else 0,
                 digest=slot_digest(snap) if k == 0 and digest else b"",
                 table="" if snap.table == DEFAULT_TABLE else snap.table,
+                stamps=stamps_bytes(ids, snap.stamps),
             )
         )
     return out
@@ -204,6 +209,7 @@ class _Parts:
     strengths: list[np.ndarray] = field(default_factory=list)
     payloads: dict[int, bytes] = field(default_factory=dict)
     requests: list[bytes] = field(default_factory=list)
+    stamps: dict[int, int] = field(default_factory=dict)
 
 
 async def receive_slots(
@@ -252,6 +258,10 @@ async def receive_slots(
         part.ids.append(ids)
         part.strengths.append(strengths)
         part.payloads.update(zip(msg.payload_ids, msg.payloads, strict=True))
+        try:
+            part.stamps.update(stamps_dict(ids, msg.stamps))
+        except ValueError as exc:
+            raise MemoryInputError(f"slot {msg.slot}: {exc}") from None
         part.requests.extend(msg.request_ids)
     return [_verified(p) for p in parts.values()]
 
@@ -271,6 +281,7 @@ def _verified(part: _Parts) -> SlotSnapshot:
         part.payloads,
         part.requests,
         table_name(head.table),
+        part.stamps,
     )
     if len(snap.ids) != head.count or len(snap.strengths) != head.count:
         raise CopyMismatch(

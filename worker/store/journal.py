@@ -177,7 +177,7 @@ def restore(store: SlotStore, state: SnapshotState) -> None:
     try:
         store.load(state.ids, state.strengths, state.payloads, state.seq)
         for t in state.tables:
-            store.load(t.ids, t.strengths, t.payloads, state.seq, t.name, t.id)
+            store.load(t.ids, t.strengths, t.payloads, state.seq, t.name, t.id, t.stamps)
     except MemoryInputError as exc:
         raise JournalError(f"snapshot: {exc}") from exc
 
@@ -215,8 +215,11 @@ def capture(store: SlotStore, recent: list[Request], gen: int) -> SnapshotState:
     for name, table_id in sorted(store.tables().items()):
         if name != DEFAULT_TABLE:
             t_ids, t_strengths = store.rows(name)
-            payloads = dict(store.table(name).payloads)
-            tables.append(fmt.TableState(name, table_id, t_ids, t_strengths, payloads))
+            t = store.table(name)
+            state = fmt.TableState(
+                name, table_id, t_ids, t_strengths, dict(t.payloads), dict(t.stamps)
+            )
+            tables.append(state)
     return SnapshotState(
         store.slots, gen, store.seq.copy(), ids, strengths, dict(store.payloads), recent, tables
     )

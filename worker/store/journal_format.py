@@ -18,7 +18,7 @@ replaces the whole slot (every table), a later part of the same copy only its ta
 Snapshot ``snapshot.bin``: a header, then the seq of every slot, the ids and strengths of
 every memory of the default table (grouped by slot; a reader takes any order), its payloads,
 the recent client request ids; then (``NSSNAP02``) the other tables, each with its name,
-incarnation id, ids, strengths and payloads; and a CRC32 of everything before it. A
+incarnation id, ids, strengths, payloads and insert stamps; and a CRC32 of everything before it. A
 ``NSSNAP01`` file (written before tables) holds the default table only. Little-endian
 throughout.
 
@@ -97,15 +97,39 @@ def apply_op(store: SlotStore, op: str, sub: Any, slots: np.ndarray) -> bytes:
     table = table_name(sub.table)
     if op == "upsert":
         payloads = list(sub.payloads) if len(sub.payloads) else None
-        store.upsert(_ids(sub.ids), _f32(sub.strengths), payloads, table)
+        stamps = _ids(sub.stamps) if sub.stamps else None
+        store.upsert(_ids(sub.ids), _f32(sub.strengths), payloads, table, None, stamps)
     elif op == "reinforce":
         store.reinforce(_ids(sub.ids), _f32(sub.boosts), table)
     elif op == "delete":
         store.delete(_ids(sub.ids), table)
     elif op == "decay":
-        store.decay(sub.rate, slots, table)
+        forget = sub.forget_below if sub.HasField("forget_below") else None
+        store.decay(sub.rate, slots, table, forget)
         return bytes(sub.op_id)
     return bytes(sub.request_id)
+
+
+def stamps_bytes(ids: np.ndarray, stamps: dict[int, int]) -> bytes:
+    """Insert stamps as sent beside ids [n] uint64: [n] uint64 (0: none), or b"" for none."""
+    if not stamps:
+        return b""
+    return np.fromiter((stamps.get(i, 0) for i in ids.tolist()), "<u8", len(ids)).tobytes()
+
+
+def stamps_dict(ids: np.ndarray, data: bytes) -> dict[int, int]:
+    """The stamps of ``stamps_bytes`` back as id -> stamp (0s left out).
+
+    Raises:
+        ValueError: not one uint64 per id.
+    """
+    if not data:
+        return {}
+    stamps = ids_from_bytes(data)
+    if len(stamps) != len(ids):
+        raise ValueError(f"{len(stamps)} stamps for {len(ids)} ids")
+    held = stamps != 0
+    return dict(zip(ids[held].tolist(), stamps[held].tolist(), strict=True))
 
 
 def encode_import(snap: SlotSnapshot) -> bytes:
@@ -121,6 +145,7 @@ def encode_import(snap: SlotSnapshot) -> bytes:
         payloads=[snap.payloads[i] for i in pids],
         request_ids=snap.requests,
         table="" if snap.table == DEFAULT_TABLE else snap.table,
+        stamps=stamps_bytes(snap.ids, snap.stamps),
     ).SerializeToString()
     return body
 
@@ -176,6 +201,7 @@ def _replay(
             _f32(msg.strengths),
             dict(zip(msg.payload_ids, msg.payloads, strict=True)),
             table=table,
+            stamps=stamps_dict(_ids(msg.ids), msg.stamps),
         )
         store.import_slots([snap], whole_slots=table == DEFAULT_TABLE)
         if on_import is not None and table == DEFAULT_TABLE:
@@ -221,6 +247,7 @@ class TableState:
     Attributes:
         name: the table. id: its incarnation id (0: not known yet).
         ids: [N] uint64. strengths: [N] float32. payloads: id -> payload.
+        stamps: id -> insert stamp (a capped table's).
     """
 
     name: str
@@ -228,6 +255,7 @@ class TableState:
     ids: np.ndarray
     strengths: np.ndarray
     payloads: dict[int, bytes] = field(default_factory=dict)
+    stamps: dict[int, int] = field(default_factory=dict)
 
 
 def _memory_pieces(
@@ -249,6 +277,11 @@ def _table_pieces(t: TableState) -> Iterator[bytes]:
     yield pids.astype("<u8").tobytes()
     yield lens.astype("<u4").tobytes()
     yield from blobs
+    stamp_ids = np.fromiter(t.stamps.keys(), np.uint64, len(t.stamps))
+    stamp_values = np.fromiter(t.stamps.values(), np.uint64, len(t.stamps))
+    yield struct.pack("<Q", len(stamp_ids))
+    yield stamp_ids.astype("<u8").tobytes()
+    yield stamp_values.astype("<u8").tobytes()
 
 
 def encode_snapshot(st: SnapshotState) -> Iterator[bytes]:
@@ -346,6 +379,10 @@ def _decode_snapshot(buf: bytes, name: str) -> SnapshotState:
             pos += TABLE_HEADER.size
             t = memories(tn, tp, tb)
             t.name, t.id = name, table_id
+            (n_stamps,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8
+            stamp_ids, stamp_values = take(n_stamps, "<u8"), take(n_stamps, "<u8")
+            t.stamps = dict(zip(stamp_ids.tolist(), stamp_values.tolist(), strict=True))
             tables.append(t)
     if pos != len(buf) - 4:
         raise ValueError(f"{len(buf) - 4 - pos} bytes between the last section and the CRC")

@@ -54,6 +54,7 @@ class SlotSnapshot:
             (``worker/store/dedup.py``), oldest first, on the default table's part; the store
             itself keeps none.
         table: the table the part belongs to.
+        stamps: id -> insert stamp, for the ids that have one (a capped table's).
     """
 
     slot: int
@@ -63,6 +64,7 @@ class SlotSnapshot:
     payloads: dict[int, bytes] = field(default_factory=dict)
     requests: list[bytes] = field(default_factory=list)
     table: str = DEFAULT_TABLE
+    stamps: dict[int, int] = field(default_factory=dict)
 
 
 class SlotStore:
@@ -179,13 +181,14 @@ class SlotStore:
         payloads: Sequence[bytes | None] | None = None,
         table: str = DEFAULT_TABLE,
         max_payload_bytes: int | None = None,
+        stamps: np.ndarray | None = None,
     ) -> int:
-        """Insert or overwrite memories of a table (``TableStore.upsert``).
+        """Insert or overwrite memories of a table (``TableStore.upsert``, with ``stamps``).
 
         Raises:
             MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
         """
-        return self.table(table).upsert(ids, strengths, payloads, max_payload_bytes)
+        return self.table(table).upsert(ids, strengths, payloads, max_payload_bytes, stamps)
 
     def delete(self, ids: np.ndarray, table: str = DEFAULT_TABLE) -> int:
         """Delete memories of a table by id (``TableStore.delete``)."""
@@ -195,9 +198,15 @@ class SlotStore:
         """Add boosts to present memories of a table (``TableStore.reinforce``)."""
         return self.table(table).reinforce(ids, boosts)
 
-    def decay(self, rate: float, slots: Slots = None, table: str = DEFAULT_TABLE) -> int:
-        """Decay the memories of a table's slot set (``TableStore.decay``)."""
-        return self.table(table).decay(rate, slots)
+    def decay(
+        self,
+        rate: float,
+        slots: Slots = None,
+        table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
+    ) -> int:
+        """Decay the memories of a table's slot set (``TableStore.decay``, forgetting)."""
+        return self.table(table).decay(rate, slots, forget_below)
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -235,9 +244,16 @@ class SlotStore:
         want_quality: bool,
         decay_slots: Slots = None,
         table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
     ) -> tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]:
         """Decay, summarize and take the top-k of a table's slot set (``TableStore.sweep``)."""
-        return self.table(table).sweep(rate, slots, k, want_quality, decay_slots)
+        return self.table(table).sweep(rate, slots, k, want_quality, decay_slots, forget_below)
+
+    def candidates(
+        self, k: int, order: str, slots: Slots = None, table: str = DEFAULT_TABLE
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Return a table's first k memories to evict and its count (``TableStore.candidates``)."""
+        return self.table(table).candidates(k, order, slots)
 
     def count(self, slots: Slots = None, table: str | None = None) -> int:
         """Return the number of memories in a slot set (None: all) of a table (None: all)."""
@@ -273,6 +289,7 @@ class SlotStore:
         seq: np.ndarray,
         table: str = DEFAULT_TABLE,
         table_id: int = 0,
+        stamps: dict[int, int] | None = None,
     ) -> None:
         """Fill an empty table with memories (in any order) and their payloads; set the seqs.
 
@@ -283,13 +300,14 @@ class SlotStore:
             seq: [S] uint64 sequence number of every slot.
             table: the table filled.
             table_id: its incarnation id.
+            stamps: id -> insert stamp, for ids among ``ids``.
 
         Raises:
             MemoryInputError: the table is not empty, seq has the wrong length, or ids repeat.
         """
         if len(seq) != self.slots:
             raise MemoryInputError(f"seq: {len(seq)} entries for {self.slots} slots")
-        self.table(table).load(ids, strengths, payloads)
+        self.table(table).load(ids, strengths, payloads, stamps)
         self._ids[table] = table_id
         self.seq = np.asarray(seq, np.uint64).copy()
 
@@ -309,8 +327,9 @@ class SlotStore:
     def export_slot(self, slot: int, table: str = DEFAULT_TABLE) -> SlotSnapshot:
         """Copy out one table's part of a slot: memories in key order, payloads, seq (host)."""
         slot = int(as_slots([slot], self.slots)[0])
-        ids, strengths, payloads = self.table(table).export_slot(slot)
-        return SlotSnapshot(slot, int(self.seq[slot]), ids, strengths, payloads, table=table)
+        ids, strengths, payloads, stamps = self.table(table).export_slot(slot)
+        seq = int(self.seq[slot])
+        return SlotSnapshot(slot, seq, ids, strengths, payloads, table=table, stamps=stamps)
 
     def export_slot_parts(self, slot: int) -> list[SlotSnapshot]:
         """Copy out a whole slot: the default table's part, then each other table's, by name.
@@ -353,7 +372,7 @@ class SlotStore:
         checked: dict[str, dict[int, SlotPart]] = {}
         for (name, _), s in last.items():
             slot = int(as_slots([s.slot], self.slots, name="snapshot.slot")[0])
-            part = self.table(name).validate_part(slot, s.ids, s.strengths, s.payloads)
+            part = self.table(name).validate_part(slot, s.ids, s.strengths, s.payloads, s.stamps)
             checked.setdefault(name, {})[slot] = part
         if not last:
             return

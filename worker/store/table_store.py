@@ -59,8 +59,10 @@ def distinct_in_order(ids: np.ndarray) -> np.ndarray:
 
 
 # One table's memories of one slot: ids [n] uint64 in key order, strengths [n] float32 host,
-# and the payloads of the ids that have one.
-SlotPart = tuple[np.ndarray, np.ndarray, dict[int, bytes]]
+# the payloads of the ids that have one, and the insert stamps of the ids that have one.
+SlotPart = tuple[np.ndarray, np.ndarray, dict[int, bytes], dict[int, int]]
+
+ORDERS = ("weakest", "oldest")  # eviction candidates' orders (``TableStore.candidates``)
 
 
 class TableStore:
@@ -81,6 +83,9 @@ class TableStore:
         self.k_max = k_max
         self._rows = SlotRows(slots, xp)
         self.payloads: dict[int, bytes] = {}
+        # Insert stamps of a capped table's memories (``upsert``'s ``stamps``): sparse, as
+        # payloads; a memory keeps the stamp of the insert that created it.
+        self.stamps: dict[int, int] = {}
 
     def __len__(self) -> int:
         """Memories held."""
@@ -132,6 +137,7 @@ class TableStore:
         strengths: np.ndarray,
         payloads: Sequence[bytes | None] | None = None,
         max_payload_bytes: int | None = None,
+        stamps: np.ndarray | None = None,
     ) -> int:
         """Insert or overwrite memories; within a batch the last occurrence of an id wins.
 
@@ -141,6 +147,8 @@ class TableStore:
             payloads: None leaves payloads alone; else [K] bytes (b"" removes one; a None
                 entry leaves that one alone), each at most ``max_payload_bytes``.
             max_payload_bytes: the table's payload limit, bytes; None: the cluster's.
+            stamps: None, or [K] uint64 insert stamps: an id not held before takes the stamp
+                of its last occurrence, a held one keeps its own.
 
         Returns:
             Number of distinct ids written.
@@ -151,6 +159,8 @@ class TableStore:
         ids, strengths, checked = validate_upsert(
             ids, strengths, payloads, max_payload_bytes or self.max_payload_bytes
         )
+        if stamps is not None and len(stamps) != len(ids):
+            raise MemoryInputError(f"stamps: {len(stamps)} for {len(ids)} ids")
         # One sort by key (quicksort: 5x faster than a stable sort here) gives the distinct
         # keys in order for the lookup; an id's last occurrence in the batch is the largest
         # batch index among the items of its key.
@@ -165,6 +175,10 @@ class TableStore:
             self.strength[self.xp.asarray(rows[found])] = self.xp.asarray(strengths[last[found]])
         new = ~found
         self._rows.append(keys[new], ids[last[new]], strengths[last[new]])
+        if stamps is not None:
+            fresh = last[new]
+            new_ids, new_stamps = ids[fresh].tolist(), np.asarray(stamps)[fresh].tolist()
+            self.stamps.update(zip(new_ids, new_stamps, strict=True))
         if checked is not None:
             for i in last.tolist():
                 self._set_payload(int(ids[i]), checked[i])
@@ -189,9 +203,10 @@ class TableStore:
         """
         ids = np.unique(as_ids(ids))
         rows, found = self._locate(ids)
-        if self.payloads:
+        if self.payloads or self.stamps:
             for i in ids[found].tolist():
                 self.payloads.pop(i, None)
+                self.stamps.pop(i, None)
         self._rows.remove(rows[found])
         return int(found.sum())
 
@@ -223,11 +238,22 @@ class TableStore:
         kernels.add_sums(self.strength, rows[found], sums[found].astype(np.float32))
         return int(np.count_nonzero(found[inverse]))
 
-    def decay(self, rate: float, slots: Sequence[int] | np.ndarray | None = None) -> int:
+    def decay(
+        self,
+        rate: float,
+        slots: Sequence[int] | np.ndarray | None = None,
+        forget_below: float | None = None,
+    ) -> int:
         """Decay the memories of a slot set (None: all): ``s = clip(s - rate, 0, 1)``.
 
+        Args:
+            rate: in [0, 1].
+            slots: the slot set; None: every slot.
+            forget_below: None, or a strength: a decay with rate > 0 then removes the
+                memories of the slot set left at or below it (the table's ``forget_below``).
+
         Returns:
-            Number of memories decayed.
+            Number of memories decayed (without forgetting) or left (with it).
 
         Raises:
             MemoryInputError: rate outside [0, 1] or a bad slot (INVALID_ARGUMENT).
@@ -235,7 +261,20 @@ class TableStore:
         rate32 = validate_rate(rate)
         starts, ends = self._run_bounds(slots)
         kernels.decay_runs(self.strength, starts, ends, float(rate32))
-        return int(np.sum(ends - starts))
+        if forget_below is None or not rate32 > 0:
+            return int(np.sum(ends - starts))
+        self._forget(starts, ends, np.float32(forget_below))
+        return self.count(slots)
+
+    def _forget(self, starts: np.ndarray, ends: np.ndarray, below: np.float32) -> None:
+        """Remove the memories of runs ``starts[r]:ends[r]`` whose strength is <= ``below``."""
+        rows = [np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        if not rows:
+            return
+        held = np.concatenate(rows)
+        weak = held[kernels.to_host(self.strength[self.xp.asarray(held)]) <= below]
+        if len(weak):
+            self.delete(self.ids[weak].copy())
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -325,6 +364,7 @@ class TableStore:
         k: int,
         want_quality: bool,
         decay_slots: Sequence[int] | np.ndarray | None = None,
+        forget_below: float | None = None,
     ) -> tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]:
         """Decay a slot set, then summarize it and select its top-k, in one pass.
 
@@ -338,6 +378,8 @@ class TableStore:
             want_quality: compute the statistics.
             decay_slots: the part of ``slots`` to decay (slots that applied the decay earlier
                 are left out); None: all of ``slots``.
+            forget_below: as ``decay``'s (then the decay is a pass of its own, before the
+                summary's).
 
         Returns:
             ``(quality or None, (ids [k'] uint64, strengths [k'] float32) or None)``.
@@ -348,10 +390,11 @@ class TableStore:
         """
         rate32 = None if rate is None else float(validate_rate(rate))
         k = validate_k(k, self.k_max) if k else 0
-        starts, ends = self._run_bounds(slots)
-        if rate32 is not None and decay_slots is not None:
-            self.decay(rate32, decay_slots)  # a retry: part of the set applied it already
+        if rate32 is not None and (decay_slots is not None or forget_below is not None):
+            # A retry (part of the set applied it already), or a decay that forgets.
+            self.decay(rate32, slots if decay_slots is None else decay_slots, forget_below)
             rate32 = None
+        starts, ends = self._run_bounds(slots)
         return kernels.sweep_runs(self.strength, self.ids, starts, ends, rate32, want_quality, k)
 
     def count(self, slots: Sequence[int] | np.ndarray | None = None) -> int:
@@ -380,10 +423,49 @@ class TableStore:
         """
         return self._rows.dense()
 
+    def candidates(
+        self, k: int, order: str, slots: Sequence[int] | np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Return the first k memories of a slot set to evict, and how many it holds.
+
+        O(N) over the slot set's memories (a capped table's insert pays it on each primary).
+
+        Args:
+            k: how many, >= 0.
+            order: "weakest": by (strength, id) ascending; "oldest": by (stamp, id)
+                ascending (a memory without a stamp counts as stamp 0).
+            slots: the slot set (None: all).
+
+        Returns:
+            ``(ids [k'] uint64, strengths [k'] float32, stamps [k'] uint64, count)``, k' =
+            min(k, count), in eviction order.
+
+        Raises:
+            MemoryInputError: an unknown order (INVALID_ARGUMENT).
+        """
+        if order not in ORDERS:
+            raise MemoryInputError(f"order: {order!r} is not one of {', '.join(ORDERS)}")
+        starts, ends = self._run_bounds(slots)
+        rows = (
+            np.concatenate([np.arange(a, b) for a, b in zip(starts, ends, strict=True)])
+            if len(starts)
+            else np.zeros(0, np.int64)
+        )
+        ids = self.ids[rows]
+        strengths = (
+            kernels.to_host(self.strength[self.xp.asarray(rows)])
+            if len(rows)
+            else (np.zeros(0, np.float32))
+        )
+        stamps = np.fromiter((self.stamps.get(i, 0) for i in ids.tolist()), np.uint64, len(ids))
+        first = stamps if order == "oldest" else strengths
+        pick = np.lexsort((ids, first))[:k]
+        return ids[pick], strengths[pick], stamps[pick], len(ids)
+
     # --- slots: export, import ------------------------------------------------------------
 
     def export_slot(self, slot: int) -> SlotPart:
-        """Copy out one slot's memories in key order and their payloads (host)."""
+        """Copy out one slot's memories in key order, their payloads and stamps (host)."""
         start, end = self._rows.region(slot)
         ids = self.ids[start:end]
         # Key order: the copy is the same whatever order the rows were written in.
@@ -395,7 +477,10 @@ class TableStore:
             for i in ids.tolist():
                 if i in self.payloads:
                     payloads[i] = self.payloads[i]
-        return ids, strengths, payloads
+        stamps = {}
+        if self.stamps:
+            stamps = {i: self.stamps[i] for i in ids.tolist() if i in self.stamps}
+        return ids, strengths, payloads, stamps
 
     def install(self, parts: dict[int, SlotPart], release: bool = False) -> None:
         """Replace the memories of some slots with validated parts (``validate_part``).
@@ -417,14 +502,22 @@ class TableStore:
         self._rows.append(keys[order], ids[order], strengths[order])
         for p in held:
             self.payloads.update({int(i): bytes(b) for i, b in p[2].items() if b})
+            self.stamps.update(p[3])
 
-    def load(self, ids: np.ndarray, strengths: np.ndarray, payloads: dict[int, bytes]) -> None:
+    def load(
+        self,
+        ids: np.ndarray,
+        strengths: np.ndarray,
+        payloads: dict[int, bytes],
+        stamps: dict[int, int] | None = None,
+    ) -> None:
         """Fill the empty table with memories (in any order) and their payloads.
 
         Args:
             ids: [N] uint64, distinct.
             strengths: [N] float32 in [0, 1] (not checked: a snapshot of this store's).
             payloads: id -> payload, for ids among ``ids``.
+            stamps: id -> insert stamp, for ids among ``ids``.
 
         Raises:
             MemoryInputError: the table is not empty, or ids repeat.
@@ -439,9 +532,15 @@ class TableStore:
             raise MemoryInputError("ids: ids repeat")
         self._rows.append(keys, ids[order], np.asarray(strengths, np.float32)[order])
         self.payloads = dict(payloads)
+        self.stamps = dict(stamps or {})
 
     def validate_part(
-        self, slot: int, ids: Any, strengths: Any, payloads: dict[int, bytes]
+        self,
+        slot: int,
+        ids: Any,
+        strengths: Any,
+        payloads: dict[int, bytes],
+        stamps: dict[int, int] | None = None,
     ) -> SlotPart:
         """Check one slot's copied content for this table; return it as a ``SlotPart``.
 
@@ -468,7 +567,11 @@ class TableStore:
                     f"snapshot.payloads[{i}]: {len(p)} bytes exceeds max_payload_bytes "
                     f"{self.max_payload_bytes}"
                 )
-        return ids, strengths, payloads
+        stamps = dict(stamps or {})
+        for i in stamps:
+            if int(i) not in known:
+                raise MemoryInputError(f"snapshot.stamps: id {i} is not in snapshot.ids")
+        return ids, strengths, payloads, stamps
 
     def clear_slots(self, chosen: np.ndarray) -> int:
         """Forget the memories of distinct slots [M] int64, keeping their regions for a copy."""
@@ -482,8 +585,9 @@ class TableStore:
         """Forget the memories and payloads of distinct slots; see ``SlotRows.clear``."""
         if len(chosen) == 0:
             return 0
-        if self.payloads:
+        if self.payloads or self.stamps:
             for start, end in self._runs(chosen):
                 for i in self.ids[start:end].tolist():
                     self.payloads.pop(i, None)
+                    self.stamps.pop(i, None)
         return self._rows.clear(chosen, release)

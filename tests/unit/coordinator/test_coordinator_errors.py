@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from coordinator import coordinator_servicer
-from coordinator.coordinator_servicer import _ERRORS, CoordinatorServicer
+from coordinator.coordinator_servicer import _ERRORS, CoordinatorServicer, InsertFailed
 from coordinator.data_servicer import DataServicer
 from coordinator.forget import WorkerNotDead, WorkerUnknown
 from coordinator.jobs.admission import LimitExceeded
@@ -25,6 +25,7 @@ from coordinator.memory.tables import TableExists
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.readmission import PUSHBACK_KEY, ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing
+from shared.client.memory import RoutingError
 from shared.config import ConfigError
 from shared.memory.tables import TableNotFound
 from shared.memory.validation import MemoryInputError
@@ -84,6 +85,21 @@ class Case:
 
 NO_JOB = JobNotFound("no job with id 'j9'")
 CASES = [
+    Case(
+        InsertFailed,
+        "Insert",
+        pb.InsertRequest(table="capped", request_id=b"r"),
+        stand_in(
+            tables=SimpleNamespace(
+                spec=lambda name: SimpleNamespace(name=name, capacity=5, max_payload_bytes=8)
+            ),
+            inserts=SimpleNamespace(
+                insert=raising(RoutingError("primary w1 unreachable", SC.UNAVAILABLE))
+            ),
+        ),
+        SC.UNAVAILABLE,
+        "primary w1 unreachable",
+    ),
     Case(
         TableNotFound,
         "TopK",

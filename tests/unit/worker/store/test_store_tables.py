@@ -140,3 +140,34 @@ def test_the_journal_brings_every_table_back(tmp_path, snapshot_log_bytes) -> No
     assert table_items(rec.store) == want
     assert rec.store.tables() == want_ids == {"default": 0, "replay": 4}
     np.testing.assert_array_equal(rec.store.seq, data.store.seq)
+
+
+def test_stamps_order_candidates_and_travel_with_copies() -> None:
+    store, copy = make_store(), make_store()
+    ids = np.arange(1, 41, dtype=np.uint64)
+    store.upsert(ids, np.linspace(0.1, 0.9, 40, dtype=np.float32), table="c", stamps=ids + 100)
+    store.upsert(ids[:5], np.zeros(5, np.float32), table="c", stamps=ids[:5] + 999)
+
+    oldest, _, stamps, count = store.candidates(3, "oldest", table="c")
+    weakest, strengths, _, _ = store.candidates(3, "weakest", table="c")
+    for slot in range(S):
+        copy.import_slots(store.export_slot_parts(slot))
+
+    assert count == 40 and oldest.tolist() == [1, 2, 3], "an overwrite keeps its stamp"
+    assert stamps.tolist() == [101, 102, 103]
+    assert weakest.tolist() == [1, 2, 3] and strengths.tolist() == [0.0, 0.0, 0.0]
+    assert copy.table("c").stamps == store.table("c").stamps
+    with pytest.raises(ValueError, match="order"):
+        store.candidates(3, "newest", table="c")
+
+
+def test_a_decay_forgets_what_it_leaves_at_or_below_the_threshold() -> None:
+    store = make_store()
+    ids = np.arange(10, dtype=np.uint64)
+    store.upsert(ids, np.linspace(0, 0.9, 10, dtype=np.float32), table="f")
+
+    assert store.decay(0.0, table="f", forget_below=0.5) == 10  # rate 0 forgets nothing
+    left = store.decay(0.25, table="f", forget_below=0.25)
+
+    _, strengths = store.items("f")
+    assert left == len(strengths) == 4 and bool((strengths > np.float32(0.25)).all())
