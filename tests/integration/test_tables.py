@@ -410,3 +410,74 @@ async def test_a_capped_table_refuses_a_direct_upsert_and_a_bad_insert(make_clus
     assert rpc_err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "through the coordinator" in rpc_err.value.details()
     assert len(cluster.workers[0].nodes.current) == 0
+
+
+# --- durability, export and import ------------------------------------------------------------
+
+
+async def test_a_full_cluster_restart_keeps_every_table_and_the_insert_order(
+    make_cluster, tmp_path
+) -> None:
+    from coordinator.server import CoordinatorServer
+    from shared.config import CoordinatorConfig
+    from tests.integration.test_durability import crash_coordinator, crash_worker, settled
+
+    timings = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0)
+    cluster = await make_cluster(
+        workers=3, slots=64, worker_overrides={"fsync": "always"}, **timings
+    )
+    async with cluster.client() as client:
+        await client.wait_ready()
+        ref = await ensure_tables(client, 64)
+        for start in range(0, 60, 15):  # the fifo table holds the last 20 of 60 inserts
+            ids = POOL[start : start + 15]
+            s = np.full(15, 0.5, np.float32)
+            for table in ("replay", "fifo"):
+                assert await client.upsert(ids, s, table=table) == ref[table].upsert(ids, s)
+    for name in [w.name for w in cluster.workers]:
+        await crash_worker(cluster, name)
+    await crash_coordinator(cluster)
+    coordinator = CoordinatorServer(
+        CoordinatorConfig(
+            listen="127.0.0.1:0",
+            data_dir=str(tmp_path / "coord"),
+            metrics_port=None,
+            slots=64,
+            grace_s=0.5,
+            **timings,
+        )
+    )
+    cluster.coordinator, cluster.address = coordinator, await coordinator.start()
+    for name in ("worker-2", "worker-0", "worker-1"):
+        await cluster.add_worker(name)
+    await settled(cluster, 3)
+
+    async with cluster.client() as client:
+        assert [t["name"] for t in await client.list_tables()] == ["default", *sorted(TABLES[1:])]
+        ids, s = POOL[100:105], np.full(5, 0.75, np.float32)
+        assert await client.upsert(ids, s, table="fifo") == ref["fifo"].upsert(ids, s)
+        for table in TABLES:
+            await assert_cluster_equals(cluster, ref[table], table)
+            await assert_copies_identical(cluster, table)
+
+
+async def test_a_table_exports_and_imports_into_another_table(make_cluster, tmp_path) -> None:
+    cluster = await make_cluster(workers=2)
+    async with cluster.client() as client:
+        await client.wait_ready()
+        await client.create_table("a")
+        await client.create_table("b", capacity=10)
+        ids = POOL[:30]
+        s = np.linspace(0, 1, 30, dtype=np.float32)
+        await client.upsert(ids, s, [b"x%d" % i for i in range(30)], table="a")
+        await client.upsert(ids[:3], np.ones(3, np.float32))  # the default table: not exported
+
+        doc = await client.export_memories(tmp_path / "a.npz", table="a")
+        await client.import_memories(tmp_path / "a.npz", table="b")
+
+        assert doc["memories"] == 30
+        got = np.load(tmp_path / "a.npz", allow_pickle=False)
+        assert sorted(got["ids"].tolist()) == sorted(ids.tolist())
+        found, strengths, payloads = await client.get(ids, with_payloads=True, table="b")
+        assert int(found.sum()) == 10, "the import is inserts: the capped table keeps 10"
+        assert (await client.quality(table="a"))["count"] == 30
