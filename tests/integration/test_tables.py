@@ -481,3 +481,33 @@ async def test_a_table_exports_and_imports_into_another_table(make_cluster, tmp_
         found, strengths, payloads = await client.get(ids, with_payloads=True, table="b")
         assert int(found.sum()) == 10, "the import is inserts: the capped table keeps 10"
         assert (await client.quality(table="a"))["count"] == 30
+
+
+# --- roles ---------------------------------------------------------------------------------
+
+
+async def test_admin_creates_and_drops_readers_list_writers_insert(secure, material) -> None:
+    cluster = await secure(workers=2)
+    admin, writer, reader = (
+        Client(cluster.address, timeout_s=10, security=material.client(material.token(r)))
+        for r in ("admin", "writer", "reader")
+    )
+    try:
+        await admin.wait_ready()
+        await admin.create_table("capped", capacity=2)
+        for denied in (writer.create_table("t"), reader.drop_table("capped")):
+            with pytest.raises(NeuroshardError) as err:
+                await denied
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert [t["name"] for t in await reader.list_tables()] == ["default", "capped"]
+        s = np.full(3, 0.5, np.float32)
+        assert await writer.upsert(POOL[:3], s, table="capped") == 3  # through Insert
+        with pytest.raises(NeuroshardError) as err:
+            await reader.upsert(POOL[:3], s, table="capped")
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        found, _, _ = await reader.get(POOL[:3], table="capped")
+        assert found.tolist() == [False, True, True]  # fifo: the first insert was evicted
+        assert [t["name"] for t in await admin.list_tables()] == ["default", "capped"]
+    finally:
+        for c in (admin, writer, reader):
+            await c.close()
