@@ -154,8 +154,8 @@ async def test_min_size_waits_for_the_table_then_refuses_naming_the_size(make_cl
         assert "holds 10 memories, fewer than min_size 20, after 0.3 s" in str(info.value)
 
         waiting = asyncio.create_task(client.sample(4, min_size=20, timeout_s=30, seed=1))
-        await asyncio.sleep(0.2)  # the sample is polling: it must not have answered yet
-        assert not waiting.done()
+        answered, _ = await asyncio.wait({waiting}, timeout=0.2)  # it polls, it must not answer
+        assert not answered
         await client.upsert(ids[10:], np.full(20, 0.5, np.float32))
         batch = await asyncio.wait_for(waiting, 10)
         assert batch.size == 30 and len(batch.ids) == 4

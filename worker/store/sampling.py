@@ -40,11 +40,19 @@ import numpy as np
 
 from shared.memory.validation import MemoryInputError
 
-__all__ = ["KEEP_VERSIONS", "UNIFORM", "SlotWeights", "StaleVersion", "sample_weights"]
+__all__ = [
+    "KEEP_MODES",
+    "KEEP_VERSIONS",
+    "UNIFORM",
+    "SlotWeights",
+    "StaleVersion",
+    "sample_weights",
+]
 
 UNIFORM: float | None = None  # the weight mode "1 per memory, whatever its strength"
 WEIGHT_SCALE = float(2**32)
 KEEP_VERSIONS = 8  # refreshes whose arrays phase 2 of a sample may still read
+KEEP_MODES = 2  # alphas whose structure is kept
 
 # Reads the memories of a set of slots: slots [T] int64 -> (slot [m] int64, ids [m] uint64,
 # strengths [m] float32), grouped by slot in any order within a slot.
@@ -89,16 +97,26 @@ class _Slot:
 _EMPTY = _Slot(np.empty(0, np.uint64), np.empty(0, np.float32), np.empty(0, np.uint64))
 
 
+@dataclass
+class _Mode:
+    """The structure for one alpha: which slots are stale, each slot's arrays, its version."""
+
+    stale: np.ndarray  # [S] bool
+    current: dict[int, _Slot]
+    version: int = 0  # the newest version made for this alpha (0: none)
+
+
 class SlotWeights:
-    """The per-slot sampling structure of one store, rebuilt lazily for stale slots."""
+    """The per-slot sampling structure of one store, rebuilt lazily for stale slots.
+
+    Kept for the ``KEEP_MODES`` alphas sampled last (a learner's alpha and the uniform
+    fallback, say), so alternating between them does not rebuild every slot each time.
+    """
 
     def __init__(self, slots: int) -> None:
         """Make the structure of a store of ``slots`` slots; every slot starts stale."""
         self.slots = slots
-        self._stale = np.ones(slots, bool)
-        self._alpha: float | None = UNIFORM
-        self._alpha_set = False
-        self._current: dict[int, _Slot] = {}
+        self._modes: OrderedDict[float | None, _Mode] = OrderedDict()
         self._versions: OrderedDict[int, tuple[float | None, dict[int, _Slot]]] = OrderedDict()
         self._version = 0
 
@@ -106,11 +124,13 @@ class SlotWeights:
 
     def mark(self, slots: np.ndarray) -> None:
         """Mark slots [T] int64 (repeats allowed) changed: rebuilt at their next refresh."""
-        self._stale[slots] = True
+        for mode in self._modes.values():
+            mode.stale[slots] = True
 
     def mark_all(self) -> None:
         """Mark every slot changed (a decay of the whole store, a reload)."""
-        self._stale[:] = True
+        for mode in self._modes.values():
+            mode.stale[:] = True
 
     # -- sampling ----------------------------------------------------------------------------
 
@@ -127,22 +147,27 @@ class SlotWeights:
         Returns:
             (version, totals [T] uint64 the slots' weight sums, memories in the slots).
         """
-        if not self._alpha_set or alpha != self._alpha:
-            self._alpha, self._alpha_set = alpha, True
-            self._stale[:] = True
-            self._current = {}
-        stale = slots[self._stale[slots]]
-        if len(stale) or not self._versions:
-            self._rebuild(alpha, stale, read)
+        mode = self._modes.get(alpha)
+        if mode is None:
+            mode = self._modes[alpha] = _Mode(np.ones(self.slots, bool), {})
+            while len(self._modes) > KEEP_MODES:
+                self._modes.popitem(last=False)
+        self._modes.move_to_end(alpha)
+        stale = slots[mode.stale[slots]]
+        if len(stale) or mode.version not in self._versions:
+            self._rebuild(alpha, mode, stale, read)
             self._version += 1
-            self._versions[self._version] = (alpha, dict(self._current))
+            mode.version = self._version
+            self._versions[self._version] = (alpha, dict(mode.current))
             while len(self._versions) > KEEP_VERSIONS:
                 self._versions.popitem(last=False)
-        views = [self._current.get(s, _EMPTY) for s in slots.tolist()]
+        views = [mode.current.get(s, _EMPTY) for s in slots.tolist()]
         totals = np.fromiter((v.total for v in views), np.uint64, len(views))
-        return self._version, totals, sum(len(v.ids) for v in views)
+        return mode.version, totals, sum(len(v.ids) for v in views)
 
-    def _rebuild(self, alpha: float | None, stale: np.ndarray, read: SlotReader) -> None:
+    def _rebuild(
+        self, alpha: float | None, mode: _Mode, stale: np.ndarray, read: SlotReader
+    ) -> None:
         """Recompute the stale slots' arrays in one pass; replaces them, never mutates."""
         slot_m, ids_m, strengths_m = read(stale)
         order = np.lexsort((ids_m, slot_m))
@@ -154,11 +179,11 @@ class SlotWeights:
         )
         for s, a, b in zip(stale.tolist(), bounds[0].tolist(), bounds[1].tolist(), strict=True):
             if a == b:
-                self._current.pop(s, None)
+                mode.current.pop(s, None)
                 continue
             before = cum_m[a - 1] if a else np.uint64(0)
-            self._current[s] = _Slot(ids_m[a:b], strengths_m[a:b], cum_m[a:b] - before)
-        self._stale[stale] = False
+            mode.current[s] = _Slot(ids_m[a:b], strengths_m[a:b], cum_m[a:b] - before)
+        mode.stale[stale] = False
 
     def pick(
         self, version: int, slots: np.ndarray, offsets: np.ndarray

@@ -256,4 +256,9 @@ def test_refresh_rebuilds_only_stale_slots():
     w.mark(np.array([2, 2]))
     w.refresh(1.0, np.arange(4), read)
     w.refresh(0.5, np.arange(4), read)  # another alpha: every slot again
-    assert reads == [[0, 1, 2, 3], [2], [0, 1, 2, 3]]
+    w.mark(np.array([1]))
+    w.refresh(1.0, np.arange(4), read)  # the first alpha's structure was kept
+    w.refresh(None, np.arange(4), read)  # a third mode evicts the least recent (0.5)
+    w.refresh(1.0, np.arange(4), read)
+    w.refresh(0.5, np.arange(4), read)
+    assert reads == [[0, 1, 2, 3], [2], [0, 1, 2, 3], [1], [0, 1, 2, 3], [0, 1, 2, 3]]
