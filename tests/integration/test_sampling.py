@@ -3,7 +3,8 @@
 Every sample is compared with the independent single-process reference fed the same
 operations and seed (``tests/memory_reference.py``): ids, strengths, payloads and
 probabilities, exactly. The hypothesis invariant (``test_invariant.py``) samples between
-random operations, joins and kills; this file pins the API, the bad input and ``min_size``.
+random operations, joins and kills; this file pins the API, the bad input, ``min_size``
+and samples in flight while a worker is killed.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import numpy as np
 import pytest
 
 from shared.client import NeuroshardError
+from tests.conftest import wait_until
+from tests.integration.invariant_helpers import start_cluster
 from tests.integration.memory_helpers import assert_cluster_equals
 from tests.memory_reference import ReferenceStore
 
 pytestmark = pytest.mark.integration
 
 SLOTS = 64
+KILL_HEARTBEATS = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
 
 
 def assert_sample_equals(batch, want) -> None:
@@ -159,3 +163,48 @@ async def test_min_size_waits_for_the_table_then_refuses_naming_the_size(make_cl
         await client.upsert(ids[10:], np.full(20, 0.5, np.float32))
         batch = await asyncio.wait_for(waiting, 10)
         assert batch.size == 30 and len(batch.ids) == 4
+
+
+async def test_samples_in_flight_across_a_kill_equal_the_reference(tmp_path) -> None:
+    """Samples keep coming while a worker dies (as kill -9): each one that answers is exact.
+
+    Nothing is written meanwhile, so every seeded sample, before, during and after the
+    failover, must equal the reference's draws; the ones in flight at the kill are started
+    over by the coordinator once the map moved past the dead worker.
+    """
+    cluster = await start_cluster(tmp_path, 3, SLOTS, **KILL_HEARTBEATS)
+    try:
+        ref = ReferenceStore(slots=SLOTS)
+        ids = np.arange(1, 3001, dtype=np.uint64) * 1_000_003
+        strengths = np.random.default_rng(8).random(3000, dtype=np.float32)
+        payloads = [bytes([int(i) % 251]) * 16 for i in ids]
+        ref.upsert(ids, strengths, payloads)
+        async with cluster.client() as client:
+            await client.upsert(ids, strengths, payloads)
+            stop = asyncio.Event()
+            answered: list[int] = []
+
+            async def sample_until_stopped() -> None:
+                seed = 0
+                while not stop.is_set():
+                    seed += 1
+                    batch = await asyncio.wait_for(client.sample(64, alpha=0.6, seed=seed), 30)
+                    assert_sample_equals(batch, ref.sample(64, 0.6, seed))
+                    answered.append(seed)
+
+            sampler = asyncio.create_task(sample_until_stopped())
+            await wait_until(lambda: len(answered) >= 3, what="samples before the kill")
+            await cluster.kill(1)
+            epoch = cluster.coordinator.cluster.rebalancer.current.epoch
+            await wait_until(
+                lambda: (
+                    cluster.coordinator.cluster.rebalancer.current.epoch > epoch
+                    and len(answered) >= 10
+                ),
+                what="the failover, and samples after it",
+                timeout_s=30,
+            )
+            stop.set()
+            await sampler
+    finally:
+        await cluster.stop()
