@@ -293,7 +293,12 @@ class _Split:
         values = f32_to_bytes(self._values[keep])
         if op == "upsert":
             return worker_pb2.UpsertRequest(
-                epoch=req.epoch, ids=ids, strengths=values, request_id=rid, table=table
+                epoch=req.epoch,
+                ids=ids,
+                strengths=values,
+                request_id=rid,
+                existing_only=req.existing_only,
+                table=table,
             )
         return worker_pb2.ReinforceRequest(
             epoch=req.epoch, ids=ids, boosts=values, request_id=rid, table=table

@@ -67,6 +67,7 @@ def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
             strengths=f32_to_bytes(f32_from_bytes(request.strengths, "strengths")[keep]),
             table=request.table,
             stamps=ids_to_bytes(ids_from_bytes(request.stamps)[keep]) if request.stamps else b"",
+            existing_only=request.existing_only,
         )
     if op == "reinforce":
         return worker_pb2.ReinforceRequest(

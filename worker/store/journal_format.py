@@ -98,7 +98,9 @@ def apply_op(store: SlotStore, op: str, sub: Any, slots: np.ndarray) -> bytes:
     if op == "upsert":
         payloads = list(sub.payloads) if len(sub.payloads) else None
         stamps = _ids(sub.stamps) if sub.stamps else None
-        store.upsert(_ids(sub.ids), _f32(sub.strengths), payloads, table, None, stamps)
+        store.upsert(
+            _ids(sub.ids), _f32(sub.strengths), payloads, sub.existing_only, table, None, stamps
+        )
     elif op == "reinforce":
         store.reinforce(_ids(sub.ids), _f32(sub.boosts), table)
     elif op == "delete":

@@ -29,6 +29,7 @@ from shared.memory.tables import DEFAULT_TABLE
 from shared.memory.validation import MemoryInputError, as_slots
 from shared.proto import worker_pb2
 from worker.store import kernels
+from worker.store.sampling import SlotWeights
 from worker.store.slot_rows import SlotRows
 from worker.store.table_store import SlotPart, TableStore, distinct_in_order
 
@@ -179,16 +180,19 @@ class SlotStore:
         ids: np.ndarray,
         strengths: np.ndarray,
         payloads: Sequence[bytes | None] | None = None,
+        existing_only: bool = False,
         table: str = DEFAULT_TABLE,
         max_payload_bytes: int | None = None,
         stamps: np.ndarray | None = None,
     ) -> int:
-        """Insert or overwrite memories of a table (``TableStore.upsert``, with ``stamps``).
+        """Insert or overwrite memories of a table (``TableStore.upsert``).
 
         Raises:
             MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
         """
-        return self.table(table).upsert(ids, strengths, payloads, max_payload_bytes, stamps)
+        return self.table(table).upsert(
+            ids, strengths, payloads, max_payload_bytes, stamps, existing_only
+        )
 
     def delete(self, ids: np.ndarray, table: str = DEFAULT_TABLE) -> int:
         """Delete memories of a table by id (``TableStore.delete``)."""
@@ -248,6 +252,28 @@ class SlotStore:
     ) -> tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]:
         """Decay, summarize and take the top-k of a table's slot set (``TableStore.sweep``)."""
         return self.table(table).sweep(rate, slots, k, want_quality, decay_slots, forget_below)
+
+    @property
+    def sampling(self) -> SlotWeights:
+        """The default table's per-slot sampling weights (``TableStore.sampling``)."""
+        return self.table(DEFAULT_TABLE).sampling
+
+    def sample_sums(
+        self, alpha: float | None, slots: np.ndarray, table: str = DEFAULT_TABLE
+    ) -> tuple[int, np.ndarray, int]:
+        """Phase 1 of a sample of a table (``TableStore.sample_sums``)."""
+        return self.table(table).sample_sums(alpha, slots)
+
+    def sample_pick(
+        self,
+        version: int,
+        slots: np.ndarray,
+        offsets: np.ndarray,
+        with_payloads: bool,
+        table: str = DEFAULT_TABLE,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bytes], np.ndarray]:
+        """Phase 2 of a sample of a table (``TableStore.sample_pick``)."""
+        return self.table(table).sample_pick(version, slots, offsets, with_payloads)
 
     def candidates(
         self, k: int, order: str, slots: Slots = None, table: str = DEFAULT_TABLE

@@ -51,7 +51,11 @@ def test_a_table_payload_limit_refuses_the_batch_naming_the_index() -> None:
     store = make_store()
     with pytest.raises(ValueError, match=r"payloads\[1\]"):
         store.upsert(
-            np.arange(2, dtype=np.uint64), np.ones(2, np.float32), [b"ok", b"toolong"], "t", 4
+            np.arange(2, dtype=np.uint64),
+            np.ones(2, np.float32),
+            [b"ok", b"toolong"],
+            table="t",
+            max_payload_bytes=4,
         )
     assert len(store) == 0
 
