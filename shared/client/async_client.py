@@ -586,7 +586,11 @@ class Client:
         return int(await self._routed(work))
 
     async def update_strengths(
-        self, ids: npt.ArrayLike, strengths: npt.ArrayLike, progress: Progress | None = None
+        self,
+        ids: npt.ArrayLike,
+        strengths: npt.ArrayLike,
+        progress: Progress | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> int:
         """Set the strengths of many stored memories in one call (a bulk priority update).
 
@@ -599,17 +603,22 @@ class Client:
                 occurrence of an id in the batch wins.
             strengths: [N] float32 in [0, 1].
             progress: as ``upsert``.
+            table: the table updated (a capped one too: an update inserts nothing, so it
+                goes straight to the workers and evicts nothing).
 
         Returns:
             Distinct ids found and updated (N minus the absent ones, for distinct ids).
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
-                UNAVAILABLE when the batch could not be delivered.
+                NOT_FOUND naming an unknown table; UNAVAILABLE when the batch could not be
+                delivered.
         """
         with _refused_input():
             ids, values = validate_upsert(ids, strengths, None, 0)[:2]
-        return int(await self._routed(self._router.update_strengths(ids, values, None, progress)))
+        await self._payload_limit(table)  # NOT_FOUND before anything is sent
+        work = self._router.update_strengths(ids, values, None, progress, _wire(table))
+        return int(await self._routed(work))
 
     async def reinforce(
         self,

@@ -430,6 +430,7 @@ class MemoryRouter:
         strengths: npt.NDArray[np.float32],
         request_id: bytes | None = None,
         progress: Progress | None = None,
+        table: str = "",
     ) -> int:
         """Set the strengths of stored memories (a priority update); return the ids found.
 
@@ -440,6 +441,7 @@ class MemoryRouter:
             strengths: [N] float32 in [0, 1].
             request_id: as ``_write``.
             progress: as ``route``.
+            table: as ``upsert``.
 
         Raises:
             RoutingError: as ``route``.
@@ -448,7 +450,7 @@ class MemoryRouter:
         async def send(
             stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
-            request = upsert_request(epoch, rid, ids[idx], strengths[idx], None)
+            request = upsert_request(epoch, rid, ids[idx], strengths[idx], None, table)
             request.existing_only = True
             return await stub.Upsert(request, timeout=self._timeout_s)
 

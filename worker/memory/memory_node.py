@@ -404,7 +404,7 @@ class MemoryNode:
         stamps = ids_from_bytes(request.stamps, "stamps") if request.stamps else None
         if stamps is not None and len(stamps) != len(ids):
             raise MemoryInputError(f"ids and stamps differ in length ({len(ids)} != {len(stamps)})")
-        if spec.capacity and stamps is None:
+        if spec.capacity and stamps is None and not request.existing_only:  # an insert
             raise CappedTable(
                 f"table {spec.name!r} has a capacity: insert through the coordinator "
                 "(Client.upsert does), which orders its inserts and evicts"
