@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from shared.memory.tables import DEFAULT_TABLE, TableNotFound
 from shared.memory.validation import MemoryInputError
 
 __all__ = [
@@ -28,12 +29,6 @@ __all__ = [
     "validate_sample",
     "validate_table",
 ]
-
-DEFAULT_TABLE = "default"
-
-
-class TableNotFound(LookupError):
-    """A request named a table that does not exist (NOT_FOUND); the message names it."""
 
 
 def validate_table(table: str) -> str:

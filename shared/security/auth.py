@@ -17,10 +17,11 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
   audience says where it may be presented:
   - coordinator tokens (``aud`` ``neuroshard``), on the Coordinator service only:
     ``reader``: GetJob, ListJobs, WatchJob, GetModel, ListModels, GetClusterStatus,
-    GetSlotMap, Quality, TopK, Sample, ListDatasets, ExportMemories, ReportFailure (a
-    suspicion, confirmed by the coordinator before it acts); ``writer``: those and SubmitJob,
-    CancelJob, PutDataset; ``admin``: every Coordinator RPC (Decay and Sweep of the whole store,
-    DrainWorker, ForgetWorker).
+    GetSlotMap, Quality, TopK, Sample, ListDatasets, ExportMemories, ListTables,
+    ReportFailure (a suspicion, confirmed by the coordinator before it acts); ``writer``:
+    those and SubmitJob, CancelJob, PutDataset, Insert (a capped table's upsert);
+    ``admin``: every Coordinator RPC (Decay and Sweep of a whole table, CreateTable,
+    DropTable, DrainWorker, ForgetWorker).
   - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
     for at most an hour), on the Worker service's keyed RPCs only: ``reader`` Get;
     ``writer`` Get, Upsert, Reinforce, Delete (an admin's data-plane token is a writer's).
@@ -70,9 +71,10 @@ _READER_COORDINATOR = frozenset(
         "ExportMemories",
         "GetModel",
         "ListModels",
+        "ListTables",
     }
 )
-_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset"}
+_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset", "Insert"}
 _WORKER_COORDINATOR = frozenset(
     {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker", "FetchShard"}
 )

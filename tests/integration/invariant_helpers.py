@@ -248,12 +248,13 @@ class Copy:
         return f"payloads {self.payloads} != {other.payloads}"
 
 
-async def dump_copies(address: str, slots: int) -> dict[int, Copy]:
-    """slot -> this worker's copy, for every slot (empty ones too, for their seq)."""
+async def dump_copies(address: str, slots: int, table: str = "") -> dict[int, Copy]:
+    """slot -> this worker's copy of a table's part, for every slot (empty ones too, for
+    their seq)."""
     out: dict[int, Copy] = {}
     async with channel(address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        request = worker_pb2.DumpSlotsRequest(slots=range(slots))
+        request = worker_pb2.DumpSlotsRequest(slots=range(slots), table=table)
         async for msg in stub.DumpSlots(request, timeout=30):
             copy = out.setdefault(msg.slot, Copy(msg.seq, {}, {}))
             ids = ids_from_bytes(msg.ids).tolist()
@@ -264,11 +265,11 @@ async def dump_copies(address: str, slots: int) -> dict[int, Copy]:
     return out
 
 
-async def assert_copies_identical(cluster: InProcessCluster) -> None:
+async def assert_copies_identical(cluster: InProcessCluster, table: str = "") -> None:
     """Both copies of every slot hold the same rows, payloads and sequence number, bit for
-    bit, and no worker holds data of a slot the map does not give it."""
+    bit, and no worker holds data of a slot the map does not give it (in ``table``)."""
     current = cluster.coordinator.cluster.rebalancer.current
-    dumps = {w.name: await dump_copies(w.address, current.slots) for w in cluster.workers}
+    dumps = {w.name: await dump_copies(w.address, current.slots, table) for w in cluster.workers}
     for s in range(current.slots):
         p, r = current.primary[s], current.replica[s]
         assert p, f"slot {s} has no primary at epoch {current.epoch}"

@@ -197,6 +197,14 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("admin", W + "ApplySlotMap", False),
         ("admin", W + "Upsert", False),
         ("reader", C + "ExportMemories", True),  # memory export
+        ("admin", C + "CreateTable", True),  # tables: admin creates and drops, anyone lists
+        ("admin", C + "DropTable", True),
+        ("writer", C + "CreateTable", False),
+        ("writer", C + "DropTable", False),
+        ("reader", C + "CreateTable", False),
+        ("reader", C + "ListTables", True),
+        ("writer", C + "ListTables", True),
+        ("worker", C + "ListTables", False),
         ("writer", C + "ExportMemories", True),
         ("reader", C + "GetModel", True),  # a model of one's own job (servicer: may_see_job)
         ("reader", C + "ListModels", True),
