@@ -32,7 +32,7 @@ from coordinator.placement.readmission import ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing, model_chunks, model_file, saved_model
 from shared.client.memory import RoutingError
 from shared.config import ConfigError
-from shared.memory.sampling import new_seed, validate_sample, validate_table
+from shared.memory.sampling import new_seed, validate_sample
 from shared.memory.stats import quality_to_pb
 from shared.memory.tables import DEFAULT_TABLE, TableNotFound
 from shared.memory.validation import (
@@ -375,7 +375,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         (docs/architecture.md, "Sampling"); without a seed one is drawn and answered.
 
         Raises:
-            grpc.aio.AbortError: NOT_FOUND for a table other than ``default``;
+            grpc.aio.AbortError: NOT_FOUND for an unknown table;
                 INVALID_ARGUMENT for n <= 0 or above ``max_sample_batch``, alpha negative or
                 not finite, without_replacement, or a negative timeout_s;
                 FAILED_PRECONDITION for an empty table without min_size, or min_size not
@@ -383,7 +383,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 the message limit; UNAVAILABLE when a primary still failed after retries.
         """
         async with _ERRORS.mapped(context):
-            validate_table(request.table)
+            table = self._cluster.tables.check(request.table)
             alpha = validate_sample(
                 request.n,
                 request.alpha,
@@ -399,6 +399,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 min_size=request.min_size,
                 timeout_s=request.timeout_s or DEFAULT_SAMPLE_TIMEOUT_S,
                 with_payloads=not request.without_payloads,
+                table=table,
             )
             size = 24 * len(r.ids) + sum(len(p) + 6 for p in r.payloads) + 64
             if size > self._cluster.cfg.max_message_bytes:

@@ -121,6 +121,7 @@ class Sampler:
         min_size: int = 0,
         timeout_s: float = 30.0,
         with_payloads: bool = True,
+        table: str = DEFAULT_TABLE,
     ) -> SampleResult:
         """Draw n memories with replacement, P(i) = w_i / W (validated arguments).
 
@@ -131,6 +132,7 @@ class Sampler:
             min_size: wait until the table holds this many memories (0: no wait).
             timeout_s: how long ``min_size`` may wait, seconds.
             with_payloads: answer the drawn memories' payloads.
+            table: the table sampled (checked by the caller: it exists).
 
         Raises:
             SampleRefused: an empty table without ``min_size``, or ``min_size`` not reached
@@ -145,23 +147,23 @@ class Sampler:
         while True:
             try:
                 async with self._rebalancer.map_lock:
-                    sums = await self._sums(alpha, uniform=False)
+                    sums = await self._sums(table, alpha, uniform=False)
                     if sums.size < max(min_size, 1):
                         if not min_size:
                             raise SampleRefused(
-                                f"table {DEFAULT_TABLE!r} is empty: nothing to sample "
+                                f"table {table!r} is empty: nothing to sample "
                                 "(min_size waits for memories)"
                             )
                         if loop.time() + POLL_INTERVAL_S > wait_until:
                             raise SampleRefused(
-                                f"table {DEFAULT_TABLE!r} holds {sums.size} memories, fewer "
+                                f"table {table!r} holds {sums.size} memories, fewer "
                                 f"than min_size {min_size}, after {timeout_s:g} s"
                             )
                         pause_s = POLL_INTERVAL_S
                     else:
                         if not int(sums.totals_S.sum(dtype=np.uint64)):
-                            sums = await self._sums(alpha, uniform=True)  # all weights 0
-                        return await self._pick(sums, n, seed, with_payloads)
+                            sums = await self._sums(table, alpha, uniform=True)  # all weights 0
+                        return await self._pick(table, sums, n, seed, with_payloads)
             except (BulkOpError, _Stale) as exc:
                 retryable = isinstance(exc, _Stale) or exc.retryable
                 pause_s = backoff_s * random.uniform(0.5, 1.0)
@@ -170,7 +172,7 @@ class Sampler:
                 backoff_s = min(2 * backoff_s, 1.0)
             await asyncio.sleep(pause_s)
 
-    async def _sums(self, alpha: float, uniform: bool) -> _Sums:
+    async def _sums(self, table: str, alpha: float, uniform: bool) -> _Sums:
         """Phase 1 on every primary of the current map (``map_lock`` held)."""
         current = self._rebalancer.current
         names = sorted({n for n in current.primary if n})
@@ -181,7 +183,7 @@ class Sampler:
                 raise BulkOpError(f"primary {n} is unknown", retryable=True)
             stubs[n] = self._clients.stub(n, rec.address)
         request = worker_pb2.WorkerSampleSumsRequest(
-            epoch=current.epoch, table=DEFAULT_TABLE, alpha=alpha, uniform=uniform
+            epoch=current.epoch, table=table, alpha=alpha, uniform=uniform
         )
         replies = await _all(
             {n: s.SampleSums(request, timeout=self._timeout_s) for n, s in stubs.items()},
@@ -204,7 +206,9 @@ class Sampler:
             sum(int(r.memories) for r in replies.values()),
         )
 
-    async def _pick(self, sums: _Sums, n: int, seed: int, with_payloads: bool) -> SampleResult:
+    async def _pick(
+        self, table: str, sums: _Sums, n: int, seed: int, with_payloads: bool
+    ) -> SampleResult:
         """Draw, then phase 2 on the primaries the draws fall on (``map_lock`` held)."""
         slots, offsets = draw_slots(sums.totals_S, n, seed)
         owner = sums.owner_S[slots]
@@ -216,7 +220,7 @@ class Sampler:
                 name: sums.stubs[name].SamplePick(
                     worker_pb2.WorkerSamplePickRequest(
                         epoch=epoch,
-                        table=DEFAULT_TABLE,
+                        table=table,
                         version=sums.versions[name],
                         slots=rows_to_bytes(slots[draws]),
                         offsets=ids_to_bytes(offsets[draws]),

@@ -27,22 +27,7 @@ __all__ = [
     "draw_slots",
     "new_seed",
     "validate_sample",
-    "validate_table",
 ]
-
-
-def validate_table(table: str) -> str:
-    """Return the table a request names ("" is ``default``).
-
-    Today's store is the one table ``default``.
-
-    Raises:
-        TableNotFound: any other name (NOT_FOUND).
-    """
-    name = table or DEFAULT_TABLE
-    if name != DEFAULT_TABLE:
-        raise TableNotFound(f"table {name!r} not found (tables: {DEFAULT_TABLE!r})")
-    return name
 
 
 def validate_sample(n: object, alpha: object, max_batch: int, replacement: bool = True) -> float:

@@ -115,7 +115,7 @@ async def test_bad_sample_and_update_requests_are_refused_and_change_nothing(mak
             (
                 client.sample(5, table="replay"),
                 grpc.StatusCode.NOT_FOUND,
-                "table 'replay' not found",
+                "table 'replay' does not exist",
             ),
             (client.sample(0), grpc.StatusCode.INVALID_ARGUMENT, "n: 0 must be >= 1"),
             (client.sample(101), grpc.StatusCode.INVALID_ARGUMENT, "n: 101 is not in [1, 100]"),

@@ -118,6 +118,13 @@ async def assert_reads_match(client: Client, ref: ReferenceTables, k: int) -> No
         np.testing.assert_array_equal(ids, want_ids)
         assert s.tobytes() == want_s.tobytes()
         assert (await client.quality(table=name))["count"] == ref[table].count()
+        if ref[table].count():  # a seeded sample of each table equals the reference's draws
+            batch = await client.sample(16, alpha=0.6, seed=k, table=name)
+            want_ids, want_s, want_payloads, want_p = ref[table].sample(16, 0.6, k)
+            np.testing.assert_array_equal(batch.ids, want_ids)
+            assert batch.strengths.tobytes() == want_s.tobytes()
+            assert batch.payloads == want_payloads
+            np.testing.assert_array_equal(batch.probabilities, want_p)
 
 
 async def clean(client: Client, ref: ReferenceTables) -> None:

@@ -334,17 +334,18 @@ class MemoryNode:
             return await self._data.run(self._store.topk, k, self._primary_slots(), name)
 
     async def sample_sums(
-        self, epoch: int, alpha: float, uniform: bool
+        self, epoch: int, alpha: float, uniform: bool, table: str = ""
     ) -> worker_pb2.WorkerSampleSumsResponse:
         """Phase 1 of a sample: the weight sum of each primary slot (``worker/memory/sampling.py``).
 
         Raises:
-            StaleEpoch: (FAILED_PRECONDITION).
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
         """
         self.check_epoch(epoch)
+        name = self.table(table).name
         primary = self._primary_slots()
         with self._ops.op("sample_sums"):
-            return await self._data.run(sums_reply, self._store, alpha, uniform, primary)
+            return await self._data.run(sums_reply, self._store, alpha, uniform, primary, name)
 
     async def sample_pick(
         self,
@@ -354,18 +355,27 @@ class MemoryNode:
         offsets: np.ndarray,
         with_payloads: bool,
         max_reply_bytes: int | None = None,
+        table: str = "",
     ) -> worker_pb2.WorkerSamplePickResponse:
         """Phase 2 of a sample: the memories at draws (slot [K] int64, offset [K] uint64).
 
         Raises:
-            StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
+            StaleEpoch, NotPrimary: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
             BudgetExceeded: the reply would exceed ``max_reply_bytes`` (RESOURCE_EXHAUSTED).
         """
         self.check_epoch(epoch)
+        name = self.table(table).name
         self._place.check_primary_slots(slots)
         with self._ops.op("sample_pick"):
             return await self._data.run(
-                pick_reply, self._store, version, slots, offsets, with_payloads, max_reply_bytes
+                pick_reply,
+                self._store,
+                version,
+                slots,
+                offsets,
+                with_payloads,
+                max_reply_bytes,
+                name,
             )
 
     # -- primary writes -------------------------------------------------------------------------

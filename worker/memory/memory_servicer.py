@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from shared.memory.sampling import validate_sample, validate_table
+from shared.memory.sampling import validate_sample
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
 from shared.memory.tables import TableNotFound
@@ -182,9 +182,10 @@ class MemoryServicer:
             FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
         """
         async with _ERRORS.mapped(context):
-            validate_table(request.table)
             alpha = validate_sample(1, request.alpha, 1)
-            return await self._nodes.get().sample_sums(request.epoch, alpha, request.uniform)
+            return await self._nodes.get().sample_sums(
+                request.epoch, alpha, request.uniform, request.table
+            )
 
     async def SamplePick(
         self, request: worker_pb2.WorkerSamplePickRequest, context: aio.ServicerContext[Any, Any]
@@ -200,7 +201,6 @@ class MemoryServicer:
                 primary here. RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes.
         """
         async with _ERRORS.mapped(context):
-            validate_table(request.table)
             slots = rows_from_bytes(request.slots, "slots")
             offsets = ids_from_bytes(request.offsets, "offsets")
             _same_length(slots, offsets=offsets)
@@ -211,6 +211,7 @@ class MemoryServicer:
                 offsets,
                 request.with_payloads,
                 self._max_message_bytes,
+                request.table,
             )
 
     async def Decay(

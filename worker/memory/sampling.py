@@ -24,7 +24,7 @@ __all__ = ["pick_reply", "sums_reply"]
 
 
 def sums_reply(
-    store: SlotStore, alpha: float, uniform: bool, primary: np.ndarray
+    store: SlotStore, alpha: float, uniform: bool, primary: np.ndarray, table: str
 ) -> worker_pb2.WorkerSampleSumsResponse:
     """On the store thread: phase 1 over the primary slots [T] int64 (ascending).
 
@@ -33,8 +33,9 @@ def sums_reply(
         alpha: the priority exponent, finite and >= 0 (validated by the caller).
         uniform: weight 1 per memory instead (``sampling.UNIFORM``).
         primary: [T] int64 this worker's primary slots.
+        table: the table sampled (checked by the caller).
     """
-    version, totals, memories = store.sample_sums(UNIFORM if uniform else alpha, primary)
+    version, totals, memories = store.sample_sums(UNIFORM if uniform else alpha, primary, table)
     return worker_pb2.WorkerSampleSumsResponse(
         version=version,
         slots=primary.tolist(),
@@ -50,6 +51,7 @@ def pick_reply(
     offsets: np.ndarray,
     with_payloads: bool,
     max_bytes: int | None,
+    table: str,
 ) -> worker_pb2.WorkerSamplePickResponse:
     """On the store thread: phase 2, the memories at draws (slot, offset) as of ``version``.
 
@@ -60,6 +62,7 @@ def pick_reply(
         offsets: [K] uint64, each below its slot's sum at ``version``.
         with_payloads: answer the payloads too.
         max_bytes: the largest reply, bytes; None: no limit.
+        table: the table sampled (checked by the caller).
 
     Raises:
         BudgetExceeded: the reply would exceed ``max_bytes`` (RESOURCE_EXHAUSTED).
@@ -67,7 +70,7 @@ def pick_reply(
     """
     try:
         ids, strengths, weights, payloads, present = store.sample_pick(
-            version, slots, offsets, with_payloads
+            version, slots, offsets, with_payloads, table
         )
     except StaleVersion:
         return worker_pb2.WorkerSamplePickResponse(stale=True)

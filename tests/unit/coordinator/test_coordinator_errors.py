@@ -209,9 +209,14 @@ CASES = [
         TableNotFound,
         "Sample",
         pb.SampleRequest(table="replay", n=4),
-        stand_in(cfg={"max_sample_batch": 100}),
+        stand_in(
+            cfg={"max_sample_batch": 100},
+            tables=SimpleNamespace(
+                check=raising(TableNotFound("table 'replay' does not exist"), False)
+            ),
+        ),
         SC.NOT_FOUND,
-        "table 'replay' not found (tables: 'default')",
+        "table 'replay' does not exist",
     ),
     Case(
         SampleRefused,
