@@ -12,6 +12,7 @@ before queueing that name the array and its dtype.
 from __future__ import annotations
 
 import stat
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -268,3 +269,30 @@ async def test_bad_arrays_are_refused_before_queueing_naming_the_array(
         assert "save it uncompressed" in str(err.value)
     cache = Path(cluster.workers[0].cfg.data_dir) / "shard_cache"
     assert list(cache.iterdir()) == []
+
+
+async def test_a_put_directory_is_stored_as_a_mappable_npz_of_the_same_content(
+    make_cluster, tmp_path: Path
+) -> None:
+    # Arrange: the same arrays as a local directory (uploaded) and as a directory in the root
+    root = tmp_path / "data"
+    local = tmp_path / "local"
+    for d in (local, root / "same"):
+        d.mkdir(parents=True)
+        for name, a in images(200).items():
+            np.save(d / f"{name}.npy", a)
+    cluster = await make_cluster(workers=2, data_roots=[str(root)])
+
+    # Act: upload the directory, train on the upload, then on the directory in the root
+    async with cluster.client() as client:
+        info = await client.put_dataset(local, name="img")
+    await run(cluster, job("img.npz", {"model": "mlp"}))
+    first = fetched_bytes(cluster)
+    await run(cluster, job("same", {"model": "mlp"}))
+
+    # Assert: stored uncompressed (mapped, not inflated), same content: nothing fetched again
+    assert info["path"] == "img.npz" and [a["name"] for a in info["arrays"]] == ["x", "y"]
+    with zipfile.ZipFile(root / "img.npz") as zf:
+        assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_STORED}
+    assert sum(first) == 160 * 18
+    assert fetched_bytes(cluster) == first
