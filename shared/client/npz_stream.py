@@ -57,6 +57,7 @@ def _chunks(files: list[Path], dry: bool) -> Iterator[bytes]:
                 if dry:
                     for at in range(0, size, READ_BYTES):
                         member.write(bytes(min(READ_BYTES, size - at)))
+                        yield sink.drain()
                 else:
                     with file.open("rb") as f:
                         while data := f.read(READ_BYTES):

@@ -212,7 +212,7 @@ def check_block(
             raise DataError(
                 f"array {name!r} row {offset + first_bad_row(~ok)} is NaN or infinite (task {task})"
             )
-    if np.issubdtype(piece.dtype, np.integer):
+    if np.issubdtype(piece.dtype, np.integer) and (role == "targets" or task == "language_model"):
         as64 = piece.astype(np.int64).reshape(len(piece), -1)
         _check_ints(name, as64, offset, task, role, vocab_size)
         extremes.add(as64)

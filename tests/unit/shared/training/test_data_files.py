@@ -38,18 +38,28 @@ def test_arrays_are_mapped_views_equal_to_np_load(tmp_path: Path, layout: str) -
     assert arrays["x"].array.base is not None
 
 
-def test_take_returns_rows_in_the_order_asked_and_drops_pages(
+def test_take_reads_rows_in_the_order_asked(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", X.astype(">u2"))  # big-endian: read as stored
+    x = open_arrays(tmp_path)["x"]
+
+    got = x.take(np.array([7, 2, 19, 2, 3, 4]))
+
+    np.testing.assert_array_equal(got, X[[7, 2, 19, 2, 3, 4]])
+    assert got.dtype == np.dtype(">u2")
+
+
+def test_reading_a_range_drops_the_mapped_pages_past_the_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     np.save(tmp_path / "x.npy", X)
     x = open_arrays(tmp_path)["x"]
-    monkeypatch.setattr(data_files, "RESIDENT_BYTES", 10)  # every take drops the pages
+    monkeypatch.setattr(data_files, "RESIDENT_BYTES", 100)
     dropped: list[bool] = []
     monkeypatch.setattr(x, "release", lambda: dropped.append(True))
 
-    got = x.take(np.array([7, 2, 19, 2]))
+    first, second = x.rows(0, 10), x.rows(10, 20)  # 60 bytes each
 
-    np.testing.assert_array_equal(got, X[[7, 2, 19, 2]])
+    np.testing.assert_array_equal(np.concatenate([first, second]), X)
     assert dropped == [True]
 
 
