@@ -121,7 +121,7 @@ class MappedArray:
             return out
         got = np.empty((len(rows), *self.array.shape[1:]), self.array.dtype)
         row_bytes = got.itemsize * math.prod(got.shape[1:])
-        view = memoryview(got.reshape(-1).view(np.uint8)) if got.size else memoryview(b"")
+        view = got.reshape(-1).view(np.uint8).data if got.size else memoryview(b"")
         breaks = np.flatnonzero(np.diff(sorted_rows) != 1) + 1
         starts = np.concatenate([[0], breaks]).astype(np.int64)
         ends = np.concatenate([breaks, [len(rows)]]).astype(np.int64)
