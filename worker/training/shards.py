@@ -366,15 +366,21 @@ class ShardFetcher:
         start, stop = int(header.start), int(header.stop)
         if (start, stop) != shard_bounds(data.n_train, *shard):
             raise DataError(f"shard {shard[0]}: the coordinator sent rows [{start}, {stop})")
-        gaps = self.cache.missing(key, start, stop)
-        fetched = 0
-        for a, b in gaps:
-            fetched += await self._rows(job_id, shard, key, a, b, layouts)
-        pieces = self.cache.covering(key, start, stop)
-        data.add_pieces(self.cache, pieces)
-        if not data.covers(start, stop):
+        # Pinned before anything is fetched: making room for the fetched rows must not
+        # remove the entries counted as held.
+        try:
+            data.add_pieces(self.cache, self.cache.covering(key, start, stop))
+            gaps = self.cache.missing(key, start, stop)
+            fetched = 0
+            for a, b in gaps:
+                got, piece = await self._rows(job_id, shard, key, a, b, layouts)
+                data.add_pieces(self.cache, [piece])
+                fetched += got
+            if not data.covers(start, stop):
+                raise DataError(f"shard {shard[0]}: rows [{start}, {stop}) could not be held")
+        except BaseException:
             data.close()
-            raise DataError(f"shard {shard[0]}: rows [{start}, {stop}) could not be held")
+            raise
         cached = (stop - start) - sum(b - a for a, b in gaps)
         self.counts.fetched_bytes += fetched
         self.counts.cached_rows += cached
@@ -417,8 +423,8 @@ class ShardFetcher:
 
     async def _rows(
         self, job_id: str, shard: Shard, key: str, start: int, stop: int, layouts: list[Layout]
-    ) -> int:
-        """Stream rows [start, stop) into a new cache entry; return the bytes received."""
+    ) -> tuple[int, Piece]:
+        """Stream rows [start, stop) into a new cache entry; return the bytes and the entry."""
         request = coordinator_pb2.FetchShardRequest(
             job_id=job_id,
             shard_index=shard[0],
@@ -441,7 +447,7 @@ class ShardFetcher:
                 c = msg.rows
                 await asyncio.to_thread(writer.write, c.name, c.offset, c.data)
                 received += len(c.data)
-            await asyncio.to_thread(writer.commit)
+            piece = await asyncio.to_thread(writer.commit)
         except aio.AioRpcError as exc:
             writer.abort()
             raise ShardFetchError(
@@ -450,4 +456,4 @@ class ShardFetcher:
         except BaseException:
             writer.abort()
             raise
-        return received
+        return received, piece
