@@ -296,3 +296,29 @@ async def test_a_put_directory_is_stored_as_a_mappable_npz_of_the_same_content(
         assert {i.compress_type for i in zf.infolist()} == {zipfile.ZIP_STORED}
     assert sum(first) == 160 * 18
     assert fetched_bytes(cluster) == first
+
+
+async def test_a_bad_input_value_fails_the_job_naming_the_array_and_row(
+    make_cluster, tmp_path: Path
+) -> None:
+    # Arrange: admission reads the headers and the labels; x's values are checked when the
+    # job opens the set (a float64 beyond float32's range becomes inf once converted)
+    root = tmp_path / "data"
+    root.mkdir()
+    arrays = regression64()
+    arrays["x"][17, 2] = 1e300
+    np.savez(root / "far.npz", **arrays)
+    cluster = await make_cluster(workers=2, data_roots=[str(root)])
+
+    # Act
+    async with cluster.client() as client:
+        submitted = await client.submit(job("far.npz", CASES["float64 x, float16 targets"][0]))
+        final = await client.wait(submitted.job_id)
+
+    # Assert: failed before any worker fetched a row
+    assert final.state == "FAILED"
+    assert final.error == (
+        "data.path: far.npz: array 'x' row 17 is NaN or infinite (task regression)"
+    )
+    assert fetched_bytes(cluster) == [0.0, 0.0]
+    assert submitted.job_id not in cluster.coordinator.cluster.train_sets
