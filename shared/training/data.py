@@ -1,9 +1,11 @@
 """Training data: loading a job's data set and the deterministic per-shard batch order.
 
-Every worker loads the whole data set and trains on one contiguous shard of the training rows.
-The rows of a batch are a pure function of (seed, epoch, shard, step), so a dead worker's
-shard can be handed to another worker, and a job can resume from a checkpoint, without
-changing what the model sees.
+A worker trains on one contiguous shard of the training rows: a built-in set it makes whole
+itself; a file set's rows it fetches shard by shard from the coordinator, which opens the files
+mapped (``shared.training.file_sets``; ``load_dataset`` reads one whole, for references and
+small sets, with the same split). The rows of a batch are a pure function of (seed, epoch,
+shard, step), so a dead worker's shard can be handed to another worker, and a job can resume
+from a checkpoint, without changing what the model sees.
 
 Shapes: N samples, B batch size, C classes.
 """
