@@ -20,6 +20,7 @@ from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord, JobS
 from coordinator.jobs.scheduler import Scheduler
 from coordinator.memory.memory_job import MemoryJob
 from coordinator.memory.memory_ops import MemoryOps
+from coordinator.memory.sampling import Sampler
 from coordinator.network.link_probe import LinkProbe
 from coordinator.network.link_stats import LinkStats
 from coordinator.persistence import CRASHED_TWICE, StateStore
@@ -134,6 +135,13 @@ class Cluster:
             self.clients,
             cfg.rpc_timeout_s,
             # long enough for a dead primary to be declared and its replicas promoted
+            retry_budget_s=3 * cfg.heartbeat_timeout_s + 5.0,
+        )
+        self.sampler = Sampler(
+            self.rebalancer,
+            self.membership,
+            self.clients,
+            cfg.rpc_timeout_s,
             retry_budget_s=3 * cfg.heartbeat_timeout_s + 5.0,
         )
 

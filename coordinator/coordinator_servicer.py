@@ -23,12 +23,14 @@ from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.memory.memory_ops import BulkOpError
+from coordinator.memory.sampling import SampleRefused
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable, StoreExport
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.membership import WorkerState
 from coordinator.placement.readmission import ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing, model_chunks, model_file, saved_model
 from shared.config import ConfigError
+from shared.memory.sampling import TableNotFound, new_seed, validate_sample, validate_table
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import (
     MemoryInputError,
@@ -39,6 +41,7 @@ from shared.memory.validation import (
 )
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.rpc.limits import BudgetExceeded
 from shared.rpc.status_table import BadRequest, Status, StatusTable
 from shared.security.auth import AddressRefused, address_error, current_principal, may_see_job
 from shared.security.confinement import PathRefused
@@ -47,6 +50,8 @@ from shared.training.entry_points import EntryPointRefused
 
 # Mints a data-plane token for a caller: (token, expiry in Unix seconds).
 DataTokenMinter = Callable[[Principal], tuple[str, float]]
+
+DEFAULT_SAMPLE_TIMEOUT_S = 30.0  # how long a Sample's min_size waits when not told
 
 # Domain errors of the coordinator's RPCs and the status each maps to.
 _ERRORS = StatusTable(
@@ -63,6 +68,9 @@ _ERRORS = StatusTable(
         (NotSlotPrimary, grpc.StatusCode.FAILED_PRECONDITION),
         (TooManyReports, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (BulkOpError, grpc.StatusCode.UNAVAILABLE),
+        (TableNotFound, grpc.StatusCode.NOT_FOUND),
+        (SampleRefused, grpc.StatusCode.FAILED_PRECONDITION),
+        (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (ExportUnavailable, grpc.StatusCode.UNAVAILABLE),
         (ExportsBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (JobQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -333,6 +341,56 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             k = validate_k(request.k, self._cluster.cfg.topk_max)
             ids, strengths = await self._cluster.memory.topk(k)
         return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
+
+    async def Sample(
+        self, request: coordinator_pb2.SampleRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.SampleResponse:
+        """Draw n memories with replacement, P(i) = w_i / W, exact over the whole table.
+
+        Seeded draws are a function of the seed, alpha and the table's content
+        (docs/architecture.md, "Sampling"); without a seed one is drawn and answered.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for a table other than ``default``;
+                INVALID_ARGUMENT for n <= 0 or above ``max_sample_batch``, alpha negative or
+                not finite, without_replacement, or a negative timeout_s;
+                FAILED_PRECONDITION for an empty table without min_size, or min_size not
+                reached in timeout_s (names the size); RESOURCE_EXHAUSTED for a reply over
+                the message limit; UNAVAILABLE when a primary still failed after retries.
+        """
+        async with _ERRORS.mapped(context):
+            validate_table(request.table)
+            alpha = validate_sample(
+                request.n,
+                request.alpha,
+                self._cluster.cfg.max_sample_batch,
+                replacement=not request.without_replacement,
+            )
+            if not request.timeout_s >= 0:
+                raise BadRequest(f"timeout_s: {request.timeout_s!r} must be >= 0")
+            r = await self._cluster.sampler.sample(
+                request.n,
+                alpha,
+                request.seed if request.has_seed else new_seed(),
+                min_size=request.min_size,
+                timeout_s=request.timeout_s or DEFAULT_SAMPLE_TIMEOUT_S,
+                with_payloads=not request.without_payloads,
+            )
+            size = 24 * len(r.ids) + sum(len(p) + 6 for p in r.payloads) + 64
+            if size > self._cluster.cfg.max_message_bytes:
+                raise BudgetExceeded(
+                    f"Sample reply of {len(r.ids)} draws would be {size} bytes, over "
+                    f"max_message_bytes {self._cluster.cfg.max_message_bytes}; ask for fewer"
+                )
+        return coordinator_pb2.SampleResponse(
+            ids=ids_to_bytes(r.ids),
+            strengths=f32_to_bytes(r.strengths),
+            payloads=r.payloads if not request.without_payloads else [],
+            probabilities=r.probabilities.astype("<f8").tobytes(),
+            seed=r.seed,
+            size=r.size,
+            total_weight=r.total_weight,
+        )
 
     async def Sweep(
         self, request: coordinator_pb2.SweepRequest, context: aio.ServicerContext[Any, Any]

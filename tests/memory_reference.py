@@ -171,6 +171,17 @@ class ReferenceStore:
                     self.payload[row] = bytes(payloads[i]) if len(payloads[i]) else None
         return len(last)
 
+    def update_strengths(self, ids, strengths) -> int:
+        """Set the strengths of the ids present (the last occurrence in the batch wins),
+        payloads kept; absent ids skipped. Returns the number of distinct ids found."""
+        ids = _ids(ids)
+        strengths = _values(strengths, "strengths", len(ids), upper=1.0)
+        for i, s in zip(ids.tolist(), strengths.tolist(), strict=True):  # in batch order
+            row = int(np.searchsorted(self.ids, np.uint64(i)))
+            if row < len(self.ids) and int(self.ids[row]) == i:
+                self.strength[row] = np.float32(s)
+        return int(np.isin(np.unique(ids), self.ids).sum())
+
     def get(self, ids) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
         """Return ``(found, strengths (0 where missing), payloads)``."""
         ids = _ids(ids)
@@ -236,6 +247,42 @@ class ReferenceStore:
         ids, s = self.ids[mask], self.strength[mask]
         order = np.lexsort((ids, -s))[: int(k)]
         return ids[order], s[order]
+
+    def sample(self, n, alpha, seed) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+        """Prioritized sampling with replacement, as docs/architecture.md ("Sampling") defines it.
+
+        Weights: 0 for strength 0, else max(1, rint(float64(s) ** alpha * 2**32)); every
+        weight 1 when all are 0. Order: slot ascending, then id. u = PCG64(seed)'s
+        ``integers(0, W, n, uint64)``; draw k is the first memory whose running weight sum
+        exceeds u[k]. Returns ``(ids [n], strengths [n], payloads [n] (None: none),
+        probabilities [n] float64 = w / W)``; raises ReferenceInputError on an empty store.
+        """
+        if not isinstance(n, int) or not 1 <= n:
+            raise ReferenceInputError(f"n: {n!r}")
+        if not (np.isfinite(alpha) and alpha >= 0):
+            raise ReferenceInputError(f"alpha: {alpha!r}")
+        if len(self.ids) == 0:
+            raise ReferenceInputError("sample of an empty store")
+        order = np.lexsort((self.ids, slot_of(self.ids, self.slots)))
+        s = self.strength[order].astype(np.float64)
+        w = np.zeros(len(s), np.uint64)
+        positive = s > 0
+        scaled = np.rint(np.power(s[positive], float(alpha)) * 4294967296.0)
+        w[positive] = np.maximum(scaled, 1.0).astype(np.uint64)
+        if int(w.sum(dtype=np.uint64)) == 0:
+            w[:] = 1
+        cum = np.cumsum(w, dtype=np.uint64)
+        total = int(cum[-1])
+        u = np.random.Generator(np.random.PCG64(seed)).integers(0, total, n, dtype=np.uint64)
+        position = np.searchsorted(cum, u, side="right")
+        picked = order[position]
+        probabilities = w[position] / total
+        return (
+            self.ids[picked],
+            self.strength[picked],
+            [self.payload[i] for i in picked.tolist()],
+            probabilities.astype(np.float64),
+        )
 
     def count(self, slots=None) -> int:
         """Return the number of memories in a slot set (None: all)."""

@@ -1,5 +1,6 @@
 """``neuroshard memory ...``: load, get, reinforce, decay, stats and top-k from the command line.
 
+Sample and set-strengths are in ``shared/cli/memory_replay.py``.
 Input files are read and validated whole before anything is sent (``shared.memory.files``);
 a bad file or argument exits 2 with one line naming the file and array (or the argument), and
 so does a request the cluster refuses as INVALID_ARGUMENT (``shared.cli.main``).
@@ -245,5 +246,7 @@ def add_memory_commands(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--json", action="store_true", help="print one JSON document")
 
     from shared.cli.memory_io import add_memory_io_commands
+    from shared.cli.memory_replay import add_replay_commands
 
     add_memory_io_commands(sub)
+    add_replay_commands(sub)

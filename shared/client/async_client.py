@@ -34,6 +34,7 @@ from shared.client.datasets import (
 from shared.client.memory import MemoryRouter, Progress, RoutingError
 from shared.client.models import ModelStreamError, model_to_file, models_from_pb
 from shared.client.npz_stream import array_files, npz_size
+from shared.client.sampling import SampleBatch, sample_from_pb, sample_request
 from shared.client.store_io import (
     ExportProgress,
     ExportStreamError,
@@ -573,6 +574,32 @@ class Client:
         ids, strengths, plain = _checked_upsert(ids, strengths, payloads, limit)
         return int(await self._routed(self._router.upsert(ids, strengths, plain, None, progress)))
 
+    async def update_strengths(
+        self, ids: npt.ArrayLike, strengths: npt.ArrayLike, progress: Progress | None = None
+    ) -> int:
+        """Set the strengths of many stored memories in one call (a bulk priority update).
+
+        An upsert that keeps payloads and never inserts: ids not stored (never written,
+        deleted) are skipped and not counted. Exactly-once as ``upsert``: one request id
+        for every part and retry, applied on both copies before the reply.
+
+        Args:
+            ids: [N] uint64 (any integer array of non-negative values); the last
+                occurrence of an id in the batch wins.
+            strengths: [N] float32 in [0, 1].
+            progress: as ``upsert``.
+
+        Returns:
+            Distinct ids found and updated (N minus the absent ones, for distinct ids).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
+                UNAVAILABLE when the batch could not be delivered.
+        """
+        with _refused_input():
+            ids, values = validate_upsert(ids, strengths, None, 0)[:2]
+        return int(await self._routed(self._router.update_strengths(ids, values, None, progress)))
+
     async def reinforce(
         self, ids: npt.ArrayLike, boosts: npt.ArrayLike, progress: Progress | None = None
     ) -> int:
@@ -682,6 +709,51 @@ class Client:
             self._stub.TopK, coordinator_pb2.TopKRequest(k=k)
         )
         return ids_from_bytes(r.ids), f32_from_bytes(r.strengths)
+
+    async def sample(
+        self,
+        n: int,
+        alpha: float = 0.6,
+        replacement: bool = True,
+        seed: int | None = None,
+        min_size: int = 0,
+        timeout_s: float = 30.0,
+        table: str = "default",
+        with_payloads: bool = True,
+    ) -> SampleBatch:
+        """Draw n memories by priority: P(i) = s_i^alpha / sum_j s_j^alpha, over the table.
+
+        Exact over every worker's memories, on integer weights w_i = rint(s_i^alpha * 2^32)
+        (0 for strength 0), so P(i) = w_i / W (docs/architecture.md, "Sampling"); alpha 0
+        is uniform over the memories of non-zero strength. With a seed the draws are a
+        function of the seed, alpha and the table's content, whatever the workers.
+
+        Args:
+            n: draws, 1 .. the coordinator's ``max_sample_batch``.
+            alpha: priority exponent, finite and >= 0.
+            replacement: must be True (sampling without replacement is refused).
+            seed: the generator's seed, 0 .. 2**64 - 1; None: a fresh one (returned).
+            min_size: wait until the table holds this many memories (0: no wait).
+            timeout_s: how long ``min_size`` may wait, seconds.
+            table: the table; only ``default`` exists.
+            with_payloads: also return the payloads.
+
+        Returns:
+            The draws (``SampleBatch``).
+
+        Raises:
+            NeuroshardError: NOT_FOUND for another table; INVALID_ARGUMENT for n <= 0 or
+                above the limit, alpha negative or not finite, or replacement False;
+                FAILED_PRECONDITION for an empty table without min_size, or min_size not
+                reached within timeout_s (the message names the size); UNAVAILABLE.
+        """
+        if n < 1:
+            raise NeuroshardError(f"n: {n} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
+        request = sample_request(
+            table, n, alpha, replacement, seed, min_size, timeout_s, with_payloads
+        )
+        reply = await self._call(self._stub.Sample, request, self.timeout_s + timeout_s)
+        return sample_from_pb(reply)
 
     async def sweep(
         self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None

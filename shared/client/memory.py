@@ -396,6 +396,36 @@ class MemoryRouter:
 
         return await self._write(ids, send, request_id, progress, item_bytes=12)
 
+    async def update_strengths(
+        self,
+        ids: npt.NDArray[np.uint64],
+        strengths: npt.NDArray[np.float32],
+        request_id: bytes | None = None,
+        progress: Progress | None = None,
+    ) -> int:
+        """Set the strengths of stored memories (a priority update); return the ids found.
+
+        An Upsert with ``existing_only``: payloads are kept, absent ids skipped.
+
+        Args:
+            ids: [N] uint64; the last occurrence of an id wins.
+            strengths: [N] float32 in [0, 1].
+            request_id: as ``_write``.
+            progress: as ``route``.
+
+        Raises:
+            RoutingError: as ``route``.
+        """
+
+        async def send(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
+        ) -> worker_pb2.WriteResponse:
+            request = upsert_request(epoch, rid, ids[idx], strengths[idx], None)
+            request.existing_only = True
+            return await stub.Upsert(request, timeout=self._timeout_s)
+
+        return await self._write(ids, send, request_id, progress, item_bytes=12)
+
     async def reinforce(
         self,
         ids: npt.NDArray[np.uint64],

@@ -256,6 +256,9 @@ class CoordinatorConfig(_DaemonConfig):
     )
     slots: int = Field(1024, ge=1, le=65536, description="Hash slots of the memory store.")
     topk_max: int = Field(10000, ge=1, description="Largest k a top-k request may ask for.")
+    max_sample_batch: int = Field(
+        65536, ge=1, description="Largest n (draws) one Sample request may ask for."
+    )
     max_payload_bytes: int = Field(
         4096, ge=0, le=16 * 1024 * 1024, description="Largest payload of one memory, bytes."
     )

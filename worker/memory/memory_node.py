@@ -30,6 +30,7 @@ from shared.proto import common_pb2, worker_pb2
 from worker.memory.primary import PrimaryWrites, Sweep
 from worker.memory.replication import Forwarder, Replicator, Reporter, check_forward
 from worker.memory.roles import Placement
+from worker.memory.sampling import pick_reply, sums_reply
 from worker.store.durable_store import DurableStore
 from worker.store.journal import Journal
 from worker.store.journal_format import Request
@@ -248,6 +249,41 @@ class MemoryNode:
         with self._ops.op("topk"):
             return await self._data.run(self._store.topk, k, self._primary_slots())
 
+    async def sample_sums(
+        self, epoch: int, alpha: float, uniform: bool
+    ) -> worker_pb2.WorkerSampleSumsResponse:
+        """Phase 1 of a sample: the weight sum of each primary slot (``worker/memory/sampling.py``).
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION).
+        """
+        self.check_epoch(epoch)
+        primary = self._primary_slots()
+        with self._ops.op("sample_sums"):
+            return await self._data.run(sums_reply, self._store, alpha, uniform, primary)
+
+    async def sample_pick(
+        self,
+        epoch: int,
+        version: int,
+        slots: np.ndarray,
+        offsets: np.ndarray,
+        with_payloads: bool,
+        max_reply_bytes: int | None = None,
+    ) -> worker_pb2.WorkerSamplePickResponse:
+        """Phase 2 of a sample: the memories at draws (slot [K] int64, offset [K] uint64).
+
+        Raises:
+            StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
+            BudgetExceeded: the reply would exceed ``max_reply_bytes`` (RESOURCE_EXHAUSTED).
+        """
+        self.check_epoch(epoch)
+        self._place.check_primary_slots(slots)
+        with self._ops.op("sample_pick"):
+            return await self._data.run(
+                pick_reply, self._store, version, slots, offsets, with_payloads, max_reply_bytes
+            )
+
     # -- primary writes -------------------------------------------------------------------------
 
     async def upsert(
@@ -263,7 +299,8 @@ class MemoryNode:
             request: the client's request (forwarded to the replica as it is, or its part).
             ids: [N] uint64, decoded from the request.
             strengths: [N] float32, in [0, 1].
-            payloads: [N] bytes, or None for no payloads.
+            payloads: [N] bytes, or None for no payloads (always None for a priority
+                update, ``request.existing_only``: only the ids present are written).
 
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
@@ -278,7 +315,7 @@ class MemoryNode:
             kept = (
                 None if payloads is None else [p for p, k in zip(payloads, keep, strict=True) if k]
             )
-            return self._store.upsert(ids[keep], strengths[keep], kept)
+            return self._store.upsert(ids[keep], strengths[keep], kept, request.existing_only)
 
         with self._ops.op("upsert"):
             return await self._writes.keyed(request.epoch, "upsert", request, ids, apply)

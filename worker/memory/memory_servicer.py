@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 from grpc import aio
 
+from shared.memory.sampling import TableNotFound, validate_sample, validate_table
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
 from shared.memory.validation import (
@@ -24,7 +25,14 @@ from shared.memory.validation import (
     validate_request_id,
 )
 from shared.proto import common_pb2, worker_pb2
-from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.rpc.codec import (
+    CodecError,
+    f32_from_bytes,
+    f32_to_bytes,
+    ids_from_bytes,
+    ids_to_bytes,
+    rows_from_bytes,
+)
 from shared.rpc.limits import DEFAULT_MAX_RECEIVE_SLOTS_BYTES, BudgetExceeded
 from shared.rpc.status_table import StatusTable
 from worker.memory.memory_node import SlotSender
@@ -51,6 +59,7 @@ _ERRORS = StatusTable(
         (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
         (NotReady, grpc.StatusCode.UNAVAILABLE),
         (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (TableNotFound, grpc.StatusCode.NOT_FOUND),
     ]
 )
 
@@ -159,6 +168,47 @@ class MemoryServicer:
             ids = ids_from_bytes(request.ids, "ids")
             return await self._nodes.get().get(
                 request.epoch, ids, request.with_payloads, self._max_message_bytes
+            )
+
+    async def SampleSums(
+        self, request: worker_pb2.WorkerSampleSumsRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSampleSumsResponse:
+        """Phase 1 of a sample: the weight sum of each primary slot, and the version.
+
+        Raises:
+            NOT_FOUND: an unknown table. INVALID_ARGUMENT: alpha negative or not finite.
+            FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
+        """
+        async with _ERRORS.mapped(context):
+            validate_table(request.table)
+            alpha = validate_sample(1, request.alpha, 1)
+            return await self._nodes.get().sample_sums(request.epoch, alpha, request.uniform)
+
+    async def SamplePick(
+        self, request: worker_pb2.WorkerSamplePickRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSamplePickResponse:
+        """Phase 2 of a sample: the memories at the draws' offsets, as of the version.
+
+        ``stale`` (and nothing else) when the version is gone or a drawn memory was deleted
+        since: the coordinator samples again.
+
+        Raises:
+            NOT_FOUND: an unknown table. INVALID_ARGUMENT: malformed slots or offsets, or an
+                offset past its slot's sum. FAILED_PRECONDITION: stale epoch, or a slot not
+                primary here. RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes.
+        """
+        async with _ERRORS.mapped(context):
+            validate_table(request.table)
+            slots = rows_from_bytes(request.slots, "slots")
+            offsets = ids_from_bytes(request.offsets, "offsets")
+            _same_length(slots, offsets=offsets)
+            return await self._nodes.get().sample_pick(
+                request.epoch,
+                request.version,
+                slots,
+                offsets,
+                request.with_payloads,
+                self._max_message_bytes,
             )
 
     async def Decay(

@@ -292,7 +292,11 @@ class _Split:
         values = f32_to_bytes(self._values[keep])
         if op == "upsert":
             return worker_pb2.UpsertRequest(
-                epoch=req.epoch, ids=ids, strengths=values, request_id=rid
+                epoch=req.epoch,
+                ids=ids,
+                strengths=values,
+                request_id=rid,
+                existing_only=req.existing_only,
             )
         return worker_pb2.ReinforceRequest(epoch=req.epoch, ids=ids, boosts=values, request_id=rid)
 

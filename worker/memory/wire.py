@@ -63,6 +63,7 @@ def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
             payloads=payloads,
             request_id=rid,
             strengths=f32_to_bytes(f32_from_bytes(request.strengths, "strengths")[keep]),
+            existing_only=request.existing_only,
         )
     if op == "reinforce":
         return worker_pb2.ReinforceRequest(

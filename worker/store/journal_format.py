@@ -84,7 +84,7 @@ def apply_op(store: SlotStore, op: str, sub: Any, slots: np.ndarray) -> bytes:
     """
     if op == "upsert":
         payloads = list(sub.payloads) if len(sub.payloads) else None
-        store.upsert(_ids(sub.ids), _f32(sub.strengths), payloads)
+        store.upsert(_ids(sub.ids), _f32(sub.strengths), payloads, sub.existing_only)
     elif op == "reinforce":
         store.reinforce(_ids(sub.ids), _f32(sub.boosts))
     elif op == "delete":

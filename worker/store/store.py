@@ -40,6 +40,7 @@ from shared.rpc.codec import f32_to_bytes
 from shared.rpc.limits import BudgetExceeded
 from worker.store import kernels
 from worker.store import row_index_numba as row_index
+from worker.store.sampling import SlotWeights
 from worker.store.slot_rows import SlotRows
 
 __all__ = ["SlotSnapshot", "SlotStore", "distinct_in_order"]
@@ -103,6 +104,9 @@ class SlotStore:
         self._rows = SlotRows(slots, self.xp)
         self.payloads: dict[int, bytes] = {}
         self.seq = np.zeros(slots, np.uint64)
+        # Per-slot sampling weights (worker/store/sampling.py): every method below that
+        # changes a strength or which memories a slot holds marks the slots it touched.
+        self.sampling = SlotWeights(slots)
 
     def __len__(self) -> int:
         """Memories held."""
@@ -146,6 +150,29 @@ class SlotStore:
         starts, ends = self._run_bounds(slots)
         return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
+    def _slots_of_keys(self, keys: np.ndarray) -> np.ndarray:
+        """[K] int64 slots of sort keys [K] uint64 (the slot is a key's top bits)."""
+        bits = self._rows.bits
+        if not bits:
+            return np.zeros(len(keys), np.int64)
+        return (keys >> np.uint64(64 - bits)).astype(np.int64)
+
+    def _mark_slots(self, slots: Sequence[int] | np.ndarray | None) -> None:
+        """Mark a slot set (None: all) changed for sampling."""
+        if slots is None:
+            self.sampling.mark_all()
+        else:
+            self.sampling.mark(as_slots(slots, self.slots))
+
+    def _read_slots(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(slot [m] int64, ids [m] uint64, strengths [m] float32)`` of distinct slots."""
+        base, length = self._rows.base[slots], self._rows.length[slots]
+        rows = np.repeat(base - np.cumsum(length) + length, length) + np.arange(
+            int(length.sum()), dtype=np.int64
+        )
+        strengths = kernels.to_host(self.strength[self.xp.asarray(rows)])
+        return np.repeat(slots, length), self.ids[rows], np.asarray(strengths, np.float32)
+
     # --- mutations -------------------------------------------------------------------------
 
     def upsert(
@@ -153,6 +180,7 @@ class SlotStore:
         ids: np.ndarray,
         strengths: np.ndarray,
         payloads: Sequence[bytes | None] | None = None,
+        existing_only: bool = False,
     ) -> int:
         """Insert or overwrite memories; within a batch the last occurrence of an id wins.
 
@@ -161,14 +189,18 @@ class SlotStore:
             strengths: [K] float32 in [0, 1].
             payloads: None leaves payloads alone; else [K] bytes (b"" removes one; a None
                 entry leaves that one alone), each at most ``max_payload_bytes``.
+            existing_only: a priority update: write only the ids present (their payloads
+                kept), skip the absent ones; ``payloads`` must then be None.
 
         Returns:
-            Number of distinct ids written.
+            Number of distinct ids written (``existing_only``: the distinct ids found).
 
         Raises:
             MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
         """
         ids, strengths, checked = validate_upsert(ids, strengths, payloads, self.max_payload_bytes)
+        if existing_only and checked is not None:
+            raise MemoryInputError("payloads: a priority update keeps payloads; send none")
         # One sort by key (quicksort: 5x faster than a stable sort here) gives the distinct
         # keys in order for the lookup; an id's last occurrence in the batch is the largest
         # batch index among the items of its key.
@@ -179,8 +211,11 @@ class SlotStore:
         keys = sorted_keys[first]
         last = order if len(first) == len(order) else np.maximum.reduceat(order, first)
         rows, found = self._rows.locate(keys, ids[last])
+        self.sampling.mark(self._slots_of_keys(keys[found] if existing_only else keys))
         if found.any():
             self.strength[self.xp.asarray(rows[found])] = self.xp.asarray(strengths[last[found]])
+        if existing_only:
+            return int(found.sum())
         new = ~found
         self._rows.append(keys[new], ids[last[new]], strengths[last[new]])
         if checked is not None:
@@ -207,6 +242,7 @@ class SlotStore:
         """
         ids = np.unique(as_ids(ids))
         rows, found = self._locate(ids)
+        self.sampling.mark(slot_of(ids[found], self.slots))
         if self.payloads:
             for i in ids[found].tolist():
                 self.payloads.pop(i, None)
@@ -236,6 +272,7 @@ class SlotStore:
         key_ids = np.empty(len(keys), np.uint64)
         key_ids[inverse] = ids  # the id of each distinct key (keys map one to one to ids)
         rows, found = self._rows.locate(keys, key_ids)
+        self.sampling.mark(self._slots_of_keys(keys[found]))
         weights = boosts.astype(np.float64)
         sums = np.bincount(inverse, weights=weights, minlength=len(keys))
         kernels.add_sums(self.strength, rows[found], sums[found].astype(np.float32))
@@ -252,6 +289,7 @@ class SlotStore:
         """
         rate32 = validate_rate(rate)
         starts, ends = self._run_bounds(slots)
+        self._mark_slots(slots)
         kernels.decay_runs(self.strength, starts, ends, float(rate32))
         return int(np.sum(ends - starts))
 
@@ -370,7 +408,48 @@ class SlotStore:
         if rate32 is not None and decay_slots is not None:
             self.decay(rate32, decay_slots)  # a retry: part of the set applied it already
             rate32 = None
+        if rate32 is not None:
+            self._mark_slots(slots)
         return kernels.sweep_runs(self.strength, self.ids, starts, ends, rate32, want_quality, k)
+
+    def sample_sums(self, alpha: float | None, slots: np.ndarray) -> tuple[int, np.ndarray, int]:
+        """Phase 1 of a sample: the weight sums of a slot set (``SlotWeights.refresh``).
+
+        Args:
+            alpha: the priority exponent, finite and >= 0 (validated by the caller), or
+                ``sampling.UNIFORM``.
+            slots: [T] int64 distinct slots.
+
+        Returns:
+            (version for ``sample_pick``, totals [T] uint64, memories in the slots).
+        """
+        return self.sampling.refresh(alpha, slots, self._read_slots)
+
+    def sample_pick(
+        self, version: int, slots: np.ndarray, offsets: np.ndarray, with_payloads: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bytes], np.ndarray]:
+        """Phase 2 of a sample: the memories at offsets of slots' weights, as of ``version``.
+
+        Args:
+            version: from ``sample_sums``.
+            slots: [K] int64 slot of each draw (``SlotWeights.pick``).
+            offsets: [K] uint64 offset of each draw in its slot's weight sum.
+            with_payloads: read the drawn memories' payloads (now).
+
+        Returns:
+            (ids [K] uint64, strengths [K] float32 and weights [K] uint64 as of ``version``,
+            K payloads (b"" for none or not asked), present [K] bool: the id is still
+            stored now; a memory deleted since ``version`` must not be answered).
+
+        Raises:
+            StaleVersion: ``version`` is no longer kept (ABORTED).
+        """
+        ids, strengths, weights = self.sampling.pick(version, slots, offsets)
+        present = self._locate(ids)[1]
+        payloads = [b""] * len(ids)
+        if with_payloads and self.payloads:
+            payloads = [self.payloads.get(i, b"") for i in ids.tolist()]
+        return ids, strengths, weights, payloads, present
 
     def count(self, slots: Sequence[int] | np.ndarray | None = None) -> int:
         """Return the number of memories in a slot set (None: all)."""
@@ -423,6 +502,7 @@ class SlotStore:
         if len(keys) > 1 and not bool((keys[1:] != keys[:-1]).all()):
             raise MemoryInputError("ids: ids repeat")
         self._rows.append(keys, ids[order], np.asarray(strengths, np.float32)[order])
+        self.sampling.mark_all()
         self.payloads = dict(payloads)
         self.seq = np.asarray(seq, np.uint64).copy()
 
@@ -477,7 +557,7 @@ class SlotStore:
         checked = [(s, *self._validate_snapshot(s)) for s in last.values()]
         if not checked:
             return
-        self._clear(np.fromiter(last, np.int64, len(last)), release=False)
+        self._clear(np.fromiter(last, np.int64, len(last)), release=False)  # marks them
         ids = np.concatenate([c[2] for c in checked])
         strengths = np.concatenate([c[3] for c in checked])
         keys = sort_key(ids, self.slots)
@@ -517,6 +597,7 @@ class SlotStore:
 
     def _clear(self, chosen: np.ndarray, release: bool) -> int:
         """Forget the memories and payloads of distinct slots; see ``SlotRows.clear``."""
+        self.sampling.mark(chosen)
         if self.payloads:
             for start, end in self._runs(chosen):
                 for i in self.ids[start:end].tolist():

@@ -20,13 +20,16 @@ from coordinator.forget import WorkerNotDead, WorkerUnknown
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded
 from coordinator.memory.memory_ops import BulkOpError
+from coordinator.memory.sampling import SampleRefused
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.readmission import PUSHBACK_KEY, ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing
 from shared.config import ConfigError
+from shared.memory.sampling import TableNotFound
 from shared.memory.validation import MemoryInputError
 from shared.proto import coordinator_pb2 as pb
+from shared.rpc.limits import BudgetExceeded
 from shared.rpc.status_table import BadRequest
 from shared.security.auth import AddressRefused, reset_principal, set_principal
 from shared.security.confinement import PathRefused
@@ -161,6 +164,36 @@ CASES = [
         stand_in(memory=SimpleNamespace(quality=raising(BulkOpError("worker w1 failed")))),
         SC.UNAVAILABLE,
         "worker w1 failed",
+    ),
+    Case(
+        TableNotFound,
+        "Sample",
+        pb.SampleRequest(table="replay", n=4),
+        stand_in(cfg={"max_sample_batch": 100}),
+        SC.NOT_FOUND,
+        "table 'replay' not found (tables: 'default')",
+    ),
+    Case(
+        SampleRefused,
+        "Sample",
+        pb.SampleRequest(n=4, min_size=9),
+        stand_in(
+            cfg={"max_sample_batch": 100},
+            sampler=SimpleNamespace(sample=raising(SampleRefused("holds 3 memories"))),
+        ),
+        SC.FAILED_PRECONDITION,
+        "holds 3 memories",
+    ),
+    Case(
+        BudgetExceeded,
+        "Sample",
+        pb.SampleRequest(n=4),
+        stand_in(
+            cfg={"max_sample_batch": 100},
+            sampler=SimpleNamespace(sample=raising(BudgetExceeded("reply too large"))),
+        ),
+        SC.RESOURCE_EXHAUSTED,
+        "reply too large",
     ),
     Case(
         ConfigError,
