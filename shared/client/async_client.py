@@ -33,6 +33,7 @@ from shared.client.datasets import (
 )
 from shared.client.memory import MemoryRouter, Progress, RoutingError
 from shared.client.models import ModelStreamError, model_to_file, models_from_pb
+from shared.client.npz_stream import array_files, npz_size
 from shared.client.sampling import SampleBatch, sample_from_pb, sample_request
 from shared.client.store_io import (
     ExportProgress,
@@ -343,7 +344,7 @@ class Client:
         progress: Callable[[int], None] | None = None,
         chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> dict[str, Any]:
-        """Upload a local ``.npz`` (or ``.pt`` state dict) to the coordinator's first data root.
+        """Upload a local ``.npz``, a directory of ``.npy`` or a ``.pt`` state dict.
 
         An ``.npz`` is stored as ``NAME.npz``: a job then names it ``data: {path: NAME.npz}``
         (or ``load: NAME.npz``); the coordinator validates it as it arrives and serves the
@@ -351,8 +352,11 @@ class Client:
         ``weights_only=True``) is stored as ``NAME.pt``, for ``init: {dataset: NAME}``.
 
         Args:
-            path: the file: arrays ``x`` float32 [N, ...] and ``y`` int64 [N] (a training
-                set), ``ids`` and ``strengths`` (a memory set), or a ``.pt`` state dict.
+            path: the file: arrays ``x`` [N, ...] and ``y`` of any numeric dtype (a
+                training set, maybe with ``x_test``, ``y_test``), ``ids`` and ``strengths``
+                (a memory set), or a ``.pt`` state dict; or a directory of ``x.npy``
+                (``y.npy``, ``x_test.npy``, ``y_test.npy``), streamed as an uncompressed
+                ``.npz`` built as it is sent (the coordinator memory-maps its members).
             name: ``[A-Za-z0-9][A-Za-z0-9._-]*``, at most 128 characters; default the
                 file's stem; a trailing ``.npz`` is dropped (``.pt`` is added for a
                 ``.pt`` file).
@@ -377,10 +381,21 @@ class Client:
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
         p = Path(path)
-        if not await asyncio.to_thread(p.is_file):
+        if await asyncio.to_thread(p.is_dir):
+            files = await asyncio.to_thread(array_files, p)
+            if not files or files[0].name != "x.npy":
+                raise NeuroshardError(
+                    f"{p}: a data set directory needs x.npy (and y.npy, x_test.npy, "
+                    "y_test.npy as the set has them)",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                )
+            size = await asyncio.to_thread(npz_size, files)
+        elif await asyncio.to_thread(p.is_file):
+            size = (await asyncio.to_thread(p.stat)).st_size
+        else:
             raise NeuroshardError(f"{p}: no such file", grpc.StatusCode.INVALID_ARGUMENT)
-        size = (await asyncio.to_thread(p.stat)).st_size
-        stem = p.stem if name is None else name
+        is_dir = await asyncio.to_thread(p.is_dir)
+        stem = (p.name if is_dir else p.stem) if name is None else name
         if p.suffix == ".pt" and not stem.endswith(".pt"):
             stem += ".pt"  # a state dict: stored as NAME.pt, not as an .npz data set
         header = coordinator_pb2.DatasetHeader(name=stem, total_bytes=size, replace=replace)
