@@ -14,7 +14,7 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
 .PHONY: install protos demo test test-deps test-chaos test-browser test-loaded test-restart-loop lint \
-	bench-train bench-memory bench-recovery bench-wan bench-sampling bench-data bench-deps clean image \
+	bench-train bench-memory bench-replay bench-apex bench-recovery bench-wan bench-sampling bench-data bench-deps clean image \
 	image-base image-check image-deps deploy-check
 
 install: $(STAMP) $(PROTO_OUT)
@@ -136,6 +136,21 @@ bench-deps:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 			--no-install-recommends redis-server; \
 	else echo "bench-deps: redis-server missing; run as root or: sudo apt-get install redis-server"; exit 1; fi
+
+# Reverb (dm-reverb 0.14 pins tensorflow 2.15) runs in a virtual environment of its own, made
+# here on first use, never in the project's: tests/benchmarks/replay_peer_reverb.py imports
+# nothing of ours and prints JSON that bench_replay.py puts beside our figures.
+REVERB_VENV ?= .venv-reverb
+bench-replay: install
+	test -x $(REVERB_VENV)/bin/python || $(PYTHON) -m venv $(REVERB_VENV)
+	test -f $(REVERB_VENV)/.installed || ($(REVERB_VENV)/bin/pip install -q "dm-reverb==0.14.0" \
+		"tensorflow~=2.15.0" && touch $(REVERB_VENV)/.installed)
+	$(PY) -m tests.benchmarks.bench_replay --reverb-python $(REVERB_VENV)/bin/python
+
+# Ape-X on CartPole-v1 through a replay table: prioritized vs uniform, 5 seeds, and runs with a
+# worker killed (about 30-60 min on 2 cores); writes docs/apex-cartpole.png.
+bench-apex: install
+	$(PY) -m tests.benchmarks.bench_apex
 
 bench-recovery: install
 	$(PY) -m tests.benchmarks.bench_recovery
