@@ -122,8 +122,8 @@ image-check:
 deploy-check: $(STAMP)
 	$(PY) deploy/check.py
 
-bench-train: install
-	$(PY) -m tests.benchmarks.bench_train
+bench-train: install example-data
+	$(PY) -m tests.benchmarks.bench_train --gpt-data $(EXAMPLE_DATA)/chars.npz
 
 # The README's example data sets (examples/prepare.py) in EXAMPLE_DATA: chars.npz, the text of
 # Debian's fortunes package (fetched with `apt-get download` and `dpkg -x`: no root, nothing

@@ -178,3 +178,44 @@ async def test_resnet18_with_sync_batchnorm_equals_one_process_on_the_global_bat
 
     # Assert: parameters and BatchNorm running statistics of the global batch.
     assert_same_state(load_saved_model(result), model.state_dict())
+
+
+def test_up_runs_its_daemons_with_the_example_configs(tmp_path: Path) -> None:
+    # Arrange: the README's `neuroshard up` with the example configs, 1 worker.
+    import re
+    import signal
+    import subprocess
+
+    from shared.client import SyncClient
+    from tests.integration.cli_helpers import CLI, processes_mentioning
+
+    np.savez(tmp_path / "chars.npz", **char_rows("the quick brown fox " * 40, BLOCK))
+    data_dir = tmp_path / "up"
+    configs = ["--coordinator-config", "configs/examples/coordinator.yaml"]
+    configs += ["--worker-config", "configs/examples/worker.yaml"]
+    cmd = [*CLI, "up", "--workers", "1", "--port", "0", "--data-dir", str(data_dir), *configs]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        address = ""
+        for line in proc.stdout:  # daemons' logs, then the address once every worker is ALIVE
+            if re.fullmatch(r"127\.0\.0\.1:\d+", line.strip()):
+                address = line.strip()
+                break
+        assert address, "neuroshard up exited before printing its address"
+
+        # Act: the coordinator admits a char_gpt job and the worker builds it (sync: in the
+        # worker daemon itself); neither would without its allowed_models.
+        with SyncClient(address) as client:
+            client.put_dataset(tmp_path / "chars.npz")
+            spec = gpt_job(strategy="sync", workers=1, steps=2, optimizer={"name": "sgd"})
+            final = client.wait(client.submit(spec).job_id)
+
+        # Assert
+        assert final.state == "SUCCEEDED", final.error
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert processes_mentioning(str(data_dir)) == []

@@ -57,3 +57,18 @@ def test_the_example_configs_list_the_example_models_and_build_them() -> None:
     assert coordinator.allowed_models == worker.allowed_models
     assert set(coordinator.allowed_models) == {"char_gpt", "resnet18"}
     assert isinstance(model, CharGPT) and len(model.blocks) == 2
+
+
+def test_a_saved_model_loads_back_at_its_sizes_and_continues_a_prompt(tmp_path: Path) -> None:
+    from examples.sample import load_char_gpt, sample
+
+    torch.manual_seed(0)
+    saved = char_gpt(vocab=97, block=8, dim=16, heads=2, layers=3)
+    torch.save(saved.state_dict(), tmp_path / "gpt.pt")
+
+    model = load_char_gpt(str(tmp_path / "gpt.pt"), heads=2)
+    text = sample(model, "Hello", chars=12, seed=1)
+
+    assert (model.block, len(model.blocks)) == (8, 3)
+    assert text.startswith("Hello") and len(text) == 17
+    assert text == sample(model, "Hello", chars=12, seed=1)  # seeded

@@ -1,0 +1,249 @@
+"""``make bench-train``'s GPT part: the README's character-level GPT example, measured.
+
+- throughput: tokens/s of neuroshard ``allreduce`` on 2 workers vs torch DDP (gloo, 2
+  processes of ``torch.multiprocessing``) training the same model on the same batches: each
+  step's rows are ``shared.training.partition``'s (a seeded permutation per epoch, G = 2 x 32
+  rows a step, split contiguously over the ranks), interleaved rounds, medians;
+- time to the stated validation loss: ``configs/jobs/char-gpt.yaml`` (3 workers) on a fresh
+  local cluster of the example configs, wall seconds from submit until an epoch's evaluation
+  reports ``test_loss`` <= the target; the job then runs to its end;
+- one process: the same model trained in this process on the same global batches for the
+  same steps, its validation loss next to the job's (the README's claim that they agree).
+
+Not collected by pytest; run with ``python -m tests.benchmarks.bench_train --parts gpt``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from torch import nn
+
+from shared.config import CoordinatorConfig, FileData, TrainJobSpec, load_config
+from shared.training.data import Dataset, load_dataset
+from shared.training.models import build_model
+from shared.training.partition import allreduce_steps_per_epoch, global_rows, rank_rows
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = REPO / "configs/jobs/char-gpt.yaml"
+COORDINATOR_CONFIG = REPO / "configs/examples/coordinator.yaml"
+WORKER_CONFIG = REPO / "configs/examples/worker.yaml"
+
+
+def example_spec(data: Path, **changes: Any) -> TrainJobSpec:
+    """``configs/jobs/char-gpt.yaml`` with its data at ``data`` and ``changes`` applied."""
+    doc = yaml.safe_load(JOB.read_text()) | {"data": {"path": str(data)}} | changes
+    return TrainJobSpec.model_validate(doc)
+
+
+def _dataset(spec: TrainJobSpec) -> Dataset:
+    assert isinstance(spec.data, FileData)
+    return load_dataset(spec.data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size)
+
+
+def _model(spec: TrainJobSpec, ds: Dataset) -> nn.Module:
+    allowed = load_config(CoordinatorConfig, COORDINATOR_CONFIG).allowed_models
+    return build_model(spec.model, ds.input_shape, ds.num_classes, spec.seed, allowed)
+
+
+def _next_token_ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: tokens x, y [B, T] -> logits [B, T, V]."""
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _train(
+    spec: TrainJobSpec, ds: Dataset, model: nn.Module, steps: int, rank: int = 0, world: int = 1
+) -> list[float]:
+    """Adam on each allreduce step's rows (this rank's part of them); the seconds of each step.
+
+    With ``world`` > 1, ``model`` is a DDP module: its all-reduce averages the ranks' gradients,
+    each of its rank's mean loss (equal parts, as G is a multiple of ``world`` here).
+    """
+    opt = torch.optim.Adam(model.parameters(), lr=spec.optimizer.lr)
+    x_all, y_all = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
+    g = spec.workers * spec.batch_size
+    per_epoch = allreduce_steps_per_epoch(len(y_all), g)
+    seconds = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        epoch, s = divmod(step, per_epoch)
+        rows = rank_rows(global_rows(len(y_all), g, spec.seed, epoch, s), rank, world)
+        idx = torch.from_numpy(rows)
+        opt.zero_grad(set_to_none=True)
+        _next_token_ce(model, x_all[idx], y_all[idx]).backward()
+        opt.step()
+        seconds.append(time.perf_counter() - t0)
+    return seconds
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, ds: Dataset, batch: int = 512) -> float:
+    """Mean next-token cross-entropy over the test split (nats), in eval mode."""
+    model.eval()
+    x, y = torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test)
+    total = sum(
+        float(_next_token_ce(model, x[i : i + batch], y[i : i + batch])) * len(y[i : i + batch])
+        for i in range(0, len(y), batch)
+    )
+    model.train()
+    return total / len(y)
+
+
+def one_process_loss(spec: TrainJobSpec, steps: int) -> tuple[float, float]:
+    """Validation loss after ``steps`` steps of the job's global batches in this process, and
+    the wall seconds of the training (1 torch thread)."""
+    torch.set_num_threads(1)
+    ds = _dataset(spec)
+    model = _model(spec, ds)
+    seconds = _train(spec, ds, model, steps)
+    return validation_loss(model, ds), sum(seconds)
+
+
+def _ddp_rank(rank: int, world: int, port: int, spec: TrainJobSpec, steps: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ds = _dataset(spec)
+        ddp = nn.parallel.DistributedDataParallel(_model(spec, ds))
+        _train(spec, ds, ddp, 2, rank, world)  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        _train(spec, ds, ddp, steps, rank, world)
+        dist.barrier()
+        if rank == 0:
+            out.put(time.perf_counter() - t0)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_tokens_per_s(spec: TrainJobSpec, steps: int) -> float:
+    """tokens/s of torch DDP (gloo, loopback) on ``spec.workers`` processes, start-up untimed."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    world = spec.workers
+    mp.start_processes(
+        _ddp_rank, args=(world, port, spec, steps, out), nprocs=world, start_method="spawn"
+    )
+    seconds: float = out.get()
+    return steps * world * spec.batch_size * _tokens_per_row(spec) / seconds
+
+
+def _tokens_per_row(spec: TrainJobSpec) -> int:
+    return int(spec.model.args["block"])  # type: ignore[union-attr]
+
+
+def _job_doc(spec: TrainJobSpec, **kw: Any) -> dict[str, Any]:
+    doc = spec.model_dump(by_alias=True, exclude_none=True)
+    doc.update(data={"path": Path(spec.data.path).name}, **kw)  # type: ignore[union-attr]
+    return doc
+
+
+def _cluster(workers: int, logs: str) -> Any:
+    from shared.cli.local_cluster import LocalCluster
+
+    return LocalCluster(
+        workers,
+        log_dir=logs,
+        coordinator_args=["--config", str(COORDINATOR_CONFIG)],
+        worker_args=["--config", str(WORKER_CONFIG)],
+    )
+
+
+def throughput(data: Path, steps: int, rounds: int) -> None:
+    """Print tokens/s of neuroshard allreduce and of DDP on 2 workers, and their ratio."""
+    from shared.client import SyncClient
+
+    spec = example_spec(data, workers=2)
+    doc = _job_doc(spec, steps=steps, epochs=None)
+    ours, theirs = [], []
+    with (
+        tempfile.TemporaryDirectory(prefix="neuroshard-bench-") as logs,
+        _cluster(2, logs) as cluster,
+        SyncClient(cluster.address) as client,
+    ):
+        client.put_dataset(data)
+
+        def run_ours() -> float:
+            final = client.wait(client.submit(doc).job_id)
+            if final.state != "SUCCEEDED":
+                raise RuntimeError(f"benchmark job {final.state}: {final.error}")
+            return float(final.result["samples_per_s"]) * _tokens_per_row(spec)
+
+        run_ours()  # warm-up: imports, data, first connections
+        for _ in range(rounds):
+            theirs.append(ddp_tokens_per_s(spec, steps))
+            ours.append(run_ours())
+    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    print(f"char-gpt, 2 workers x 32 rows x 64 tokens, {steps} steps, {rounds} rounds, medians")
+    print(f"torch DDP gloo, 2 procs x 1 thread   {statistics.median(theirs):>10,.0f} tokens/s")
+    print(f"neuroshard allreduce, 2 workers       {statistics.median(ours):>10,.0f} tokens/s")
+    print(f"ratio (per round, median)             {ratio:>10.2f}x", flush=True)
+
+
+def time_to_loss(data: Path, target: float) -> tuple[float | None, dict[str, Any]]:
+    """Seconds from submit to the first evaluation with ``test_loss`` <= ``target`` (None if
+    never) of the example job on 3 fresh workers, and the job's result once it ended."""
+    from shared.client import SyncClient
+
+    spec = example_spec(data)
+    reached: float | None = None
+    with (
+        tempfile.TemporaryDirectory(prefix="neuroshard-bench-") as logs,
+        _cluster(spec.workers, logs) as cluster,
+        SyncClient(cluster.address) as client,
+    ):
+        client.put_dataset(data)
+        t0 = time.perf_counter()
+        job = client.submit(_job_doc(spec))
+        for _info, progress in client.watch(job.job_id):
+            loss = progress.get("test_loss")
+            if reached is None and loss is not None and not math.isnan(loss) and loss <= target:
+                reached = time.perf_counter() - t0
+        final = client.wait(job.job_id)
+        ended = time.perf_counter() - t0
+    if final.state != "SUCCEEDED":
+        raise RuntimeError(f"example job {final.state}: {final.error}")
+    # The last epoch's evaluation is in the result only (no progress event follows it).
+    if reached is None and any(h["test_loss"] <= target for h in final.result["history"]):
+        reached = ended
+    return reached, final.result
+
+
+def main_gpt(data: Path, steps: int, rounds: int, target: float) -> None:
+    """The GPT part of ``make bench-train``: throughput, time to ``target``, one process."""
+    throughput(data, steps, rounds)
+    reached, result = time_to_loss(data, target)
+    spec = example_spec(data)
+    print(f"\nchar-gpt example ({JOB.relative_to(REPO)}), 3 workers, {result['steps']} steps")
+    when = f"{reached:.0f} s" if reached is not None else "not reached"
+    print(f"time to validation loss <= {target}: {when} (wall, from submit)")
+    for h in result["history"]:
+        print(
+            f"  epoch {h['epoch']} step {h['step']}: test_loss {h['test_loss']:.4f} "
+            f"tokens/s {h.get('tokens_per_s', 0):,.0f}"
+        )
+    loss, seconds = one_process_loss(spec, int(result["steps"]))
+    diff = abs(loss - result["test_loss"])
+    print(f"one process, same batches, {result['steps']} steps: validation loss {loss:.6f} ")
+    print(f"neuroshard allreduce, 3 workers:               {result['test_loss']:.6f}")
+    print(f"difference {diff:.1e} (one process trained for {seconds:.0f} s)", flush=True)
+    if not np.isfinite(diff):
+        raise RuntimeError("validation losses are not finite")
