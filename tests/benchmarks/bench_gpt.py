@@ -63,20 +63,39 @@ def _next_token_ce(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def _optimizer(spec: TrainJobSpec, model: nn.Module) -> torch.optim.Optimizer:
+    """The spec's torch.optim optimizer (no schedule: the example's lr is constant)."""
+    o = spec.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay
+        )
+    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+    return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+
+
 def _train(
-    spec: TrainJobSpec, ds: Dataset, model: nn.Module, steps: int, rank: int = 0, world: int = 1
+    spec: TrainJobSpec,
+    ds: Dataset,
+    model: nn.Module,
+    steps: int,
+    rank: int = 0,
+    world: int = 1,
+    opt: torch.optim.Optimizer | None = None,
+    first: int = 0,
 ) -> list[float]:
-    """Adam on each allreduce step's rows (this rank's part of them); the seconds of each step.
+    """Steps ``first`` .. ``first + steps - 1`` on each allreduce step's rows (this rank's part
+    of them); the seconds of each step.
 
     With ``world`` > 1, ``model`` is a DDP module: its all-reduce averages the ranks' gradients,
     each of its rank's mean loss (equal parts, as G is a multiple of ``world`` here).
     """
-    opt = torch.optim.Adam(model.parameters(), lr=spec.optimizer.lr)
+    opt = opt or _optimizer(spec, model)
     x_all, y_all = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
     g = spec.workers * spec.batch_size
     per_epoch = allreduce_steps_per_epoch(len(y_all), g)
     seconds = []
-    for step in range(steps):
+    for step in range(first, first + steps):
         t0 = time.perf_counter()
         epoch, s = divmod(step, per_epoch)
         rows = rank_rows(global_rows(len(y_all), g, spec.seed, epoch, s), rank, world)
@@ -101,14 +120,18 @@ def validation_loss(model: nn.Module, ds: Dataset, batch: int = 512) -> float:
     return total / len(y)
 
 
-def one_process_loss(spec: TrainJobSpec, steps: int) -> tuple[float, float]:
-    """Validation loss after ``steps`` steps of the job's global batches in this process, and
-    the wall seconds of the training (1 torch thread)."""
+def one_process_losses(spec: TrainJobSpec, at_steps: list[int]) -> tuple[dict[int, float], float]:
+    """Validation losses after each of ``at_steps`` steps of the job's global batches in this
+    process, and the wall seconds of the training (1 torch thread)."""
     torch.set_num_threads(1)
     ds = _dataset(spec)
     model = _model(spec, ds)
-    seconds = _train(spec, ds, model, steps)
-    return validation_loss(model, ds), sum(seconds)
+    opt = _optimizer(spec, model)
+    losses, done, seconds = {}, 0, 0.0
+    for step in sorted(at_steps):
+        seconds += sum(_train(spec, ds, model, step - done, opt=opt, first=done))
+        losses[step], done = validation_loss(model, ds), step
+    return losses, seconds
 
 
 def _ddp_rank(rank: int, world: int, port: int, spec: TrainJobSpec, steps: int, out: Any) -> None:
@@ -235,15 +258,16 @@ def main_gpt(data: Path, steps: int, rounds: int, target: float) -> None:
     print(f"\nchar-gpt example ({JOB.relative_to(REPO)}), 3 workers, {result['steps']} steps")
     when = f"{reached:.0f} s" if reached is not None else "not reached"
     print(f"time to validation loss <= {target}: {when} (wall, from submit)")
-    for h in result["history"]:
+    history = result["history"]
+    ours, seconds = one_process_losses(spec, [int(h["step"]) for h in history])
+    print("epoch   step  allreduce x3 test_loss  one process  |difference|   tokens/s")
+    for h in history:
+        theirs = ours[int(h["step"])]
+        diff = abs(theirs - h["test_loss"])
         print(
-            f"  epoch {h['epoch']} step {h['step']}: test_loss {h['test_loss']:.4f} "
-            f"tokens/s {h.get('tokens_per_s', 0):,.0f}"
+            f"{h['epoch']:>5} {h['step']:>6} {h['test_loss']:>22.6f} {theirs:>12.6f} "
+            f"{diff:>13.1e} {h.get('tokens_per_s', 0):>10,.0f}"
         )
-    loss, seconds = one_process_loss(spec, int(result["steps"]))
-    diff = abs(loss - result["test_loss"])
-    print(f"one process, same batches, {result['steps']} steps: validation loss {loss:.6f} ")
-    print(f"neuroshard allreduce, 3 workers:               {result['test_loss']:.6f}")
-    print(f"difference {diff:.1e} (one process trained for {seconds:.0f} s)", flush=True)
-    if not np.isfinite(diff):
-        raise RuntimeError("validation losses are not finite")
+        if not np.isfinite(diff):
+            raise RuntimeError("validation losses are not finite")
+    print(f"(one process trained for {seconds:.0f} s, 1 thread)", flush=True)
