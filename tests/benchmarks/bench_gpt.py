@@ -8,7 +8,10 @@
   local cluster of the example configs, wall seconds from submit until an epoch's evaluation
   reports ``test_loss`` <= the target; the job then runs to its end;
 - one process: the same model trained in this process on the same global batches for the
-  same steps, its validation loss next to the job's (the README's claim that they agree).
+  same steps, its validation loss next to the job's at every epoch's end and after a short
+  job of ``short_steps``; and, as the control, one process whose step gradient is summed
+  over the 3 ranks' parts of the rows (float32 sums in another order, nothing else changed),
+  which shows how far rounding alone moves Adam's trajectory over many steps.
 
 Not collected by pytest; run with ``python -m tests.benchmarks.bench_train --parts gpt``.
 """
@@ -83,12 +86,16 @@ def _train(
     world: int = 1,
     opt: torch.optim.Optimizer | None = None,
     first: int = 0,
+    parts: int = 1,
 ) -> list[float]:
     """Steps ``first`` .. ``first + steps - 1`` on each allreduce step's rows (this rank's part
     of them); the seconds of each step.
 
     With ``world`` > 1, ``model`` is a DDP module: its all-reduce averages the ranks' gradients,
-    each of its rank's mean loss (equal parts, as G is a multiple of ``world`` here).
+    each of its rank's mean loss (equal parts, as G is a multiple of ``world`` here). With
+    ``parts`` > 1 (one process), the step's gradient is summed over ``parts`` backward passes,
+    one per part of the rows as the ranks would split them, each of its part's loss sum over
+    the step's rows: the same gradient as one pass, its float32 sums in another order.
     """
     opt = opt or _optimizer(spec, model)
     x_all, y_all = torch.from_numpy(ds.x_train), torch.from_numpy(ds.y_train)
@@ -99,9 +106,11 @@ def _train(
         t0 = time.perf_counter()
         epoch, s = divmod(step, per_epoch)
         rows = rank_rows(global_rows(len(y_all), g, spec.seed, epoch, s), rank, world)
-        idx = torch.from_numpy(rows)
         opt.zero_grad(set_to_none=True)
-        _next_token_ce(model, x_all[idx], y_all[idx]).backward()
+        for r in range(parts):
+            idx = torch.from_numpy(rank_rows(rows, r, parts))
+            share = len(idx) / len(rows)
+            (_next_token_ce(model, x_all[idx], y_all[idx]) * share).backward()
         opt.step()
         seconds.append(time.perf_counter() - t0)
     return seconds
@@ -120,16 +129,18 @@ def validation_loss(model: nn.Module, ds: Dataset, batch: int = 512) -> float:
     return total / len(y)
 
 
-def one_process_losses(spec: TrainJobSpec, at_steps: list[int]) -> tuple[dict[int, float], float]:
+def one_process_losses(
+    spec: TrainJobSpec, at_steps: list[int], parts: int = 1
+) -> tuple[dict[int, float], float]:
     """Validation losses after each of ``at_steps`` steps of the job's global batches in this
-    process, and the wall seconds of the training (1 torch thread)."""
+    process, and the wall seconds of the training (1 torch thread); ``parts`` as ``_train``."""
     torch.set_num_threads(1)
     ds = _dataset(spec)
     model = _model(spec, ds)
     opt = _optimizer(spec, model)
     losses, done, seconds = {}, 0, 0.0
-    for step in sorted(at_steps):
-        seconds += sum(_train(spec, ds, model, step - done, opt=opt, first=done))
+    for step in sorted(set(at_steps)):
+        seconds += sum(_train(spec, ds, model, step - done, opt=opt, first=done, parts=parts))
         losses[step], done = validation_loss(model, ds), step
     return losses, seconds
 
@@ -221,9 +232,15 @@ def throughput(data: Path, steps: int, rounds: int) -> None:
     print(f"ratio (per round, median)             {ratio:>10.2f}x", flush=True)
 
 
-def time_to_loss(data: Path, target: float) -> tuple[float | None, dict[str, Any]]:
-    """Seconds from submit to the first evaluation with ``test_loss`` <= ``target`` (None if
-    never) of the example job on 3 fresh workers, and the job's result once it ended."""
+def example_runs(
+    data: Path, target: float, short_steps: int
+) -> tuple[float | None, dict[str, Any], dict[str, Any]]:
+    """The example job on 3 fresh workers, then the same job cut to ``short_steps`` steps.
+
+    Returns:
+        Seconds from submit to the first evaluation with ``test_loss`` <= ``target`` (None if
+        never), the example job's result, and the short job's result.
+    """
     from shared.client import SyncClient
 
     spec = example_spec(data)
@@ -242,32 +259,42 @@ def time_to_loss(data: Path, target: float) -> tuple[float | None, dict[str, Any
                 reached = time.perf_counter() - t0
         final = client.wait(job.job_id)
         ended = time.perf_counter() - t0
-    if final.state != "SUCCEEDED":
-        raise RuntimeError(f"example job {final.state}: {final.error}")
+        short = client.wait(client.submit(_job_doc(spec, steps=short_steps, epochs=None)).job_id)
+    for done in (final, short):
+        if done.state != "SUCCEEDED":
+            raise RuntimeError(f"example job {done.state}: {done.error}")
     # The last epoch's evaluation is in the result only (no progress event follows it).
     if reached is None and any(h["test_loss"] <= target for h in final.result["history"]):
         reached = ended
-    return reached, final.result
+    return reached, final.result, short.result
 
 
-def main_gpt(data: Path, steps: int, rounds: int, target: float) -> None:
-    """The GPT part of ``make bench-train``: throughput, time to ``target``, one process."""
-    throughput(data, steps, rounds)
-    reached, result = time_to_loss(data, target)
+def main_gpt(data: Path, steps: int, rounds: int, target: float, short_steps: int = 40) -> None:
+    """The GPT part of ``make bench-train``: throughput (skipped for ``rounds`` 0), time to
+    ``target``, and one process on the same batches (also with the gradient summed in 3
+    parts, the control that shows what float32 rounding alone does)."""
+    if rounds:
+        throughput(data, steps, rounds)
+    reached, result, short = example_runs(data, target, short_steps)
     spec = example_spec(data)
     print(f"\nchar-gpt example ({JOB.relative_to(REPO)}), 3 workers, {result['steps']} steps")
     when = f"{reached:.0f} s" if reached is not None else "not reached"
     print(f"time to validation loss <= {target}: {when} (wall, from submit)")
-    history = result["history"]
-    ours, seconds = one_process_losses(spec, [int(h["step"]) for h in history])
-    print("epoch   step  allreduce x3 test_loss  one process  |difference|   tokens/s")
-    for h in history:
-        theirs = ours[int(h["step"])]
-        diff = abs(theirs - h["test_loss"])
+    ns = {int(h["step"]): h for h in result["history"]}
+    ns[short_steps] = {"test_loss": short["test_loss"], "tokens_per_s": 0.0}
+    at = sorted(ns)
+    ours, seconds = one_process_losses(spec, at)
+    split, _ = one_process_losses(spec, at, parts=spec.workers)
+    print(
+        "  step  allreduce x3  one process  |difference|  one process, grad in 3 parts  "
+        "|difference to one process|"
+    )
+    for step in at:
+        theirs, alone, parts = ns[step]["test_loss"], ours[step], split[step]
         print(
-            f"{h['epoch']:>5} {h['step']:>6} {h['test_loss']:>22.6f} {theirs:>12.6f} "
-            f"{diff:>13.1e} {h.get('tokens_per_s', 0):>10,.0f}"
+            f"{step:>6} {theirs:>13.6f} {alone:>12.6f} {abs(theirs - alone):>13.1e} "
+            f"{parts:>29.6f} {abs(parts - alone):>27.1e}"
         )
-        if not np.isfinite(diff):
+        if not np.isfinite(theirs - alone):
             raise RuntimeError("validation losses are not finite")
     print(f"(one process trained for {seconds:.0f} s, 1 thread)", flush=True)
