@@ -18,8 +18,11 @@ from coordinator.forget import WorkerUnknown
 from coordinator.jobs.admission import admit
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord, JobStore
 from coordinator.jobs.scheduler import Scheduler
+from coordinator.memory.capped_inserts import CappedInserts
 from coordinator.memory.memory_job import MemoryJob
 from coordinator.memory.memory_ops import MemoryOps
+from coordinator.memory.sampling import Sampler
+from coordinator.memory.tables import Tables
 from coordinator.network.link_probe import LinkProbe
 from coordinator.network.link_stats import LinkStats
 from coordinator.persistence import CRASHED_TWICE, StateStore
@@ -34,9 +37,11 @@ from coordinator.training.saved_models import check_init, model_file
 from coordinator.training.sync import SyncSteps
 from coordinator.training.train_job import StepScheme, TrainJob
 from coordinator.training.train_sets import TrainSets
+from shared.client.memory import MemoryRouter
 from shared.config import ConfigError, CoordinatorConfig, InitSpec, JobSpec, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
+from shared.proto import common_pb2
 from shared.rpc.peers import WorkerClients
 from shared.security.auth import may_see_job
 from shared.security.transport import ChannelSecurity
@@ -127,6 +132,7 @@ class Cluster:
         self.reports = ReportLimiter(cfg.report_rate_per_s, burst=10)
         self.rebalancer.events = self.events
         self.state = StateStore(cfg.data_dir)
+        self.tables = Tables(self.rebalancer, cfg.max_payload_bytes)
         self._restore()
         self.memory = MemoryOps(
             self.rebalancer,
@@ -136,6 +142,17 @@ class Cluster:
             # long enough for a dead primary to be declared and its replicas promoted
             retry_budget_s=3 * cfg.heartbeat_timeout_s + 5.0,
         )
+        self.sampler = Sampler(
+            self.rebalancer,
+            self.membership,
+            self.clients,
+            cfg.rpc_timeout_s,
+            retry_budget_s=3 * cfg.heartbeat_timeout_s + 5.0,
+        )
+        self._insert_router = MemoryRouter(
+            self._wire_map, cfg.rpc_timeout_s, cfg.max_message_bytes, security=security
+        )
+        self.inserts = CappedInserts(self.tables, self.memory, self._insert_router)
 
     def _restore(self) -> None:
         """Load the slot map, workers and jobs saved by a previous coordinator process."""
@@ -155,6 +172,10 @@ class Cluster:
         for job_id in self.state.crashed_twice:
             log.warning("job_failed", job_id=job_id, error=CRASHED_TWICE)
         self.rebalancer.persist = self.state.save_slot_map
+        tables = self.state.load_tables()
+        if tables is not None:
+            self.tables.load_doc(tables)
+        self.tables.persist = self.state.save_tables
         self.jobs.on_change = self.state.save_job
         if saved is not None or jobs:
             log.info(
@@ -434,7 +455,12 @@ class Cluster:
             log.info("jobs_pruned", jobs=len(dropped))
         return dropped
 
+    async def _wire_map(self) -> common_pb2.SlotMap:
+        """The current map as ``GetSlotMap`` returns it (the capped inserts route with it)."""
+        return self.rebalancer.wire_map()
+
     async def close(self) -> None:
         """Close worker channels and the state database."""
+        await self._insert_router.close()
         await self.clients.close()
         self.state.close()

@@ -23,22 +23,30 @@ from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord
 from coordinator.memory.memory_ops import BulkOpError
+from coordinator.memory.sampling import SampleRefused
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable, StoreExport
+from coordinator.memory.tables import TableExists
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.membership import WorkerState
 from coordinator.placement.readmission import ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing, model_chunks, model_file, saved_model
+from shared.client.memory import RoutingError
 from shared.config import ConfigError
+from shared.memory.sampling import new_seed, validate_sample
 from shared.memory.stats import quality_to_pb
+from shared.memory.tables import DEFAULT_TABLE, TableNotFound
 from shared.memory.validation import (
     MemoryInputError,
     as_slots,
     validate_k,
     validate_op_id,
     validate_rate,
+    validate_request_id,
+    validate_upsert,
 )
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.rpc.limits import BudgetExceeded
 from shared.rpc.status_table import BadRequest, Status, StatusTable
 from shared.security.auth import AddressRefused, address_error, current_principal, may_see_job
 from shared.security.confinement import PathRefused
@@ -47,6 +55,21 @@ from shared.training.entry_points import EntryPointRefused
 
 # Mints a data-plane token for a caller: (token, expiry in Unix seconds).
 DataTokenMinter = Callable[[Principal], tuple[str, float]]
+
+
+class InsertFailed(Exception):
+    """A capped insert's write or eviction failed at a worker: with that worker's status.
+
+    A refusal such as INVALID_ARGUMENT, or UNAVAILABLE: retry with the same request id.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        """Carry the worker's ``code``."""
+        super().__init__(message)
+        self.code = code
+
+
+DEFAULT_SAMPLE_TIMEOUT_S = 30.0  # how long a Sample's min_size waits when not told
 
 # Domain errors of the coordinator's RPCs and the status each maps to.
 _ERRORS = StatusTable(
@@ -63,6 +86,9 @@ _ERRORS = StatusTable(
         (NotSlotPrimary, grpc.StatusCode.FAILED_PRECONDITION),
         (TooManyReports, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (BulkOpError, grpc.StatusCode.UNAVAILABLE),
+        (TableNotFound, grpc.StatusCode.NOT_FOUND),
+        (SampleRefused, grpc.StatusCode.FAILED_PRECONDITION),
+        (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (ExportUnavailable, grpc.StatusCode.UNAVAILABLE),
         (ExportsBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (JobQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -71,6 +97,8 @@ _ERRORS = StatusTable(
         (ModelMissing, grpc.StatusCode.NOT_FOUND),
         (WorkerUnknown, grpc.StatusCode.NOT_FOUND),
         (WorkerNotDead, grpc.StatusCode.FAILED_PRECONDITION),
+        (TableExists, grpc.StatusCode.ALREADY_EXISTS),
+        (InsertFailed, lambda e: Status(e.code)),
     ]
 )
 
@@ -305,7 +333,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
-            n = await self._cluster.memory.decay(rate, op_id)
+            table = self._wire_table(request.table)
+            n = await self._cluster.memory.decay(rate, op_id, table)
         return common_pb2.DecayResponse(memories=n)
 
     async def Quality(
@@ -314,10 +343,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """Count, sum, mean, min, max and 10-bin histogram of all strengths.
 
         Raises:
-            grpc.aio.AbortError: UNAVAILABLE when a primary failed.
+            grpc.aio.AbortError: NOT_FOUND naming an unknown table; UNAVAILABLE when a
+                primary failed.
         """
         async with _ERRORS.mapped(context):
-            q = await self._cluster.memory.quality()
+            table = self._wire_table(request.table)
+            q = await self._cluster.memory.quality(table)
         return quality_to_pb(q)
 
     async def TopK(
@@ -331,8 +362,60 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """
         async with _ERRORS.mapped(context):
             k = validate_k(request.k, self._cluster.cfg.topk_max)
-            ids, strengths = await self._cluster.memory.topk(k)
+            table = self._wire_table(request.table)
+            ids, strengths = await self._cluster.memory.topk(k, table)
         return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
+
+    async def Sample(
+        self, request: coordinator_pb2.SampleRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.SampleResponse:
+        """Draw n memories with replacement, P(i) = w_i / W, exact over the whole table.
+
+        Seeded draws are a function of the seed, alpha and the table's content
+        (docs/architecture.md, "Sampling"); without a seed one is drawn and answered.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown table;
+                INVALID_ARGUMENT for n <= 0 or above ``max_sample_batch``, alpha negative or
+                not finite, without_replacement, or a negative timeout_s;
+                FAILED_PRECONDITION for an empty table without min_size, or min_size not
+                reached in timeout_s (names the size); RESOURCE_EXHAUSTED for a reply over
+                the message limit; UNAVAILABLE when a primary still failed after retries.
+        """
+        async with _ERRORS.mapped(context):
+            table = self._cluster.tables.check(request.table)
+            alpha = validate_sample(
+                request.n,
+                request.alpha,
+                self._cluster.cfg.max_sample_batch,
+                replacement=not request.without_replacement,
+            )
+            if not request.timeout_s >= 0:
+                raise BadRequest(f"timeout_s: {request.timeout_s!r} must be >= 0")
+            r = await self._cluster.sampler.sample(
+                request.n,
+                alpha,
+                request.seed if request.has_seed else new_seed(),
+                min_size=request.min_size,
+                timeout_s=request.timeout_s or DEFAULT_SAMPLE_TIMEOUT_S,
+                with_payloads=not request.without_payloads,
+                table=table,
+            )
+            size = 24 * len(r.ids) + sum(len(p) + 6 for p in r.payloads) + 64
+            if size > self._cluster.cfg.max_message_bytes:
+                raise BudgetExceeded(
+                    f"Sample reply of {len(r.ids)} draws would be {size} bytes, over "
+                    f"max_message_bytes {self._cluster.cfg.max_message_bytes}; ask for fewer"
+                )
+        return coordinator_pb2.SampleResponse(
+            ids=ids_to_bytes(r.ids),
+            strengths=f32_to_bytes(r.strengths),
+            payloads=r.payloads if not request.without_payloads else [],
+            probabilities=r.probabilities.astype("<f8").tobytes(),
+            seed=r.seed,
+            size=r.size,
+            total_weight=r.total_weight,
+        )
 
     async def Sweep(
         self, request: coordinator_pb2.SweepRequest, context: aio.ServicerContext[Any, Any]
@@ -351,7 +434,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             k = validate_k(request.k, self._cluster.cfg.topk_max) if request.k else 0
-            r = await self._cluster.memory.sweep(rate, op_id, k, request.want_quality)
+            table = self._wire_table(request.table)
+            r = await self._cluster.memory.sweep(rate, op_id, k, request.want_quality, table)
         reply = coordinator_pb2.SweepResponse(
             memories=r.memories,
             topk=common_pb2.TopKResponse(
@@ -361,6 +445,87 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if r.quality is not None:
             reply.quality.CopyFrom(quality_to_pb(r.quality))
         return reply
+
+    def _wire_table(self, name: str) -> str:
+        """The table a bulk request names, as workers take it ("" for the default one).
+
+        Raises:
+            TableNotFound: no such table (NOT_FOUND).
+        """
+        table = self._cluster.tables.check(name)
+        return "" if table == DEFAULT_TABLE else table
+
+    async def CreateTable(
+        self, request: coordinator_pb2.CreateTableRequest, context: aio.ServicerContext[Any, Any]
+    ) -> common_pb2.TableSpec:
+        """Create a replay table (admin); answered once the map listing it is published.
+
+        Raises:
+            grpc.aio.AbortError: INVALID_ARGUMENT naming the field out of range (name,
+                capacity, eviction, max_payload_bytes, forget_below); ALREADY_EXISTS.
+        """
+        spec = common_pb2.TableSpec()
+        async with _ERRORS.mapped(context):
+            spec = await self._cluster.tables.create(
+                request.name,
+                request.capacity,
+                request.eviction,
+                request.max_payload_bytes,
+                request.forget_below if request.has_forget_below else None,
+            )
+        return spec
+
+    async def Insert(
+        self, request: coordinator_pb2.InsertRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.InsertResponse:
+        """Upsert into a capped table, evicting per its policy (``CappedInserts``).
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND naming an unknown table; INVALID_ARGUMENT for bad
+                values (payloads over the table's limit, naming the index), a request_id over
+                64 bytes or a table without a capacity (nothing applied); UNAVAILABLE when a
+                primary could not be reached (retry with the same request_id).
+        """
+        reply = coordinator_pb2.InsertResponse()
+        async with _ERRORS.mapped(context):
+            spec = self._cluster.tables.spec(request.table)
+            if not spec.capacity:
+                raise BadRequest(f"table {spec.name!r} has no capacity: upsert to the workers")
+            validate_request_id(request.request_id)
+            payloads = list(request.payloads) if len(request.payloads) else None
+            ids, strengths, plain = validate_upsert(
+                ids_from_bytes(request.ids, "ids"),
+                f32_from_bytes(request.strengths, "strengths"),
+                payloads,
+                spec.max_payload_bytes,
+            )
+            wire = None if plain is None else [p or b"" for p in plain]  # bytes on the wire
+            try:
+                applied, evicted = await self._cluster.inserts.insert(
+                    spec.name, ids, strengths, wire, request.request_id
+                )
+            except RoutingError as exc:
+                raise InsertFailed(str(exc), exc.code) from None
+            reply = coordinator_pb2.InsertResponse(applied=applied, evicted=evicted)
+        return reply
+
+    async def ListTables(
+        self, request: coordinator_pb2.ListTablesRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.ListTablesResponse:
+        """Every replay table, "default" first, then by name."""
+        return coordinator_pb2.ListTablesResponse(tables=self._cluster.tables.list())
+
+    async def DropTable(
+        self, request: coordinator_pb2.DropTableRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.DropTableResponse:
+        """Drop a replay table and its memories (admin); answered once the map is published.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND naming the table; INVALID_ARGUMENT for "default".
+        """
+        async with _ERRORS.mapped(context):
+            await self._cluster.tables.drop(request.name)
+        return coordinator_pb2.DropTableResponse()
 
     async def SubmitJob(
         self, request: coordinator_pb2.SubmitJobRequest, context: aio.ServicerContext[Any, Any]
@@ -517,15 +682,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         request: coordinator_pb2.ExportMemoriesRequest,
         context: aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[coordinator_pb2.ExportChunk]:
-        """Stream every memory: a header, then chunks slot by slot (``StoreExport``).
+        """Stream every memory of a table: a header, then chunks slot by slot (``StoreExport``).
 
         Each slot is a point-in-time copy from its primary; writes during the export may or
         may not be included.
 
         Raises:
-            grpc.aio.AbortError: UNAVAILABLE when a slot has no live primary or a primary
-                failed past the retry budget; RESOURCE_EXHAUSTED when
-                ``max_concurrent_exports`` exports are running already.
+            grpc.aio.AbortError: NOT_FOUND naming an unknown table; UNAVAILABLE when a slot
+                has no live primary or a primary failed past the retry budget;
+                RESOURCE_EXHAUSTED when ``max_concurrent_exports`` exports are running already.
         """
         c = self._cluster
         limit = c.cfg.max_concurrent_exports
@@ -543,6 +708,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 c.cfg.chunk_bytes,
                 batch_bytes=c.cfg.export_batch_bytes,
                 batch_memories=c.cfg.export_batch_memories,
+                table=self._wire_table(request.table),
             )
             self._exports += 1
             try:

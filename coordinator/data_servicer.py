@@ -30,10 +30,10 @@ from coordinator.datasets.dataset_store import (
     UploadLimit,
     list_datasets,
 )
-from coordinator.training.train_sets import BadShard, NotJobMember, ShardNotServed
+from coordinator.training.train_sets import BadShard, NotJobMember, ShardNotServed, row_bytes
 from shared.logging import get_logger
 from shared.proto import coordinator_pb2
-from shared.rpc.codec import tensors_to_chunks
+from shared.rpc.codec import block_to_chunks
 from shared.rpc.status_table import BadRequest, StatusTable
 from shared.security.auth import current_principal
 
@@ -167,29 +167,38 @@ class DataServicer:
     async def FetchShard(
         self, request: coordinator_pb2.FetchShardRequest, context: aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[coordinator_pb2.ShardChunk]:
-        """Stream one shard's training rows of a running train job to one of its workers.
+        """Stream training rows of one shard of a running train job to one of its workers.
 
-        A ShardHeader, then TensorChunks of ``x`` [rows, ...] and ``y`` [rows, ...] in the
-        dtypes of the job's task (``shared.training.tasks``).
+        A ShardHeader (the shard's range, ``data_key``, the arrays' dtypes and row shapes);
+        then, unless ``header_only``, TensorChunks of each array's rows [start, stop) (the
+        whole shard when both are 0) as stored in the data set, read from the mapped files a
+        block at a time in a thread (``coordinator.training.train_sets``).
 
         Raises:
-            grpc.aio.AbortError: INVALID_ARGUMENT for no worker name, or a shard that is not
-                the job's; PERMISSION_DENIED when the worker is not part of the job (under
-                auth, the interceptor has already refused a worker token naming another
-                worker in ``worker``); NOT_FOUND for no running train job with that id.
+            grpc.aio.AbortError: INVALID_ARGUMENT for no worker name, a shard that is not
+                the job's, or rows outside the shard; PERMISSION_DENIED when the worker is
+                not part of the job (under auth, the interceptor has already refused a
+                worker token naming another worker in ``worker``); NOT_FOUND for no running
+                train job with a file data set with that id.
         """
         async with _ERRORS.mapped(context):
             if not request.worker:
                 raise BadRequest("worker: a name is required")
             rows = self._cluster.train_sets.shard(
-                request.job_id, request.worker, request.shard_index, request.shard_count
+                request.job_id,
+                request.worker,
+                request.shard_index,
+                request.shard_count,
+                request.start,
+                request.stop,
             )
+        count = 0 if request.header_only else rows.rows_stop - rows.rows_start
         log.info(
             "shard_served",
             job_id=request.job_id,
             worker=request.worker,
             shard=request.shard_index,
-            rows=rows.stop - rows.start,
+            rows=count,
         )
         yield coordinator_pb2.ShardChunk(
             header=coordinator_pb2.ShardHeader(
@@ -198,8 +207,27 @@ class DataServicer:
                 num_classes=rows.num_classes,
                 start=rows.start,
                 stop=rows.stop,
+                data_key=rows.data_key,
+                arrays=[
+                    coordinator_pb2.ShardArray(
+                        name=a.name, dtype=a.dtype, row_shape=list(a.row_shape)
+                    )
+                    for a in rows.arrays
+                ],
+                rows_start=rows.rows_start,
+                rows_stop=rows.rows_start + count,
+                task=rows.task,
             )
         )
+        if count == 0:
+            return
         chunk_bytes = self._cluster.cfg.chunk_bytes
-        for chunk in tensors_to_chunks((("x", rows.x), ("y", rows.y)), chunk_bytes):
-            yield coordinator_pb2.ShardChunk(rows=chunk)
+        layouts = {a.name: a for a in rows.arrays}
+        blocks = rows.blocks(chunk_bytes)
+        while (block := await asyncio.to_thread(next, blocks, None)) is not None:
+            name, first, array = block
+            layout = layouts[name]
+            for chunk in block_to_chunks(
+                name, array, (count, *layout.row_shape), first * row_bytes(layout), chunk_bytes
+            ):
+                yield coordinator_pb2.ShardChunk(rows=chunk)

@@ -100,6 +100,17 @@ class StateStore:
             return None
         return SlotMap(doc["epoch"], doc["primary"], doc["replica"]), doc
 
+    # -- replay tables ----------------------------------------------------------------------
+
+    def save_tables(self, doc: dict[str, Any]) -> None:
+        """Save the replay tables (``coordinator/memory/tables.py``'s ``Tables.to_doc``)."""
+        self._put("tables", doc)
+
+    def load_tables(self) -> dict[str, Any] | None:
+        """The saved replay tables' document, or None."""
+        doc = self._get("tables")
+        return None if doc is None else dict(doc)
+
     # -- workers --------------------------------------------------------------------------
 
     def save_worker(

@@ -50,6 +50,10 @@ class Metrics:
             reports of an unreachable worker that the coordinator's probes did not confirm.
         slot_copy_requests: ``neuroshard_slot_copy_requests_total``, CopySlots requests the
             rebalancer's copies got answered.
+        shard_rows: ``neuroshard_shard_rows_total{source}``, training rows of file data sets
+            a worker came to hold: fetched from the coordinator, or found in its shard cache.
+        shard_fetched_bytes: ``neuroshard_shard_fetched_bytes_total``, bytes of training rows
+            a worker fetched from the coordinator.
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -159,6 +163,18 @@ class Metrics:
         self.slot_copy_requests = Counter(
             "neuroshard_slot_copy_requests_total",
             "CopySlots requests answered during rebalancing.",
+            registry=r,
+        )
+        self.shard_rows = Counter(
+            "neuroshard_shard_rows_total",
+            "Training rows of file data sets a worker came to hold, by source (coordinator, "
+            "cache).",
+            ["source"],
+            registry=r,
+        )
+        self.shard_fetched_bytes = Counter(
+            "neuroshard_shard_fetched_bytes_total",
+            "Bytes of training rows a worker fetched from the coordinator.",
             registry=r,
         )
 

@@ -13,7 +13,12 @@ semantics, in float32 unless stated (docs/architecture.md, "Invariants"):
   rounded once to float32, then ``s = clip(s + sum, 0, 1)``; absent ids are skipped;
 - quality(): count, float64 sum and mean, min, max, and ``np.histogram(s, 10, (0, 1))``
   (bin k is ``float32(k/10) <= s < float32((k+1)/10)``, the last bin closed);
-- topk(k): sorted by strength descending, ties by smaller id, the first k.
+- topk(k): sorted by strength descending, ties by smaller id, the first k;
+- a table with a capacity (``ReferenceTables.create``): an upsert applies the whole batch,
+  a new id taking the insert number of its last occurrence in the batch (an id already held
+  keeps its own), then evicts ``count - capacity`` memories, all of them candidates (the
+  batch's too): ``fifo`` the smallest insert numbers, ``weakest`` the smallest (strength, id);
+- ``forget_below`` x: a decay then removes the memories left at or below x.
 
 Storage is plain: one array of ids sorted by id, the strengths and the payloads (an object
 array) aligned with it, no slots, no keys, no device. Slot numbers only select the rows of
@@ -108,13 +113,24 @@ def _rate(rate: object) -> np.float32:
 class ReferenceStore:
     """All memories in one process, sorted by id; same method names as ``SlotStore``."""
 
-    def __init__(self, slots: int = 1024, max_payload_bytes: int = 4096, k_max: int = 10000):
+    def __init__(
+        self,
+        slots: int = 1024,
+        max_payload_bytes: int = 4096,
+        k_max: int = 10000,
+        capacity: int = 0,
+        eviction: str = "fifo",
+        forget_below: float | None = None,
+    ):
         self.slots = slots
         self.max_payload_bytes = max_payload_bytes
         self.k_max = k_max
+        self.capacity, self.eviction, self.forget_below = capacity, eviction, forget_below
         self.ids = np.empty(0, np.uint64)
         self.strength = np.empty(0, np.float32)
         self.payload = np.empty(0, object)  # bytes, or None for no payload
+        self.inserted = np.empty(0, np.int64)  # insert number of each memory
+        self.inserts = 0  # batch items inserted so far (numbers the next batch's)
 
     def _rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(rows, found)`` of ids in the sorted id array."""
@@ -153,15 +169,20 @@ class ReferenceStore:
                     raise ReferenceInputError("payloads: one exceeds max_payload_bytes")
         # The last occurrence of each distinct id: first occurrence in the reversed batch.
         last = len(ids) - 1 - np.unique(ids[::-1], return_index=True)[1]
-        new_ids = np.setdiff1d(ids[last], self.ids)
+        is_new = ~np.isin(ids[last], self.ids)
+        new_ids = ids[last][is_new]
+        numbers = self.inserts + last[is_new]  # the batch position of the last occurrence
+        self.inserts += len(ids)
         self.ids = np.concatenate([self.ids, new_ids])
         self.strength = np.concatenate([self.strength, np.zeros(len(new_ids), np.float32)])
         self.payload = np.concatenate([self.payload, np.full(len(new_ids), None, object)])
+        self.inserted = np.concatenate([self.inserted, numbers.astype(np.int64)])
         order = np.argsort(self.ids)
-        self.ids, self.strength, self.payload = (
+        self.ids, self.strength, self.payload, self.inserted = (
             self.ids[order],
             self.strength[order],
             self.payload[order],
+            self.inserted[order],
         )
         rows = np.searchsorted(self.ids, ids[last])
         self.strength[rows] = strengths[last]
@@ -169,7 +190,32 @@ class ReferenceStore:
             for row, i in zip(rows.tolist(), last.tolist(), strict=True):
                 if payloads[i] is not None:
                     self.payload[row] = bytes(payloads[i]) if len(payloads[i]) else None
+        self._evict()
         return len(last)
+
+    def _evict(self) -> None:
+        """Remove what exceeds the capacity, in the table's eviction order."""
+        excess = len(self.ids) - self.capacity if self.capacity else 0
+        if excess <= 0:
+            return
+        first = self.inserted if self.eviction == "fifo" else self.strength
+        victims = np.lexsort((self.ids, first))[:excess]
+        self._keep(~np.isin(np.arange(len(self.ids)), victims))
+
+    def _keep(self, keep: np.ndarray) -> None:
+        self.ids, self.strength = self.ids[keep], self.strength[keep]
+        self.payload, self.inserted = self.payload[keep], self.inserted[keep]
+
+    def update_strengths(self, ids, strengths) -> int:
+        """Set the strengths of the ids present (the last occurrence in the batch wins),
+        payloads kept; absent ids skipped. Returns the number of distinct ids found."""
+        ids = _ids(ids)
+        strengths = _values(strengths, "strengths", len(ids), upper=1.0)
+        for i, s in zip(ids.tolist(), strengths.tolist(), strict=True):  # in batch order
+            row = int(np.searchsorted(self.ids, np.uint64(i)))
+            if row < len(self.ids) and int(self.ids[row]) == i:
+                self.strength[row] = np.float32(s)
+        return int(np.isin(np.unique(ids), self.ids).sum())
 
     def get(self, ids) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
         """Return ``(found, strengths (0 where missing), payloads)``."""
@@ -184,8 +230,7 @@ class ReferenceStore:
         """Delete by id; return the number of distinct ids found."""
         ids = _ids(ids)
         gone = np.isin(self.ids, ids)
-        self.ids, self.strength = self.ids[~gone], self.strength[~gone]
-        self.payload = self.payload[~gone]
+        self._keep(~gone)
         return int(gone.sum())
 
     def reinforce(self, ids, boosts) -> int:
@@ -207,6 +252,9 @@ class ReferenceStore:
         rate32 = _rate(rate)
         mask = self._mask(slots)
         self.strength[mask] = np.clip(self.strength[mask] - rate32, _ZERO, _ONE)
+        if self.forget_below is not None and rate32 > 0:
+            self._keep(~(mask & (self.strength <= np.float32(self.forget_below))))
+            return self.count(slots)  # what is left of the slot set
         return int(mask.sum())
 
     def quality(self, slots=None) -> Quality:
@@ -237,6 +285,42 @@ class ReferenceStore:
         order = np.lexsort((ids, -s))[: int(k)]
         return ids[order], s[order]
 
+    def sample(self, n, alpha, seed) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+        """Prioritized sampling with replacement, as docs/architecture.md ("Sampling") defines it.
+
+        Weights: 0 for strength 0, else max(1, rint(float64(s) ** alpha * 2**32)); every
+        weight 1 when all are 0. Order: slot ascending, then id. u = PCG64(seed)'s
+        ``integers(0, W, n, uint64)``; draw k is the first memory whose running weight sum
+        exceeds u[k]. Returns ``(ids [n], strengths [n], payloads [n] (None: none),
+        probabilities [n] float64 = w / W)``; raises ReferenceInputError on an empty store.
+        """
+        if not isinstance(n, int) or not 1 <= n:
+            raise ReferenceInputError(f"n: {n!r}")
+        if not (np.isfinite(alpha) and alpha >= 0):
+            raise ReferenceInputError(f"alpha: {alpha!r}")
+        if len(self.ids) == 0:
+            raise ReferenceInputError("sample of an empty store")
+        order = np.lexsort((self.ids, slot_of(self.ids, self.slots)))
+        s = self.strength[order].astype(np.float64)
+        w = np.zeros(len(s), np.uint64)
+        positive = s > 0
+        scaled = np.rint(np.power(s[positive], float(alpha)) * 4294967296.0)
+        w[positive] = np.maximum(scaled, 1.0).astype(np.uint64)
+        if int(w.sum(dtype=np.uint64)) == 0:
+            w[:] = 1
+        cum = np.cumsum(w, dtype=np.uint64)
+        total = int(cum[-1])
+        u = np.random.Generator(np.random.PCG64(seed)).integers(0, total, n, dtype=np.uint64)
+        position = np.searchsorted(cum, u, side="right")
+        picked = order[position]
+        probabilities = w[position] / total
+        return (
+            self.ids[picked],
+            self.strength[picked],
+            [self.payload[i] for i in picked.tolist()],
+            probabilities.astype(np.float64),
+        )
+
     def count(self, slots=None) -> int:
         """Return the number of memories in a slot set (None: all)."""
         return int(self._mask(slots).sum())
@@ -248,3 +332,40 @@ class ReferenceStore:
     def payloads(self) -> dict[int, bytes]:
         """Return the payloads as ``{id: bytes}`` (for comparison with a store's dict)."""
         return {int(i): p for i, p in zip(self.ids, self.payload, strict=True) if p is not None}
+
+
+class ReferenceTables:
+    """Named ``ReferenceStore``s: the replay tables of one cluster, ids per table.
+
+    ``default`` always exists; ``create`` adds an empty table (with its own payload limit),
+    ``drop`` forgets one and its memories. ``tables[name]`` is the table's store.
+    """
+
+    DEFAULT = "default"
+
+    def __init__(self, slots: int = 1024, max_payload_bytes: int = 4096, k_max: int = 10000):
+        self.slots, self.max_payload_bytes, self.k_max = slots, max_payload_bytes, k_max
+        self.tables = {self.DEFAULT: ReferenceStore(slots, max_payload_bytes, k_max)}
+
+    def __getitem__(self, name: str) -> ReferenceStore:
+        return self.tables[name or self.DEFAULT]
+
+    def create(
+        self,
+        name: str,
+        max_payload_bytes: int | None = None,
+        capacity: int = 0,
+        eviction: str = "fifo",
+        forget_below: float | None = None,
+    ) -> None:
+        if name in self.tables:
+            raise ReferenceInputError(f"table {name!r} exists")
+        limit = max_payload_bytes or self.max_payload_bytes
+        self.tables[name] = ReferenceStore(
+            self.slots, limit, self.k_max, capacity, eviction, forget_below
+        )
+
+    def drop(self, name: str) -> None:
+        if name == self.DEFAULT or name not in self.tables:
+            raise ReferenceInputError(f"table {name!r} cannot be dropped")
+        del self.tables[name]

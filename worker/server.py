@@ -35,6 +35,7 @@ from worker.store.journal import Journal, lock_data_dir, recover
 from worker.store.journal_format import JournalError
 from worker.store.store import SlotStore
 from worker.store.store_metrics import StoreMetrics
+from worker.training.shard_cache import ShardCache
 from worker.training.shards import ShardFetcher
 from worker.training.training_servicer import TrainingServicer
 from worker.training.training_sessions import TrainingSessions
@@ -62,7 +63,10 @@ class WorkerServer:
         )
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         # File data sets' rows come from the coordinator over its channel (no shared disk).
-        fetcher = ShardFetcher(self.coordinator, self.name, cfg.rpc_timeout_s)
+        self.shard_cache = ShardCache(Path(cfg.data_dir) / "shard_cache", cfg.shard_cache_bytes)
+        fetcher = ShardFetcher(
+            self.coordinator, self.name, cfg.rpc_timeout_s, self.shard_cache, self.metrics
+        )
         self.sessions = TrainingSessions(
             cfg.torch_threads, cfg.allowed_models, self.name, fetcher, cfg.allowed_losses
         )

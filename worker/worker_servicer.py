@@ -135,6 +135,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """See ``MemoryServicer.Sweep``."""
         return await self.memory.Sweep(request, context)
 
+    async def SampleSums(
+        self, request: worker_pb2.WorkerSampleSumsRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSampleSumsResponse:
+        """See ``MemoryServicer.SampleSums``."""
+        return await self.memory.SampleSums(request, context)
+
+    async def SamplePick(
+        self, request: worker_pb2.WorkerSamplePickRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSamplePickResponse:
+        """See ``MemoryServicer.SamplePick``."""
+        return await self.memory.SamplePick(request, context)
+
     async def Replicate(
         self, request: worker_pb2.ReplicateRequest, context: aio.ServicerContext[Any, Any]
     ) -> worker_pb2.ReplicateResponse:

@@ -2,8 +2,9 @@
 
 A data set is an ``.npz`` archive whose every member is an ``.npy`` array, of one of two kinds:
 
-- ``train``: ``x`` [N, ...] float32 (finite) and ``y`` [N] int64 (labels >= 0, at least two
-  classes): what a train job's ``data: {path}`` needs (``shared.training.data``);
+- ``train``: ``x`` [N, ...] and ``y`` of any numeric dtype (``shared.training.tasks``), finite
+  floats, integer labels >= 0 with at least two classes, or integer tokens ``x`` [N, T] with or
+  without ``y``: what a train job's ``data: {path}`` takes (``shared.training.file_sets``);
 - ``memory``: ``ids`` [N] non-negative integers and ``strengths`` [N] numbers in [0, 1]: what a
   memory job's ``load`` needs (``shared.memory.files``).
 
@@ -11,9 +12,9 @@ Nothing is loaded whole: every member's header is read first (so an archive that
 decompress to more than ``max_dataset_bytes`` is refused before anything is inflated), then
 the arrays a kind needs are streamed through ``zipfile`` in pieces of ``CHUNK_BYTES`` and
 checked piece by piece, so validating a compressed archive costs a few chunks of memory
-whatever it inflates to. A training set's rules are the loader's own
-(``shared.training.data``: ``check_training_names``, ``check_training_layout``,
-``check_features``, ``check_labels``), applied to the headers and then to each piece. No
+whatever it inflates to. A training set's rules and messages are the loader's own
+(``shared.training.data``: ``check_training_names``, ``check_training_layout``;
+``shared.training.file_sets.check_block``), applied to the headers and then to whole rows. No
 pickle is ever read: an object dtype is refused from its header. A corrupt archive (bad zip
 structure, a corrupt deflate stream, a CRC mismatch, a truncated member, an unsupported
 compression method) is ``DatasetInvalid`` (INVALID_ARGUMENT).
@@ -34,13 +35,8 @@ import numpy.typing as npt
 
 from shared.memory.validation import MemoryInputError, as_ids, validate_values
 from shared.npz import UNREADABLE, NpzMember, npz_members, read_npy_header
-from shared.training.data import (
-    DataError,
-    check_features,
-    check_labels,
-    check_training_layout,
-    check_training_names,
-)
+from shared.training.data import DataError, check_training_layout, check_training_names
+from shared.training.file_sets import Extremes, check_block, output_width_of
 
 CHUNK_BYTES = 1 << 20  # bytes of one array inflated and checked at a time
 
@@ -181,36 +177,49 @@ def _chunks(zf: zipfile.ZipFile, label: str, m: NpzMember) -> Iterator[npt.NDArr
         f.read(1)  # at the end (b""): zipfile checks the member's CRC there
 
 
+def _rows(zf: zipfile.ZipFile, label: str, m: NpzMember) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield (first row, [b, *S] rows) of an array, whole rows of about ``CHUNK_BYTES``."""
+    row_items = math.prod(m.shape[1:])
+    at, carry = 0, np.empty(0, m.dtype)
+    for piece in _chunks(zf, label, m):
+        items = np.concatenate([carry, piece]) if len(carry) else piece
+        whole = len(items) // row_items * row_items if row_items else 0
+        if whole:
+            rows = items[:whole].reshape(-1, *m.shape[1:])
+            yield at, rows
+            at += len(rows)
+        carry = items[whole:]
+
+
 def _check_training(zf: zipfile.ZipFile, label: str, members: dict[str, NpzMember]) -> None:
     """Refuse what is no task's training set: arrays, dtypes, shapes, NaN/inf, labels.
 
-    The rules are ``shared.training.data``'s, applied to the headers and then to the arrays
-    piece by piece. The task is not known yet: the dtypes pick the one the set fits
-    (``layout_task``); the job's own rules (token ids against its vocab_size, ...) are
-    checked when a job loads it.
+    The rules and messages are the loader's (``shared.training.file_sets.check_block``),
+    applied to the headers and then to the arrays whole rows at a time. The task is not
+    known yet: the arrays pick the one the set most likely is (``layout_task``); the job's
+    own rules (token ids against its vocab_size, ...) are checked when a job opens it.
 
     Raises:
-        DatasetInvalid: naming the array and what is wrong with it.
+        DatasetInvalid: naming the array and what is wrong with it (its first bad row).
     """
     try:
-        check_training_names(members, members["x"].dtype if "x" in members else None)
+        names = set(members) & {"x", "y"}  # the arrays a job reads (file_sets)
+        check_training_names(names, members["x"].dtype if "x" in members else None)
         x, y = members["x"], members.get("y")
         task = check_training_layout(
             x.dtype, x.shape, None if y is None else y.dtype, None if y is None else y.shape
         )
-        for piece in _chunks(zf, label, x):
-            check_features(piece)
-        if y is None:
-            return
-        low, high = np.iinfo(np.int64).max, np.iinfo(np.int64).min
-        for piece in _chunks(zf, label, y):
-            check_features(piece, "y")
-            if task != "regression" and len(piece):
-                low, high = min(low, int(piece.min())), max(high, int(piece.max()))
+        high = -1
+        for m in (x, y):
+            if m is None:
+                continue
+            ext = Extremes()
+            for at, rows in _rows(zf, label, m):
+                check_block(m.name, rows, at, task, None, ext)
+            if ext.high is not None and (m.name == "y" or task == "language_model"):
+                high = max(high, ext.high)
         if task == "classification":
-            check_labels(low, high)
-        elif task == "language_model" and low < 0:
-            raise DataError(f"array 'y' has a token id out of range (min {low} < 0)")
+            output_width_of({"y": y}, task, None, high)
     except DataError as exc:
         raise DatasetInvalid(f"{label}: {exc}") from None
 

@@ -40,16 +40,11 @@ from shared.config import (
 from shared.npz import UNREADABLE, NpyHeaderError, npz_members, read_npy_header
 from shared.security.confinement import resolve_data_paths
 from shared.training.data import synthetic_peak_bytes, worker_steps
+from shared.training.data_files import data_files, open_arrays
 from shared.training.entry_points import EntryPointError, check_entries
+from shared.training.file_sets import check_file_layout, check_values
 from shared.training.models import ModelError, activation_bytes, build_model, count_params
-from shared.training.tasks import (
-    DataError,
-    check_layout,
-    check_names,
-    check_targets,
-    output_width,
-    task_of,
-)
+from shared.training.tasks import DataError, task_of
 
 DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
 
@@ -145,11 +140,14 @@ def _data_bytes(key: str, path: Path) -> int:
     """Bytes a file holds once loaded.
 
     The file's size, or for an ``.npz`` (a zip archive, possibly compressed) the sum of its
-    arrays' sizes from their headers, whichever is larger.
+    arrays' sizes from their headers, whichever is larger; a directory of ``.npy``
+    (``data.path`` only): its array files' sizes.
 
     Raises:
         ConfigError: missing file, or an archive whose headers cannot be read.
     """
+    if path.is_dir() and key == "data.path":
+        return sum(f.stat().st_size for f in data_files(path))
     size = _file_size(key, path)
     if not zipfile.is_zipfile(path):
         return size
@@ -178,6 +176,7 @@ def meta_model(
         cfg.max_synthetic_bytes,
         spec.task,
         spec.vocab_size,
+        cfg.max_compressed_array_bytes,
     )
     try:
         model = build_model(
@@ -254,6 +253,7 @@ def data_shape(
     max_synthetic_bytes: int | None = None,
     task: str = "classification",
     vocab_size: int | None = None,
+    max_compressed: int | None = None,
 ) -> DataShape:
     """Samples, sample shape and output width of a job's data set, checked for its task.
 
@@ -269,6 +269,7 @@ def data_shape(
             takes (``synthetic_peak_bytes``) must fit; None: not checked.
         task: the job's ``task``.
         vocab_size: the job's ``vocab_size`` (language_model), or None.
+        max_compressed: ``max_compressed_array_bytes`` (None: no cap).
 
     Raises:
         LimitExceeded: a synthetic set over either cap (RESOURCE_EXHAUSTED); the message
@@ -297,49 +298,37 @@ def data_shape(
             )
         return DataShape(data.samples, (data.features,), data.classes)
     assert path is not None
-    return _file_shape(path, task, vocab_size)
+    return _file_shape(path, task, vocab_size, max_compressed)
 
 
-def _file_shape(path: Path, task: str, vocab_size: int | None) -> DataShape:
-    """``data_shape`` of an ``.npz`` file: headers, then the targets' values.
+def _file_shape(
+    path: Path, task: str, vocab_size: int | None, max_compressed: int | None
+) -> DataShape:
+    """``data_shape`` of a file data set (``.npz`` or a directory of ``.npy``).
+
+    The headers, then the targets' values (and a language model's tokens) block by block
+    (``shared.training.file_sets``); nothing is read whole.
 
     Raises:
-        ConfigError: ``data.path: FILE: ...`` naming the array (and its first bad row).
+        ConfigError: ``data.path: FILE: ...`` naming the array (and its first bad row), its
+            dtype when no task takes it, or a compressed array over ``max_compressed``.
     """
-    headers = npz_headers("data.path", path)
-    x_head, y_head = headers.get("x"), headers.get("y")
     try:
-        check_names(set(headers), task)
-        assert x_head is not None
-        check_layout(
-            task,
-            x_head[1],
-            x_head[0],
-            None if y_head is None else y_head[1],
-            None if y_head is None else y_head[0],
-        )
-        with np.load(path, allow_pickle=False) as npz:
-            if task == "language_model":
-                x_all = npz["x"]
-                check_targets(task, x_all, vocab_size, "x")
-                y_all = npz["y"] if y_head is not None else None
-                if y_all is not None:
-                    check_targets(task, y_all, vocab_size)
-                width = output_width(task, x_all if y_all is None else y_all, vocab_size, x_all)
-            else:
-                y_all = npz["y"]
-                check_targets(task, y_all)
-                width = output_width(task, y_all)
+        arrays = open_arrays(path, max_compressed)
+        check_file_layout(arrays, task)
+        width = check_values(arrays, task, vocab_size, targets_only=True)
     except DataError as exc:
         raise ConfigError(f"data.path: {path.name}: {exc}") from None
-    except UNREADABLE as exc:
-        raise ConfigError(f"data.path: {path.name}: an array is not readable ({exc})") from None
-    n, x_shape = int(x_head[0][0]), tuple(int(d) for d in x_head[0][1:])
+    x, y = arrays["x"], arrays.get("y")
+    n = len(x)
+    if "x_test" in arrays:
+        n += len(arrays["x_test"])  # admission's n_train: N - ceil(N * test_fraction) rows
+    x_shape = x.shape[1:]
     if task == "language_model":
-        t = x_shape[0] - (1 if y_head is None else 0)
+        t = x_shape[0] - (1 if y is None else 0)
         return DataShape(n, (t,), width, (t,), "int64")
-    assert y_head is not None
-    return DataShape(n, x_shape, width, tuple(int(d) for d in y_head[0][1:]))
+    assert y is not None
+    return DataShape(n, x_shape, width, y.shape[1:])
 
 
 def npz_headers(key: str, path: Path) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -28,7 +28,7 @@ from grpc import aio
 from coordinator.placement.membership import Membership
 from coordinator.placement.rebalance import Rebalancer
 from shared.memory.stats import Quality, merge_quality, merge_topk, quality_from_pb
-from shared.proto import worker_pb2, worker_pb2_grpc
+from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 from shared.rpc.peers import WorkerClients
 
@@ -40,6 +40,7 @@ _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.FAILED_PRECONDITION,  # stale epoch or not primary: the map moved
+    grpc.StatusCode.NOT_FOUND,  # a table the worker's map lacks: the map listing it is on its way
 }
 
 
@@ -132,7 +133,7 @@ class MemoryOps:
             )
         return [r for r in results if not isinstance(r, BaseException)]
 
-    async def decay(self, rate: float, op_id: bytes = b"") -> int:
+    async def decay(self, rate: float, op_id: bytes = b"", table: str = "") -> int:
         """Subtract ``rate`` from every strength, clipped to [0, 1], once; return memories.
 
         Re-sent with the same ``op_id`` to every primary of the current map (jittered
@@ -142,21 +143,23 @@ class MemoryOps:
         Args:
             rate: in [0, 1], validated by the caller.
             op_id: the operation id (a client's, kept across its retries); empty: a new one.
+            table: the table decayed, as on the wire ("": the default one; checked by the
+                caller).
 
         Returns:
-            The memories of the cluster, each decayed once by this operation.
+            The memories of the table, each decayed once by this operation.
 
         Raises:
             BulkOpError: a primary still failed when the budget ran out, or refused; the
                 message names the op id and the primaries whose slots may not have applied it
                 (UNAVAILABLE). A retry with the same ``op_id`` completes it, never repeats it.
         """
-        return await asyncio.shield(self._decay(rate, op_id or uuid.uuid4().bytes))
+        return await asyncio.shield(self._decay(rate, op_id or uuid.uuid4().bytes, table))
 
-    async def _decay(self, rate: float, op_id: bytes) -> int:
+    async def _decay(self, rate: float, op_id: bytes, table: str) -> int:
         replies = await self._until_all(
             lambda s, e: s.Decay(
-                worker_pb2.WorkerDecayRequest(epoch=e, rate=rate, op_id=op_id),
+                worker_pb2.WorkerDecayRequest(epoch=e, rate=rate, op_id=op_id, table=table),
                 timeout=self._timeout_s,
             ),
             "decay",
@@ -195,7 +198,9 @@ class MemoryOps:
             await asyncio.sleep(pause_s)
             backoff_s = min(2 * backoff_s, 1.0)
 
-    async def sweep(self, rate: float, op_id: bytes, k: int, want_quality: bool) -> SweepResult:
+    async def sweep(
+        self, rate: float, op_id: bytes, k: int, want_quality: bool, table: str = ""
+    ) -> SweepResult:
         """Decay every memory once (as ``decay``), then merged statistics and global top-k.
 
         One ``Sweep`` per primary: each decays its slots, then summarizes them and selects
@@ -208,6 +213,7 @@ class MemoryOps:
             op_id: the operation id (a client's, kept across its retries); empty: a new one.
             k: global top-k size, 0 (none) to ``topk_max`` (checked by the caller).
             want_quality: compute the statistics.
+            table: the table swept, as ``decay``'s.
 
         Returns:
             The memories decayed, the merged quality (None unless ``want_quality``) and the
@@ -221,7 +227,12 @@ class MemoryOps:
             self._until_all(
                 lambda s, e: s.Sweep(
                     worker_pb2.WorkerSweepRequest(
-                        epoch=e, rate=rate, op_id=op_id, k=k, want_quality=want_quality
+                        epoch=e,
+                        rate=rate,
+                        op_id=op_id,
+                        k=k,
+                        want_quality=want_quality,
+                        table=table,
                     ),
                     timeout=self._timeout_s,
                 ),
@@ -236,28 +247,52 @@ class MemoryOps:
         ids, strengths = merge_topk(parts, k)
         return SweepResult(sum(int(r.memories) for r in replies), quality, ids, strengths)
 
-    async def quality(self) -> Quality:
-        """Merged strength statistics of every memory (one copy of each)."""
+    async def quality(self, table: str = "") -> Quality:
+        """Merged strength statistics of every memory of a table (one copy of each)."""
         replies = await self._fan_out(
             lambda s, e: s.Quality(
-                worker_pb2.WorkerQualityRequest(epoch=e), timeout=self._timeout_s
+                worker_pb2.WorkerQualityRequest(epoch=e, table=table), timeout=self._timeout_s
             ),
             "quality",
         )
         return merge_quality([quality_from_pb(r) for r in replies])
 
-    async def topk(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The exact global top-k, strongest first, ties broken by smaller id.
+    async def candidates(self, k: int, order: str, table: str) -> list[common_pb2.TopKResponse]:
+        """Every primary's count of a table and its first k memories in an eviction order.
+
+        Args:
+            k: how many per primary, >= 1.
+            order: "oldest" (by insert stamp) or "weakest" (by strength, then id).
+            table: the table, as on the wire.
+
+        Returns:
+            One ``TopKResponse`` per primary (ids, strengths, stamps, count).
+
+        Raises:
+            BulkOpError: a primary still failed after the retry budget (UNAVAILABLE).
+        """
+        return await self._until_all(
+            lambda s, e: s.TopK(
+                worker_pb2.WorkerTopKRequest(epoch=e, k=k, table=table, order=order),
+                timeout=self._timeout_s,
+            ),
+            "candidates",
+            b"candidates",
+        )
+
+    async def topk(self, k: int, table: str = "") -> tuple[np.ndarray, np.ndarray]:
+        """The exact global top-k of a table, strongest first, ties broken by smaller id.
 
         Args:
             k: how many, >= 1 (at most ``topk_max``, checked by the caller).
+            table: as ``decay``'s.
 
         Returns:
             ids [k'] uint64 and strengths [k'] float32, k' = min(k, memories).
         """
         replies = await self._fan_out(
             lambda s, e: s.TopK(
-                worker_pb2.WorkerTopKRequest(epoch=e, k=k), timeout=self._timeout_s
+                worker_pb2.WorkerTopKRequest(epoch=e, k=k, table=table), timeout=self._timeout_s
             ),
             "topk",
         )

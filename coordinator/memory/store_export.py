@@ -125,8 +125,9 @@ class StoreExport:
         retry_budget_s: float = 10.0,
         batch_memories: int = BATCH_MEMORIES,
         batch_bytes: int = BATCH_BYTES,
+        table: str = "",
     ) -> None:
-        """Export through ``rebalancer``'s map.
+        """Export one table through ``rebalancer``'s map.
 
         Args:
             rebalancer: owner of the slot map and its ``map_lock``.
@@ -143,6 +144,7 @@ class StoreExport:
                 a read that passes it is dropped and done again in half the slots, and later
                 batches take as many slots as the bytes per memory seen so far allow. A
                 single slot is read whole.
+            table: the table exported, as on the wire ("": the default one).
         """
         self._rebalancer = rebalancer
         self._membership = membership
@@ -152,6 +154,7 @@ class StoreExport:
         self._retry_budget_s = retry_budget_s
         self._batch_memories = batch_memories
         self._batch_bytes = batch_bytes
+        self._table = table
 
     async def chunks(self) -> AsyncIterator[coordinator_pb2.ExportChunk]:
         """Yield the header, then the memories of every slot in slot order.
@@ -293,7 +296,7 @@ class StoreExport:
         assert rec is not None  # checked by the caller under the same lock hold
         out: dict[int, list[worker_pb2.SlotData]] = {}
         call = self._clients.stub(name, rec.address).DumpSlots(
-            worker_pb2.DumpSlotsRequest(slots=slots), timeout=self._timeout_s
+            worker_pb2.DumpSlotsRequest(slots=slots, table=self._table), timeout=self._timeout_s
         )
         async for msg in call:
             if budget[0] is not None:

@@ -87,6 +87,8 @@ class Rebalancer:
         self._copy_chunk_memories = copy_chunk_memories
         self._copy_pause_factor = copy_pause_factor
         self.persist: Callable[[SlotMap, dict[str, object]], None] | None = None
+        # The replay tables every wire map lists (``coordinator/memory/tables.py`` sets it).
+        self.tables: Callable[[], list[common_pb2.TableSpec]] = list
 
     def trigger(self) -> None:
         """Plan again soon (membership or trust changed)."""
@@ -299,6 +301,16 @@ class Rebalancer:
         per_slot = memories / max(primary, 1)
         return max(1, int(self._copy_chunk_memories / max(per_slot, 1.0)))
 
+    async def publish_same(self) -> None:
+        """Publish the current placement again under the next epoch; caller holds ``map_lock``.
+
+        For a change that travels in the map but moves no slot (the tables). Before the
+        first map (epoch 0) nothing is published: the first one carries it.
+        """
+        if self.current.epoch == 0:
+            return
+        await self._publish(self.current)
+
     async def _publish(self, new: SlotMap) -> None:
         """Bump the epoch and push the map to the live workers; caller holds ``map_lock``.
 
@@ -392,7 +404,9 @@ class Rebalancer:
         Args:
             placement: False for the slot count and limits only (a registration reply).
         """
-        return self.current.to_pb(self._addresses(), self.limits, placement=placement)
+        pb = self.current.to_pb(self._addresses(), self.limits, placement=placement)
+        pb.tables.extend(self.tables())
+        return pb
 
     def _addresses(self) -> dict[str, str]:
         """Every known worker's address (a lost slot's holders may be dead)."""

@@ -42,14 +42,14 @@ from coordinator.training.saved_models import initial_state
 from coordinator.training.tensorboard_log import TrainBoard
 from coordinator.training.train_history import history_task, train_accuracy
 from coordinator.training.train_job import job_device
-from coordinator.training.train_sets import TrainSets
+from coordinator.training.train_sets import TrainSets, open_source
 from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import worker_pb2
 from shared.rpc.peers import WorkerClients
 from shared.security.confinement import PathRefused, with_resolved_paths
-from shared.training.data import load_dataset
+from shared.training.data import DataError
 from shared.training.models import build_model
 from shared.training.partition import (
     allreduce_steps_per_epoch,
@@ -175,9 +175,16 @@ class AllreduceJob:
             data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
         except PathRefused as exc:
             raise JobFailed(str(exc)) from None
-        dataset = await asyncio.to_thread(
-            load_dataset, data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size
-        )
+        try:
+            dataset = await asyncio.to_thread(
+                open_source,
+                data,
+                spec,
+                self._train_sets.hashes,
+                self.cfg.max_compressed_array_bytes,
+            )
+        except DataError as exc:
+            raise JobFailed(f"data.path: {exc}") from None
         self._dataset = dataset
         self._task = await asyncio.to_thread(task_of, spec, self.cfg.allowed_losses)
         self._model = await asyncio.to_thread(
@@ -188,7 +195,7 @@ class AllreduceJob:
             spec.seed,
             self.cfg.allowed_models,
         )
-        n_train = len(dataset.y_train)
+        n_train = dataset.n_train
         self._global_batch = global_batch_size(spec)
         self._per_epoch = allreduce_steps_per_epoch(n_train, self._global_batch)
         self._total = allreduce_total_steps(spec, n_train)
@@ -388,7 +395,7 @@ class AllreduceJob:
         prog.applied = min(prog.applied, step)
 
     def _rows_of(self, step_in_epoch: int) -> int:
-        return step_rows(len(self._dataset.y_train), self._global_batch, step_in_epoch)
+        return step_rows(self._dataset.n_train, self._global_batch, step_in_epoch)
 
     # -- state, evaluation, files -----------------------------------------------------------
 
@@ -402,7 +409,7 @@ class AllreduceJob:
         """Evaluate rank 0's state at an epoch's end; keep the history and the best model."""
         self._load(data)
         prog = self._progress
-        metrics = evaluate(self._model, self._dataset.x_test, self._dataset.y_test, self._task)
+        metrics = evaluate(self._model, self._dataset, self._task)
         prog.test_loss = metrics.pop("test_loss")
         prog.test_acc = metrics.pop("test_accuracy", float("nan"))
         prog.test_metrics = metrics

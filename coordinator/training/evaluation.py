@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 from torch import nn
 
-from shared.training.tasks import Task
-from shared.training.tasks import evaluate as evaluate_task
+from shared.training.data import TrainSource
+from shared.training.tasks import Task, evaluate_batches
 
 EVAL_BATCH = 1024
 
 
-def evaluate(
-    model: nn.Module, x_test: npt.NDArray[Any], y_test: npt.NDArray[Any], task: Task
-) -> dict[str, float]:
-    """The task's test metrics of ``model`` in eval mode (``shared.training.tasks.evaluate``).
+def evaluate(model: nn.Module, source: TrainSource, task: Task) -> dict[str, float]:
+    """The task's test metrics of ``model`` in eval mode (``shared.training.tasks``).
 
+    The test rows are read ``EVAL_BATCH`` at a time (a file set's from its mapped files).
     BatchNorm layers use their running statistics; the model is put back in training mode.
 
     Args:
         model: on CPU, float32.
-        x_test: [T, *input_shape] the test inputs.
-        y_test: [T, ...] the test targets.
+        source: the job's data set; its test rows.
         task: the job's task.
 
     Returns:
@@ -32,4 +26,4 @@ def evaluate(
         (classification), ``test_mse``, ``test_mae``, ``test_r2`` (regression),
         ``test_perplexity`` (language_model).
     """
-    return evaluate_task(task, model, np.asarray(x_test), np.asarray(y_test), EVAL_BATCH)
+    return evaluate_batches(task, model, source.test_batches(EVAL_BATCH))

@@ -23,7 +23,7 @@ from coordinator.training.evaluation import evaluate
 from coordinator.training.loss_scale import LossScale
 from shared.config import TrainJobSpec
 from shared.training.controls import UNLOADABLE, make_lr_scheduler, make_optimizer
-from shared.training.data import Dataset
+from shared.training.data import TrainSource
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
 from shared.training.tasks import task_of
 
@@ -66,7 +66,7 @@ class ParameterServer:
     def __init__(
         self,
         spec: TrainJobSpec,
-        dataset: Dataset,
+        dataset: TrainSource,
         allowed_models: Mapping[str, str] | None = None,
         total_steps: int = 1,
         controls: Callable[[nn.Module], StepControls] | None = None,
@@ -187,7 +187,7 @@ class ParameterServer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The task's metrics on the test split (eval mode): ``test_loss`` and the task's."""
-        return evaluate(self.model, self.dataset.x_test, self.dataset.y_test, self.task)
+        return evaluate(self.model, self.dataset, self.task)
 
     def state(self, run: dict[str, Any] | None = None) -> bytes:
         """Serialize model, optimizer, schedule, loss scale and version, for a checkpoint.

@@ -47,14 +47,14 @@ from coordinator.training.step_types import StepPlan
 from coordinator.training.tensorboard_log import TrainBoard, worker_times
 from coordinator.training.train_history import TrainHistory, history_task, train_accuracy
 from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
-from coordinator.training.train_sets import TrainSets
+from coordinator.training.train_sets import TrainSets, open_source
 from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
 from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.training.compression import sync_compressor
-from shared.training.data import load_dataset
+from shared.training.data import DataError
 
 log = get_logger(__name__)
 
@@ -210,10 +210,17 @@ class TrainJob:
         self.members.spec_json = spec.model_copy(update={"device": device}).model_dump_json(
             by_alias=True
         )
-        dataset = await asyncio.to_thread(
-            load_dataset, data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size
-        )
-        n_train = len(dataset.y_train)
+        try:
+            dataset = await asyncio.to_thread(
+                open_source,
+                data,
+                spec,
+                self._train_sets.hashes,
+                self.cfg.max_compressed_array_bytes,
+            )
+        except DataError as exc:
+            raise JobFailed(f"data.path: {exc}") from None
+        n_train = dataset.n_train
         scheme = self._scheme(spec, n_train)
         run = _Run(
             scheme=scheme,

@@ -1,25 +1,32 @@
-"""The training sets of running train jobs, served to their workers shard by shard.
+"""The training sets of running train jobs, served to their workers row range by row range.
 
 Served by the FetchShard RPC, so that no worker needs the coordinator's files.
 
-A ``TrainJob`` loads its data set once (the parameter server evaluates on its test rows) and
-registers it here for as long as it runs; a worker of the job asks for the training rows of
-the shard it was given, and again for another shard when a dead worker's shard is handed to
-it. Rows are views of the loaded arrays: nothing is copied until they are sent.
+A ``TrainJob`` opens its data set once (``open_source``: a file set stays memory-mapped,
+``shared.training.file_sets``; a built-in set is made in memory) and registers it here for
+as long as it runs. A worker of the job first asks for a shard's header (its ``data_key``,
+the arrays' dtypes and row shapes), then for the rows of the shard its cache lacks
+(``worker.training.shard_cache``); the rows are read from the mapped files a block at a
+time, in the dtypes they are stored in, and never held whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from shared.training.data import Dataset, shard_bounds
+from coordinator.datasets.content_hashes import ContentHashes
+from shared.config import BuiltinData, FileData, TrainJobSpec
+from shared.training.data import TrainSource, load_dataset, shard_bounds
+from shared.training.file_sets import FileSet, open_file_set
 
 
 class ShardNotServed(KeyError):
-    """No running train job with that id (NOT_FOUND)."""
+    """No running train job with that id, or it has no file data set (NOT_FOUND)."""
 
 
 class NotJobMember(PermissionError):
@@ -27,18 +34,27 @@ class NotJobMember(PermissionError):
 
 
 class BadShard(ValueError):
-    """A shard index or count that is not the job's (INVALID_ARGUMENT)."""
+    """A shard index or count that is not the job's, or rows outside it (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """One array of a training row as stored: its name, dtype and one row's shape."""
+
+    name: str
+    dtype: str
+    row_shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class ShardRows:
-    """The training rows [start, stop) of one shard and what a worker needs to train on them.
+    """Training rows [rows_start, rows_stop) of one shard [start, stop), and how to read them.
 
     Attributes:
-        x: [stop - start, *input_shape] a view of the job's training inputs (float32, or
-            int64 tokens).
-        y: [stop - start, ...] the targets as the job's task defines them
-            (``shared.training.tasks``); num_classes is the model's output width.
+        data_key: names the training rows' content (``FileSet.data_key``).
+        arrays: the arrays of a row as stored (``x``, and ``y`` when the set has one).
+        blocks: yields (array name, first row relative to rows_start, [b, *row_shape]) as
+            stored, array by array; each call reads its block from the mapped files.
     """
 
     n_train: int
@@ -46,36 +62,72 @@ class ShardRows:
     num_classes: int
     start: int
     stop: int
-    x: np.ndarray
-    y: np.ndarray
+    rows_start: int
+    rows_stop: int
+    data_key: str
+    task: str
+    arrays: tuple[ArrayLayout, ...]
+    blocks: Callable[[int], Iterator[tuple[str, int, np.ndarray]]]
+
+
+def open_source(
+    data: BuiltinData | FileData,
+    spec: TrainJobSpec,
+    hashes: ContentHashes,
+    max_compressed_bytes: int,
+) -> TrainSource:
+    """A job's data set: a file set mapped and hashed, or a built-in set made in memory.
+
+    Blocking (a file set's values are checked and its content hashed): call it in a thread.
+
+    Args:
+        data: the spec's ``data``, its path confined to the data roots.
+        spec: the job (task, vocab_size, seed, test_fraction).
+        hashes: the coordinator's content hashes, by file version.
+        max_compressed_bytes: ``max_compressed_array_bytes``.
+
+    Raises:
+        DataError: the data set cannot be opened, or its layout or values do not fit the
+            task (names the array and the first bad row).
+        OSError: a file cannot be read.
+    """
+    if isinstance(data, BuiltinData):
+        return load_dataset(data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size)
+    path = Path(data.path)
+    fs = open_file_set(
+        path, spec.task, spec.vocab_size, spec.seed, spec.test_fraction, max_compressed_bytes
+    )
+    fs.set_content_hash(hashes.get(path))
+    return fs
 
 
 @dataclass(frozen=True)
 class _Served:
-    dataset: Dataset
+    source: TrainSource
     shards: int
     is_member: Callable[[str], bool]
 
 
 class TrainSets:
-    """Data sets of running train jobs by job id."""
+    """Data sets of running train jobs by job id, and the content hashes of data sets."""
 
     def __init__(self) -> None:
         """No job served yet."""
         self._jobs: dict[str, _Served] = {}
+        self.hashes = ContentHashes()
 
     def open(
-        self, job_id: str, dataset: Dataset, shards: int, is_member: Callable[[str], bool]
+        self, job_id: str, source: TrainSource, shards: int, is_member: Callable[[str], bool]
     ) -> None:
         """Serve a job's training rows in ``shards`` shards until :meth:`close`.
 
         Args:
             job_id: the job.
-            dataset: its loaded, split data set.
+            source: its opened data set (only a ``FileSet``'s rows are fetched).
             shards: the job's shard count (``spec.workers``).
             is_member: whether a worker name is part of the job.
         """
-        self._jobs[job_id] = _Served(dataset, shards, is_member)
+        self._jobs[job_id] = _Served(source, shards, is_member)
 
     def close(self, job_id: str) -> None:
         """Stop serving a job's rows and drop the reference to its data set (idempotent)."""
@@ -85,14 +137,31 @@ class TrainSets:
         """True while ``job_id`` is a running train job with its data set here."""
         return job_id in self._jobs
 
-    def shard(self, job_id: str, worker: str, shard_index: int, shard_count: int) -> ShardRows:
-        """The training rows of one shard of a running job, for one of its workers.
+    def shard(
+        self,
+        job_id: str,
+        worker: str,
+        shard_index: int,
+        shard_count: int,
+        start: int = 0,
+        stop: int = 0,
+    ) -> ShardRows:
+        """Rows of one shard of a running job, for one of its workers.
+
+        Args:
+            job_id: the job.
+            worker: the asking worker.
+            shard_index: the shard, in [0, shard_count).
+            shard_count: the job's shard count.
+            start: first global training row wanted, within the shard.
+            stop: end of the rows wanted (``start == stop == 0``: the whole shard).
 
         Raises:
-            ShardNotServed: no running train job ``job_id`` (NOT_FOUND).
+            ShardNotServed: no running train job ``job_id`` with a file data set (NOT_FOUND).
             NotJobMember: ``worker`` is not part of the job (PERMISSION_DENIED).
-            BadShard: ``shard_count`` is not the job's, or ``shard_index`` is outside
-                [0, shard_count) (INVALID_ARGUMENT).
+            BadShard: ``shard_count`` is not the job's, ``shard_index`` is outside
+                [0, shard_count), or [start, stop) is not within the shard
+                (INVALID_ARGUMENT).
         """
         served = self._jobs.get(job_id)
         if served is None:
@@ -103,15 +172,33 @@ class TrainSets:
             raise BadShard(
                 f"shard {shard_index} of {shard_count}: job {job_id!r} has {served.shards} shards"
             )
-        ds = served.dataset
-        n_train = len(ds.y_train)
-        start, stop = shard_bounds(n_train, shard_index, shard_count)
+        fs = served.source
+        if not isinstance(fs, FileSet):
+            raise ShardNotServed(f"job {job_id!r} has no file data set to fetch rows from")
+        lo, hi = shard_bounds(fs.n_train, shard_index, shard_count)
+        if (start, stop) == (0, 0):
+            start, stop = lo, hi
+        if not lo <= start <= stop <= hi:
+            raise BadShard(f"rows [{start}, {stop}) are not within shard [{lo}, {hi})")
+        arrays = tuple(
+            ArrayLayout(n, fs.arrays[n].dtype.name, fs.arrays[n].shape[1:]) for n in fs.streamed
+        )
+        a, b = start, stop
         return ShardRows(
-            n_train,
-            ds.input_shape,
-            ds.num_classes,
+            fs.n_train,
+            fs.input_shape,
+            fs.num_classes,
+            lo,
+            hi,
             start,
             stop,
-            ds.x_train[start:stop],
-            ds.y_train[start:stop],
+            fs.data_key,
+            fs.task,
+            arrays,
+            lambda block_bytes: fs.native_blocks(a, b, block_bytes),
         )
+
+
+def row_bytes(layout: ArrayLayout) -> int:
+    """Bytes of one row of an array as stored."""
+    return math.prod(layout.row_shape) * np.dtype(layout.dtype).itemsize

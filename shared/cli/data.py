@@ -56,17 +56,25 @@ def _bytes_bar(what: str, total: int) -> Iterator[Callable[[int], None]]:
 
 
 def cmd_put(args: argparse.Namespace) -> int:
-    """Upload an .npz (x, y or ids, strengths) as NAME.npz, or a .pt state dict as NAME.pt."""
+    """Upload an .npz or a directory of .npy as NAME.npz, or a .pt state dict as NAME.pt.
+
+    Nothing is read whole: a file is sent in chunks, a directory as an .npz built as it goes.
+    """
     from shared.client import SyncClient
+    from shared.client.npz_stream import array_files, npz_size
 
     path = Path(args.file)
-    if not path.is_file():
+    if path.is_dir():
+        size = npz_size(array_files(path))
+    elif path.is_file():
+        size = path.stat().st_size
+    else:
         print(f"error: {path}: no such file", file=sys.stderr)
         return EXIT_USAGE
     security = client_security_of(args)
     with (
         SyncClient(args.coordinator, security=security) as client,
-        _bytes_bar(f"uploading {path.name}", path.stat().st_size) as advance,
+        _bytes_bar(f"uploading {path.name}", size) as advance,
     ):
         info = client.put_dataset(path, name=args.name, replace=args.replace, progress=advance)
     if args.json:
@@ -127,12 +135,13 @@ def add_data_commands(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
 
     p = add_client_command(
-        sub, "put", "upload an .npz data set to the coordinator's data root", cmd_put
+        sub, "put", "upload an .npz or .npy directory to the coordinator's data root", cmd_put
     )
     p.add_argument(
         "file",
-        help=".npz with x [N, ...] float32 and y [N] int64, or ids and strengths; or a .pt "
-        "state dict (stored as NAME.pt, for init: {dataset: NAME})",
+        help=".npz with x [N, ...] and y of any numeric dtype (optionally x_test, y_test), or "
+        "ids and strengths; a directory of x.npy, y.npy, ... (sent as an uncompressed .npz); "
+        "or a .pt state dict (stored as NAME.pt, for init: {dataset: NAME})",
     )
     p.add_argument(
         "--name",

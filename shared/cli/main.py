@@ -381,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_memory_commands(client_parser("memory", "memory store operations"))
+    from shared.cli.tables import add_table_commands
+
+    add_table_commands(client_parser("table", "replay tables: create, ls, drop"))
     from shared.cli.data import add_data_commands
 
     add_data_commands(client_parser("data", "data sets in the coordinator's data roots"))

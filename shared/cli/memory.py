@@ -1,5 +1,6 @@
 """``neuroshard memory ...``: load, get, reinforce, decay, stats and top-k from the command line.
 
+Sample and set-strengths are in ``shared/cli/memory_replay.py``.
 Input files are read and validated whole before anything is sent (``shared.memory.files``);
 a bad file or argument exits 2 with one line naming the file and array (or the argument), and
 so does a request the cluster refuses as INVALID_ARGUMENT (``shared.cli.main``).
@@ -77,7 +78,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     ):
         for start in range(0, len(ids), args.batch):
             end = min(start + args.batch, len(ids))
-            client.upsert(ids[start:end], strengths[start:end])
+            client.upsert(ids[start:end], strengths[start:end], table=args.table)
             advance(end - start)
     seconds = time.perf_counter() - t0
     rate = len(ids) / seconds if seconds > 0 else 0.0
@@ -92,7 +93,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
     ids = np.array([_uint64(t, "id") for t in args.ids], np.uint64)
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
-        found, strengths, _ = client.get(ids)
+        found, strengths, _ = client.get(ids, table=args.table)
     rows = [
         {"id": int(i), "found": bool(f), "strength": float(s) if f else None}
         for i, f, s in zip(ids.tolist(), found.tolist(), strengths.tolist(), strict=True)
@@ -114,7 +115,7 @@ def cmd_reinforce(args: argparse.Namespace) -> int:
 
     ids, boosts = load_reinforcements(args.file)
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
-        found = client.reinforce(ids, boosts)
+        found = client.reinforce(ids, boosts, table=args.table)
     print(f"reinforced {found} of {len(ids)} accesses ({len(ids) - found} ids not stored)")
     return EXIT_OK
 
@@ -129,7 +130,7 @@ def cmd_decay(args: argparse.Namespace) -> int:
     except ValueError:
         raise _UsageError(f"rate: {args.rate!r} is not a number") from None
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
-        n = client.decay(rate)
+        n = client.decay(rate, table=args.table)
     print(f"decayed {n} memories by {rate:g}")
     return EXIT_OK
 
@@ -140,9 +141,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from shared.client import SyncClient
 
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
-        quality = client.quality()
+        quality = client.quality(args.table)
         status = client.status()
     doc = {
+        "table": args.table,
         "memories": quality["count"],
         "quality": quality,
         "slots": status["slots"],
@@ -191,7 +193,7 @@ def cmd_topk(args: argparse.Namespace) -> int:
 
     k = _uint64(args.k, "k")
     with SyncClient(args.coordinator, security=client_security_of(args)) as client:
-        ids, strengths = client.topk(k)
+        ids, strengths = client.topk(k, args.table)
     top = [
         {"id": int(i), "strength": float(s)}
         for i, s in zip(ids.tolist(), strengths.tolist(), strict=True)
@@ -245,5 +247,16 @@ def add_memory_commands(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--json", action="store_true", help="print one JSON document")
 
     from shared.cli.memory_io import add_memory_io_commands
+    from shared.cli.memory_replay import add_replay_commands
 
     add_memory_io_commands(sub)
+    add_replay_commands(sub)
+    for command in (ld, g, r, d, s, t):
+        add_table_flag(command)
+
+
+def add_table_flag(parser: argparse.ArgumentParser) -> None:
+    """Add ``--table NAME`` (default ``default``): the replay table a command works on."""
+    parser.add_argument(
+        "--table", default="default", metavar="NAME", help="the replay table (default: default)"
+    )

@@ -47,7 +47,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         def advance(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, count=f"{done:,} / ~{total:,} memories")
 
-        doc = client.export_memories(args.file, progress=advance)
+        doc = client.export_memories(args.file, progress=advance, table=args.table)
     doc["seconds"] = round(time.perf_counter() - t0, 3)
     if args.json:
         print(json.dumps(doc))
@@ -83,7 +83,9 @@ def cmd_import(args: argparse.Namespace) -> int:
         def checked(n: int) -> None:
             advance.append(stack.enter_context(memories_bar("importing", n)))
 
-        doc = client.import_memories(args.file, args.batch, lambda n: advance[0](n), checked)
+        doc = client.import_memories(
+            args.file, args.batch, lambda n: advance[0](n), checked, table=args.table
+        )
     doc["seconds"] = round(time.perf_counter() - t0, 3)
     if args.json:
         print(json.dumps(doc))
@@ -136,11 +138,11 @@ def _forget_text(doc: dict[str, object]) -> str:
 
 def add_memory_io_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``export`` and ``import`` under ``neuroshard memory``."""
-    e = add_client_command(sub, "export", "write the whole store to an .npz", cmd_export)
+    e = add_client_command(sub, "export", "write a whole table to an .npz", cmd_export)
     e.add_argument("file", metavar="FILE.npz", help="the file to create (or replace)")
     e.add_argument("--json", action="store_true", help="print one JSON document")
 
-    i = add_client_command(sub, "import", "upsert an export .npz into the store", cmd_import)
+    i = add_client_command(sub, "import", "upsert an export .npz into a table", cmd_import)
     i.add_argument("file", metavar="FILE.npz", help="a file written by memory export")
     i.add_argument(
         "--batch",
@@ -149,6 +151,10 @@ def add_memory_io_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
         help=f"memories per upsert call (default {IMPORT_BATCH})",
     )
     i.add_argument("--json", action="store_true", help="print one JSON document")
+    for command in (e, i):
+        command.add_argument(
+            "--table", default="default", metavar="NAME", help="the replay table (default: default)"
+        )
 
 
 def add_forget_worker_command(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from shared.client.async_client import (
     NeuroshardError,
     default_address,
 )
+from shared.client.sampling import SampleBatch
 from shared.client.sync_client import SyncClient
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Client",
     "JobInfo",
     "NeuroshardError",
+    "SampleBatch",
     "SyncClient",
     "default_address",
 ]

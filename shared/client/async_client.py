@@ -33,6 +33,8 @@ from shared.client.datasets import (
 )
 from shared.client.memory import MemoryRouter, Progress, RoutingError
 from shared.client.models import ModelStreamError, model_to_file, models_from_pb
+from shared.client.npz_stream import array_files, npz_size
+from shared.client.sampling import SampleBatch, sample_from_pb, sample_request
 from shared.client.store_io import (
     ExportProgress,
     ExportStreamError,
@@ -43,6 +45,7 @@ from shared.client.store_io import (
 )
 from shared.memory.export_file import IMPORT_BATCH
 from shared.memory.files import MemoryFileError
+from shared.memory.tables import DEFAULT_TABLE, table_name
 from shared.memory.validation import (
     MemoryInputError,
     as_ids,
@@ -50,7 +53,7 @@ from shared.memory.validation import (
     validate_upsert,
 )
 from shared.proto import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from shared.rpc.codec import f32_from_bytes, ids_from_bytes
+from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.security.transport import ChannelSecurity, explain_unavailable
 
 DEFAULT_ADDRESS = "localhost:50051"
@@ -341,7 +344,7 @@ class Client:
         progress: Callable[[int], None] | None = None,
         chunk_bytes: int = UPLOAD_CHUNK_BYTES,
     ) -> dict[str, Any]:
-        """Upload a local ``.npz`` (or ``.pt`` state dict) to the coordinator's first data root.
+        """Upload a local ``.npz``, a directory of ``.npy`` or a ``.pt`` state dict.
 
         An ``.npz`` is stored as ``NAME.npz``: a job then names it ``data: {path: NAME.npz}``
         (or ``load: NAME.npz``); the coordinator validates it as it arrives and serves the
@@ -349,8 +352,11 @@ class Client:
         ``weights_only=True``) is stored as ``NAME.pt``, for ``init: {dataset: NAME}``.
 
         Args:
-            path: the file: arrays ``x`` float32 [N, ...] and ``y`` int64 [N] (a training
-                set), ``ids`` and ``strengths`` (a memory set), or a ``.pt`` state dict.
+            path: the file: arrays ``x`` [N, ...] and ``y`` of any numeric dtype (a
+                training set, maybe with ``x_test``, ``y_test``), ``ids`` and ``strengths``
+                (a memory set), or a ``.pt`` state dict; or a directory of ``x.npy``
+                (``y.npy``, ``x_test.npy``, ``y_test.npy``), streamed as an uncompressed
+                ``.npz`` built as it is sent (the coordinator memory-maps its members).
             name: ``[A-Za-z0-9][A-Za-z0-9._-]*``, at most 128 characters; default the
                 file's stem; a trailing ``.npz`` is dropped (``.pt`` is added for a
                 ``.pt`` file).
@@ -375,10 +381,21 @@ class Client:
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
         p = Path(path)
-        if not await asyncio.to_thread(p.is_file):
+        if await asyncio.to_thread(p.is_dir):
+            files = await asyncio.to_thread(array_files, p)
+            if not files or files[0].name != "x.npy":
+                raise NeuroshardError(
+                    f"{p}: a data set directory needs x.npy (and y.npy, x_test.npy, "
+                    "y_test.npy as the set has them)",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                )
+            size = await asyncio.to_thread(npz_size, files)
+        elif await asyncio.to_thread(p.is_file):
+            size = (await asyncio.to_thread(p.stat)).st_size
+        else:
             raise NeuroshardError(f"{p}: no such file", grpc.StatusCode.INVALID_ARGUMENT)
-        size = (await asyncio.to_thread(p.stat)).st_size
-        stem = p.stem if name is None else name
+        is_dir = await asyncio.to_thread(p.is_dir)
+        stem = (p.name if is_dir else p.stem) if name is None else name
         if p.suffix == ".pt" and not stem.endswith(".pt"):
             stem += ".pt"  # a state dict: stored as NAME.pt, not as an .npz data set
         header = coordinator_pb2.DatasetHeader(name=stem, total_bytes=size, replace=replace)
@@ -525,9 +542,13 @@ class Client:
         except aio.AioRpcError as exc:
             raise _error(exc, self.address, self._security) from None
 
-    async def _payload_limit(self) -> int:
-        """The cluster's ``max_payload_bytes``, from the slot map."""
-        return int((await self._routed(self._router.slot_map())).max_payload_bytes)
+    async def _payload_limit(self, table: str = DEFAULT_TABLE) -> int:
+        """A table's ``max_payload_bytes``, from the slot map.
+
+        Raises:
+            NeuroshardError: NOT_FOUND naming an unknown table.
+        """
+        return int((await self._routed(self._router.table_spec(table))).max_payload_bytes)
 
     async def upsert(
         self,
@@ -535,31 +556,91 @@ class Client:
         strengths: npt.ArrayLike,
         payloads: Sequence[bytes] | None = None,
         progress: Progress | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> int:
-        """Insert or overwrite memories; acknowledged once both copies applied them.
+        """Insert or overwrite memories of a table; acknowledged once both copies applied them.
 
         Args:
             ids: [N] uint64 (any integer array of non-negative values).
             strengths: [N] float32 in [0, 1].
             payloads: None, or [N] bytes (b"" removes a payload), each at most the
-                cluster's ``max_payload_bytes``.
+                table's ``max_payload_bytes``.
             progress: called with the number of items of each part of the batch as its
                 primary acknowledges it (both copies applied it), while other parts may
                 still wait, e.g. for the failover of a dead worker; the calls add up to N.
+            table: the table written (ids are per table). Into a table with a capacity the
+                batch goes to the coordinator, which orders the table's inserts, writes them
+                and evicts what exceeds the capacity before answering (one message: at most
+                ``max_message_bytes``).
 
         Returns:
             Distinct ids written.
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
-                UNAVAILABLE when the batch could not be delivered.
+                NOT_FOUND naming an unknown table (nothing is sent); UNAVAILABLE when the
+                batch could not be delivered.
         """
-        limit = await self._payload_limit()
-        ids, strengths, plain = _checked_upsert(ids, strengths, payloads, limit)
-        return int(await self._routed(self._router.upsert(ids, strengths, plain, None, progress)))
+        spec = await self._routed(self._router.table_spec(table))
+        ids, strengths, plain = _checked_upsert(ids, strengths, payloads, spec.max_payload_bytes)
+        if spec.capacity:  # the coordinator orders a capped table's inserts and evicts
+            reply: coordinator_pb2.InsertResponse = await self._call(
+                self._stub.Insert,
+                coordinator_pb2.InsertRequest(
+                    table=spec.name,
+                    ids=ids_to_bytes(ids),
+                    strengths=f32_to_bytes(strengths),
+                    payloads=plain or [],
+                    request_id=uuid.uuid4().bytes,
+                ),
+            )
+            if progress is not None:
+                progress(len(ids))
+            return int(reply.applied)
+        work = self._router.upsert(ids, strengths, plain, None, progress, _wire(table))
+        return int(await self._routed(work))
+
+    async def update_strengths(
+        self,
+        ids: npt.ArrayLike,
+        strengths: npt.ArrayLike,
+        progress: Progress | None = None,
+        table: str = DEFAULT_TABLE,
+    ) -> int:
+        """Set the strengths of many stored memories in one call (a bulk priority update).
+
+        An upsert that keeps payloads and never inserts: ids not stored (never written,
+        deleted) are skipped and not counted. Exactly-once as ``upsert``: one request id
+        for every part and retry, applied on both copies before the reply.
+
+        Args:
+            ids: [N] uint64 (any integer array of non-negative values); the last
+                occurrence of an id in the batch wins.
+            strengths: [N] float32 in [0, 1].
+            progress: as ``upsert``.
+            table: the table updated (a capped one too: an update inserts nothing, so it
+                goes straight to the workers and evicts nothing).
+
+        Returns:
+            Distinct ids found and updated (N minus the absent ones, for distinct ids).
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
+                NOT_FOUND naming an unknown table; UNAVAILABLE when the batch could not be
+                delivered.
+        """
+        with _refused_input():
+            ids, values = validate_upsert(ids, strengths, None, 0)[:2]
+        await self._payload_limit(table)  # NOT_FOUND before anything is sent
+        work = self._router.update_strengths(ids, values, None, progress, _wire(table))
+        return int(await self._routed(work))
 
     async def reinforce(
-        self, ids: npt.ArrayLike, boosts: npt.ArrayLike, progress: Progress | None = None
+        self,
+        ids: npt.ArrayLike,
+        boosts: npt.ArrayLike,
+        progress: Progress | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> int:
         """Add boosts to the strengths of stored memories, then clip them to [0, 1].
 
@@ -567,54 +648,67 @@ class Client:
             ids: [N] uint64 (any integer array of non-negative values); duplicates add up.
             boosts: [N] float32, finite and >= 0.
             progress: as ``upsert``.
+            table: as ``upsert``.
 
         Returns:
             Ids found (unknown ids are skipped).
 
         Raises:
             NeuroshardError: INVALID_ARGUMENT naming the field and index (nothing is sent);
-                UNAVAILABLE when the batch could not be delivered.
+                NOT_FOUND as ``upsert``; UNAVAILABLE when the batch could not be delivered.
         """
         with _refused_input():
             ids, boosts = validate_reinforce(ids, boosts)
-        return int(await self._routed(self._router.reinforce(ids, boosts, None, progress)))
+        await self._payload_limit(table)  # NOT_FOUND before anything is sent
+        work = self._router.reinforce(ids, boosts, None, progress, _wire(table))
+        return int(await self._routed(work))
 
-    async def delete(self, ids: npt.ArrayLike, progress: Progress | None = None) -> int:
-        """Delete memories from both copies; return how many existed.
+    async def delete(
+        self, ids: npt.ArrayLike, progress: Progress | None = None, table: str = DEFAULT_TABLE
+    ) -> int:
+        """Delete memories of a table from both copies; return how many existed.
 
         Args:
             ids: [N] uint64 (any integer array of non-negative values).
             progress: as ``upsert``.
+            table: as ``upsert``.
 
         Raises:
-            NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); UNAVAILABLE.
+            NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); NOT_FOUND as
+                ``upsert``; UNAVAILABLE.
         """
         with _refused_input():
             ids = as_ids(ids)
-        return int(await self._routed(self._router.delete(ids, None, progress)))
+        await self._payload_limit(table)
+        return int(await self._routed(self._router.delete(ids, None, progress, _wire(table))))
 
     async def get(
-        self, ids: npt.ArrayLike, with_payloads: bool = False
+        self, ids: npt.ArrayLike, with_payloads: bool = False, table: str = DEFAULT_TABLE
     ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
-        """Read memories from their primaries.
+        """Read memories of a table from their primaries.
 
         Args:
             ids: [N] uint64 (any integer array of non-negative values).
             with_payloads: also fetch the payloads.
+            table: as ``upsert``.
 
         Returns:
             found [N] bool, strengths [N] float32 (0 where missing), payloads [N] (None where
             missing or absent; only when ``with_payloads``).
 
         Raises:
-            NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); UNAVAILABLE.
+            NeuroshardError: INVALID_ARGUMENT for bad ids (nothing is sent); NOT_FOUND as
+                ``upsert``; UNAVAILABLE.
         """
         with _refused_input():
             ids = as_ids(ids)
-        return await self._routed(self._router.get(ids, with_payloads))
+        await self._payload_limit(table)
+        return await self._routed(self._router.get(ids, with_payloads, _wire(table)))
 
-    async def decay(self, rate: float, op_id: bytes | None = None) -> int:
-        """Decay every memory of the cluster once: ``s = clip(s - rate, 0, 1)``.
+    async def decay(
+        self, rate: float, op_id: bytes | None = None, table: str = DEFAULT_TABLE
+    ) -> int:
+        """Decay every memory of a table once: ``s = clip(s - rate, 0, 1)``.
 
         The call carries an operation id that its automatic retries keep, so a retry after a
         failure completes the decay where it is missing and never applies it twice. To retry
@@ -623,22 +717,24 @@ class Client:
         Args:
             rate: subtracted from every strength, in [0, 1].
             op_id: the operation id, up to 64 bytes; None: a new random UUID.
+            table: the table decayed.
 
         Returns:
-            Memories decayed (the primary copies in the cluster).
+            Memories decayed (the primary copies of the table).
 
         Raises:
-            NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1]; PERMISSION_DENIED
-                for a role other than admin; UNAVAILABLE.
+            NeuroshardError: INVALID_ARGUMENT for a rate outside [0, 1]; NOT_FOUND naming an
+                unknown table; PERMISSION_DENIED for a role other than admin; UNAVAILABLE.
         """
         op_id = uuid.uuid4().bytes if op_id is None else op_id
         reply: common_pb2.DecayResponse = await self._call(
-            self._stub.Decay, coordinator_pb2.DecayRequest(rate=rate, op_id=op_id)
+            self._stub.Decay,
+            coordinator_pb2.DecayRequest(rate=rate, op_id=op_id, table=_wire(table)),
         )
         return int(reply.memories)
 
-    async def quality(self) -> dict[str, Any]:
-        """Summarize every strength in the cluster, exactly (merged from the primaries).
+    async def quality(self, table: str = DEFAULT_TABLE) -> dict[str, Any]:
+        """Summarize every strength of a table, exactly (merged from the primaries).
 
         Returns:
             ``count``, ``sum``, ``mean``, ``min``, ``max`` and ``histogram`` (10 counts of
@@ -648,12 +744,14 @@ class Client:
             NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
         """
         q: common_pb2.QualityStats = await self._call(
-            self._stub.Quality, coordinator_pb2.QualityRequest()
+            self._stub.Quality, coordinator_pb2.QualityRequest(table=_wire(table))
         )
         return _quality_dict(q)
 
-    async def topk(self, k: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
-        """Return the exact global top-k, strongest first, ties broken by smaller id.
+    async def topk(
+        self, k: int, table: str = DEFAULT_TABLE
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+        """Return the exact global top-k of a table, strongest first, ties by smaller id.
 
         Returns:
             ids [k'] uint64 and strengths [k'] float32, k' = min(k, memories).
@@ -664,12 +762,62 @@ class Client:
         if k < 1:
             raise NeuroshardError(f"k: {k} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
         r: common_pb2.TopKResponse = await self._call(
-            self._stub.TopK, coordinator_pb2.TopKRequest(k=k)
+            self._stub.TopK, coordinator_pb2.TopKRequest(k=k, table=_wire(table))
         )
         return ids_from_bytes(r.ids), f32_from_bytes(r.strengths)
 
+    async def sample(
+        self,
+        n: int,
+        alpha: float = 0.6,
+        replacement: bool = True,
+        seed: int | None = None,
+        min_size: int = 0,
+        timeout_s: float = 30.0,
+        table: str = "default",
+        with_payloads: bool = True,
+    ) -> SampleBatch:
+        """Draw n memories by priority: P(i) = s_i^alpha / sum_j s_j^alpha, over the table.
+
+        Exact over every worker's memories, on integer weights w_i = rint(s_i^alpha * 2^32)
+        (0 for strength 0), so P(i) = w_i / W (docs/architecture.md, "Sampling"); alpha 0
+        is uniform over the memories of non-zero strength. With a seed the draws are a
+        function of the seed, alpha and the table's content, whatever the workers.
+
+        Args:
+            n: draws, 1 .. the coordinator's ``max_sample_batch``.
+            alpha: priority exponent, finite and >= 0.
+            replacement: must be True (sampling without replacement is refused).
+            seed: the generator's seed, 0 .. 2**64 - 1; None: a fresh one (returned).
+            min_size: wait until the table holds this many memories (0: no wait).
+            timeout_s: how long ``min_size`` may wait, seconds.
+            table: the table; only ``default`` exists.
+            with_payloads: also return the payloads.
+
+        Returns:
+            The draws (``SampleBatch``).
+
+        Raises:
+            NeuroshardError: NOT_FOUND for another table; INVALID_ARGUMENT for n <= 0 or
+                above the limit, alpha negative or not finite, or replacement False;
+                FAILED_PRECONDITION for an empty table without min_size, or min_size not
+                reached within timeout_s (the message names the size); UNAVAILABLE.
+        """
+        if n < 1:
+            raise NeuroshardError(f"n: {n} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
+        request = sample_request(
+            table, n, alpha, replacement, seed, min_size, timeout_s, with_payloads
+        )
+        reply = await self._call(self._stub.Sample, request, self.timeout_s + timeout_s)
+        return sample_from_pb(reply)
+
     async def sweep(
-        self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None
+        self,
+        rate: float,
+        k: int = 0,
+        want_quality: bool = True,
+        op_id: bytes | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> tuple[int, dict[str, Any] | None, npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """Decay every memory once, then summarize the store and take its top-k, in one call.
 
@@ -682,6 +830,7 @@ class Client:
             k: top-k size, 0 (none) up to the coordinator's topk_max.
             want_quality: also compute the statistics.
             op_id: the decay's operation id, up to 64 bytes; None: a new random UUID.
+            table: the table swept.
 
         Returns:
             ``(memories decayed, quality as ``quality()`` returns it or None, top-k ids
@@ -696,7 +845,9 @@ class Client:
         op_id = uuid.uuid4().bytes if op_id is None else op_id
         r: coordinator_pb2.SweepResponse = await self._call(
             self._stub.Sweep,
-            coordinator_pb2.SweepRequest(rate=rate, op_id=op_id, k=k, want_quality=want_quality),
+            coordinator_pb2.SweepRequest(
+                rate=rate, op_id=op_id, k=k, want_quality=want_quality, table=_wire(table)
+            ),
         )
         q = _quality_dict(r.quality) if want_quality else None
         return int(r.memories), q, ids_from_bytes(r.topk.ids), f32_from_bytes(r.topk.strengths)
@@ -730,8 +881,9 @@ class Client:
         path: str | os.PathLike[str],
         progress: ExportProgress | None = None,
         timeout_s: float | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> dict[str, Any]:
-        """Write every memory of the store to ``path``, a plain ``.npz`` (streamed).
+        """Write every memory of a table to ``path``, a plain ``.npz`` (streamed).
 
         The file (``shared/memory/export_file.py``) appears only once the export completed.
         Each slot is a point-in-time copy from its primary; writes during the export may or
@@ -741,6 +893,7 @@ class Client:
             path: the file to create or replace; its directory must exist.
             progress: called after each chunk with (memories so far, memories expected).
             timeout_s: deadline of the whole export, seconds; None: none.
+            table: the table exported.
 
         Returns:
             ``path``, ``memories``, ``payloads`` (payload bytes), ``file_bytes``, ``slots``
@@ -752,7 +905,7 @@ class Client:
                 INVALID_ARGUMENT (the file cannot be written), INTERNAL (a malformed stream).
         """
         try:
-            summary = await export_to_file(self._stub, path, timeout_s, progress)
+            summary = await export_to_file(self._stub, path, timeout_s, progress, _wire(table))
         except aio.AioRpcError as exc:
             raise _error(exc, self.address, self._security) from None
         except ExportStreamError as exc:
@@ -769,8 +922,9 @@ class Client:
         batch: int = IMPORT_BATCH,
         progress: Callable[[int], None] | None = None,
         checked: Callable[[int], None] | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> dict[str, Any]:
-        """Upsert every memory of an export file (``export_memories``) into the store.
+        """Upsert every memory of an export file (``export_memories``) into a table.
 
         The whole file is read and checked first (format, dtypes, equal lengths, strengths
         finite in [0, 1], unique ids, payload sizes): a bad file writes nothing. Then it is
@@ -781,6 +935,7 @@ class Client:
             batch: memories per upsert call, >= 1.
             progress: called with each batch's size once it is acknowledged.
             checked: called with the number of memories once the file passed its checks.
+            table: the table written (NOT_FOUND naming it when it does not exist).
 
         Returns:
             ``path``, ``memories`` (in the file), ``written`` (distinct ids written) and
@@ -794,7 +949,7 @@ class Client:
         """
         if batch < 1:
             raise NeuroshardError(f"batch: {batch} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
-        limit = await self._payload_limit()
+        limit = await self._payload_limit(table)
         try:
             data = await load_export(path, limit)
         except MemoryFileError as exc:
@@ -805,7 +960,7 @@ class Client:
         async def upsert(
             ids: npt.NDArray[np.uint64], s: npt.NDArray[np.float32], p: list[bytes] | None
         ) -> int:
-            return int(await self._routed(self._router.upsert(ids, s, p)))
+            return await self.upsert(ids, s, p, table=table)
 
         written = await upsert_export(data, upsert, batch, progress)
         return {
@@ -814,6 +969,73 @@ class Client:
             "written": written,
             "payloads": data.offsets is not None,
         }
+
+    # -- replay tables --------------------------------------------------------------------
+
+    async def create_table(
+        self,
+        name: str,
+        capacity: int = 0,
+        eviction: str = "fifo",
+        max_payload_bytes: int = 0,
+        forget_below: float | None = None,
+    ) -> dict[str, Any]:
+        """Create a replay table (admin); ids are per table.
+
+        Args:
+            name: ``[a-z0-9][a-z0-9_-]*``, at most 64 characters, not "default".
+            capacity: most memories the table holds, >= 0 (0: unlimited).
+            eviction: "fifo" (oldest insert first) or "weakest" (lowest strength first,
+                ties by smaller id): what an insert into a full table evicts.
+            max_payload_bytes: largest payload of one memory, bytes (0: the cluster's).
+            forget_below: None, or a strength in [0, 1): memories a decay leaves at or below
+                it are removed.
+
+        Returns:
+            The table as ``list_tables`` shows it.
+
+        Raises:
+            NeuroshardError: INVALID_ARGUMENT naming the field out of range; ALREADY_EXISTS;
+                PERMISSION_DENIED for a role other than admin.
+        """
+        if capacity < 0:  # the wire fields are unsigned
+            raise NeuroshardError(
+                f"capacity: {capacity} must be >= 0 (0: unlimited)",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+        if not 0 <= max_payload_bytes < 2**32:
+            raise NeuroshardError(
+                f"max_payload_bytes: {max_payload_bytes} is out of range",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+        request = coordinator_pb2.CreateTableRequest(
+            name=name,
+            capacity=capacity,
+            eviction=eviction,
+            max_payload_bytes=max_payload_bytes,
+            has_forget_below=forget_below is not None,
+            forget_below=forget_below or 0.0,
+        )
+        spec: common_pb2.TableSpec = await self._call(self._stub.CreateTable, request)
+        await self._routed(self._router.slot_map(refresh=True))
+        return table_doc(spec)
+
+    async def list_tables(self) -> list[dict[str, Any]]:
+        """Return every replay table, "default" first, then by name (``table_doc`` each)."""
+        reply: coordinator_pb2.ListTablesResponse = await self._call(
+            self._stub.ListTables, coordinator_pb2.ListTablesRequest()
+        )
+        return [table_doc(t) for t in reply.tables]
+
+    async def drop_table(self, name: str) -> None:
+        """Drop a replay table and every memory of it (admin).
+
+        Raises:
+            NeuroshardError: NOT_FOUND naming the table; INVALID_ARGUMENT for "default";
+                PERMISSION_DENIED for a role other than admin.
+        """
+        await self._call(self._stub.DropTable, coordinator_pb2.DropTableRequest(name=name))
+        await self._routed(self._router.slot_map(refresh=True))
 
     async def forget_worker(self, name: str, confirm: bool = False) -> dict[str, Any]:
         """Forget a DEAD worker that will never return (admin).
@@ -835,6 +1057,26 @@ class Client:
             self._stub.ForgetWorker, coordinator_pb2.ForgetWorkerRequest(name=name, confirm=confirm)
         )
         return forget_doc(reply, name)
+
+
+def table_doc(t: common_pb2.TableSpec) -> dict[str, Any]:
+    """A ``TableSpec`` as the client returns it.
+
+    Keys: name, capacity (None: unlimited), eviction, max_payload_bytes, forget_below (None:
+    never).
+    """
+    return {
+        "name": t.name,
+        "capacity": int(t.capacity) or None,
+        "eviction": t.eviction,
+        "max_payload_bytes": int(t.max_payload_bytes),
+        "forget_below": None if t.forget_below < 0 else round(float(t.forget_below), 6),
+    }
+
+
+def _wire(table: str) -> str:
+    """A table as requests carry it: "" for the default one."""
+    return "" if table_name(table) == DEFAULT_TABLE else table
 
 
 def _quality_dict(q: common_pb2.QualityStats) -> dict[str, Any]:

@@ -3,19 +3,21 @@
 ``shared.client.Client`` calls these.
 
 A file travels as a ``DatasetHeader`` (name, size, replace) and, once the coordinator
-accepted it, 1 MiB chunks of its bytes, read in a thread; the coordinator counts them against
-its ``max_dataset_bytes``.
+accepted it, 1 MiB chunks of its bytes, read in a thread (a directory of ``.npy`` files as
+an uncompressed ``.npz`` made as it is sent, never whole in memory); the coordinator counts
+them against its ``max_dataset_bytes``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from shared.client.npz_stream import array_files, npz_chunks
 from shared.proto import coordinator_pb2, coordinator_pb2_grpc
 
 CHUNK_BYTES = 1 << 20  # well under any gRPC message limit
@@ -65,7 +67,9 @@ async def put_file(
 
     Args:
         stub: the coordinator's stub.
-        path: the local ``.npz``.
+        path: the local ``.npz`` (or ``.pt``), or a directory of ``.npy`` files sent as an
+            uncompressed ``.npz`` (``shared.client.npz_stream``; ``header.total_bytes`` is
+            its ``npz_size``).
         header: the name, size and ``replace`` flag.
         progress: called with ``n`` once each chunk of ``n`` bytes has been handed to gRPC.
         timeout_s: deadline of the whole call, seconds (see ``upload_timeout_s``).
@@ -83,16 +87,21 @@ async def put_file(
     reply = await call.read()  # a refused header raises here, before any byte is sent
     if not isinstance(reply, coordinator_pb2.DatasetReply) or not reply.HasField("accepted"):
         raise UploadRefused("the coordinator did not accept the upload", await call.code())
-    f = await asyncio.to_thread(path.open, "rb")
+    if await asyncio.to_thread(path.is_dir):  # .npy files: an .npz built as it is sent
+        pieces: Iterator[bytes] = npz_chunks(array_files(path))
+    else:
+        pieces = _file_chunks(path, chunk_bytes)
     try:
-        while data := await asyncio.to_thread(f.read, chunk_bytes):
+        while (data := await asyncio.to_thread(next, pieces, b"")) != b"":
             if call.done():  # refused mid-stream: its status is read below
                 break
             await call.write(coordinator_pb2.DatasetChunk(data=data))
             if progress is not None:
                 progress(len(data))
     finally:
-        f.close()
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
     if not call.done():
         await call.done_writing()
     reply = await call.read()
@@ -101,6 +110,13 @@ async def put_file(
             "the coordinator ended the upload without storing it", await call.code()
         )
     return reply.stored
+
+
+def _file_chunks(path: Path, chunk_bytes: int) -> Iterator[bytes]:
+    """A file's bytes, ``chunk_bytes`` at a time."""
+    with path.open("rb") as f:
+        while data := f.read(chunk_bytes):
+            yield data
 
 
 def info_from_pb(info: coordinator_pb2.DatasetInfo) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from grpc import aio
 
 from shared.client.reports import FailureReports, Reporter
 from shared.memory.slots import SlotMapError, slot_of, validate_slot_map
+from shared.memory.tables import table_name, table_specs
 from shared.memory.validation import MAX_REQUEST_ID_BYTES, validate_request_id
 from shared.proto import (
     common_pb2,
@@ -185,6 +186,20 @@ class MemoryRouter:
                 (fetched_at + m.data_token_expires_at) / 2 if m.data_token else math.inf
             )
         return self._map
+
+    async def table_spec(self, table: str) -> common_pb2.TableSpec:
+        """Return the spec of a table from the slot map, fetching a newer map once if needed.
+
+        Raises:
+            RoutingError: NOT_FOUND naming the table (not in the coordinator's map either);
+                as ``slot_map``.
+        """
+        name = table_name(table)
+        for refresh in (False, True):
+            specs = table_specs(await self.slot_map(refresh))
+            if name in specs:
+                return specs[name]
+        raise RoutingError(f"table {name!r} does not exist", grpc.StatusCode.NOT_FOUND)
 
     async def route(
         self,
@@ -370,6 +385,8 @@ class MemoryRouter:
         payloads: list[bytes] | None,
         request_id: bytes | None = None,
         progress: Progress | None = None,
+        table: str = "",
+        stamps: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         """Upsert a validated batch; return the distinct ids written.
 
@@ -380,6 +397,9 @@ class MemoryRouter:
             request_id: the write's id (a caller re-sending it after a crash passes the
                 same one: slots that applied it skip it); None: a new random one.
             progress: as ``route``.
+            table: the table written, as on the wire ("": the default one).
+            stamps: [N] uint64 insert stamps (the coordinator's, for a capped table); None:
+                none.
 
         Raises:
             RoutingError: as ``route``.
@@ -390,9 +410,49 @@ class MemoryRouter:
         ) -> worker_pb2.WriteResponse:
             part = [payloads[i] for i in idx.tolist()] if payloads is not None else None
             return await stub.Upsert(
-                upsert_request(epoch, rid, ids[idx], strengths[idx], part),
+                upsert_request(
+                    epoch,
+                    rid,
+                    ids[idx],
+                    strengths[idx],
+                    part,
+                    table,
+                    None if stamps is None else stamps[idx],
+                ),
                 timeout=self._timeout_s,
             )
+
+        return await self._write(ids, send, request_id, progress, item_bytes=12)
+
+    async def update_strengths(
+        self,
+        ids: npt.NDArray[np.uint64],
+        strengths: npt.NDArray[np.float32],
+        request_id: bytes | None = None,
+        progress: Progress | None = None,
+        table: str = "",
+    ) -> int:
+        """Set the strengths of stored memories (a priority update); return the ids found.
+
+        An Upsert with ``existing_only``: payloads are kept, absent ids skipped.
+
+        Args:
+            ids: [N] uint64; the last occurrence of an id wins.
+            strengths: [N] float32 in [0, 1].
+            request_id: as ``_write``.
+            progress: as ``route``.
+            table: as ``upsert``.
+
+        Raises:
+            RoutingError: as ``route``.
+        """
+
+        async def send(
+            stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
+        ) -> worker_pb2.WriteResponse:
+            request = upsert_request(epoch, rid, ids[idx], strengths[idx], None, table)
+            request.existing_only = True
+            return await stub.Upsert(request, timeout=self._timeout_s)
 
         return await self._write(ids, send, request_id, progress, item_bytes=12)
 
@@ -402,6 +462,7 @@ class MemoryRouter:
         boosts: npt.NDArray[np.float32],
         request_id: bytes | None = None,
         progress: Progress | None = None,
+        table: str = "",
     ) -> int:
         """Reinforce with a validated batch; return the ids found.
 
@@ -410,6 +471,7 @@ class MemoryRouter:
             boosts: [N] float32, finite and >= 0.
             request_id: as ``_write``.
             progress: as ``route``.
+            table: as ``upsert``.
 
         Raises:
             RoutingError: as ``route``.
@@ -419,7 +481,8 @@ class MemoryRouter:
             stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
             return await stub.Reinforce(
-                reinforce_request(epoch, rid, ids[idx], boosts[idx]), timeout=self._timeout_s
+                reinforce_request(epoch, rid, ids[idx], boosts[idx], table),
+                timeout=self._timeout_s,
             )
 
         return await self._write(ids, send, request_id, progress, item_bytes=12)
@@ -429,6 +492,7 @@ class MemoryRouter:
         ids: npt.NDArray[np.uint64],
         request_id: bytes | None = None,
         progress: Progress | None = None,
+        table: str = "",
     ) -> int:
         """Delete memories; return how many existed.
 
@@ -436,6 +500,7 @@ class MemoryRouter:
             ids: [N] uint64.
             request_id: as ``_write``.
             progress: as ``route``.
+            table: as ``upsert``.
 
         Raises:
             RoutingError: as ``route``.
@@ -445,20 +510,23 @@ class MemoryRouter:
             stub: worker_pb2_grpc.WorkerStub, epoch: int, rid: bytes, idx: Positions
         ) -> worker_pb2.WriteResponse:
             return await stub.Delete(
-                worker_pb2.DeleteRequest(epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx])),
+                worker_pb2.DeleteRequest(
+                    epoch=epoch, request_id=rid, ids=ids_to_bytes(ids[idx]), table=table
+                ),
                 timeout=self._timeout_s,
             )
 
         return await self._write(ids, send, request_id, progress, item_bytes=8)
 
     async def get(
-        self, ids: npt.NDArray[np.uint64], with_payloads: bool
+        self, ids: npt.NDArray[np.uint64], with_payloads: bool, table: str = ""
     ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
         """Read memories from their primaries.
 
         Args:
             ids: [N] uint64.
             with_payloads: also fetch the payloads.
+            table: the table read, as on the wire ("": the default one).
 
         Returns:
             found [N] bool, strengths [N] float32 (0 where missing), and N payloads (None
@@ -475,7 +543,10 @@ class MemoryRouter:
         ) -> worker_pb2.GetResponse:
             return await stub.Get(
                 worker_pb2.GetRequest(
-                    epoch=epoch, ids=ids_to_bytes(distinct[idx]), with_payloads=with_payloads
+                    epoch=epoch,
+                    ids=ids_to_bytes(distinct[idx]),
+                    with_payloads=with_payloads,
+                    table=table,
                 ),
                 timeout=self._timeout_s,
             )
@@ -510,23 +581,38 @@ def upsert_request(
     ids: npt.NDArray[np.uint64],
     strengths: npt.NDArray[np.float32],
     payloads: Sequence[bytes] | None,
+    table: str = "",
+    stamps: npt.NDArray[np.uint64] | None = None,
 ) -> worker_pb2.UpsertRequest:
-    """One worker's Upsert: ids [n] uint64, strengths [n] float32, payloads (n or None)."""
+    """One worker's Upsert: ids [n] uint64, strengths [n] float32, payloads (n or None).
+
+    ``table`` as on the wire ("": the default one); ``stamps`` [n] uint64 or None.
+    """
     return worker_pb2.UpsertRequest(
         epoch=epoch,
         request_id=rid,
         ids=ids_to_bytes(ids),
         strengths=f32_to_bytes(strengths),
         payloads=list(payloads) if payloads is not None else [],
+        table=table,
+        stamps=b"" if stamps is None else ids_to_bytes(stamps),
     )
 
 
 def reinforce_request(
-    epoch: int, rid: bytes, ids: npt.NDArray[np.uint64], boosts: npt.NDArray[np.float32]
+    epoch: int,
+    rid: bytes,
+    ids: npt.NDArray[np.uint64],
+    boosts: npt.NDArray[np.float32],
+    table: str = "",
 ) -> worker_pb2.ReinforceRequest:
-    """One worker's Reinforce: ids [n] uint64, boosts [n] float32 (finite, >= 0)."""
+    """One worker's Reinforce: ids [n] uint64, boosts [n] float32 (finite, >= 0), a table."""
     return worker_pb2.ReinforceRequest(
-        epoch=epoch, request_id=rid, ids=ids_to_bytes(ids), boosts=f32_to_bytes(boosts)
+        epoch=epoch,
+        request_id=rid,
+        ids=ids_to_bytes(ids),
+        boosts=f32_to_bytes(boosts),
+        table=table,
     )
 
 

@@ -67,6 +67,7 @@ async def export_to_file(
     path: str | os.PathLike[str],
     timeout_s: float | None,
     progress: ExportProgress | None = None,
+    table: str = "",
 ) -> ExportSummary:
     """Stream the store into ``path`` (created or replaced only when the export completed).
 
@@ -75,6 +76,7 @@ async def export_to_file(
         path: the ``.npz`` to write; its directory must exist.
         timeout_s: deadline of the whole stream, seconds; None: none.
         progress: called after each chunk with (memories so far, memories expected).
+        table: the table exported, as on the wire ("": the default one).
 
     Raises:
         grpc.aio.AioRpcError: the stream failed (e.g. UNAVAILABLE: a slot has no live
@@ -84,7 +86,9 @@ async def export_to_file(
     """
     writer = await asyncio.to_thread(ExportWriter, path)
     try:
-        call = stub.ExportMemories(coordinator_pb2.ExportMemoriesRequest(), timeout=timeout_s)
+        call = stub.ExportMemories(
+            coordinator_pb2.ExportMemoriesRequest(table=table), timeout=timeout_s
+        )
         header: coordinator_pb2.ExportHeader | None = None
         async for msg in call:
             if msg.WhichOneof("part") == "header":

@@ -31,6 +31,7 @@ from shared.client.memory import (
 )
 from shared.client.store_io import ExportProgress
 from shared.memory.export_file import IMPORT_BATCH
+from shared.memory.tables import DEFAULT_TABLE, table_name
 from shared.memory.validation import as_ids, validate_reinforce
 from shared.proto import worker_pb2
 from shared.rpc.codec import ids_to_bytes
@@ -194,11 +195,14 @@ class SyncClient:
         ids: npt.ArrayLike,
         strengths: npt.ArrayLike,
         payloads: Sequence[bytes] | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> int:
         """Insert or overwrite memories; return distinct ids written (see ``Client.upsert``)."""
         m = self._client._router.cached_map
-        if m is None:  # the first call fetches the map (and its payload limit)
-            return self._run(self._client.upsert(ids, strengths, payloads))
+        # The first call fetches the map (and its payload limit); other tables than the
+        # default one go the routed way, which checks the table against the map.
+        if m is None or table_name(table) != DEFAULT_TABLE:
+            return self._run(self._client.upsert(ids, strengths, payloads, table=table))
         ids_N, strengths_N, plain = _checked_upsert(ids, strengths, payloads, m.max_payload_bytes)
         rid = uuid.uuid4().bytes
         reply = self._direct_call(
@@ -214,8 +218,12 @@ class SyncClient:
         router = self._client._router
         return int(self._run(self._client._routed(router.upsert(ids_N, strengths_N, plain, rid))))
 
-    def reinforce(self, ids: npt.ArrayLike, boosts: npt.ArrayLike) -> int:
+    def reinforce(
+        self, ids: npt.ArrayLike, boosts: npt.ArrayLike, table: str = DEFAULT_TABLE
+    ) -> int:
         """Add boosts to stored strengths; return ids found (see ``Client.reinforce``)."""
+        if table_name(table) != DEFAULT_TABLE:
+            return self._run(self._client.reinforce(ids, boosts, table=table))
         with _refused_input():
             ids_N, boosts_N = validate_reinforce(ids, boosts)
         rid = uuid.uuid4().bytes
@@ -232,8 +240,10 @@ class SyncClient:
         router = self._client._router
         return int(self._run(self._client._routed(router.reinforce(ids_N, boosts_N, rid))))
 
-    def delete(self, ids: npt.ArrayLike) -> int:
+    def delete(self, ids: npt.ArrayLike, table: str = DEFAULT_TABLE) -> int:
         """Delete memories; return how many existed (see ``Client.delete``)."""
+        if table_name(table) != DEFAULT_TABLE:
+            return self._run(self._client.delete(ids, table=table))
         with _refused_input():
             ids_N = as_ids(ids)
         rid = uuid.uuid4().bytes
@@ -250,9 +260,11 @@ class SyncClient:
         return int(self._run(self._client._routed(self._client._router.delete(ids_N, rid))))
 
     def get(
-        self, ids: npt.ArrayLike, with_payloads: bool = False
+        self, ids: npt.ArrayLike, with_payloads: bool = False, table: str = DEFAULT_TABLE
     ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32], list[bytes | None]]:
         """Read memories: found, strengths, payloads (see ``Client.get``)."""
+        if table_name(table) != DEFAULT_TABLE:
+            return self._run(self._client.get(ids, with_payloads, table))
         with _refused_input():
             ids_N = as_ids(ids)
         # Workers answer each distinct id once: send each once, and map back to ids' order.
@@ -277,23 +289,51 @@ class SyncClient:
             raise NeuroshardError(str(exc), exc.code) from None
         return expand_result(result, back_N)
 
-    def decay(self, rate: float, op_id: bytes | None = None) -> int:
+    def decay(self, rate: float, op_id: bytes | None = None, table: str = DEFAULT_TABLE) -> int:
         """Decay every memory by ``rate`` once; return memories decayed (see ``Client.decay``)."""
-        return self._run(self._client.decay(rate, op_id))
+        return self._run(self._client.decay(rate, op_id, table))
 
-    def quality(self) -> dict[str, Any]:
-        """Summarize every strength in the cluster (see ``Client.quality``)."""
-        return self._run(self._client.quality())
+    def quality(self, table: str = DEFAULT_TABLE) -> dict[str, Any]:
+        """Summarize every strength of a table (see ``Client.quality``)."""
+        return self._run(self._client.quality(table))
 
-    def topk(self, k: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
+    def topk(
+        self, k: int, table: str = DEFAULT_TABLE
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """Return the exact global top-k ids and strengths (see ``Client.topk``)."""
-        return self._run(self._client.topk(k))
+        return self._run(self._client.topk(k, table))
 
     def sweep(
-        self, rate: float, k: int = 0, want_quality: bool = True, op_id: bytes | None = None
+        self,
+        rate: float,
+        k: int = 0,
+        want_quality: bool = True,
+        op_id: bytes | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> tuple[int, dict[str, Any] | None, npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """Decay once, then quality and top-k in one call (see ``Client.sweep``)."""
-        return self._run(self._client.sweep(rate, k, want_quality, op_id))
+        return self._run(self._client.sweep(rate, k, want_quality, op_id, table))
+
+    def create_table(
+        self,
+        name: str,
+        capacity: int = 0,
+        eviction: str = "fifo",
+        max_payload_bytes: int = 0,
+        forget_below: float | None = None,
+    ) -> dict[str, Any]:
+        """Create a replay table (see ``Client.create_table``)."""
+        return self._run(
+            self._client.create_table(name, capacity, eviction, max_payload_bytes, forget_below)
+        )
+
+    def list_tables(self) -> list[dict[str, Any]]:
+        """List the replay tables (see ``Client.list_tables``)."""
+        return self._run(self._client.list_tables())
+
+    def drop_table(self, name: str) -> None:
+        """Drop a replay table (see ``Client.drop_table``)."""
+        self._run(self._client.drop_table(name))
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until no slot is under-replicated (see ``Client.wait_ready``)."""
@@ -304,9 +344,10 @@ class SyncClient:
         path: str | os.PathLike[str],
         progress: ExportProgress | None = None,
         timeout_s: float | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> dict[str, Any]:
-        """Write the store to an ``.npz`` (see ``Client.export_memories``)."""
-        return self._run(self._client.export_memories(path, progress, timeout_s))
+        """Write a table to an ``.npz`` (see ``Client.export_memories``)."""
+        return self._run(self._client.export_memories(path, progress, timeout_s, table))
 
     def import_memories(
         self,
@@ -314,9 +355,10 @@ class SyncClient:
         batch: int = IMPORT_BATCH,
         progress: Callable[[int], None] | None = None,
         checked: Callable[[int], None] | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> dict[str, Any]:
-        """Upsert an export file into the store (see ``Client.import_memories``)."""
-        return self._run(self._client.import_memories(path, batch, progress, checked))
+        """Upsert an export file into a table (see ``Client.import_memories``)."""
+        return self._run(self._client.import_memories(path, batch, progress, checked, table))
 
     def forget_worker(self, name: str, confirm: bool = False) -> dict[str, Any]:
         """Forget a DEAD worker (see ``Client.forget_worker``)."""

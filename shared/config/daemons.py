@@ -256,6 +256,9 @@ class CoordinatorConfig(_DaemonConfig):
     )
     slots: int = Field(1024, ge=1, le=65536, description="Hash slots of the memory store.")
     topk_max: int = Field(10000, ge=1, description="Largest k a top-k request may ask for.")
+    max_sample_batch: int = Field(
+        65536, ge=1, description="Largest n (draws) one Sample request may ask for."
+    )
     max_payload_bytes: int = Field(
         4096, ge=0, le=16 * 1024 * 1024, description="Largest payload of one memory, bytes."
     )
@@ -350,6 +353,14 @@ class CoordinatorConfig(_DaemonConfig):
         ge=1024,
         description="Largest data set a job may use or `data put` may store (file size, or "
         "x of a synthetic set as float32), bytes.",
+    )
+    max_compressed_array_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Largest array of a compressed .npz (np.savez_compressed) a train job may "
+        "use, once inflated, bytes: a compressed array cannot be memory-mapped, so it is "
+        "inflated into memory; a larger one is refused (save it uncompressed or as a "
+        "directory of .npy files).",
     )
     max_steps: int = Field(
         1_000_000,
@@ -486,6 +497,13 @@ class WorkerConfig(_DaemonConfig):
         64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message, bytes."
     )
     chunk_bytes: int = Field(1024 * 1024, ge=1024, description="Stream chunk size, bytes.")
+    shard_cache_bytes: int = Field(
+        8 << 30,
+        ge=0,
+        description="Most bytes of fetched training rows kept in DATA_DIR/shard_cache across "
+        "jobs (by data set content and row range), bytes; the least recently used entries "
+        "not in use by a running job are removed past it. 0 keeps nothing once a job ends.",
+    )
     rpc_timeout_s: float = Field(30.0, gt=0, description="Deadline of worker-issued RPCs.")
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM, seconds to wait for the slots to be handed over."

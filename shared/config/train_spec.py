@@ -277,11 +277,12 @@ class TrainJobSpec(ConfigModel):
     )
     task: Literal["classification", "regression", "language_model"] = Field(
         "classification",
-        description="What is learnt (shared.training.tasks): classification: x float32, y "
-        "int64 labels, cross-entropy, accuracy; regression: x float32, y float32 [N] or "
-        "[N, D], mse or huber, MSE/MAE/R^2; language_model: x int64/int32 tokens [N, T], "
-        "next-token cross-entropy over every position (targets x shifted by one unless y is "
-        "given), perplexity and tokens/s.",
+        description="What is learnt (shared.training.tasks; arrays of any numeric dtype, "
+        "converted a batch at a time): classification: x numbers, y integer labels, "
+        "cross-entropy, accuracy; regression: x numbers, y numbers [N] or [N, D], mse or "
+        "huber, MSE/MAE/R^2; language_model: x integer tokens [N, T], next-token "
+        "cross-entropy over every position (targets x shifted by one unless y is given), "
+        "perplexity and tokens/s.",
     )
     loss: Literal["default", "mse", "huber"] | EntryLossSpec = Field(
         "default",
@@ -420,7 +421,12 @@ class TrainJobSpec(ConfigModel):
     )
     batch_size: int = Field(32, ge=1, le=65536, description="Samples per worker per step.")
     seed: int = Field(0, ge=0, description="Seeds model init, split and data order.")
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out share of the data.")
+    test_fraction: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="Held-out share of the data (unused when the data set has x_test).",
+    )
 
     _strings = field_validator("model", "data", mode="before")(
         classmethod(lambda cls, v: _name_to_dict(v))

@@ -54,8 +54,10 @@ def as_ids(ids: object, name: str = "ids") -> npt.NDArray[np.uint64]:
     a = np.asarray(ids)
     if a.ndim != 1:
         raise MemoryInputError(f"{name}: expected a 1-D array, got shape {a.shape}")
-    if a.size == 0 or a.dtype == np.uint64:
-        return a.astype(np.uint64, copy=False)
+    if a.size == 0:  # any dtype, complex too: nothing is cast
+        return np.empty(0, np.uint64)
+    if a.dtype == np.uint64:
+        return a
     if a.dtype.kind == "i":
         negative = np.flatnonzero(a < 0)
         if len(negative):
@@ -80,7 +82,7 @@ def as_slots(slots: object, num_slots: int, name: str = "slots") -> npt.NDArray[
     a = np.asarray(slots)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise MemoryInputError(f"{name}: expected a 1-D array of integers")
-    a = a.astype(np.int64)
+    a = a.astype(np.int64) if a.size else np.empty(0, np.int64)
     bad = np.flatnonzero((a < 0) | (a >= num_slots))
     if len(bad):
         i = int(bad[0])
@@ -116,6 +118,8 @@ def validate_values(
         raise MemoryInputError(f"{name}: dtype {a.dtype} is not a number type")
     if len(a) != len(ids):
         raise MemoryInputError(f"ids and {name} differ in length ({len(ids)} != {len(a)})")
+    if a.size == 0:
+        return np.empty(0, np.float32)
     if a.dtype == np.float32:  # the usual case: two comparisons also refuse NaN and inf
         upper = np.float32(1) if unit_range else np.finfo(np.float32).max
         if np.all((a >= 0) & (a <= upper)):

@@ -28,6 +28,8 @@ _WIRE_DTYPES = {
     "float16",
     "int64",
     "int32",
+    "int16",
+    "uint16",
     "uint64",
     "uint32",
     "uint8",
@@ -73,7 +75,7 @@ def tensor_to_chunks(
     Args:
         name: the tensor's name in the stream (a parameter name, ``x``, ``y``).
         array: any shape (0-d and empty ones too) of a wire dtype (float16/32/64,
-            int8/32/64, uint8/32/64, bool), sent as raw little-endian C-order bytes.
+            int8/16/32/64, uint8/16/32/64, bool), sent as raw little-endian C-order bytes.
         chunk_bytes: most data bytes per chunk, >= 1; an empty array is one empty chunk.
 
     Yields:
@@ -100,6 +102,35 @@ def tensor_to_chunks(
         offset += len(piece)
         if offset >= total:
             return
+
+
+def block_to_chunks(
+    name: str, block: np.ndarray, shape: tuple[int, ...], offset: int, chunk_bytes: int
+) -> Iterator[common_pb2.TensorChunk]:
+    """Chunk one block of rows of a larger tensor that is sent block by block.
+
+    The chunks carry the whole tensor's ``shape`` and byte size and their offsets within
+    it, so the receiver sees one tensor (``ChunkAssembler``, or a file written in place).
+
+    Args:
+        name: the tensor's name in the stream.
+        block: [b, ...] consecutive rows of the tensor, of a wire dtype.
+        shape: the whole tensor's shape [R, ...].
+        offset: byte offset of the block's first row within the whole tensor.
+        chunk_bytes: most data bytes per chunk, >= 1.
+    """
+    flat = np.ascontiguousarray(block.astype(_le(block.dtype), copy=False)).reshape(-1)
+    data = flat.data.cast("B")
+    total = math.prod(shape) * block.dtype.itemsize
+    for at in range(0, data.nbytes, chunk_bytes):
+        yield common_pb2.TensorChunk(
+            name=name,
+            dtype=block.dtype.name,
+            shape=list(shape),
+            offset=offset + at,
+            data=bytes(data[at : at + chunk_bytes]),
+            total_bytes=total,
+        )
 
 
 def tensors_to_chunks(

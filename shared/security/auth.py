@@ -5,10 +5,10 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
 - **daemons**, known by the identity in their TLS client certificate
   (``shared.security.identity``), never by a token:
   - ``coordinator``: no Coordinator RPC at all; the Worker service's control RPCs
-    (``WORKER_CONTROL``: slot maps and copies, whole-store decay/sweep/quality/top-k, training,
-    allreduce), the slot inspections it shares with workers (DumpSlots for exports, SlotSeqs
-    for re-copies) and the keyed memory RPCs its memory jobs make (Upsert, Reinforce, Get,
-    Delete);
+    (``WORKER_CONTROL``: slot maps and copies, whole-store decay/sweep/quality/top-k/sample,
+    training, allreduce), the slot inspections it shares with workers (DumpSlots for
+    exports, SlotSeqs for re-copies) and the keyed memory RPCs its memory jobs make (Upsert,
+    Reinforce, Get, Delete);
   - ``worker``: Coordinator RegisterWorker, Heartbeat, ReportFailure, DrainWorker and
     FetchShard, each only under the name its certificate carries (``BOUND_FIELDS``); the
     Worker service's peer RPCs (``WORKER_PEER``: Replicate, ReceiveSlots, DumpSlots,
@@ -17,10 +17,11 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
   audience says where it may be presented:
   - coordinator tokens (``aud`` ``neuroshard``), on the Coordinator service only:
     ``reader``: GetJob, ListJobs, WatchJob, GetModel, ListModels, GetClusterStatus,
-    GetSlotMap, Quality, TopK, ListDatasets, ExportMemories, ReportFailure (a suspicion,
-    confirmed by the coordinator before it acts); ``writer``: those and SubmitJob, CancelJob,
-    PutDataset; ``admin``: every Coordinator RPC (Decay and Sweep of the whole store,
-    DrainWorker, ForgetWorker).
+    GetSlotMap, Quality, TopK, Sample, ListDatasets, ExportMemories, ListTables,
+    ReportFailure (a suspicion, confirmed by the coordinator before it acts); ``writer``:
+    those and SubmitJob, CancelJob, PutDataset, Insert (a capped table's upsert);
+    ``admin``: every Coordinator RPC (Decay and Sweep of a whole table, CreateTable,
+    DropTable, DrainWorker, ForgetWorker).
   - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
     for at most an hour), on the Worker service's keyed RPCs only: ``reader`` Get;
     ``writer`` Get, Upsert, Reinforce, Delete (an admin's data-plane token is a writer's).
@@ -64,14 +65,16 @@ _READER_COORDINATOR = frozenset(
         "GetSlotMap",
         "Quality",
         "TopK",
+        "Sample",
         "ListDatasets",
         "ReportFailure",  # from a person's token: a suspicion, confirmed before it acts
         "ExportMemories",
         "GetModel",
         "ListModels",
+        "ListTables",
     }
 )
-_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset"}
+_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset", "Insert"}
 _WORKER_COORDINATOR = frozenset(
     {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker", "FetchShard"}
 )
@@ -86,6 +89,8 @@ WORKER_CONTROL = frozenset(
         "Sweep",
         "Quality",
         "TopK",
+        "SampleSums",
+        "SamplePick",
         "StartTraining",
         "RunAllreduce",
         "ComputeGradients",

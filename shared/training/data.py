@@ -1,9 +1,11 @@
 """Training data: loading a job's data set and the deterministic per-shard batch order.
 
-Every worker loads the whole data set and trains on one contiguous shard of the training rows.
-The rows of a batch are a pure function of (seed, epoch, shard, step), so a dead worker's
-shard can be handed to another worker, and a job can resume from a checkpoint, without
-changing what the model sees.
+A worker trains on one contiguous shard of the training rows: a built-in set it makes whole
+itself; a file set's rows it fetches shard by shard from the coordinator, which opens the files
+mapped (``shared.training.file_sets``; ``load_dataset`` reads one whole, for references and
+small sets, with the same split). The rows of a batch are a pure function of (seed, epoch,
+shard, step), so a dead worker's shard can be handed to another worker, and a job can resume
+from a checkpoint, without changing what the model sees.
 
 Shapes: N samples, B batch size, C classes.
 """
@@ -11,30 +13,28 @@ Shapes: N samples, B batch size, C classes.
 from __future__ import annotations
 
 import math
-import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from shared.config import BuiltinData, FileData, TrainJobSpec
-from shared.npz import UNREADABLE, npz_members
+from shared.training.file_sets import open_file_set, split_rows
 from shared.training.partition import allreduce_total_steps
 from shared.training.tasks import (
     DataError,
+    check_dtype,
     check_layout,
     check_names,
-    check_values,
     output_width,
-    split_tokens,
+    task_arrays,
 )
 
-__all__ = ["DataError", "Dataset", "load_dataset"]
+__all__ = ["DataError", "Dataset", "TrainSource", "load_dataset"]
 
 # A class centre is this many noise standard deviations from the origin per feature, so that
 # the synthetic blobs are learnable to high accuracy but not trivially by one feature.
@@ -67,6 +67,32 @@ class Dataset:
     input_shape: tuple[int, ...]
     num_classes: int
 
+    @property
+    def n_train(self) -> int:
+        """N_train, the training rows."""
+        return len(self.y_train)
+
+    def test_batches(self, batch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The test rows, ``batch`` at a time (as ``FileSet.test_batches``)."""
+        for i in range(0, len(self.y_test), batch):
+            yield self.x_test[i : i + batch], self.y_test[i : i + batch]
+
+
+class TrainSource(Protocol):
+    """What a job needs of its data set, in memory (``Dataset``) or mapped (``FileSet``)."""
+
+    @property
+    def n_train(self) -> int:
+        """N_train, the training rows."""
+        ...
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    def test_batches(self, batch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The test rows in the task's dtypes, ``batch`` at a time."""
+        ...
+
 
 def load_dataset(
     spec: BuiltinData | FileData,
@@ -79,8 +105,10 @@ def load_dataset(
 
     ``digits`` is scikit-learn's bundled UCI handwritten digits (1797 8x8 images, no
     download), scaled to [0, 1] and shaped [N, 1, 8, 8] so the mlp and cnn take the same data.
-    ``synthetic`` is seeded Gaussian blobs, [N, features]. A ``FileData`` is an ``.npz`` with
-    ``x`` and ``y`` as ``task`` needs them (``load_training_npz``).
+    ``synthetic`` is seeded Gaussian blobs, [N, features]. A ``FileData`` is an ``.npz`` or a
+    directory of ``.npy`` files, read whole here in the task's dtypes (what references and
+    small sets use; a train job opens it mapped instead: ``file_sets.open_file_set``, whose
+    split and rows this equals).
 
     Args:
         spec: the job's ``data`` field.
@@ -98,8 +126,12 @@ def load_dataset(
             (INVALID_ARGUMENT).
     """
     if isinstance(spec, FileData):
-        x, y = load_training_npz(Path(spec.path), task, vocab_size)
-    elif task != "classification":
+        fs = open_file_set(Path(spec.path), task, vocab_size, seed, test_fraction)
+        x_train, y_train = fs.train_batch(np.arange(fs.n_train, dtype=np.int64))
+        tests = list(fs.test_batches(max(fs.n_test, 1)))
+        x_test, y_test = tests[0]
+        return Dataset(x_train, y_train, x_test, y_test, fs.input_shape, fs.num_classes)
+    if task != "classification":
         raise DataError(f"data: the built-in sets are classification data, not {task}")
     elif spec.name == "digits":
         bunch = load_digits()
@@ -168,19 +200,8 @@ def _split(
     Raises:
         DataError: too few samples to leave at least one row on each side.
     """
-    n = len(y)
-    n_test = math.ceil(n * test_fraction)
-    if n_test < 1 or n - n_test < 1:
-        raise DataError(f"y: {n} samples are too few to hold out test_fraction={test_fraction}")
-    can_stratify = False
-    if stratify:
-        counts = np.bincount(y, minlength=num_classes)
-        present = int((counts > 0).sum())
-        # Stratify only when sklearn can: every class needs two rows, one per side of the split.
-        can_stratify = counts[counts > 0].min() >= 2 and min(n_test, n - n_test) >= present
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=n_test, random_state=seed, stratify=y if can_stratify else None
-    )
+    train, test = split_rows(len(y), y if stratify else None, num_classes, seed, test_fraction)
+    x_tr, x_te, y_tr, y_te = x[train], x[test], y[train], y[test]
     return Dataset(
         x_train=np.ascontiguousarray(x_tr),
         y_train=np.ascontiguousarray(y_tr),
@@ -194,74 +215,23 @@ def _split(
 def load_training_npz(
     path: Path, task: str = "classification", vocab_size: int | None = None
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    """Read and validate ``x`` and ``y`` from an .npz file (no pickles) for a task.
-
-    Headers are checked against the members' sizes before NumPy allocates anything, and the
-    arrays' dtypes, shapes and values (``shared.training.tasks``: finiteness, labels, token
-    ids, the first bad row named) before they are returned.
+    """Read, check and convert every row of ``x`` and ``y`` of a data set for a task.
 
     Args:
-        path: the file.
+        path: an ``.npz`` or a directory of ``.npy`` files.
         task: the job's ``task``.
         vocab_size: the job's ``vocab_size`` (language_model), or None.
 
     Returns:
-        classification: x [N, ...] float32 (finite), y [N] int64 labels in [0, C), C >= 2;
-        regression: x [N, ...] float32, y [N] or [N, D] float32, finite; language_model:
-        inputs and targets [N, T'] int64 (``x`` shifted by one when the file has no ``y``).
+        x and y of every row in the task's dtypes (``tasks.task_arrays``).
 
     Raises:
         DataError: missing or unreadable file, or an array missing or malformed (names it).
     """
-    if not path.is_file():
-        raise DataError(f"{path}: no such file")
-    try:
-        _check_member_sizes(path)
-        with np.load(path, allow_pickle=False) as npz:
-            try:
-                check_names(npz.files, task)
-            except DataError as exc:
-                raise DataError(f"{path}: {exc}") from None
-            x = npz["x"]
-            y = npz["y"] if "y" in npz.files else None
-    except UNREADABLE as exc:
-        if isinstance(exc, DataError):
-            raise
-        raise DataError(f"{path}: not a readable .npz file ({exc})") from None
-    try:
-        check_layout(
-            task,
-            x.dtype,
-            x.shape,
-            None if y is None else y.dtype,
-            None if y is None else y.shape,
-        )
-        check_values(task, x, y, vocab_size)
-    except DataError as exc:
-        raise DataError(f"{path}: {exc}") from None
-    if task == "language_model":
-        return split_tokens(x, y)
-    assert y is not None  # check_names and check_layout require it
-    return x, y
-
-
-def _check_member_sizes(path: Path) -> None:
-    """Refuse an archive whose ``x``/``y`` headers claim more bytes than the members hold.
-
-    Checked before NumPy allocates what a header asks for.
-
-    Raises:
-        DataError: a claimed size beyond the member's uncompressed size.
-        ValueError, zipfile.BadZipFile, ...: unreadable archive (the caller reports them).
-    """
-    with zipfile.ZipFile(path) as zf:
-        for m in npz_members(zf, ("x", "y")):
-            have = m.stored_bytes - m.header_bytes
-            if m.data_bytes > have:
-                raise DataError(
-                    f"{path}: array {m.name!r} claims shape {m.shape} "
-                    f"({m.data_bytes} bytes) but the archive holds {have}"
-                )
+    fs = open_file_set(path, task, vocab_size, 0, 0.5)
+    rows = np.arange(len(fs.arrays["x"]), dtype=np.int64)
+    y = fs.arrays["y"].take(rows) if "y" in fs.arrays else None
+    return task_arrays(task, fs.arrays["x"].take(rows), y)
 
 
 # The rules of a training set whose task is not known yet (an upload): the loader applies the
@@ -288,25 +258,29 @@ def check_training_names(names: Iterable[str], x_dtype: np.dtype[Any] | None = N
         check_names(found, "classification")
 
 
-def layout_task(x_dtype: np.dtype[Any], y_dtype: np.dtype[Any] | None) -> str:
-    """The task an upload's dtypes fit (the dtypes of ``x`` and ``y``; None: no ``y``).
+def layout_task(
+    x_dtype: np.dtype[Any],
+    y_dtype: np.dtype[Any] | None,
+    x_shape: tuple[int, ...] = (),
+    y_shape: tuple[int, ...] | None = None,
+) -> str:
+    """The task an upload's arrays most likely are for (its task is not known yet).
 
-    float32 x with int64 y is classification, with float32 y regression; int64/int32 x is
-    language_model.
+    Integer ``x`` [N, T] with no ``y``, or with ``y`` of its shape, is language_model;
+    otherwise float ``y`` is regression and integer ``y`` classification.
 
     Raises:
-        DataError: dtypes that fit no task (names the array and what each task takes).
+        DataError: a dtype ``tasks.check_dtype`` refuses, or no ``y`` beside non-token ``x``.
     """
-    if x_dtype == np.float32:
-        if y_dtype is None:
-            raise DataError("missing array 'y' (float32 x needs targets y)")
-        return "regression" if y_dtype == np.float32 else "classification"
-    if x_dtype in (np.dtype(np.int64), np.dtype(np.int32)):
+    check_dtype("x", x_dtype)
+    if y_dtype is not None:
+        check_dtype("y", y_dtype)
+    tokens = np.issubdtype(x_dtype, np.integer) and len(x_shape) in (0, 2)
+    if tokens and (y_shape is None or tuple(y_shape) == tuple(x_shape)):
         return "language_model"
-    raise DataError(
-        f"array 'x' must be float32 (classification, regression) or int64/int32 tokens "
-        f"(language_model), got {x_dtype}"
-    )
+    if y_dtype is None:
+        raise DataError("missing array 'y' (inputs x need targets y)")
+    return "regression" if np.issubdtype(y_dtype, np.floating) else "classification"
 
 
 def check_training_layout(
@@ -329,39 +303,9 @@ def check_training_layout(
     Raises:
         DataError: naming the array and what is wrong with it.
     """
-    task = layout_task(x_dtype, y_dtype)
+    task = layout_task(x_dtype, y_dtype, x_shape, y_shape)
     check_layout(task, x_dtype, x_shape, y_dtype, y_shape)
     return task
-
-
-def check_features(x: npt.NDArray[Any], name: str = "x") -> None:
-    """Refuse NaN or infinite values of a float array (integer arrays pass).
-
-    Args:
-        x: ``x`` or ``y`` whole, or any piece of it.
-        name: the array's name, for the message.
-
-    Raises:
-        DataError: a value is NaN or infinite.
-    """
-    if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
-        raise DataError(f"array {name!r} contains NaN or infinite values")
-
-
-def check_labels(low: int, high: int) -> None:
-    """Refuse labels that are not 0..C-1 with C >= 2, from their extremes.
-
-    Args:
-        low: the smallest label of ``y``.
-        high: the largest label of ``y``.
-
-    Raises:
-        DataError: a negative label, or fewer than two classes.
-    """
-    if low < 0:
-        raise DataError(f"array 'y' has labels out of range (min {low} < 0)")
-    if high < 1:
-        raise DataError("array 'y' needs at least 2 classes (labels 0..C-1)")
 
 
 def shard_bounds(n: int, shard_index: int, shard_count: int) -> tuple[int, int]:

@@ -31,7 +31,7 @@ Data checks raise ``DataError`` naming the array (and, for values, the first bad
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,14 +209,42 @@ def check_names(names: list[str] | set[str] | Any, task: str | None) -> None:
         raise DataError(f"missing array {missing[0]!r} (found: {found})")
 
 
+def check_dtype(name: str, dtype: np.dtype[Any]) -> None:
+    """Refuse an array dtype that is not a plain number: ints of any width, float16/32/64.
+
+    Args:
+        name: the array (``x``, ``y``, ``x_test``, ``y_test``), named in the message.
+        dtype: its dtype (either byte order).
+
+    Raises:
+        DataError: bool, complex, float128, object, string, datetime or structured dtypes
+            (INVALID_ARGUMENT), naming the array and the dtype.
+    """
+    if np.issubdtype(dtype, np.integer) or (
+        np.issubdtype(dtype, np.floating) and dtype.itemsize <= 8
+    ):
+        return
+    hint = " (save it as uint8)" if dtype == np.bool_ else ""
+    raise DataError(
+        f"array {name!r} has dtype {dtype}; a data set takes integers of any width or "
+        f"float16/32/64{hint}"
+    )
+
+
 def check_layout(
     task: str,
     x_dtype: np.dtype[Any],
     x_shape: tuple[int, ...],
     y_dtype: np.dtype[Any] | None,
     y_shape: tuple[int, ...] | None,
+    x_name: str = "x",
+    y_name: str = "y",
 ) -> None:
     """Refuse dtypes and shapes that are not the task's data (the ``.npy`` headers suffice).
+
+    Any numeric dtype (``check_dtype``) is taken and converted batch by batch
+    (``task_arrays``): classification ``x`` any number, ``y`` integer labels; regression
+    ``x`` and ``y`` any number; language_model ``x`` (and ``y``) integer tokens.
 
     Args:
         task: one of ``TASKS``.
@@ -224,32 +252,34 @@ def check_layout(
         x_shape: of ``x``.
         y_dtype: of ``y``, or None when the set has no ``y`` (language_model only).
         y_shape: of ``y``, or None when the set has no ``y``.
+        x_name: the inputs' array name in messages (``x_test`` for the test arrays).
+        y_name: the targets' array name in messages.
 
     Raises:
         DataError: naming the array, what the task needs and what was found.
     """
+    check_dtype(x_name, x_dtype)
+    if y_dtype is not None:
+        check_dtype(y_name, y_dtype)
     if task == "language_model":
-        _check_tokens_layout(x_dtype, x_shape, y_dtype, y_shape)
+        _check_tokens_layout(x_dtype, x_shape, y_dtype, y_shape, x_name, y_name)
         return
-    if x_dtype != np.float32:
-        raise DataError(f"array 'x' must be float32 for task {task}, got {x_dtype}")
     if len(x_shape) < 2:
-        raise DataError(f"array 'x' must be [N, ...] with ndim >= 2, got {x_shape}")
+        raise DataError(f"array {x_name!r} must be [N, ...] with ndim >= 2, got {x_shape}")
     if y_dtype is None or y_shape is None:
-        raise DataError(f"missing array 'y' (task {task} needs targets)")
+        raise DataError(f"missing array {y_name!r} (task {task} needs targets)")
     if task == "classification":
-        if y_dtype != np.int64:
+        if not np.issubdtype(y_dtype, np.integer):
             raise DataError(
-                f"array 'y' must be int64 labels for task classification, got {y_dtype}"
+                f"array {y_name!r} must be integer labels for task classification, got {y_dtype}"
             )
         if len(y_shape) != 1:
-            raise DataError(f"array 'y' must be [N], got shape {y_shape}")
-    else:
-        if y_dtype != np.float32:
-            raise DataError(f"array 'y' must be float32 targets for task regression, got {y_dtype}")
-        if len(y_shape) not in (1, 2) or (len(y_shape) == 2 and y_shape[1] < 1):
-            raise DataError(f"array 'y' must be [N] or [N, D] for task regression, got {y_shape}")
-    _same_rows(x_shape, y_shape)
+            raise DataError(f"array {y_name!r} must be [N], got shape {y_shape}")
+    elif len(y_shape) not in (1, 2) or (len(y_shape) == 2 and y_shape[1] < 1):
+        raise DataError(
+            f"array {y_name!r} must be [N] or [N, D] for task regression, got {y_shape}"
+        )
+    _same_rows(x_shape, y_shape, x_name, y_name)
 
 
 def _check_tokens_layout(
@@ -257,35 +287,70 @@ def _check_tokens_layout(
     x_shape: tuple[int, ...],
     y_dtype: np.dtype[Any] | None,
     y_shape: tuple[int, ...] | None,
+    x_name: str = "x",
+    y_name: str = "y",
 ) -> None:
-    if x_dtype not in TOKEN_DTYPES:
+    if not np.issubdtype(x_dtype, np.integer):
         raise DataError(
-            f"array 'x' must be int64 or int32 tokens for task language_model, got {x_dtype}"
+            f"array {x_name!r} must be integer tokens for task language_model, got {x_dtype}"
         )
     if len(x_shape) != 2:
-        raise DataError(f"array 'x' must be tokens [N, T] for task language_model, got {x_shape}")
+        raise DataError(
+            f"array {x_name!r} must be tokens [N, T] for task language_model, got {x_shape}"
+        )
     if y_shape is None:
         if x_shape[1] < 2:
             raise DataError(
-                f"array 'x' needs T >= 2 tokens a row (targets are x shifted by one), got {x_shape}"
+                f"array {x_name!r} needs T >= 2 tokens a row (targets are x shifted by one), "
+                f"got {x_shape}"
             )
         if x_shape[0] == 0:
-            raise DataError("array 'x' is empty")
+            raise DataError(f"array {x_name!r} is empty")
         return
-    if y_dtype not in TOKEN_DTYPES:
+    if y_dtype is None or not np.issubdtype(y_dtype, np.integer):
         raise DataError(
-            f"array 'y' must be int64 or int32 tokens for task language_model, got {y_dtype}"
+            f"array {y_name!r} must be integer tokens for task language_model, got {y_dtype}"
         )
     if tuple(y_shape) != tuple(x_shape):
-        raise DataError(f"array 'y' must be [N, T] as 'x' {list(x_shape)}, got {list(y_shape)}")
-    _same_rows(x_shape, y_shape)
+        raise DataError(
+            f"array {y_name!r} must be [N, T] as {x_name!r} {list(x_shape)}, got {list(y_shape)}"
+        )
+    _same_rows(x_shape, y_shape, x_name, y_name)
 
 
-def _same_rows(x_shape: tuple[int, ...], y_shape: tuple[int, ...]) -> None:
+def task_arrays(
+    task: str, x: npt.NDArray[Any], y: npt.NDArray[Any] | None
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Rows as stored, converted to what the task's model and loss take (one batch at a time).
+
+    Args:
+        task: one of ``TASKS``.
+        x: [R, ...] the inputs in their stored dtype.
+        y: [R, ...] the targets in their stored dtype; None for tokens without targets.
+
+    Returns:
+        classification: x float32, y int64 labels; regression: x float32, y float32;
+        language_model: inputs and targets int64 [R, T'] (``split_tokens``).
+    """
+    if task == "language_model":
+        return split_tokens(x, y)
+    assert y is not None  # check_layout requires it for these tasks
+    y_dtype = np.int64 if task == "classification" else np.float32
+    return (
+        np.ascontiguousarray(x, dtype=np.float32),
+        np.ascontiguousarray(y, dtype=y_dtype),
+    )
+
+
+def _same_rows(
+    x_shape: tuple[int, ...], y_shape: tuple[int, ...], x_name: str = "x", y_name: str = "y"
+) -> None:
     if x_shape[0] != y_shape[0]:
-        raise DataError(f"arrays 'x' and 'y' differ in length ({x_shape[0]} != {y_shape[0]})")
+        raise DataError(
+            f"arrays {x_name!r} and {y_name!r} differ in length ({x_shape[0]} != {y_shape[0]})"
+        )
     if y_shape[0] == 0:
-        raise DataError("arrays 'x' and 'y' are empty")
+        raise DataError(f"arrays {x_name!r} and {y_name!r} are empty")
 
 
 def first_bad_row(bad_N: Any) -> int:
@@ -404,11 +469,10 @@ def split_tokens(
 # --- metrics ------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def evaluate(
     task: Task, model: nn.Module, x: npt.NDArray[Any], y: npt.NDArray[Any], batch: int = 1024
 ) -> dict[str, float]:
-    """The task's metrics of ``model`` (eval mode) on test rows; the model is put back in train.
+    """The task's metrics of ``model`` on test rows in memory (``evaluate_batches``).
 
     Args:
         task: the job's task.
@@ -416,38 +480,68 @@ def evaluate(
         x: [T, ...] the test inputs (float32, or int64 tokens).
         y: [T, ...] the test targets.
         batch: rows per forward pass.
+    """
+    pieces = ((x[i : i + batch], y[i : i + batch]) for i in range(0, len(y), batch))
+    return evaluate_batches(task, model, pieces)
+
+
+@torch.no_grad()
+def evaluate_batches(
+    task: Task, model: nn.Module, batches: Iterable[tuple[npt.NDArray[Any], npt.NDArray[Any]]]
+) -> dict[str, float]:
+    """The task's metrics of ``model`` (eval mode) on test batches; the model is put back in train.
+
+    The batches are read one at a time, so the test rows need not fit in memory; R^2's
+    total sum of squares is merged batch by batch in float64 (Chan et al. 1979's pairwise
+    update of the mean and the sum of squared deviations).
+
+    Args:
+        task: the job's task.
+        model: on CPU, float32.
+        batches: (x [b, ...], y [b, ...]) in the task's dtypes (``task_arrays``).
 
     Returns:
         ``test_loss`` (the mean per-sample loss) and: classification ``test_accuracy``;
         regression ``test_mse``, ``test_mae``, ``test_r2``; language_model
         ``test_perplexity`` (exp of the mean per-token cross-entropy, nats).
     """
-    x_all, y_all = torch.from_numpy(x), torch.from_numpy(y)
-    n = len(y_all)
-    loss_sum, correct, se, ae = 0.0, 0, 0.0, 0.0
+    n, loss_sum, correct, se, ae = 0, 0.0, 0, 0.0, 0.0
+    elems, mean, m2 = 0, 0.0, 0.0  # regression targets: count, mean, squared deviations
     model.eval()
     try:
-        for i in range(0, n, batch):
-            xb, yb = x_all[i : i + batch], y_all[i : i + batch]
+        for x, y in batches:
+            xb, yb = (
+                torch.from_numpy(np.ascontiguousarray(x)),
+                torch.from_numpy(np.ascontiguousarray(y)),
+            )
             out = model(xb)
+            n += len(yb)
             loss_sum += float(task.per_sample_loss(out, yb).sum())
             correct += task.correct(out, yb)
             if task.name == "regression":
                 diff = _fit_regression(out.float(), yb) - yb
                 se += float((diff**2).sum())
                 ae += float(diff.abs().sum())
+                y64 = np.asarray(y, np.float64).reshape(-1)
+                if y64.size:
+                    b_mean = float(y64.mean())
+                    b_m2 = float(((y64 - b_mean) ** 2).sum())
+                    total = elems + y64.size
+                    delta = b_mean - mean
+                    m2 += b_m2 + delta * delta * elems * y64.size / total
+                    mean += delta * y64.size / total
+                    elems = total
     finally:
         model.train()
     metrics = {"test_loss": loss_sum / max(n, 1)}
     if task.name == "classification":
         metrics["test_accuracy"] = correct / max(n, 1)
     elif task.name == "regression":
-        elems = max(int(y.size), 1)
-        sst = float(((y.astype(np.float64) - y.astype(np.float64).mean()) ** 2).sum())
+        count = max(elems, 1)
         metrics |= {
-            "test_mse": se / elems,
-            "test_mae": ae / elems,
-            "test_r2": 1.0 - se / sst if sst > 0 else math.nan,
+            "test_mse": se / count,
+            "test_mae": ae / count,
+            "test_r2": 1.0 - se / m2 if m2 > 0 else math.nan,
         }
     else:
         metrics["test_perplexity"] = math.exp(min(metrics["test_loss"], 700.0))

@@ -9,11 +9,12 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from coordinator.server import CoordinatorServer
-from shared.client import Client
+from shared.client import Client, NeuroshardError
 from shared.config import CoordinatorConfig
 from shared.memory.slots import assign_slots
 from shared.proto import worker_pb2, worker_pb2_grpc
@@ -49,8 +50,10 @@ def op_args(op: tuple) -> tuple[str, tuple]:
     Operations: ``("upsert", [(POOL index, strength, payload)], with_payloads)``,
     ``("bulk_upsert", n, seed, with_payloads)``, ``("reinforce", [(ALL index, boost)])``,
     ``("bulk_reinforce", n, seed)``, ``("reinforce_ids", ids, boosts)``,
-    ``("delete", [ALL index])`` and ``("decay", rate)``. ``bulk_*`` ones draw n items from a
-    seeded generator (duplicates, exact 0 and 1 strengths, boosts that clip).
+    ``("update", [(ALL index, strength)])``, ``("bulk_update", n, seed)`` (priority
+    updates: unknown ids skipped), ``("delete", [ALL index])`` and ``("decay", rate)``.
+    ``bulk_*`` ones draw n items from a seeded generator (duplicates, exact 0 and 1
+    strengths, boosts that clip).
     """
     kind = op[0]
     if kind == "upsert":
@@ -75,6 +78,13 @@ def op_args(op: tuple) -> tuple[str, tuple]:
         boosts = rng.random(n, dtype=np.float32) * np.float32(0.3)
         boosts[rng.random(n) < 0.1] = 0.0
         return "reinforce", (ALL[rng.integers(0, len(ALL), n)], boosts)
+    if kind == "update":
+        ids = ALL[[i for i, _ in op[1]]]
+        return "update_strengths", (ids, np.array([s for _, s in op[1]], np.float32))
+    if kind == "bulk_update":
+        n, seed = op[1:]
+        rng = np.random.default_rng(seed)
+        return "update_strengths", (ALL[rng.integers(0, len(ALL), n)], rng.random(n, np.float32))
     if kind == "reinforce_ids":
         return "reinforce", op[1:]
     if kind == "delete":
@@ -86,8 +96,12 @@ async def apply_both(client: Client, ref: ReferenceStore, i: int, op: tuple) -> 
     """Apply ``op`` to the cluster and the reference; their return values must agree.
 
     Bounded in time: a cluster whose copies diverged may refuse a write until the client's
-    retry budget (30 s) runs out.
+    retry budget (30 s) runs out. ``("sample", n, alpha, seed)`` compares a seeded sample.
     """
+    if op[0] == "sample":
+        async with asyncio.timeout(OP_TIMEOUT_S):
+            await assert_sample_matches(client, ref, *op[1:], what=f"ops[{i}]")
+        return
     method, args = op_args(op)
     async with asyncio.timeout(OP_TIMEOUT_S):
         got = await getattr(client, method)(*args)
@@ -234,12 +248,13 @@ class Copy:
         return f"payloads {self.payloads} != {other.payloads}"
 
 
-async def dump_copies(address: str, slots: int) -> dict[int, Copy]:
-    """slot -> this worker's copy, for every slot (empty ones too, for their seq)."""
+async def dump_copies(address: str, slots: int, table: str = "") -> dict[int, Copy]:
+    """slot -> this worker's copy of a table's part, for every slot (empty ones too, for
+    their seq)."""
     out: dict[int, Copy] = {}
     async with channel(address) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
-        request = worker_pb2.DumpSlotsRequest(slots=range(slots))
+        request = worker_pb2.DumpSlotsRequest(slots=range(slots), table=table)
         async for msg in stub.DumpSlots(request, timeout=30):
             copy = out.setdefault(msg.slot, Copy(msg.seq, {}, {}))
             ids = ids_from_bytes(msg.ids).tolist()
@@ -250,11 +265,11 @@ async def dump_copies(address: str, slots: int) -> dict[int, Copy]:
     return out
 
 
-async def assert_copies_identical(cluster: InProcessCluster) -> None:
+async def assert_copies_identical(cluster: InProcessCluster, table: str = "") -> None:
     """Both copies of every slot hold the same rows, payloads and sequence number, bit for
-    bit, and no worker holds data of a slot the map does not give it."""
+    bit, and no worker holds data of a slot the map does not give it (in ``table``)."""
     current = cluster.coordinator.cluster.rebalancer.current
-    dumps = {w.name: await dump_copies(w.address, current.slots) for w in cluster.workers}
+    dumps = {w.name: await dump_copies(w.address, current.slots, table) for w in cluster.workers}
     for s in range(current.slots):
         p, r = current.primary[s], current.replica[s]
         assert p, f"slot {s} has no primary at epoch {current.epoch}"
@@ -285,7 +300,8 @@ async def assert_invariant(cluster: Cluster, ref: ReferenceStore) -> None:
 async def assert_queries_match(
     cluster: InProcessCluster, client: Client, ref: ReferenceStore, k: int
 ) -> None:
-    """quality, top-k, get (with payloads) and status agree with the reference."""
+    """quality, top-k, a seeded sample, get (with payloads) and status agree with the
+    reference."""
     q, want = await client.quality(), ref.quality()
     assert (q["count"], q["min"], q["max"], q["histogram"]) == (
         want.count,
@@ -298,6 +314,7 @@ async def assert_queries_match(
     want_ids, want_s = ref.topk(k)
     np.testing.assert_array_equal(top_ids, want_ids)
     assert top_s.tobytes() == want_s.tobytes(), "top-k strengths differ bitwise"
+    await assert_sample_matches(client, ref, 64, 0.6, k)
     found, strengths, payloads = await client.get(ALL, with_payloads=True)
     want_found, want_strengths, want_payloads = ref.get(ALL)
     np.testing.assert_array_equal(found, want_found)
@@ -308,6 +325,25 @@ async def assert_queries_match(
     assert status["replication_factor"] == min(2, len(cluster.workers))
     assert status["slot_map_epoch"] == cluster.coordinator.cluster.rebalancer.current.epoch
     assert sum(w["slots_primary"] for w in status["workers"]) == ref.slots
+
+
+async def assert_sample_matches(
+    client: Client, ref: ReferenceStore, n: int, alpha: float, seed: int, what: str = "sample"
+) -> None:
+    """A seeded sample of the cluster equals the reference's: ids, strengths, payloads and
+    probabilities exactly; an empty store refuses it (FAILED_PRECONDITION)."""
+    if len(ref.ids) == 0:
+        with pytest.raises(NeuroshardError) as info:
+            await client.sample(n, alpha=alpha, seed=seed)
+        assert info.value.code is grpc.StatusCode.FAILED_PRECONDITION, what
+        return
+    batch = await client.sample(n, alpha=alpha, seed=seed)
+    ids, strengths, payloads, probabilities = ref.sample(n, alpha, seed)
+    np.testing.assert_array_equal(batch.ids, ids, err_msg=f"{what}: sampled ids differ")
+    assert batch.strengths.tobytes() == strengths.tobytes(), f"{what}: strengths differ"
+    assert batch.payloads == payloads, f"{what}: payloads differ"
+    np.testing.assert_array_equal(batch.probabilities, probabilities, err_msg=what)
+    assert batch.size == len(ref.ids), what
 
 
 async def join_then_settle(cluster: InProcessCluster) -> None:

@@ -52,18 +52,23 @@ async def assert_copies_were_split(cluster, before: tuple[int, int]) -> None:
     assert requests >= slots, f"{slots} slots copied in {requests} requests (not split)"
 
 
-async def dump_worker(stub: worker_pb2_grpc.WorkerStub) -> dict[int, dict[int, float]]:
-    """slot -> {id: strength} of everything a worker holds."""
+async def dump_worker(
+    stub: worker_pb2_grpc.WorkerStub, table: str = ""
+) -> dict[int, dict[int, float]]:
+    """slot -> {id: strength} of everything a worker holds in a table ("": the default one)."""
     out: dict[int, dict[int, float]] = {}
-    async for msg in stub.DumpSlots(worker_pb2.DumpSlotsRequest(), timeout=30):
+    async for msg in stub.DumpSlots(worker_pb2.DumpSlotsRequest(table=table), timeout=30):
         d = out.setdefault(msg.slot, {})
         ids, s = ids_from_bytes(msg.ids), f32_from_bytes(msg.strengths)
         d.update(zip(ids.tolist(), s.tolist(), strict=True))
     return out
 
 
-async def assert_cluster_equals(cluster, reference) -> None:
-    """Union of primaries == reference bit for bit, and both copies of every slot equal."""
+async def assert_cluster_equals(cluster, reference, table: str = "") -> None:
+    """Union of primaries == reference bit for bit, and both copies of every slot equal.
+
+    ``table``: the table compared ("": the default one), ``reference`` that table's store.
+    """
     from shared.proto import worker_pb2_grpc as pbg
     from shared.rpc import channel
 
@@ -72,7 +77,7 @@ async def assert_cluster_equals(cluster, reference) -> None:
     dumps = {}
     for w in cluster.workers:
         async with channel(w.address) as ch:
-            dumps[w.name] = await dump_worker(pbg.WorkerStub(ch))
+            dumps[w.name] = await dump_worker(pbg.WorkerStub(ch), table)
     merged: dict[int, float] = {}
     for s in range(current.slots):
         p, r = current.primary[s], current.replica[s]

@@ -58,6 +58,41 @@ def test_load_get_reinforce_decay_stats_topk(up_cluster: tuple[str, Path], tmp_p
     }
 
 
+def test_set_strengths_and_sample(up_cluster: tuple[str, Path], tmp_path: Path) -> None:
+    address, _ = up_cluster
+    at = ("--coordinator", address)
+    ids = np.arange(1, 3_001, dtype=np.uint64) * 7_919 + 2**40  # apart from the test above's
+    strengths = np.random.default_rng(12).random(3_000, dtype=np.float32)
+    np.savez(tmp_path / "mem.npz", ids=ids, strengths=strengths)
+    updated_ids = np.r_[ids[:500], np.uint64(5)]  # id 5 is not stored
+    updated = np.linspace(0, 1, 501, dtype=np.float32)
+    np.savez(tmp_path / "prio.npz", ids=updated_ids, strengths=updated)
+
+    loaded = run_cli("memory", "load", str(tmp_path / "mem.npz"), *at)
+    set_done = run_cli("memory", "set-strengths", str(tmp_path / "prio.npz"), *at)
+    # The module's cluster holds other tests' memories too: the reference is its content.
+    exported = run_cli("memory", "export", str(tmp_path / "all.npz"), *at)
+    sampled = run_cli("memory", "sample", "50", "--alpha", "0.7", "--seed", "3", "--json", *at)
+    refused = run_cli("memory", "sample", "5", "--table", "other", *at)
+    bad_alpha = run_cli("memory", "sample", "5", "--alpha", "-1", *at)
+
+    for done in (loaded, set_done, exported, sampled):
+        assert done.returncode == 0, done.stderr
+    assert set_done.stdout.strip() == "updated 500 of 501 ids (1 not stored, skipped)"
+    with np.load(tmp_path / "all.npz") as f:
+        ref = ReferenceStore()
+        ref.upsert(f["ids"], f["strengths"])
+    assert ref.get(ids[:500])[1].tobytes() == updated[:500].tobytes()
+    doc = json.loads(sampled.stdout)
+    want_ids, want_s, _, want_p = ref.sample(50, 0.7, 3)
+    assert (doc["seed"], doc["size"]) == (3, len(ref.ids))
+    assert [d["id"] for d in doc["draws"]] == want_ids.tolist()
+    assert [d["strength"] for d in doc["draws"]] == want_s.tolist()
+    assert [d["probability"] for d in doc["draws"]] == want_p.tolist()
+    assert refused.returncode == 1 and "table 'other' not found" in refused.stderr
+    assert bad_alpha.returncode == 2 and "--alpha: -1.0 must be finite and >= 0" in bad_alpha.stderr
+
+
 def test_memory_job_follow_json(up_cluster: tuple[str, Path], tmp_path: Path) -> None:
     address, _ = up_cluster
     spec = yaml.safe_load((REPO / "configs/jobs/memory-zipf.yaml").read_text())

@@ -45,7 +45,10 @@ def root_of(cluster) -> Path:
 
 
 def fetches(cluster, code: str = "OK") -> float:
-    """FetchShard calls the coordinator answered with ``code``."""
+    """FetchShard calls the coordinator answered with ``code``.
+
+    A worker holds a shard with two: its header, then the rows its shard cache lacks.
+    """
     return cluster.coordinator.metrics.rpcs.labels("FetchShard", code)._value.get()
 
 
@@ -130,7 +133,7 @@ async def test_bytes_beyond_the_declared_size_are_refused_as_they_arrive(make_cl
 @pytest.mark.parametrize(
     ("arrays", "message"),
     [
-        ({"x": np.zeros((5, 2)), "y": np.arange(5)}, "array 'x' must be float32"),
+        ({"x": np.zeros((5, 2), np.complex128), "y": np.arange(5)}, "array 'x' has dtype"),
         ({"obj": np.array([{"pickle": 1}], dtype=object)}, "holds Python objects"),
         ({"z": np.zeros(3)}, "expected arrays x and y"),
     ],
@@ -243,7 +246,7 @@ async def test_workers_train_on_an_uploaded_set_fetching_their_shards(
     assert set(final.result["workers"]) == {"worker-0", "worker-1"}
     assert tree(Path(".")) == []  # no copy of the data set where the workers run
     assert not [p for w in ("worker-0", "worker-1") for p in tree(tmp_path / w) if "npz" in p.name]
-    assert fetches(cluster) == 2  # one shard each, over the wire
+    assert fetches(cluster) == 4  # one shard each, header and rows, over the wire
     assert job.job_id not in cluster.coordinator.cluster.train_sets  # its rows dropped at end
 
 
@@ -266,7 +269,7 @@ async def test_a_survivor_fetches_the_shard_of_a_failed_worker(
     assert final.state == "SUCCEEDED", final.error
     assert final.result["worker_failures"] == 1
     assert final.result["workers"]["worker-0"]["steps"] == 300
-    assert fetches(cluster) == 3  # a shard each at the start, then worker-1's by worker-0
+    assert fetches(cluster) == 6  # a shard each at the start, then worker-1's by worker-0
 
 
 async def test_shards_fetched_in_tiny_chunks_hold_every_training_row_once(
@@ -372,7 +375,7 @@ async def test_under_tls_and_tokens_writers_put_readers_list_and_workers_fetch(
     assert denied.value.code is grpc.StatusCode.PERMISSION_DENIED
     assert [e["path"] for e in listed] == ["blobs.npz"]
     assert final.state == "SUCCEEDED", final.error
-    assert fetches(cluster) == 2  # each worker by its own certificate, as itself
+    assert fetches(cluster) == 4  # each worker by its own certificate, as itself
 
     # Only a worker's certificate fetches rows, and only as the name it carries.
     async def fetch(security, worker: str) -> grpc.aio.AioRpcError:
@@ -405,4 +408,4 @@ async def test_under_tls_and_tokens_writers_put_readers_list_and_workers_fetch(
     assert as_data_plane.details().startswith("token is not for this daemon")
     assert as_nobody.code() is grpc.StatusCode.UNAUTHENTICATED
     assert as_nobody.details().startswith("missing bearer token")
-    assert fetches(cluster) == 2  # none of them got a row
+    assert fetches(cluster) == 4  # none of them got a row

@@ -6,9 +6,10 @@ operations, bit for bit (float32), and both copies of every slot are identical.
 
 Each hypothesis example drives a real in-process cluster (coordinator and workers on port 0,
 served by this test's event loop) through random upserts (duplicate ids, with and without
-payloads), reinforces (duplicates add, unknown ids skipped), deletes, decays and workers
-joining, between operations or while they run; it applies the same operations to
-``ReferenceStore`` and compares every return value; after every join and at the end it
+payloads), reinforces (duplicates add, unknown ids skipped), priority updates (unknown
+ids skipped, payloads kept), deletes, decays, seeded prioritized samples (compared draw
+for draw) and workers joining, between operations or while they run; it applies the same
+operations to ``ReferenceStore`` and compares every return value; after every join and at the end it
 compares every copy of every slot (contents, payloads and sequence numbers) and checks that
 no primary ever failed to update a copy, and at the end it compares quality, top-k, get and
 status. ``test_fence.py`` pins down the two replication bugs the join-under-traffic
@@ -67,8 +68,11 @@ OPS = st.one_of(
     st.tuples(st.just("bulk_upsert"), st.integers(1, 400), SEED, st.booleans()),
     st.tuples(st.just("reinforce"), st.lists(st.tuples(ANY_IDX, BOOST), max_size=30)),
     st.tuples(st.just("bulk_reinforce"), st.integers(1, 400), SEED),
+    st.tuples(st.just("update"), st.lists(st.tuples(ANY_IDX, STRENGTH), max_size=30)),
+    st.tuples(st.just("bulk_update"), st.integers(1, 400), SEED),
     st.tuples(st.just("delete"), st.lists(ANY_IDX, max_size=30)),
     st.tuples(st.just("decay"), RATE),
+    st.tuples(st.just("sample"), st.integers(1, 300), st.sampled_from([0.0, 0.6, 1.0, 1.7]), SEED),
 )
 MAX_OPS = 8
 

@@ -33,6 +33,9 @@ SET_BY_OTHER_TESTS: dict[str, str] = {
     "neuroshard_readmissions_refused": "test_flapping.py",
     "neuroshard_worker_suspicions_unconfirmed": "test_failover_reports.py",
     "neuroshard_slot_copy_requests": "memory_helpers.py",  # test_memory, test_failover
+    # a file data set's shards (this test trains on a built-in set)
+    "neuroshard_shard_rows": "test_data_files.py",
+    "neuroshard_shard_fetched_bytes": "test_data_files.py",
 }
 
 

@@ -25,23 +25,40 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from shared.memory.stats import Quality
-from shared.memory.validation import as_slots, validate_k
+from shared.memory.tables import (
+    DEFAULT_TABLE,
+    TableNotFound,
+    default_spec,
+    table_name,
+    table_specs,
+)
+from shared.memory.validation import MemoryInputError, as_slots, validate_k
 from shared.proto import common_pb2, worker_pb2
+from shared.rpc.codec import ids_from_bytes
 from worker.memory.primary import PrimaryWrites, Sweep
 from worker.memory.replication import Forwarder, Replicator, Reporter, check_forward
 from worker.memory.roles import Placement
+from worker.memory.sampling import pick_reply, sums_reply
 from worker.store.durable_store import DurableStore
 from worker.store.journal import Journal
 from worker.store.journal_format import Request
 from worker.store.store import SlotSnapshot, SlotStore
 from worker.store.store_metrics import StoreMetrics
 
-__all__ = ["COPY_BATCH_SLOTS", "MemoryNode", "SlotSender"]
+__all__ = ["COPY_BATCH_SLOTS", "CappedTable", "MemoryNode", "SlotSender"]
 
 # Slots snapshotted and sent per hold of the write order: writes wait for one batch at most.
 COPY_BATCH_SLOTS = 64
 # Streams slot snapshots to the named worker at an address; returns (memories, bytes) sent.
 SlotSender = Callable[[str, str, list[SlotSnapshot]], Awaitable[tuple[int, int]]]
+
+
+class CappedTable(Exception):
+    """An upsert into a table with a capacity that did not come through the coordinator.
+
+    FAILED_PRECONDITION: a capped table's inserts are ordered (stamped) by the coordinator,
+    which evicts; a worker refuses one without stamps before applying anything.
+    """
 
 
 class MemoryNode:
@@ -74,6 +91,8 @@ class MemoryNode:
         self._data = DurableStore(store, journal, requests)
         self._replicator = Replicator(name, forward, report)
         self._place = Placement(name, self._held())
+        # The tables of the adopted map, by name (the default one: the cluster's limits).
+        self._tables = {DEFAULT_TABLE: default_spec(0)}
         # Primary writes, slot-map changes and copy snapshots take turns (module docstring).
         self._order = asyncio.Lock()
         self._writes = PrimaryWrites(name, self._data, self._replicator, self._place, self._order)
@@ -137,6 +156,25 @@ class MemoryNode:
         """Adopt the cluster's payload limit (bytes per memory) for later upserts."""
         self._store.max_payload_bytes = max_payload_bytes
 
+    def table(self, name: str) -> common_pb2.TableSpec:
+        """Return the spec of the table a request names (empty: the default one).
+
+        Raises:
+            TableNotFound: the adopted slot map has no such table (NOT_FOUND).
+        """
+        spec = self._tables.get(table_name(name))
+        if spec is None:
+            raise TableNotFound(f"table {table_name(name)!r} does not exist")
+        return spec
+
+    def tables(self) -> list[str]:
+        """Return the names of the tables of the adopted map, the default one first."""
+        return [DEFAULT_TABLE, *sorted(n for n in self._tables if n != DEFAULT_TABLE)]
+
+    def table_items(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """Return every memory of one table held here, sorted by id (diagnostics and tests)."""
+        return self._store.items(table_name(table))
+
     def close(self) -> None:
         """Finish the running store job, then close the journal (fsync per its policy)."""
         self._data.close()
@@ -182,7 +220,19 @@ class MemoryNode:
             self._replicator.adopt(primary if fenced else np.zeros_like(primary))
             if len(gone):
                 await self._data.run(self._data.drop, gone)
+            specs = table_specs(m)
+            self._tables = specs
+            await self._data.run(self._adopt_tables, specs)
             return self.epoch
+
+    def _adopt_tables(self, specs: dict[str, common_pb2.TableSpec]) -> None:
+        """On the store thread: drop the tables the map lacks, take the listed ones' ids."""
+        for name in self._store.tables():
+            if name not in specs:
+                self._data.drop_table(name)
+        for name, spec in specs.items():
+            if name != DEFAULT_TABLE:
+                self._data.adopt_table(name, spec.id)
 
     def check_epoch(self, epoch: int) -> None:
         """Raises: StaleEpoch when ``epoch`` is not this worker's epoch (FAILED_PRECONDITION)."""
@@ -196,6 +246,7 @@ class MemoryNode:
         ids: np.ndarray,
         with_payloads: bool = False,
         max_reply_bytes: int | None = None,
+        table: str = DEFAULT_TABLE,
     ) -> worker_pb2.GetResponse:
         """Look memories up in their primary slots, once per distinct id.
 
@@ -208,6 +259,7 @@ class MemoryNode:
             ids: [N] uint64, repeats allowed.
             with_payloads: also answer the payloads.
             max_reply_bytes: the largest reply, bytes (``max_message_bytes``); None: no limit.
+            table: the table read.
 
         Returns:
             found [M] uint8, strengths [M] float32 (0 where not found) and, with payloads,
@@ -215,38 +267,116 @@ class MemoryNode:
 
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
+            TableNotFound: no such table (NOT_FOUND).
             BudgetExceeded: the reply would exceed ``max_reply_bytes`` (RESOURCE_EXHAUSTED);
                 nothing of it is built.
         """
         self.check_epoch(epoch)
+        name = self.table(table).name
         self._place.check_primary(ids)
         with self._ops.op("get"):
-            return await self._data.run(self._store.get_reply, ids, with_payloads, max_reply_bytes)
+            return await self._data.run(
+                self._store.get_reply, ids, with_payloads, max_reply_bytes, name
+            )
 
-    async def quality(self, epoch: int) -> Quality:
-        """Summarize the strengths of this worker's primary slots.
+    async def quality(self, epoch: int, table: str = DEFAULT_TABLE) -> Quality:
+        """Summarize the strengths of one table in this worker's primary slots.
 
         Raises:
-            StaleEpoch: (FAILED_PRECONDITION).
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
         """
         self.check_epoch(epoch)
+        name = self.table(table).name
         with self._ops.op("quality"):
-            return await self._data.run(self._store.quality, self._primary_slots())
+            return await self._data.run(self._store.quality, self._primary_slots(), name)
 
-    async def topk(self, epoch: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    async def candidates(
+        self, epoch: int, k: int, order: str, table: str
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Return a table's count in the primary slots and its first k there to evict.
+
+        Args:
+            epoch: the epoch the request was routed with.
+            k: how many, >= 1.
+            order: "oldest" (insert stamp, then id) or "weakest" (strength, then id).
+            table: the table.
+
+        Returns:
+            ``(ids [k'] uint64, strengths [k'] float32, stamps [k'] uint64, count)``.
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
+            MemoryInputError: an unknown order (INVALID_ARGUMENT).
+        """
+        self.check_epoch(epoch)
+        name = self.table(table).name
+        with self._ops.op("candidates"):
+            return await self._data.run(
+                self._store.candidates, k, order, self._primary_slots(), name
+            )
+
+    async def topk(
+        self, epoch: int, k: int, table: str = DEFAULT_TABLE
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Return the k strongest memories of the primary slots (ties: smaller id first).
 
         Returns:
             (ids [k'] uint64, strengths [k'] float32), k' = min(k, memories).
 
         Raises:
-            StaleEpoch: (FAILED_PRECONDITION).
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
             MemoryInputError: k < 1 or above the store's limit (INVALID_ARGUMENT).
         """
         self.check_epoch(epoch)
+        name = self.table(table).name
         k = validate_k(k, self._store.k_max)
         with self._ops.op("topk"):
-            return await self._data.run(self._store.topk, k, self._primary_slots())
+            return await self._data.run(self._store.topk, k, self._primary_slots(), name)
+
+    async def sample_sums(
+        self, epoch: int, alpha: float, uniform: bool, table: str = ""
+    ) -> worker_pb2.WorkerSampleSumsResponse:
+        """Phase 1 of a sample: the weight sum of each primary slot (``worker/memory/sampling.py``).
+
+        Raises:
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
+        """
+        self.check_epoch(epoch)
+        name = self.table(table).name
+        primary = self._primary_slots()
+        with self._ops.op("sample_sums"):
+            return await self._data.run(sums_reply, self._store, alpha, uniform, primary, name)
+
+    async def sample_pick(
+        self,
+        epoch: int,
+        version: int,
+        slots: np.ndarray,
+        offsets: np.ndarray,
+        with_payloads: bool,
+        max_reply_bytes: int | None = None,
+        table: str = "",
+    ) -> worker_pb2.WorkerSamplePickResponse:
+        """Phase 2 of a sample: the memories at draws (slot [K] int64, offset [K] uint64).
+
+        Raises:
+            StaleEpoch, NotPrimary: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
+            BudgetExceeded: the reply would exceed ``max_reply_bytes`` (RESOURCE_EXHAUSTED).
+        """
+        self.check_epoch(epoch)
+        name = self.table(table).name
+        self._place.check_primary_slots(slots)
+        with self._ops.op("sample_pick"):
+            return await self._data.run(
+                pick_reply,
+                self._store,
+                version,
+                slots,
+                offsets,
+                with_payloads,
+                max_reply_bytes,
+                name,
+            )
 
     # -- primary writes -------------------------------------------------------------------------
 
@@ -263,22 +393,47 @@ class MemoryNode:
             request: the client's request (forwarded to the replica as it is, or its part).
             ids: [N] uint64, decoded from the request.
             strengths: [N] float32, in [0, 1].
-            payloads: [N] bytes, or None for no payloads.
+            payloads: [N] bytes, or None for no payloads (always None for a priority
+                update, ``request.existing_only``: only the ids present are written).
 
         Raises:
             StaleEpoch, NotPrimary: (FAILED_PRECONDITION).
-            MemoryInputError: invalid values; nothing applied (INVALID_ARGUMENT).
+            MemoryInputError: invalid values, or a payload over the table's limit; nothing
+                applied (INVALID_ARGUMENT).
+            TableNotFound: no such table; nothing applied (NOT_FOUND).
+            CappedTable: a capped table's upsert without the coordinator's stamps
+                (FAILED_PRECONDITION); nothing applied.
             ReplicationError: a copy failed, the coordinator could not be told (UNAVAILABLE);
                 also a retry while the first attempt's copies are still unconfirmed.
             StorageFailed: the journal failed to write or fsync, now or before; the write is
                 not acknowledged, nor is any later one (UNAVAILABLE).
         """
+        self.check_epoch(request.epoch)  # a lagging map may lack the table: stale first
+        spec = self.table(request.table)
+        limit = spec.max_payload_bytes or None
+        stamps = ids_from_bytes(request.stamps, "stamps") if request.stamps else None
+        if stamps is not None and len(stamps) != len(ids):
+            raise MemoryInputError(f"ids and stamps differ in length ({len(ids)} != {len(stamps)})")
+        if spec.capacity and stamps is None and not request.existing_only:  # an insert
+            raise CappedTable(
+                f"table {spec.name!r} has a capacity: insert through the coordinator "
+                "(Client.upsert does), which orders its inserts and evicts"
+            )
 
         def apply(keep: np.ndarray) -> int:
             kept = (
                 None if payloads is None else [p for p, k in zip(payloads, keep, strict=True) if k]
             )
-            return self._store.upsert(ids[keep], strengths[keep], kept)
+            kept_stamps = None if stamps is None else stamps[keep]
+            return self._store.upsert(
+                ids[keep],
+                strengths[keep],
+                kept,
+                request.existing_only,
+                spec.name,
+                limit,
+                kept_stamps,
+            )
 
         with self._ops.op("upsert"):
             return await self._writes.keyed(request.epoch, "upsert", request, ids, apply)
@@ -297,12 +452,14 @@ class MemoryNode:
             The number of ids found.
 
         Raises:
-            StaleEpoch, NotPrimary, MemoryInputError, ReplicationError, StorageFailed: as
-                ``upsert``.
+            StaleEpoch, NotPrimary, MemoryInputError, ReplicationError, StorageFailed,
+                TableNotFound: as ``upsert``.
         """
+        self.check_epoch(request.epoch)  # a lagging map may lack the table: stale first
+        name = self.table(request.table).name
 
         def apply(keep: np.ndarray) -> int:
-            return self._store.reinforce(ids[keep], boosts[keep])
+            return self._store.reinforce(ids[keep], boosts[keep], name)
 
         with self._ops.op("reinforce"):
             return await self._writes.keyed(request.epoch, "reinforce", request, ids, apply)
@@ -315,41 +472,54 @@ class MemoryNode:
             ids: [N] uint64, decoded from the request.
 
         Raises:
-            StaleEpoch, NotPrimary, ReplicationError, StorageFailed: as ``upsert``.
+            StaleEpoch, NotPrimary, ReplicationError, StorageFailed, TableNotFound: as
+                ``upsert``.
         """
+        self.check_epoch(request.epoch)  # a lagging map may lack the table: stale first
+        name = self.table(request.table).name
 
         def apply(keep: np.ndarray) -> int:
-            return self._store.delete(ids[keep])
+            return self._store.delete(ids[keep], name)
 
         with self._ops.op("delete"):
             return await self._writes.keyed(request.epoch, "delete", request, ids, apply)
 
-    async def decay(self, epoch: int, rate: float, op_id: bytes = b"") -> int:
-        """Decay every memory of this worker's primary slots and replicate.
+    async def decay(
+        self, epoch: int, rate: float, op_id: bytes = b"", table: str = DEFAULT_TABLE
+    ) -> int:
+        """Decay every memory of one table in this worker's primary slots and replicate.
 
         Args:
             epoch: the epoch the request was routed with.
             rate: subtracted from each strength, in [0, 1] (validated by the caller).
             op_id: the decay's operation id; slots that applied it already are skipped
                 (empty: no de-duplication).
+            table: the table decayed.
 
         Returns:
             The number of memories of the primary slots that have now applied the decay
             (this call or an earlier one with the same ``op_id``).
 
         Raises:
-            StaleEpoch: (FAILED_PRECONDITION).
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
             StorageFailed: the journal failed; nothing applied (UNAVAILABLE).
             ReplicationError: as ``upsert`` (UNAVAILABLE).
         """
+        spec = self.table(table)
         self._data.check_writable()
         with self._ops.op("decay"):
-            return await self._writes.decay(epoch, rate, op_id)
+            return await self._writes.decay(epoch, rate, op_id, spec.name, _forget(spec))
 
     async def sweep(
-        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+        self,
+        epoch: int,
+        rate: float,
+        op_id: bytes,
+        k: int,
+        want_quality: bool,
+        table: str = DEFAULT_TABLE,
     ) -> tuple[int, Sweep]:
-        """Decay the primary slots (as ``decay``), then summarize them and take their top-k.
+        """Decay one table's primary slots (as ``decay``), then summarize them, take the top-k.
 
         One pass over the strengths (``SlotStore.sweep``); equal to ``decay`` followed by
         ``quality`` and ``topk``. A rate of 0 is a read: no decay is recorded or forwarded.
@@ -360,21 +530,25 @@ class MemoryNode:
             op_id: the decay's operation id, as for ``decay``.
             k: top-k size; 0: no top-k.
             want_quality: compute the statistics.
+            table: the table swept.
 
         Returns:
             (memories of the primary slots that have applied the decay, (quality or None,
             (ids [k'] uint64, strengths [k'] float32) or None)).
 
         Raises:
-            StaleEpoch: (FAILED_PRECONDITION).
+            StaleEpoch: (FAILED_PRECONDITION). TableNotFound: (NOT_FOUND).
             MemoryInputError: k above the store's limit (INVALID_ARGUMENT).
             StorageFailed, ReplicationError: as ``decay`` (UNAVAILABLE).
         """
+        spec = self.table(table)
         k = validate_k(k, self._store.k_max) if k else 0
         if rate > 0:
             self._data.check_writable()
         with self._ops.op("sweep"):
-            return await self._writes.sweep(epoch, rate, op_id, k, want_quality)
+            return await self._writes.sweep(
+                epoch, rate, op_id, k, want_quality, spec.name, _forget(spec)
+            )
 
     # -- replica side ---------------------------------------------------------------------------
 
@@ -440,7 +614,7 @@ class MemoryNode:
 
         def work() -> int:
             pos = self._data.import_slots(snaps)
-            self._place.received([snap.slot for snap in snaps])
+            self._place.received(sorted({snap.slot for snap in snaps}))
             return pos
 
         with self._ops.op("import"):
@@ -448,14 +622,20 @@ class MemoryNode:
             await self._data.sync(pos)
         return sum(len(s.ids) for s in snaps)
 
-    async def export_slots(self, slots: list[int]) -> list[SlotSnapshot]:
-        """Snapshot slots as held here (none given: every slot holding a memory).
+    async def export_slots(
+        self, slots: list[int], table: str = DEFAULT_TABLE
+    ) -> list[SlotSnapshot]:
+        """Snapshot one table's part of slots as held here (none given: every slot holding it).
 
         Raises:
             MemoryInputError: a slot out of range (INVALID_ARGUMENT).
         """
-        chosen = as_slots(slots, self._store.slots).tolist() or self._store.held_slots().tolist()
-        return await self._data.run(self._export, chosen)
+        name = table_name(table)
+        chosen = (
+            as_slots(slots, self._store.slots).tolist()
+            or np.flatnonzero(self._store.slot_counts(name)).tolist()
+        )
+        return await self._data.run(self._data.export, chosen, name)
 
     def slot_seqs(self, slots: list[int]) -> list[int]:
         """Return the sequence number of each slot as held here (0: no data).
@@ -468,3 +648,8 @@ class MemoryNode:
     def _export(self, slots: list[int]) -> list[SlotSnapshot]:
         """On the store thread: copy out ``slots``, with the request ids each applied."""
         return self._data.export(slots)
+
+
+def _forget(spec: common_pb2.TableSpec) -> float | None:
+    """A table's ``forget_below`` as the store takes it (None: the table forgets nothing)."""
+    return None if spec.forget_below < 0 else float(spec.forget_below)

@@ -15,8 +15,10 @@ import grpc
 import numpy as np
 from grpc import aio
 
+from shared.memory.sampling import validate_sample
 from shared.memory.slots import SlotMapError, validate_slot_map
 from shared.memory.stats import quality_to_pb
+from shared.memory.tables import TableNotFound
 from shared.memory.validation import (
     MemoryInputError,
     validate_op_id,
@@ -24,10 +26,17 @@ from shared.memory.validation import (
     validate_request_id,
 )
 from shared.proto import common_pb2, worker_pb2
-from shared.rpc.codec import CodecError, f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
+from shared.rpc.codec import (
+    CodecError,
+    f32_from_bytes,
+    f32_to_bytes,
+    ids_from_bytes,
+    ids_to_bytes,
+    rows_from_bytes,
+)
 from shared.rpc.limits import DEFAULT_MAX_RECEIVE_SLOTS_BYTES, BudgetExceeded
 from shared.rpc.status_table import StatusTable
-from worker.memory.memory_node import SlotSender
+from worker.memory.memory_node import CappedTable, SlotSender
 from worker.memory.node_holder import NodeHolder, NotReady
 from worker.memory.replication import OutOfSync, ReplicationError, StaleForward
 from worker.memory.roles import NotPrimary, StaleEpoch
@@ -51,6 +60,8 @@ _ERRORS = StatusTable(
         (RegistrationRefused, grpc.StatusCode.FAILED_PRECONDITION),  # a map of another slot count
         (NotReady, grpc.StatusCode.UNAVAILABLE),
         (BudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (TableNotFound, grpc.StatusCode.NOT_FOUND),
+        (CappedTable, grpc.StatusCode.FAILED_PRECONDITION),
     ]
 )
 
@@ -158,7 +169,49 @@ class MemoryServicer:
         async with _ERRORS.mapped(context):
             ids = ids_from_bytes(request.ids, "ids")
             return await self._nodes.get().get(
-                request.epoch, ids, request.with_payloads, self._max_message_bytes
+                request.epoch, ids, request.with_payloads, self._max_message_bytes, request.table
+            )
+
+    async def SampleSums(
+        self, request: worker_pb2.WorkerSampleSumsRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSampleSumsResponse:
+        """Phase 1 of a sample: the weight sum of each primary slot, and the version.
+
+        Raises:
+            NOT_FOUND: an unknown table. INVALID_ARGUMENT: alpha negative or not finite.
+            FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
+        """
+        async with _ERRORS.mapped(context):
+            alpha = validate_sample(1, request.alpha, 1)
+            return await self._nodes.get().sample_sums(
+                request.epoch, alpha, request.uniform, request.table
+            )
+
+    async def SamplePick(
+        self, request: worker_pb2.WorkerSamplePickRequest, context: aio.ServicerContext[Any, Any]
+    ) -> worker_pb2.WorkerSamplePickResponse:
+        """Phase 2 of a sample: the memories at the draws' offsets, as of the version.
+
+        ``stale`` (and nothing else) when the version is gone or a drawn memory was deleted
+        since: the coordinator samples again.
+
+        Raises:
+            NOT_FOUND: an unknown table. INVALID_ARGUMENT: malformed slots or offsets, or an
+                offset past its slot's sum. FAILED_PRECONDITION: stale epoch, or a slot not
+                primary here. RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes.
+        """
+        async with _ERRORS.mapped(context):
+            slots = rows_from_bytes(request.slots, "slots")
+            offsets = ids_from_bytes(request.offsets, "offsets")
+            _same_length(slots, offsets=offsets)
+            return await self._nodes.get().sample_pick(
+                request.epoch,
+                request.version,
+                slots,
+                offsets,
+                request.with_payloads,
+                self._max_message_bytes,
+                request.table,
             )
 
     async def Decay(
@@ -172,7 +225,7 @@ class MemoryServicer:
         async with _ERRORS.mapped(context):
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
-            n = await self._nodes.get().decay(request.epoch, rate, op_id)
+            n = await self._nodes.get().decay(request.epoch, rate, op_id, request.table)
             return common_pb2.DecayResponse(memories=n)
 
     async def Quality(
@@ -184,19 +237,34 @@ class MemoryServicer:
             FAILED_PRECONDITION: stale epoch. UNAVAILABLE: not registered yet.
         """
         async with _ERRORS.mapped(context):
-            return quality_to_pb(await self._nodes.get().quality(request.epoch))
+            q = await self._nodes.get().quality(request.epoch, request.table)
+            return quality_to_pb(q)
 
     async def TopK(
         self, request: worker_pb2.WorkerTopKRequest, context: aio.ServicerContext[Any, Any]
     ) -> common_pb2.TopKResponse:
         """The k strongest memories of this worker's primary slots (ties: smaller id).
 
+        With an ``order`` ("oldest", "weakest"): a capped table's first k memories to evict
+        and its count in the primary slots (the coordinator's insert path).
+
         Raises:
             INVALID_ARGUMENT: k out of range. FAILED_PRECONDITION: stale epoch.
             UNAVAILABLE: not registered yet.
         """
         async with _ERRORS.mapped(context):
-            ids, strengths = await self._nodes.get().topk(request.epoch, request.k)
+            node = self._nodes.get()
+            if request.order:  # a capped table's eviction candidates
+                ids, strengths, stamps, count = await node.candidates(
+                    request.epoch, request.k, request.order, request.table
+                )
+                return common_pb2.TopKResponse(
+                    ids=ids_to_bytes(ids),
+                    strengths=f32_to_bytes(strengths),
+                    stamps=ids_to_bytes(stamps),
+                    count=count,
+                )
+            ids, strengths = await node.topk(request.epoch, request.k, request.table)
             return common_pb2.TopKResponse(ids=ids_to_bytes(ids), strengths=f32_to_bytes(strengths))
 
     async def Sweep(
@@ -215,7 +283,7 @@ class MemoryServicer:
             rate = float(validate_rate(request.rate))
             op_id = validate_op_id(request.op_id)
             n, (q, top) = await self._nodes.get().sweep(
-                request.epoch, rate, op_id, request.k, request.want_quality
+                request.epoch, rate, op_id, request.k, request.want_quality, request.table
             )
             reply = worker_pb2.WorkerSweepResponse(memories=n)
             if q is not None:
@@ -304,7 +372,7 @@ class MemoryServicer:
         if node is None:
             return
         async with _ERRORS.mapped(context):
-            snaps = await node.export_slots(list(request.slots))
+            snaps = await node.export_slots(list(request.slots), request.table)
         for snap in snaps:
             for msg in slot_messages(snap, self._chunk_bytes, digest=False):
                 yield msg

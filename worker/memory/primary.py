@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shared.memory.stats import Quality
+from shared.memory.tables import DEFAULT_TABLE
 from shared.memory.validation import validate_rate
 from shared.proto import worker_pb2
 from worker.memory.replication import ReplicationError, Replicator
@@ -90,7 +91,14 @@ class PrimaryWrites:
         """
         return await asyncio.shield(self._keyed(epoch, op, request, ids, apply))
 
-    async def decay(self, epoch: int, rate: float, op_id: bytes = b"") -> int:
+    async def decay(
+        self,
+        epoch: int,
+        rate: float,
+        op_id: bytes = b"",
+        table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
+    ) -> int:
         """Decay every memory of the primary slots by ``rate``, then replicate (shielded).
 
         A decay is applied once per slot: the slots that applied ``op_id`` already (a retry
@@ -101,6 +109,8 @@ class PrimaryWrites:
             epoch: the epoch the request was routed with.
             rate: subtracted from each strength, in [0, 1].
             op_id: the decay's operation id (empty: no de-duplication).
+            table: the table decayed.
+            forget_below: as ``sweep``'s.
 
         Returns:
             The number of memories of the primary slots that have applied the decay, now or
@@ -109,7 +119,7 @@ class PrimaryWrites:
         Raises:
             StaleEpoch: (FAILED_PRECONDITION). ReplicationError: as ``keyed`` (UNAVAILABLE).
         """
-        return await asyncio.shield(self._decay(epoch, rate, op_id))
+        return await asyncio.shield(self._decay(epoch, rate, op_id, table, forget_below))
 
     async def _keyed(
         self, epoch: int, op: str, request: Any, ids: np.ndarray, apply: Callable[..., int]
@@ -158,12 +168,21 @@ class PrimaryWrites:
             raise
         self._data.recent.confirm(rid)
 
-    async def _decay(self, epoch: int, rate: float, op_id: bytes) -> int:
-        n, _ = await self._sweep(epoch, rate, op_id, 0, False)
+    async def _decay(
+        self, epoch: int, rate: float, op_id: bytes, table: str, forget_below: float | None
+    ) -> int:
+        n, _ = await self._sweep(epoch, rate, op_id, 0, False, table, forget_below)
         return n
 
     async def sweep(
-        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+        self,
+        epoch: int,
+        rate: float,
+        op_id: bytes,
+        k: int,
+        want_quality: bool,
+        table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
     ) -> tuple[int, Sweep]:
         """Decay the primary slots as ``decay`` does, then summarize them, in one pass.
 
@@ -177,6 +196,10 @@ class PrimaryWrites:
             op_id: the decay's operation id (empty: no de-duplication).
             k: top-k size, 0 (none) to the store's ``k_max``.
             want_quality: compute the statistics.
+            table: the table swept (the op id is recorded per slot, whatever the table).
+            forget_below: the table's ``forget_below`` (None: none): the decay then removes
+                the memories it leaves at or below it, here and, through the forward, on
+                every copy.
 
         Returns:
             (memories of the primary slots that have applied the decay, the store's
@@ -192,13 +215,23 @@ class PrimaryWrites:
             store = self._data.store
 
             def read() -> tuple[int, Sweep]:
-                return store.count(primary), store.sweep(None, primary, k, want_quality)
+                answer = store.sweep(None, primary, k, want_quality, None, table)
+                return store.count(primary, table), answer
 
             return await self._data.run(read)
-        return await asyncio.shield(self._sweep(epoch, rate, op_id, k, want_quality))
+        return await asyncio.shield(
+            self._sweep(epoch, rate, op_id, k, want_quality, table, forget_below)
+        )
 
     async def _sweep(
-        self, epoch: int, rate: float, op_id: bytes, k: int, want_quality: bool
+        self,
+        epoch: int,
+        rate: float,
+        op_id: bytes,
+        k: int,
+        want_quality: bool,
+        table: str,
+        forget_below: float | None = None,
     ) -> tuple[int, Sweep]:
         """Pipelined: the decay is logged and forwarded before this copy's pass over it.
 
@@ -214,7 +247,10 @@ class PrimaryWrites:
             fresh = self._data.recent.fresh(op_id, primary)
             mine = primary[fresh]
             part = None if fresh.all() else mine
-            req = worker_pb2.WorkerDecayRequest(epoch=epoch, rate=rate, op_id=op_id)
+            wire_table = "" if table == DEFAULT_TABLE else table
+            req = worker_pb2.WorkerDecayRequest(
+                epoch=epoch, rate=rate, op_id=op_id, table=wire_table, forget_below=forget_below
+            )
             store, data = self._data.store, self._data
             loop = asyncio.get_running_loop()
             logged: asyncio.Future[tuple[np.ndarray, int]] = loop.create_future()
@@ -224,9 +260,9 @@ class PrimaryWrites:
                 seqs, pos = data.commit("decay", req, mine, epoch, self._name, applied=False)
                 data.recent.record(op_id, mine)
                 loop.call_soon_threadsafe(_settle, logged, (seqs, pos))
-                answer = store.sweep(rate, primary, k, want_quality, part)
+                answer = store.sweep(rate, primary, k, want_quality, part, table, forget_below)
                 data.settled()
-                return store.count(primary), answer
+                return store.count(primary, table), answer
 
             job = asyncio.ensure_future(data.run(log_then_sweep))
             either: set[asyncio.Future[Any]] = {logged, job}

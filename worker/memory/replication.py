@@ -277,8 +277,8 @@ class _Split:
         in_target[target_slots] = True
         keep = in_target[self._slots]
         req, op = self._request, self._op
-        if op == "upsert" and len(req.payloads):
-            return sub_request(op, req, keep)  # payloads: the general path
+        if op == "upsert" and (len(req.payloads) or req.stamps):
+            return sub_request(op, req, keep)  # payloads or stamps: the general path
         if self._ids is None:  # each bytes field is read (copied out of the message) once
             self._ids = ids_from_bytes(req.ids)
             if op in ("upsert", "reinforce"):
@@ -286,15 +286,23 @@ class _Split:
                 self._values = f32_from_bytes(getattr(req, field), field)
         ids = ids_to_bytes(self._ids[keep])
         rid = req.request_id
+        table = req.table  # a forward names the table its request named
         if op == "delete":
-            return worker_pb2.DeleteRequest(epoch=req.epoch, ids=ids, request_id=rid)
+            return worker_pb2.DeleteRequest(epoch=req.epoch, ids=ids, request_id=rid, table=table)
         assert self._values is not None
         values = f32_to_bytes(self._values[keep])
         if op == "upsert":
             return worker_pb2.UpsertRequest(
-                epoch=req.epoch, ids=ids, strengths=values, request_id=rid
+                epoch=req.epoch,
+                ids=ids,
+                strengths=values,
+                request_id=rid,
+                existing_only=req.existing_only,
+                table=table,
             )
-        return worker_pb2.ReinforceRequest(epoch=req.epoch, ids=ids, boosts=values, request_id=rid)
+        return worker_pb2.ReinforceRequest(
+            epoch=req.epoch, ids=ids, boosts=values, request_id=rid, table=table
+        )
 
 
 def check_forward(

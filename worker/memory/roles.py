@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.memory.slots import slot_of
+from shared.memory.validation import as_slots
 from shared.proto import common_pb2
 
 __all__ = ["NotPrimary", "Placement", "Roles", "StaleEpoch"]
@@ -141,6 +142,21 @@ class Placement:
             raise StaleEpoch(
                 f"slot map epoch {epoch} does not match this worker's epoch "
                 f"{self.roles.epoch} ({newer} map here); refresh the slot map and retry"
+            )
+
+    def check_primary_slots(self, slots: np.ndarray) -> None:
+        """Check that every one of slots [K] int64 is primary here.
+
+        Raises:
+            NotPrimary: one is not (FAILED_PRECONDITION).
+            MemoryInputError: a slot out of range (INVALID_ARGUMENT).
+        """
+        chosen = as_slots(slots, len(self.incoming))
+        wrong = np.flatnonzero(~self.roles.primary[chosen])
+        if len(wrong):
+            raise NotPrimary(
+                f"slot {chosen[int(wrong[0])]} is not primary on worker {self.name} at epoch "
+                f"{self.roles.epoch}"
             )
 
     def check_primary(self, ids: np.ndarray) -> np.ndarray:

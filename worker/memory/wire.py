@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 
 from shared.memory.slots import slot_of
+from shared.memory.tables import DEFAULT_TABLE, table_name
 from shared.memory.validation import MemoryInputError, validate_request_id
 from shared.proto import worker_pb2
 from shared.rpc.chunking import byte_ranges, memory_sizes
 from shared.rpc.codec import f32_from_bytes, f32_to_bytes, ids_from_bytes, ids_to_bytes
 from shared.rpc.limits import BudgetExceeded
+from worker.store.journal_format import stamps_bytes, stamps_dict
 from worker.store.store import SlotSnapshot
 
 __all__ = [
@@ -63,6 +65,9 @@ def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
             payloads=payloads,
             request_id=rid,
             strengths=f32_to_bytes(f32_from_bytes(request.strengths, "strengths")[keep]),
+            table=request.table,
+            stamps=ids_to_bytes(ids_from_bytes(request.stamps)[keep]) if request.stamps else b"",
+            existing_only=request.existing_only,
         )
     if op == "reinforce":
         return worker_pb2.ReinforceRequest(
@@ -70,8 +75,11 @@ def sub_request(op: str, request: Any, keep: np.ndarray) -> Any:
             ids=ids,
             request_id=rid,
             boosts=f32_to_bytes(f32_from_bytes(request.boosts, "boosts")[keep]),
+            table=request.table,
         )
-    return worker_pb2.DeleteRequest(epoch=request.epoch, ids=ids, request_id=rid)
+    return worker_pb2.DeleteRequest(
+        epoch=request.epoch, ids=ids, request_id=rid, table=request.table
+    )
 
 
 def narrow(
@@ -111,12 +119,16 @@ def slot_digest(snap: SlotSnapshot) -> bytes:
     Over, in this order: the slot (uint32), seq (uint64) and memory count n (uint64); ids
     [n] uint64 and strengths [n] float32 as sent (key order); each payload in ids order as
     (id uint64, length uint64, bytes); the request-id count (uint64) and each request id as
-    (length uint64, bytes). Integers little-endian.
+    (length uint64, bytes). Integers little-endian. A part of a table other than the default
+    one starts with the table's name (length uint64, UTF-8).
 
     Args:
         snap: the slot, ids in key order (as ``SlotStore.export_slot`` gives them).
     """
     h = hashlib.sha256(b"neuroshard-slot-v1")
+    if snap.table != DEFAULT_TABLE:
+        name = snap.table.encode()
+        h.update(struct.pack("<Q", len(name)) + name)
     h.update(struct.pack("<IQQ", snap.slot, snap.seq, len(snap.ids)))
     h.update(ids_to_bytes(snap.ids))
     h.update(f32_to_bytes(snap.strengths))
@@ -126,6 +138,8 @@ def slot_digest(snap: SlotSnapshot) -> bytes:
             if p is not None:
                 h.update(struct.pack("<QQ", i, len(p)))
                 h.update(p)
+    if snap.stamps:  # a capped table's insert stamps, aligned with ids
+        h.update(b"stamps" + stamps_bytes(snap.ids, snap.stamps))
     h.update(struct.pack("<Q", len(snap.requests)))
     for rid in snap.requests:
         h.update(struct.pack("<Q", len(rid)))
@@ -173,6 +187,8 @@ def slot_messages(
                 request_ids=snap.requests[ra:rb],
                 count=len(snap.ids) if k == 0 else 0,
                 digest=slot_digest(snap) if k == 0 and digest else b"",
+                table="" if snap.table == DEFAULT_TABLE else snap.table,
+                stamps=stamps_bytes(ids, snap.stamps),
             )
         )
     return out
@@ -194,14 +210,16 @@ class _Parts:
     strengths: list[np.ndarray] = field(default_factory=list)
     payloads: dict[int, bytes] = field(default_factory=dict)
     requests: list[bytes] = field(default_factory=list)
+    stamps: dict[int, int] = field(default_factory=dict)
 
 
 async def receive_slots(
     messages: AsyncIterator[worker_pb2.SlotData], max_bytes: int
 ) -> list[SlotSnapshot]:
-    """Reassemble a stream of ``SlotData`` chunks into one snapshot per slot, and verify each.
+    """Reassemble a stream of ``SlotData`` chunks into one snapshot per slot part, verify each.
 
-    Slots come in first-seen order; a chunk marked ``first`` restarts its slot. Every chunk
+    A part is one table's content of one slot (``SlotData.table``). Parts come in first-seen
+    order; a chunk marked ``first`` restarts its part. Every chunk
     is counted against ``max_bytes`` before it is kept, and each slot must match the count
     and digest its first chunk declares (``slot_digest``) before any is returned.
 
@@ -216,7 +234,7 @@ async def receive_slots(
             64 bytes, or a chunk before its slot's first (INVALID_ARGUMENT).
         CopyMismatch: a slot's count or digest differ from its source's (INVALID_ARGUMENT).
     """
-    parts: dict[int, _Parts] = {}
+    parts: dict[tuple[str, int], _Parts] = {}
     received = 0
     async for msg in messages:
         received += msg.ByteSize()
@@ -232,14 +250,19 @@ async def receive_slots(
             )
         for rid in msg.request_ids:
             validate_request_id(rid, f"slot {msg.slot} request_ids")
-        part = parts.get(msg.slot)
+        key = (table_name(msg.table), msg.slot)
+        part = parts.get(key)
         if msg.first:
-            part = parts[msg.slot] = _Parts(msg)
+            part = parts[key] = _Parts(msg)
         elif part is None:
             raise MemoryInputError(f"slot {msg.slot}: a chunk came before the slot's first")
         part.ids.append(ids)
         part.strengths.append(strengths)
         part.payloads.update(zip(msg.payload_ids, msg.payloads, strict=True))
+        try:
+            part.stamps.update(stamps_dict(ids, msg.stamps))
+        except ValueError as exc:
+            raise MemoryInputError(f"slot {msg.slot}: {exc}") from None
         part.requests.extend(msg.request_ids)
     return [_verified(p) for p in parts.values()]
 
@@ -258,6 +281,8 @@ def _verified(part: _Parts) -> SlotSnapshot:
         np.concatenate(part.strengths),
         part.payloads,
         part.requests,
+        table_name(head.table),
+        part.stamps,
     )
     if len(snap.ids) != head.count or len(snap.strengths) != head.count:
         raise CopyMismatch(

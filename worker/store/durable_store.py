@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from shared.memory.tables import DEFAULT_TABLE
 from shared.proto import worker_pb2
 from worker.store.dedup import RecentRequests
 from worker.store.journal import Journal
@@ -163,26 +164,53 @@ class DurableStore:
         if self.journal is not None:
             self._logged(self.journal.log_drop(slots))
 
-    def export(self, slots: list[int]) -> list[SlotSnapshot]:
-        """On the store thread: copy out ``slots`` with the request ids each applied."""
-        snaps = [self.store.export_slot(s) for s in slots]
+    def export(self, slots: list[int], table: str | None = None) -> list[SlotSnapshot]:
+        """On the store thread: copy out ``slots`` with the request ids each applied.
+
+        Args:
+            slots: the slots.
+            table: None: every table's part of each slot (a whole-slot copy, the default
+                table's part first, carrying the request ids); else only that table's.
+        """
+        if table is not None:
+            return [self.store.export_slot(s, table) for s in slots]
+        snaps = [part for s in slots for part in self.store.export_slot_parts(s)]
         for snap in snaps:
-            snap.requests = self.recent.of_slot(snap.slot)
+            if snap.table == DEFAULT_TABLE:
+                snap.requests = self.recent.of_slot(snap.slot)
         return snaps
 
     def import_slots(self, snaps: list[SlotSnapshot]) -> int:
         """On the store thread: install copied slots and log them; return the journal position.
 
-        Each slot's copy replaces what was held for it, its request ids included.
+        The parts of a slot replace everything held for it, in every table, its request ids
+        included (those of its default table's part; a slot copied without one takes an
+        empty default part).
         """
         pos = 0
+        snaps = _whole_slots(snaps)
         self.store.import_slots(snaps)  # one merge for the whole batch of slots
         for snap in snaps:
-            self.recent.replace_slot(snap.slot, snap.requests)
+            if snap.table == DEFAULT_TABLE:
+                self.recent.replace_slot(snap.slot, snap.requests)
         if self.journal is not None:
             for snap in snaps:
                 pos = self._logged(self.journal.log_import(snap))
         return pos
+
+    def adopt_table(self, name: str, table_id: int) -> None:
+        """On the store thread: adopt a table's incarnation id (``SlotStore.adopt_table``)."""
+        if self.store.tables().get(name) == table_id:
+            return
+        self.store.adopt_table(name, table_id)
+        if self.journal is not None:
+            self._logged(self.journal.log_table(name, table_id))
+
+    def drop_table(self, name: str) -> None:
+        """On the store thread: forget a table the slot map no longer lists, logged."""
+        self.store.drop_table(name)
+        if self.journal is not None:
+            self._logged(self.journal.log_drop_table(name))
 
     def _logged(self, pos: int) -> int:
         """After a journal append: start its fsync, snapshot if the log grew too long.
@@ -194,3 +222,22 @@ class DurableStore:
             self.journal.kick(pos)
             self.journal.maybe_snapshot(self.store, self.recent.entries)
         return pos
+
+
+def _whole_slots(snaps: list[SlotSnapshot]) -> list[SlotSnapshot]:
+    """The parts of copied slots, each slot's default-table part first (made empty if none).
+
+    The journal logs them in this order: replaying the default part replaces the whole
+    slot, each later part only its table's.
+    """
+    by_slot: dict[int, list[SlotSnapshot]] = {}
+    for snap in snaps:
+        by_slot.setdefault(int(snap.slot), []).append(snap)
+    out = []
+    for slot, parts in by_slot.items():
+        default = [p for p in parts if p.table == DEFAULT_TABLE]
+        if not default:
+            empty = np.zeros(0, np.uint64)
+            default = [SlotSnapshot(slot, parts[0].seq, empty, np.zeros(0, np.float32))]
+        out += default[-1:] + [p for p in parts if p.table != DEFAULT_TABLE]
+    return out

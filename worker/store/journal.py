@@ -38,9 +38,10 @@ import numpy as np
 
 from shared.fsync import fsync_dir
 from shared.logging import get_logger
+from shared.memory.tables import DEFAULT_TABLE
 from shared.memory.validation import MemoryInputError
 from shared.private_files import open_private, private_dir, write_private
-from shared.proto import worker_pb2
+from shared.proto import common_pb2, worker_pb2
 from worker.store import journal_format as fmt
 from worker.store.dedup import RecentRequests
 from worker.store.group_commit import GroupCommit
@@ -175,6 +176,8 @@ def restore(store: SlotStore, state: SnapshotState) -> None:
     """
     try:
         store.load(state.ids, state.strengths, state.payloads, state.seq)
+        for t in state.tables:
+            store.load(t.ids, t.strengths, t.payloads, state.seq, t.name, t.id, t.stamps)
     except MemoryInputError as exc:
         raise JournalError(f"snapshot: {exc}") from exc
 
@@ -208,8 +211,17 @@ def _truncate(path: Path, size: int) -> None:
 def capture(store: SlotStore, recent: list[Request], gen: int) -> SnapshotState:
     """Copy a store's arrays for a snapshot (call on the store thread)."""
     ids, strengths = store.rows()
+    tables = []
+    for name, table_id in sorted(store.tables().items()):
+        if name != DEFAULT_TABLE:
+            t_ids, t_strengths = store.rows(name)
+            t = store.table(name)
+            state = fmt.TableState(
+                name, table_id, t_ids, t_strengths, dict(t.payloads), dict(t.stamps)
+            )
+            tables.append(state)
     return SnapshotState(
-        store.slots, gen, store.seq.copy(), ids, strengths, dict(store.payloads), recent
+        store.slots, gen, store.seq.copy(), ids, strengths, dict(store.payloads), recent, tables
     )
 
 
@@ -322,8 +334,17 @@ class Journal:
         return self.append(fmt.KIND_OP, req.SerializeToString())
 
     def log_import(self, snap: SlotSnapshot) -> int:
-        """Append a whole-slot import record; return its journal position."""
+        """Append an import record of one table's part of a slot; return its position."""
         return self.append(fmt.KIND_IMPORT, fmt.encode_import(snap))
+
+    def log_table(self, name: str, table_id: int) -> int:
+        """Append a record of a table's incarnation id adopted; return its journal position."""
+        body = common_pb2.TableSpec(name=name, id=table_id).SerializeToString()
+        return self.append(fmt.KIND_TABLE, body)
+
+    def log_drop_table(self, name: str) -> int:
+        """Append a record of a table dropped; return its journal position."""
+        return self.append(fmt.KIND_DROP_TABLE, name.encode())
 
     def log_drop(self, slots: np.ndarray) -> int:
         """Append a record of dropped slots; return its journal position."""

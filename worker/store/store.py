@@ -1,16 +1,16 @@
-"""SlotStore: one worker's memories for the slots it holds.
+"""SlotStore: one worker's memories for the slots it holds, one ``TableStore`` per table.
 
-Layout (``worker/store/slot_rows.py``): each slot owns a region of two row buffers, ``ids`` on host
-and ``strength`` on the kernel device (NumPy or CuPy), and holds its memories at the front of
-it in no particular order; a hash table finds an id's row. An insert appends to its slots'
-regions, so loading new ids costs O(batch), not O(memories held); the kernels run over a
-slot set as runs of rows, one per slot (:meth:`SlotStore._run_bounds`). Whatever leaves the
-store (``export_slot``, ``items``) is in a fixed order, never the order rows were written in.
-Payloads are sparse (most memories have none): a dict from id to bytes.
+A table (``shared/memory/tables.py``) is its own set of slot rows (``worker/store/
+table_store.py``): ids are per table, and whatever is kept per (table, slot) lives in the
+table's store. The sequence number of a slot belongs to the slot, not a table: a slot's one
+stream of mutations (``worker/memory/replication.py``) orders the writes of every table, and a
+slot copy (``export_slot_parts``) carries every table's part of it. The replication layer
+owns the seqs; the store only keeps them and carries them through export and import.
 
-Every mutating method validates its whole input (``shared/memory/validation.py``) before
-touching anything, so a refused batch changes nothing. Sequence numbers per slot belong to
-the replication layer; the store only keeps them and carries them through export and import.
+Every method takes the table it works on (``table``, default ``DEFAULT_TABLE``); a table
+that holds nothing here yet is made on first use. Tables are dropped only by ``drop_table``
+(a table the slot map no longer lists) and reset by ``adopt_table`` (one re-created under the
+same name: another incarnation id).
 
 Shape letters: N memories held, K batch items, S slots.
 """
@@ -23,41 +23,27 @@ from typing import Any
 
 import numpy as np
 
-from shared.memory.slots import slot_of, sort_key
+from shared.memory.slots import sort_key
 from shared.memory.stats import Quality
-from shared.memory.validation import (
-    MemoryInputError,
-    as_ids,
-    as_slots,
-    validate_k,
-    validate_rate,
-    validate_reinforce,
-    validate_upsert,
-    validate_values,
-)
+from shared.memory.tables import DEFAULT_TABLE
+from shared.memory.validation import MemoryInputError, as_slots
 from shared.proto import worker_pb2
-from shared.rpc.codec import f32_to_bytes
-from shared.rpc.limits import BudgetExceeded
 from worker.store import kernels
-from worker.store import row_index_numba as row_index
+from worker.store.sampling import SlotWeights
 from worker.store.slot_rows import SlotRows
+from worker.store.table_store import SlotPart, TableStore, distinct_in_order
 
 __all__ = ["SlotSnapshot", "SlotStore", "distinct_in_order"]
 
-
-def distinct_in_order(ids: np.ndarray) -> np.ndarray:
-    """Return the distinct values of ``ids`` ([K] uint64) in order of first occurrence ([M])."""
-    if len(ids) < 2:
-        return ids
-    _, first = np.unique(ids, return_index=True)
-    if len(first) == len(ids):
-        return ids
-    return ids[np.sort(first)]
+Slots = Sequence[int] | np.ndarray | None
 
 
 @dataclass
 class SlotSnapshot:
-    """The whole content of one slot, as carried by export/import (migration, re-replication).
+    """One table's part of one slot, as carried by export/import (migration, re-replication).
+
+    A whole slot is the parts of every table holding memories in it, the default table's
+    first and always present (``SlotStore.export_slot_parts``).
 
     Attributes:
         slot: slot number.
@@ -66,7 +52,10 @@ class SlotSnapshot:
         strengths: [n] float32 host.
         payloads: id -> payload for the ids that have one.
         requests: the recent client request ids and decay op ids the slot applied
-            (``worker/store/dedup.py``), oldest first; the store itself keeps none.
+            (``worker/store/dedup.py``), oldest first, on the default table's part; the store
+            itself keeps none.
+        table: the table the part belongs to.
+        stamps: id -> insert stamp, for the ids that have one (a capped table's).
     """
 
     slot: int
@@ -75,10 +64,12 @@ class SlotSnapshot:
     strengths: np.ndarray
     payloads: dict[int, bytes] = field(default_factory=dict)
     requests: list[bytes] = field(default_factory=list)
+    table: str = DEFAULT_TABLE
+    stamps: dict[int, int] = field(default_factory=dict)
 
 
 class SlotStore:
-    """Memories of the slots one worker holds: a region of rows per slot, an id index."""
+    """Memories of the slots one worker holds, per table, and the slots' sequence numbers."""
 
     def __init__(
         self,
@@ -87,64 +78,100 @@ class SlotStore:
         max_payload_bytes: int = 4096,
         k_max: int = 10000,
     ) -> None:
-        """Make an empty store.
+        """Make an empty store (holding the default table, empty).
 
         Args:
             slots: number of hash slots S of the cluster, a power of two.
             device: "cpu", "cuda" or "auto" (see ``kernels.get_xp``).
-            max_payload_bytes: largest payload of one memory, bytes.
+            max_payload_bytes: largest payload of one memory, bytes (the cluster's; a table
+                may have a smaller limit, passed with each upsert).
             k_max: largest k a top-k request may ask for.
         """
         sort_key(np.empty(0, np.uint64), slots)  # validates slots
         self.slots = slots
         self.xp, self.device = kernels.get_xp(device)
-        self.max_payload_bytes = max_payload_bytes
+        self._max_payload_bytes = max_payload_bytes
         self.k_max = k_max
-        self._rows = SlotRows(slots, self.xp)
-        self.payloads: dict[int, bytes] = {}
+        self._tables: dict[str, TableStore] = {}
+        self._ids: dict[str, int] = {}  # table -> incarnation id (0: not known yet)
         self.seq = np.zeros(slots, np.uint64)
+        self.table(DEFAULT_TABLE)
 
     def __len__(self) -> int:
-        """Memories held."""
-        return self._rows.count
+        """Memories held, in every table."""
+        return sum(len(t) for t in self._tables.values())
 
-    # --- rows: the buffers the kernels run over ---------------------------------------------
+    @property
+    def max_payload_bytes(self) -> int:
+        """The cluster's payload limit, bytes: what a copy or a replayed write may carry."""
+        return self._max_payload_bytes
+
+    @max_payload_bytes.setter
+    def max_payload_bytes(self, value: int) -> None:
+        self._max_payload_bytes = value
+        for t in self._tables.values():
+            t.max_payload_bytes = value
+
+    # --- tables ----------------------------------------------------------------------------
+
+    def table(self, name: str) -> TableStore:
+        """Return a table's store, made empty on first use."""
+        t = self._tables.get(name)
+        if t is None:
+            t = self._tables[name] = TableStore(
+                self.slots, self.xp, self._max_payload_bytes, self.k_max
+            )
+            self._ids.setdefault(name, 0)
+        return t
+
+    def tables(self) -> dict[str, int]:
+        """Return the tables held here (the default one included) and their incarnation ids."""
+        return dict(self._ids)
+
+    def adopt_table(self, name: str, table_id: int) -> bool:
+        """Take a table's incarnation id from the slot map; forget its memories if another.
+
+        A table held under id 0 (made by a forward or a copy before the map that created it
+        arrived) takes the id and keeps its memories.
+
+        Returns:
+            True when memories of an older incarnation were forgotten.
+        """
+        held = self._ids.get(name, 0)
+        reset = held not in (0, table_id)
+        if reset:
+            del self._tables[name]
+        self.table(name)
+        self._ids[name] = table_id
+        return reset
+
+    def drop_table(self, name: str) -> int:
+        """Forget a table and its memories (not the default one); return the count dropped."""
+        if name == DEFAULT_TABLE or name not in self._tables:
+            return 0
+        self._ids.pop(name, None)
+        return len(self._tables.pop(name))
+
+    # --- rows of the default table (diagnostics, tests) -----------------------------------
 
     @property
     def ids(self) -> np.ndarray:
-        """[C] uint64 host row buffer of ids, C >= N.
-
-        Only the rows of :meth:`_run_bounds` hold memories; the others are gaps.
-        Reallocated when the store grows: do not keep a reference across mutations.
-        """
-        return self._rows.ids
+        """The default table's [C] uint64 host row buffer of ids (``TableStore.ids``)."""
+        return self.table(DEFAULT_TABLE).ids
 
     @property
     def strength(self) -> Any:
-        """[C] float32 row buffer of strengths on the kernel device, aligned with :attr:`ids`."""
-        return self._rows.strength
+        """The default table's [C] float32 row buffer of strengths on the kernel device."""
+        return self.table(DEFAULT_TABLE).strength
 
-    def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(rows [K] int64, found [K] bool)`` of ids; rows are -1 where not found."""
-        return self._rows.locate(row_index.sort_keys(ids, self._rows.bits), ids)
+    @property
+    def payloads(self) -> dict[int, bytes]:
+        """The default table's payloads, id -> bytes."""
+        return self.table(DEFAULT_TABLE).payloads
 
-    def _run_bounds(
-        self, slots: Sequence[int] | np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(starts [R], ends [R])`` int64: the rows of a slot set's memories.
-
-        None: every slot. One run per non-empty slot, in slot order (runs that follow each
-        other in the buffers merged); runs need not ascend. This is what the ``*_runs``
-        kernels take with :attr:`strength` and :attr:`ids`.
-        """
-        if slots is None:
-            return self._rows.runs(None)
-        return self._rows.runs(np.unique(as_slots(slots, self.slots)))
-
-    def _runs(self, slots: Sequence[int] | np.ndarray | None) -> list[tuple[int, int]]:
-        """Return the runs of :meth:`_run_bounds` as ``(start, end)`` pairs."""
-        starts, ends = self._run_bounds(slots)
-        return list(zip(starts.tolist(), ends.tolist(), strict=True))
+    @property
+    def _rows(self) -> SlotRows:
+        return self.table(DEFAULT_TABLE)._rows
 
     # --- mutations -------------------------------------------------------------------------
 
@@ -153,277 +180,161 @@ class SlotStore:
         ids: np.ndarray,
         strengths: np.ndarray,
         payloads: Sequence[bytes | None] | None = None,
+        existing_only: bool = False,
+        table: str = DEFAULT_TABLE,
+        max_payload_bytes: int | None = None,
+        stamps: np.ndarray | None = None,
     ) -> int:
-        """Insert or overwrite memories; within a batch the last occurrence of an id wins.
-
-        Args:
-            ids: [K] uint64.
-            strengths: [K] float32 in [0, 1].
-            payloads: None leaves payloads alone; else [K] bytes (b"" removes one; a None
-                entry leaves that one alone), each at most ``max_payload_bytes``.
-
-        Returns:
-            Number of distinct ids written.
+        """Insert or overwrite memories of a table (``TableStore.upsert``).
 
         Raises:
             MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
         """
-        ids, strengths, checked = validate_upsert(ids, strengths, payloads, self.max_payload_bytes)
-        # One sort by key (quicksort: 5x faster than a stable sort here) gives the distinct
-        # keys in order for the lookup; an id's last occurrence in the batch is the largest
-        # batch index among the items of its key.
-        all_keys = sort_key(ids, self.slots)
-        order = np.argsort(all_keys)
-        sorted_keys = all_keys[order]
-        first = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]][: len(order)])
-        keys = sorted_keys[first]
-        last = order if len(first) == len(order) else np.maximum.reduceat(order, first)
-        rows, found = self._rows.locate(keys, ids[last])
-        if found.any():
-            self.strength[self.xp.asarray(rows[found])] = self.xp.asarray(strengths[last[found]])
-        new = ~found
-        self._rows.append(keys[new], ids[last[new]], strengths[last[new]])
-        if checked is not None:
-            for i in last.tolist():
-                self._set_payload(int(ids[i]), checked[i])
-        return len(last)
+        return self.table(table).upsert(
+            ids, strengths, payloads, max_payload_bytes, stamps, existing_only
+        )
 
-    def _set_payload(self, id_: int, payload: bytes | None) -> None:
-        if payload is None:
-            return
-        if payload:
-            self.payloads[id_] = bytes(payload)
-        else:
-            self.payloads.pop(id_, None)
+    def delete(self, ids: np.ndarray, table: str = DEFAULT_TABLE) -> int:
+        """Delete memories of a table by id (``TableStore.delete``)."""
+        return self.table(table).delete(ids)
 
-    def delete(self, ids: np.ndarray) -> int:
-        """Delete memories by id (with their payloads); absent ids are ignored.
+    def reinforce(self, ids: np.ndarray, boosts: np.ndarray, table: str = DEFAULT_TABLE) -> int:
+        """Add boosts to present memories of a table (``TableStore.reinforce``)."""
+        return self.table(table).reinforce(ids, boosts)
 
-        Returns:
-            Number of distinct ids found and deleted.
-
-        Raises:
-            MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
-        """
-        ids = np.unique(as_ids(ids))
-        rows, found = self._locate(ids)
-        if self.payloads:
-            for i in ids[found].tolist():
-                self.payloads.pop(i, None)
-        self._rows.remove(rows[found])
-        return int(found.sum())
-
-    def reinforce(self, ids: np.ndarray, boosts: np.ndarray) -> int:
-        """Add boosts to present memories (duplicates add), clamping to [0, 1].
-
-        Uses ``kernels.reinforce``: per-id sums in batch order, so applying a batch whole or
-        split by slot gives the same strengths bit for bit. Absent ids are skipped.
-
-        Returns:
-            Number of batch items whose id was present.
-
-        Raises:
-            MemoryInputError: bad input (INVALID_ARGUMENT); nothing is applied.
-        """
-        ids, boosts = validate_reinforce(ids, boosts)
-        # kernels.row_sums, grouped by key rather than by row: each distinct key is looked
-        # up once, in key order (the index's cells and the slots' rows are then visited in
-        # order, cache-friendly). Keys map one to one to rows, and bincount adds each key's
-        # boosts in batch order in float64, so the sums are those of kernels.reinforce bit
-        # for bit.
-        keys, inverse = np.unique(sort_key(ids, self.slots), return_inverse=True)
-        inverse = inverse.ravel()
-        key_ids = np.empty(len(keys), np.uint64)
-        key_ids[inverse] = ids  # the id of each distinct key (keys map one to one to ids)
-        rows, found = self._rows.locate(keys, key_ids)
-        weights = boosts.astype(np.float64)
-        sums = np.bincount(inverse, weights=weights, minlength=len(keys))
-        kernels.add_sums(self.strength, rows[found], sums[found].astype(np.float32))
-        return int(np.count_nonzero(found[inverse]))
-
-    def decay(self, rate: float, slots: Sequence[int] | np.ndarray | None = None) -> int:
-        """Decay the memories of a slot set (None: all): ``s = clip(s - rate, 0, 1)``.
-
-        Returns:
-            Number of memories decayed.
-
-        Raises:
-            MemoryInputError: rate outside [0, 1] or a bad slot (INVALID_ARGUMENT).
-        """
-        rate32 = validate_rate(rate)
-        starts, ends = self._run_bounds(slots)
-        kernels.decay_runs(self.strength, starts, ends, float(rate32))
-        return int(np.sum(ends - starts))
+    def decay(
+        self,
+        rate: float,
+        slots: Slots = None,
+        table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
+    ) -> int:
+        """Decay the memories of a table's slot set (``TableStore.decay``, forgetting)."""
+        return self.table(table).decay(rate, slots, forget_below)
 
     # --- queries ---------------------------------------------------------------------------
 
     def get(
-        self, ids: np.ndarray, with_payloads: bool = True
+        self, ids: np.ndarray, with_payloads: bool = True, table: str = DEFAULT_TABLE
     ) -> tuple[np.ndarray, np.ndarray, list[bytes | None]]:
-        """Look memories up by id.
-
-        Args:
-            ids: [K] uint64, repeats allowed (each position answered).
-            with_payloads: look the payloads up too; False leaves every entry None.
-
-        Returns:
-            ``(found [K] bool, strengths [K] float32 host (0 where missing), payloads)``,
-            payloads[i] None when the id is missing or has no payload (or not asked for).
-
-        Raises:
-            MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
-        """
-        ids = as_ids(ids)
-        rows, found = self._locate(ids)
-        strengths = np.zeros(len(ids), np.float32)
-        strengths[found] = kernels.to_host(self.strength[self.xp.asarray(rows[found])])
-        payloads: list[bytes | None] = [None] * len(ids)
-        if with_payloads and self.payloads:
-            for i in np.flatnonzero(found).tolist():
-                payloads[i] = self.payloads.get(int(ids[i]))
-        return found, strengths, payloads
+        """Look memories of a table up by id (``TableStore.get``)."""
+        return self.table(table).get(ids, with_payloads)
 
     def get_reply(
-        self, ids: np.ndarray, with_payloads: bool, max_bytes: int | None
+        self,
+        ids: np.ndarray,
+        with_payloads: bool,
+        max_bytes: int | None,
+        table: str = DEFAULT_TABLE,
     ) -> worker_pb2.GetResponse:
-        """Answer a Get (``get`` of each distinct id once), refusing a reply over ``max_bytes``.
+        """Answer a Get of a table (``TableStore.get_reply``)."""
+        return self.table(table).get_reply(ids, with_payloads, max_bytes)
 
-        The size is counted from the distinct ids and their payloads' lengths before the
-        reply message is built.
-
-        Args:
-            ids: [K] uint64, repeats allowed.
-            with_payloads: answer the payloads too.
-            max_bytes: the largest reply, bytes; None: no limit.
-
-        Returns:
-            found [M] uint8, strengths [M] float32 and (with payloads) M payloads (b"" where
-            missing or none), for the M distinct ids in the order of their first occurrence.
-
-        Raises:
-            MemoryInputError: ids is not a 1-D array of uint64 (INVALID_ARGUMENT).
-            BudgetExceeded: the reply would exceed ``max_bytes`` (RESOURCE_EXHAUSTED).
-        """
-        ids = distinct_in_order(as_ids(ids))
-        found, strengths, looked_up = self.get(ids, with_payloads)
-        m = len(ids)
-        size = 2 * (m + 11) + 4 * m  # found and strengths, with their tags and lengths
-        payloads = [p or b"" for p in looked_up] if with_payloads else []
-        size += sum(len(p) + 6 for p in payloads)  # tag + length varint (< 2**28)
-        if max_bytes is not None and size > max_bytes:
-            raise BudgetExceeded(
-                f"Get reply of {m} distinct ids would be {size} bytes, over max_message_bytes "
-                f"{max_bytes}; ask for fewer ids (or without payloads)"
-            )
-        return worker_pb2.GetResponse(
-            found=found.astype(np.uint8).tobytes(),
-            strengths=f32_to_bytes(strengths),
-            payloads=payloads,
-        )
-
-    def quality(self, slots: Sequence[int] | np.ndarray | None = None) -> Quality:
-        """Summarize the strengths of a slot set (None: all), see ``kernels.quality``."""
-        return kernels.quality_runs(self.strength, *self._run_bounds(slots))
+    def quality(self, slots: Slots = None, table: str = DEFAULT_TABLE) -> Quality:
+        """Summarize the strengths of a table's slot set (``TableStore.quality``)."""
+        return self.table(table).quality(slots)
 
     def topk(
-        self, k: int, slots: Sequence[int] | np.ndarray | None = None
+        self, k: int, slots: Slots = None, table: str = DEFAULT_TABLE
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Return the local top-k ``(ids [k'] uint64, strengths [k'] float32)`` of a slot set.
-
-        Raises:
-            MemoryInputError: k < 1 or k > k_max (INVALID_ARGUMENT).
-        """
-        k = validate_k(k, self.k_max)
-        return kernels.topk_runs(self.strength, self.ids, *self._run_bounds(slots), k)
+        """Return the local top-k of a table's slot set (``TableStore.topk``)."""
+        return self.table(table).topk(k, slots)
 
     def sweep(
         self,
         rate: float | None,
-        slots: Sequence[int] | np.ndarray | None,
+        slots: Slots,
         k: int,
         want_quality: bool,
-        decay_slots: Sequence[int] | np.ndarray | None = None,
+        decay_slots: Slots = None,
+        table: str = DEFAULT_TABLE,
+        forget_below: float | None = None,
     ) -> tuple[Quality | None, tuple[np.ndarray, np.ndarray] | None]:
-        """Decay a slot set, then summarize it and select its top-k, in one pass.
+        """Decay, summarize and take the top-k of a table's slot set (``TableStore.sweep``)."""
+        return self.table(table).sweep(rate, slots, k, want_quality, decay_slots, forget_below)
 
-        Equals ``decay`` then ``quality`` and ``topk`` of ``slots`` exactly
-        (``kernels.sweep_runs``).
+    @property
+    def sampling(self) -> SlotWeights:
+        """The default table's per-slot sampling weights (``TableStore.sampling``)."""
+        return self.table(DEFAULT_TABLE).sampling
 
-        Args:
-            rate: decay in [0, 1]; None: no decay.
-            slots: the slot set summarized (None: all).
-            k: top-k size, 0 (none) to ``k_max``.
-            want_quality: compute the statistics.
-            decay_slots: the part of ``slots`` to decay (slots that applied the decay earlier
-                are left out); None: all of ``slots``.
+    def sample_sums(
+        self, alpha: float | None, slots: np.ndarray, table: str = DEFAULT_TABLE
+    ) -> tuple[int, np.ndarray, int]:
+        """Phase 1 of a sample of a table (``TableStore.sample_sums``)."""
+        return self.table(table).sample_sums(alpha, slots)
 
-        Returns:
-            ``(quality or None, (ids [k'] uint64, strengths [k'] float32) or None)``.
+    def sample_pick(
+        self,
+        version: int,
+        slots: np.ndarray,
+        offsets: np.ndarray,
+        with_payloads: bool,
+        table: str = DEFAULT_TABLE,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bytes], np.ndarray]:
+        """Phase 2 of a sample of a table (``TableStore.sample_pick``)."""
+        return self.table(table).sample_pick(version, slots, offsets, with_payloads)
 
-        Raises:
-            MemoryInputError: rate outside [0, 1], k out of range or a bad slot
-                (INVALID_ARGUMENT); nothing is applied.
-        """
-        rate32 = None if rate is None else float(validate_rate(rate))
-        k = validate_k(k, self.k_max) if k else 0
-        starts, ends = self._run_bounds(slots)
-        if rate32 is not None and decay_slots is not None:
-            self.decay(rate32, decay_slots)  # a retry: part of the set applied it already
-            rate32 = None
-        return kernels.sweep_runs(self.strength, self.ids, starts, ends, rate32, want_quality, k)
+    def candidates(
+        self, k: int, order: str, slots: Slots = None, table: str = DEFAULT_TABLE
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """Return a table's first k memories to evict and its count (``TableStore.candidates``)."""
+        return self.table(table).candidates(k, order, slots)
 
-    def count(self, slots: Sequence[int] | np.ndarray | None = None) -> int:
-        """Return the number of memories in a slot set (None: all)."""
-        starts, ends = self._run_bounds(slots)
-        return int(np.sum(ends - starts))
+    def count(self, slots: Slots = None, table: str | None = None) -> int:
+        """Return the number of memories in a slot set (None: all) of a table (None: all)."""
+        chosen = [self.table(table)] if table is not None else self._tables.values()
+        return sum(t.count(slots) for t in chosen)
 
-    def slot_counts(self) -> np.ndarray:
-        """Return [S] int64 memories per slot."""
-        return self._rows.length.copy()
+    def slot_counts(self, table: str | None = None) -> np.ndarray:
+        """Return [S] int64 memories per slot, of one table or (None) of all."""
+        if table is not None:
+            return self.table(table).slot_counts()
+        counts = np.zeros(self.slots, np.int64)
+        for t in self._tables.values():
+            counts += t.slot_counts()
+        return counts
 
     def held_slots(self) -> np.ndarray:
-        """Return the slots holding at least one memory, ascending, int64."""
+        """Return the slots holding at least one memory (in any table), ascending, int64."""
         return np.flatnonzero(self.slot_counts())
 
-    def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(ids [N] uint64, strengths [N] float32)`` on host, sorted by id."""
-        ids, strengths = self._rows.dense()
-        order = np.argsort(ids, kind="stable")
-        return ids[order], strengths[order]
+    def items(self, table: str = DEFAULT_TABLE) -> tuple[np.ndarray, np.ndarray]:
+        """Return a table's ``(ids [N] uint64, strengths [N] float32)`` on host, by id."""
+        return self.table(table).items()
 
-    def rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(ids [N] uint64, strengths [N] float32)`` host copies: what a snapshot saves.
-
-        Grouped by slot in ascending slot order, in no particular order within a slot.
-        """
-        return self._rows.dense()
+    def rows(self, table: str = DEFAULT_TABLE) -> tuple[np.ndarray, np.ndarray]:
+        """Return a table's ``(ids [N], strengths [N])`` host copies: what a snapshot saves."""
+        return self.table(table).rows()
 
     def load(
-        self, ids: np.ndarray, strengths: np.ndarray, payloads: dict[int, bytes], seq: np.ndarray
+        self,
+        ids: np.ndarray,
+        strengths: np.ndarray,
+        payloads: dict[int, bytes],
+        seq: np.ndarray,
+        table: str = DEFAULT_TABLE,
+        table_id: int = 0,
+        stamps: dict[int, int] | None = None,
     ) -> None:
-        """Fill an empty store with memories (in any order), their payloads and slot seqs.
+        """Fill an empty table with memories (in any order) and their payloads; set the seqs.
 
         Args:
             ids: [N] uint64, distinct.
             strengths: [N] float32 in [0, 1] (not checked: a snapshot of this store's).
             payloads: id -> payload, for ids among ``ids``.
             seq: [S] uint64 sequence number of every slot.
+            table: the table filled.
+            table_id: its incarnation id.
+            stamps: id -> insert stamp, for ids among ``ids``.
 
         Raises:
-            MemoryInputError: the store is not empty, seq has the wrong length, or ids repeat.
+            MemoryInputError: the table is not empty, seq has the wrong length, or ids repeat.
         """
-        if len(self):
-            raise MemoryInputError(f"load: the store already holds {len(self)} memories")
         if len(seq) != self.slots:
             raise MemoryInputError(f"seq: {len(seq)} entries for {self.slots} slots")
-        ids = as_ids(ids)
-        keys = sort_key(ids, self.slots)
-        order = np.argsort(keys)
-        keys = keys[order]
-        if len(keys) > 1 and not bool((keys[1:] != keys[:-1]).all()):
-            raise MemoryInputError("ids: ids repeat")
-        self._rows.append(keys, ids[order], np.asarray(strengths, np.float32)[order])
-        self.payloads = dict(payloads)
+        self.table(table).load(ids, strengths, payloads, stamps)
+        self._ids[table] = table_id
         self.seq = np.asarray(seq, np.uint64).copy()
 
     # --- slots: sequence numbers, export, import -------------------------------------------
@@ -439,86 +350,74 @@ class SlotStore:
         seqs: np.ndarray = self.seq[chosen].copy()
         return seqs
 
-    def export_slot(self, slot: int) -> SlotSnapshot:
-        """Copy out one slot's memories in key order, payloads and sequence number (host)."""
+    def export_slot(self, slot: int, table: str = DEFAULT_TABLE) -> SlotSnapshot:
+        """Copy out one table's part of a slot: memories in key order, payloads, seq (host)."""
         slot = int(as_slots([slot], self.slots)[0])
-        start, end = self._rows.region(slot)
-        ids = self.ids[start:end]
-        # Key order: the copy is the same whatever order the rows were written in.
-        order = np.argsort(sort_key(ids, self.slots))
-        ids = ids[order]
-        strengths = kernels.to_host(self.strength[start:end])[order]
-        payloads = {}
-        if self.payloads:
-            for i in ids.tolist():
-                if i in self.payloads:
-                    payloads[i] = self.payloads[i]
-        return SlotSnapshot(slot, int(self.seq[slot]), ids, strengths, payloads)
+        ids, strengths, payloads, stamps = self.table(table).export_slot(slot)
+        seq = int(self.seq[slot])
+        return SlotSnapshot(slot, seq, ids, strengths, payloads, table=table, stamps=stamps)
+
+    def export_slot_parts(self, slot: int) -> list[SlotSnapshot]:
+        """Copy out a whole slot: the default table's part, then each other table's, by name.
+
+        Tables other than the default one are left out where they hold nothing in the slot.
+        """
+        slot = int(as_slots([slot], self.slots)[0])
+        parts = [self.export_slot(slot)]
+        for name in sorted(self._tables):
+            if name != DEFAULT_TABLE and self._tables[name].slot_counts()[slot]:
+                parts.append(self.export_slot(slot, name))
+        return parts
 
     def import_slot(self, snapshot: SlotSnapshot) -> None:
         """Replace whatever this store held for the snapshot's slot, and take its seq.
 
         Raises:
-            MemoryInputError: an id belongs to another slot or repeats, a strength is out of
-                range, or a payload is too big or names an id not in the snapshot.
+            MemoryInputError: as ``import_slots``.
         """
         self.import_slots([snapshot])
 
-    def import_slots(self, snapshots: Sequence[SlotSnapshot]) -> None:
-        """``import_slot`` for many slots at once: O(K) for K memories imported.
+    def import_slots(self, snapshots: Sequence[SlotSnapshot], whole_slots: bool = True) -> None:
+        """Install copied slot parts: O(K) for K memories imported; take their slots' seqs.
 
-        Every snapshot is validated before anything changes; a slot given twice takes the
-        last snapshot.
+        Every part is validated before anything changes; a (table, slot) given twice takes
+        the last part.
+
+        Args:
+            snapshots: the parts.
+            whole_slots: the parts are whole slots: each replaces everything held for its
+                slot, in every table. False: each replaces only its (table, slot) (a log
+                replaying a copy part by part, the default table's part first).
 
         Raises:
-            MemoryInputError: as ``import_slot`` (nothing is changed).
+            MemoryInputError: an id belongs to another slot or repeats, a strength is out of
+                range, or a payload is too big or names an id not in the snapshot
+                (INVALID_ARGUMENT); nothing is changed.
         """
-        last = {int(s.slot): s for s in snapshots}
-        checked = [(s, *self._validate_snapshot(s)) for s in last.values()]
-        if not checked:
+        last = {(s.table, int(s.slot)): s for s in snapshots}
+        checked: dict[str, dict[int, SlotPart]] = {}
+        for (name, _), s in last.items():
+            slot = int(as_slots([s.slot], self.slots, name="snapshot.slot")[0])
+            part = self.table(name).validate_part(slot, s.ids, s.strengths, s.payloads, s.stamps)
+            checked.setdefault(name, {})[slot] = part
+        if not last:
             return
-        self._clear(np.fromiter(last, np.int64, len(last)), release=False)
-        ids = np.concatenate([c[2] for c in checked])
-        strengths = np.concatenate([c[3] for c in checked])
-        keys = sort_key(ids, self.slots)
-        order = np.argsort(keys)
-        self._rows.append(keys[order], ids[order], strengths[order])
-        for snap, slot, _, _ in checked:
-            self.payloads.update({int(i): bytes(p) for i, p in snap.payloads.items() if p})
-            self.seq[slot] = np.uint64(snap.seq)
-
-    def _validate_snapshot(self, snap: SlotSnapshot) -> tuple[int, np.ndarray, np.ndarray]:
-        slot = int(as_slots([snap.slot], self.slots, name="snapshot.slot")[0])
-        ids = as_ids(snap.ids, name="snapshot.ids")
-        strengths = validate_values(snap.strengths, "snapshot.strengths", ids, unit_range=True)
-        wrong = np.flatnonzero(slot_of(ids, self.slots) != slot)
-        if len(wrong):
-            i = int(wrong[0])
-            raise MemoryInputError(f"snapshot.ids[{i}]: {ids[i]} is not in slot {slot}")
-        if len(np.unique(ids)) != len(ids):
-            raise MemoryInputError("snapshot.ids: ids repeat")
-        known = set(ids.tolist())
-        for i, p in snap.payloads.items():
-            if int(i) not in known:
-                raise MemoryInputError(f"snapshot.payloads: id {i} is not in snapshot.ids")
-            if len(p) > self.max_payload_bytes:
-                raise MemoryInputError(
-                    f"snapshot.payloads[{i}]: {len(p)} bytes exceeds max_payload_bytes "
-                    f"{self.max_payload_bytes}"
-                )
-        return slot, ids, strengths
+        if whole_slots:
+            slots = np.unique(np.fromiter((k[1] for k in last), np.int64, len(last)))
+            for t in self._tables.values():
+                t.clear_slots(slots)
+        for name, parts in checked.items():
+            self.table(name).install(parts)
+        for s in last.values():
+            self.seq[int(s.slot)] = np.uint64(s.seq)
 
     def drop_slots(self, slots: Sequence[int] | np.ndarray) -> int:
-        """Forget the memories of some slots and reset their seq to 0; return the count dropped."""
+        """Forget the memories of some slots in every table and reset their seq to 0.
+
+        Returns:
+            The count of memories dropped.
+        """
         chosen = np.unique(as_slots(slots, self.slots))
-        dropped = self._clear(chosen, release=True)
+        dropped = sum(t.drop_slots(chosen) for t in self._tables.values())
         self.seq[chosen] = np.uint64(0)
         return dropped
-
-    def _clear(self, chosen: np.ndarray, release: bool) -> int:
-        """Forget the memories and payloads of distinct slots; see ``SlotRows.clear``."""
-        if self.payloads:
-            for start, end in self._runs(chosen):
-                for i in self.ids[start:end].tolist():
-                    self.payloads.pop(i, None)
-        return self._rows.clear(chosen, release)

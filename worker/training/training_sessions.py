@@ -32,7 +32,7 @@ from shared.training.data import DataError
 from shared.training.models import check_model_entry, param_shapes
 from worker.training.compressed_link import CompressedLink, StaleBase
 from worker.training.diloco import InnerSteps, LocalSteps, legacy_inner_steps
-from worker.training.shards import Shard, ShardFetcher, ShardRows, TrainData
+from worker.training.shards import Rows, Shard, ShardFetcher, TrainData
 from worker.training.trainer import GradResult, Trainer
 
 
@@ -104,7 +104,7 @@ class TrainingSessions:
             allowed_losses: the loss entry points a job may name.
         """
         self._fetcher = fetcher
-        self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, ShardRows]]] = {}
+        self._fetching: dict[tuple[str, Shard], asyncio.Future[tuple[TrainData, Rows]]] = {}
         self._torch_threads = torch_threads
         self._allowed_models = dict(allowed_models or {})
         self._allowed_losses = dict(allowed_losses or {})
@@ -137,19 +137,28 @@ class TrainingSessions:
         data = None  # a built-in data set is made on the torch thread by the Trainer
         if isinstance(spec.data, FileData):
             data, _rows = await self._fetch(job_id, (shard_index, shard_count))
+            data.task = spec.task
         loop = asyncio.get_running_loop()
-        trainer = await loop.run_in_executor(
-            self._executor,
-            Trainer,
-            spec,
-            shard_index,
-            shard_count,
-            self._torch_threads,
-            self._allowed_models,
-            self._daemon,
-            data,
-            self._allowed_losses,
-        )
+        try:
+            trainer = await loop.run_in_executor(
+                self._executor,
+                Trainer,
+                spec,
+                shard_index,
+                shard_count,
+                self._torch_threads,
+                self._allowed_models,
+                self._daemon,
+                data,
+                self._allowed_losses,
+            )
+        except BaseException:
+            if data is not None:
+                data.close()
+            raise
+        old = self._trainers.pop(job_id, None)
+        if old is not None:
+            old.data.close()
         self._trainers[job_id] = trainer
         if spec.compression.name != "none":
             self._links[job_id] = CompressedLink(spec, param_shapes(trainer.model))
@@ -214,7 +223,7 @@ class TrainingSessions:
             res = dataclasses.replace(res, grads=link.send(res.grads))
         return res
 
-    async def _fetch(self, job_id: str, shard: Shard) -> tuple[TrainData, ShardRows]:
+    async def _fetch(self, job_id: str, shard: Shard) -> tuple[TrainData, Rows]:
         """Fetch ``shard`` from the coordinator: a ``TrainData`` holding it, and its rows.
 
         Concurrent asks for the same shard share one fetch.
@@ -224,9 +233,11 @@ class TrainingSessions:
         key = (job_id, shard)
         pending = self._fetching.get(key)
         if pending is None:
-            pending = asyncio.ensure_future(self._fetcher.fetch(job_id, shard))
-            self._fetching[key] = pending
-            pending.add_done_callback(lambda _f: self._fetching.pop(key, None))
+            fut: asyncio.Future[tuple[TrainData, Rows]] = asyncio.ensure_future(
+                self._fetcher.fetch(job_id, shard)
+            )
+            self._fetching[key] = pending = fut
+            fut.add_done_callback(lambda _f: self._fetching.pop(key, None))
         return await asyncio.shield(pending)
 
     async def compute(
@@ -269,8 +280,8 @@ class TrainingSessions:
         """
         for s in trainer.data.shards_of(rows, trainer.shard_count):
             if not trainer.data.has(s):
-                _data, got = await self._fetch(job_id, s)
-                await asyncio.to_thread(trainer.data.add, s, got)  # checks the rows
+                got, _rows = await self._fetch(job_id, s)
+                trainer.data.merge(got)
         loop = asyncio.get_running_loop()
         work = partial(trainer.compute_rows, rows, loss_scale)
         inner = inner_steps or legacy_inner_steps(
@@ -296,8 +307,13 @@ class TrainingSessions:
         await loop.run_in_executor(self._executor, trainer.set_params, params, version)
 
     def stop(self, job_id: str) -> None:
-        """Forget a job's trainer, compressed link and inner loop (idempotent)."""
-        self._trainers.pop(job_id, None)
+        """Forget a job's trainer, compressed link and inner loop (idempotent).
+
+        The shard cache entries its rows are mapped from are released.
+        """
+        trainer = self._trainers.pop(job_id, None)
+        if trainer is not None:
+            trainer.data.close()
         self._links.pop(job_id, None)
         self._local.pop(job_id, None)
 
@@ -305,6 +321,8 @@ class TrainingSessions:
         """Drop every trainer, cancel shard fetches and stop the torch thread."""
         for pending in list(self._fetching.values()):
             pending.cancel()
+        for trainer in self._trainers.values():
+            trainer.data.close()
         self._trainers.clear()
         self._links.clear()
         self._local.clear()

@@ -14,19 +14,24 @@ import grpc
 import pytest
 
 from coordinator import coordinator_servicer
-from coordinator.coordinator_servicer import _ERRORS, CoordinatorServicer
+from coordinator.coordinator_servicer import _ERRORS, CoordinatorServicer, InsertFailed
 from coordinator.data_servicer import DataServicer
 from coordinator.forget import WorkerNotDead, WorkerUnknown
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded
 from coordinator.memory.memory_ops import BulkOpError
+from coordinator.memory.sampling import SampleRefused
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable
+from coordinator.memory.tables import TableExists
 from coordinator.placement.failure_detector import NotSlotPrimary, TooManyReports
 from coordinator.placement.readmission import PUSHBACK_KEY, ReadmissionRefused
 from coordinator.training.saved_models import ModelMissing
+from shared.client.memory import RoutingError
 from shared.config import ConfigError
+from shared.memory.tables import TableNotFound
 from shared.memory.validation import MemoryInputError
 from shared.proto import coordinator_pb2 as pb
+from shared.rpc.limits import BudgetExceeded
 from shared.rpc.status_table import BadRequest
 from shared.security.auth import AddressRefused, reset_principal, set_principal
 from shared.security.confinement import PathRefused
@@ -53,6 +58,7 @@ def raising(exc: Exception, is_async: bool = True) -> Callable[..., Any]:
 def stand_in(cfg: dict[str, Any] | None = None, **parts: Any) -> Any:
     """A cluster with the config the RPCs read (``cfg`` overrides), and ``parts``."""
     config = {"report_rate_per_s": 2.0, "slots": 16, "topk_max": 100, "max_concurrent_exports": 4}
+    parts.setdefault("tables", SimpleNamespace(check=lambda name: name or "default"))
     return SimpleNamespace(cfg=SimpleNamespace(**(config | (cfg or {}))), **parts)
 
 
@@ -81,6 +87,43 @@ class Case:
 
 NO_JOB = JobNotFound("no job with id 'j9'")
 CASES = [
+    Case(
+        InsertFailed,
+        "Insert",
+        pb.InsertRequest(table="capped", request_id=b"r"),
+        stand_in(
+            tables=SimpleNamespace(
+                spec=lambda name: SimpleNamespace(name=name, capacity=5, max_payload_bytes=8)
+            ),
+            inserts=SimpleNamespace(
+                insert=raising(RoutingError("primary w1 unreachable", SC.UNAVAILABLE))
+            ),
+        ),
+        SC.UNAVAILABLE,
+        "primary w1 unreachable",
+    ),
+    Case(
+        TableNotFound,
+        "TopK",
+        pb.TopKRequest(k=3, table="nope"),
+        stand_in(
+            tables=SimpleNamespace(
+                check=raising(TableNotFound("table 'nope' does not exist"), False)
+            )
+        ),
+        SC.NOT_FOUND,
+        "table 'nope' does not exist",
+    ),
+    Case(
+        TableExists,
+        "CreateTable",
+        pb.CreateTableRequest(name="replay"),
+        stand_in(
+            tables=SimpleNamespace(create=raising(TableExists("table 'replay' exists already")))
+        ),
+        SC.ALREADY_EXISTS,
+        "table 'replay' exists already",
+    ),
     Case(
         BadRequest,
         "RegisterWorker",
@@ -161,6 +204,41 @@ CASES = [
         stand_in(memory=SimpleNamespace(quality=raising(BulkOpError("worker w1 failed")))),
         SC.UNAVAILABLE,
         "worker w1 failed",
+    ),
+    Case(
+        TableNotFound,
+        "Sample",
+        pb.SampleRequest(table="replay", n=4),
+        stand_in(
+            cfg={"max_sample_batch": 100},
+            tables=SimpleNamespace(
+                check=raising(TableNotFound("table 'replay' does not exist"), False)
+            ),
+        ),
+        SC.NOT_FOUND,
+        "table 'replay' does not exist",
+    ),
+    Case(
+        SampleRefused,
+        "Sample",
+        pb.SampleRequest(n=4, min_size=9),
+        stand_in(
+            cfg={"max_sample_batch": 100},
+            sampler=SimpleNamespace(sample=raising(SampleRefused("holds 3 memories"))),
+        ),
+        SC.FAILED_PRECONDITION,
+        "holds 3 memories",
+    ),
+    Case(
+        BudgetExceeded,
+        "Sample",
+        pb.SampleRequest(n=4),
+        stand_in(
+            cfg={"max_sample_batch": 100},
+            sampler=SimpleNamespace(sample=raising(BudgetExceeded("reply too large"))),
+        ),
+        SC.RESOURCE_EXHAUSTED,
+        "reply too large",
     ),
     Case(
         ConfigError,

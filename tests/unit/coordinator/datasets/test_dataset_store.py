@@ -149,7 +149,7 @@ def test_bytes_beyond_the_cap_abort_the_upload_and_remove_the_temp_file(tmp_path
     ("data", "message"),
     [
         (b"not a zip at all", "not a readable .npz archive"),
-        (npz_bytes(x=np.zeros((4, 2), np.float64), y=np.zeros(4, np.int64)), "must be float32"),
+        (npz_bytes(x=np.zeros((4, 2), np.complex128), y=np.zeros(4, np.int64)), "has dtype"),
         (npz_bytes(obj=np.array([{"a": 1}], dtype=object)), "holds Python objects"),
         (npz_bytes(z=np.zeros(3)), "expected arrays x and y"),
         (npz_bytes(ids=np.arange(3), strengths=np.full(3, 2.0, np.float32)), "outside [0, 1]"),

@@ -60,6 +60,7 @@ ALL_COORDINATOR = (
     "GetSlotMap",
     "Quality",
     "TopK",
+    "Sample",
     "Decay",
     "Sweep",
     "PutDataset",
@@ -76,6 +77,8 @@ WORKER_CONTROL = (
     "Sweep",
     "Quality",
     "TopK",
+    "SampleSums",
+    "SamplePick",
     "StartTraining",
     "RunAllreduce",
     "ComputeGradients",
@@ -151,6 +154,8 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("reader", C + "GetSlotMap", True),
         ("reader", C + "Quality", True),
         ("reader", C + "TopK", True),
+        ("reader", C + "Sample", True),
+        ("data-writer", W + "SamplePick", False),
         ("reader", C + "ListDatasets", True),
         ("reader", C + "ReportFailure", True),  # a suspicion: the coordinator only probes
         ("reader", C + "SubmitJob", False),
@@ -192,6 +197,14 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("admin", W + "ApplySlotMap", False),
         ("admin", W + "Upsert", False),
         ("reader", C + "ExportMemories", True),  # memory export
+        ("admin", C + "CreateTable", True),  # tables: admin creates and drops, anyone lists
+        ("admin", C + "DropTable", True),
+        ("writer", C + "CreateTable", False),
+        ("writer", C + "DropTable", False),
+        ("reader", C + "CreateTable", False),
+        ("reader", C + "ListTables", True),
+        ("writer", C + "ListTables", True),
+        ("worker", C + "ListTables", False),
         ("writer", C + "ExportMemories", True),
         ("reader", C + "GetModel", True),  # a model of one's own job (servicer: may_see_job)
         ("reader", C + "ListModels", True),

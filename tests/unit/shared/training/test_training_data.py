@@ -73,19 +73,21 @@ Y = np.arange(10, dtype=np.int64) % 2
     [
         ({"y": Y}, "missing array 'x'"),
         ({"x": X}, "missing array 'y'"),
+        ({"x": X.astype(np.complex64), "y": Y}, "array 'x' has dtype complex64"),
+        ({"x": X, "y": Y.astype(bool)}, "array 'y' has dtype bool"),
         (
-            {"x": X.astype(np.float64), "y": Y},
-            "array 'x' must be float32 for task classification, got float64",
-        ),
-        (
-            {"x": X, "y": Y.astype(np.int32)},
-            "array 'y' must be int64 labels for task classification, got int32",
+            {"x": X, "y": Y.astype(np.float32)},
+            "array 'y' must be integer labels for task classification, got float32",
         ),
         ({"x": X, "y": Y[:7]}, "arrays 'x' and 'y' differ in length (10 != 7)"),
-        ({"x": X, "y": Y - 1}, "array 'y' has labels out of range (min -1 < 0)"),
+        ({"x": X, "y": Y - 1}, "array 'y' row 0 has a label out of range (-1 < 0)"),
         ({"x": X[:, 0], "y": Y}, "array 'x' must be [N, ...]"),
         ({"x": X, "y": Y.reshape(5, 2)}, "array 'y' must be [N]"),
-        ({"x": np.full_like(X, np.nan), "y": Y}, "array 'x' contains NaN"),
+        ({"x": np.full_like(X, np.nan), "y": Y}, "array 'x' row 0 is NaN or infinite"),
+        (
+            {"x": np.full(X.shape, 1e300), "y": Y},
+            "array 'x' row 0 is NaN or infinite",  # beyond float32 once converted
+        ),
         ({"x": X, "y": Y * 0}, "at least 2 classes"),
     ],
 )
@@ -110,7 +112,7 @@ def test_missing_and_corrupt_files_are_refused(tmp_path: Path) -> None:
 def test_pickled_npz_is_refused(tmp_path: Path) -> None:
     objects = np.array([{"a": 1}] * 10, dtype=object)
 
-    with pytest.raises(DataError, match="not a readable .npz"):
+    with pytest.raises(DataError, match="array 'x' has dtype object"):
         load_dataset(_bad(tmp_path, x=objects, y=Y), 0, 0.2)
 
 

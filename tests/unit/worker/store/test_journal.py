@@ -66,6 +66,15 @@ class Recorder:
         )
         return self.op("upsert", sub, slot_of(ids, S))
 
+    def update(self, ids, strengths, rid=b"p") -> int:
+        sub = worker_pb2.UpsertRequest(
+            ids=ids.astype("<u8").tobytes(),
+            request_id=rid,
+            strengths=strengths.astype("<f4").tobytes(),
+            existing_only=True,
+        )
+        return self.op("upsert", sub, slot_of(ids, S))
+
     def reinforce(self, ids, boosts, rid=b"r") -> int:
         sub = worker_pb2.ReinforceRequest(
             ids=ids.astype("<u8").tobytes(), request_id=rid, boosts=boosts.astype("<f4").tobytes()
@@ -81,8 +90,8 @@ class Recorder:
 
 
 def workload(r: Recorder, rng: np.random.Generator, rounds: int = 6) -> None:
-    """Upserts with and without payloads, reinforces with duplicates, deletes, decays,
-    a slot imported from elsewhere and slots dropped."""
+    """Upserts with and without payloads, reinforces with duplicates, priority updates,
+    deletes, decays, a slot imported from elsewhere and slots dropped."""
     ids = rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64)
     for i in range(rounds):
         part = ids[i * 400 : (i + 1) * 400]
@@ -91,6 +100,9 @@ def workload(r: Recorder, rng: np.random.Generator, rounds: int = 6) -> None:
         r.reinforce(
             rng.choice(ids[: (i + 1) * 400], 700), rng.random(700, np.float32) * 0.1, rid=b"r%d" % i
         )
+        # A priority update: ids stored and not (the next round's), payloads kept.
+        updated = rng.choice(ids[: (i + 2) * 400], 300)
+        r.update(updated, rng.random(300, np.float32), rid=b"p%d" % i)
         r.delete(part[:20], rid=b"d%d" % i)
         r.decay(0.01 * (i + 1), np.arange(0, S, 2 + i % 3))
     donor = make_store()
@@ -141,7 +153,7 @@ def test_snapshot_and_log_round_trip_equals_the_store(tmp_path, snapshot_log_byt
         # taken depends on timing; at least one was.
         assert r.journal.snapshots >= 1 and (tmp_path / "snapshot.bin").exists()
         assert len(list(tmp_path.glob("log-*.wal"))) <= 2  # replaced segments are deleted
-        assert rec.records < 4 * 6 + 2  # only what followed the last snapshot is replayed
+        assert rec.records < 5 * 6 + 2  # only what followed the last snapshot is replayed
 
 
 def test_reopened_journal_continues_the_log(tmp_path) -> None:

@@ -373,6 +373,24 @@ def test_upsert_last_wins_and_payload_rules():
     assert s.upsert(empty, []) == 0 and s.reinforce(empty, []) == 0 and len(s) == 5
 
 
+def test_priority_update_keeps_payloads_skips_absent_ids_and_equals_reference():
+    s, ref = SlotStore(SLOTS), ReferenceStore(SLOTS)
+    for store in (s, ref):
+        store.upsert([1, 2, 3], [0.5, 0.5, 0.5], [b"x", None, b"z"])
+    ids, strengths = [2, 9, 2, 3, 9], [0.1, 0.2, 0.7, 0.0, 1.0]  # 9 absent, 2 twice
+    assert s.upsert(ids, strengths, None, existing_only=True) == 2
+    assert ref.update_strengths(ids, strengths) == 2
+    assert len(s) == 3 and s.get([9])[0].tolist() == [False]  # absent: not inserted
+    assert s.get([1, 2, 3])[1].tolist() == [np.float32(0.5), np.float32(0.7), 0.0]
+    assert s.payloads == ref.payloads() == {1: b"x", 3: b"z"}
+    assert s.items()[1].tobytes() == ref.items()[1].tobytes()
+    with pytest.raises(MemoryInputError, match="payloads: a priority update keeps payloads"):
+        s.upsert([1], [0.2], [b"new"], True)
+    with pytest.raises(MemoryInputError, match=r"strengths\[1\]: 1.5 is outside \[0, 1\]"):
+        s.upsert([1, 2], [0.2, 1.5], None, True)
+    assert s.get([1])[1].tolist() == [np.float32(0.5)]  # nothing applied
+
+
 def test_delete_reinforce_counts():
     s = SlotStore(SLOTS)
     s.upsert([1, 2, 3], [0.5, 0.5, 0.5], [b"x", b"y", b"z"])

@@ -33,7 +33,7 @@ def assert_store_equals(store: SlotStore, ref: ReferenceStore) -> None:
     )
     found, got, _ = store.get(ref_ids)
     assert found.all() and got.view(np.uint32).tolist() == ref_s.view(np.uint32).tolist()
-    starts, ends = store._run_bounds(None)
+    starts, ends = store.table("default")._run_bounds(None)
     rows = np.concatenate([np.arange(a, b) for a, b in zip(starts, ends, strict=True)] or [[]])
     assert sorted(store.ids[rows.astype(np.int64)].tolist()) == ref_ids.tolist()
 

@@ -70,10 +70,8 @@ def test_a_file_data_set_is_never_opened_on_a_worker(tmp_path) -> None:
     ("rows", "message"),
     [
         (ShardRows(0, 3, np.zeros((3, 4), np.float32), np.zeros(3, np.int64)), "got rows"),
-        (ShardRows(0, 4, np.zeros((4, 5), np.float32), np.zeros(4, np.int64)), "x must be"),
-        (ShardRows(0, 4, np.zeros((4, 4), np.float64), np.zeros(4, np.int64)), "x must be"),
-        (ShardRows(0, 4, np.zeros((4, 4), np.float32), np.zeros(4, np.int32)), "y must be"),
-        (ShardRows(0, 4, np.zeros((4, 4), np.float32), np.full(4, 3, np.int64)), "labels"),
+        (ShardRows(0, 4, np.zeros((3, 4), np.float32), np.zeros(4, np.int64)), "x must have 4"),
+        (ShardRows(0, 4, np.zeros((4, 4), np.float32), np.zeros(5, np.int64)), "y must have 4"),
     ],
 )
 def test_malformed_rows_are_refused(rows: ShardRows, message: str) -> None:
@@ -82,3 +80,22 @@ def test_malformed_rows_are_refused(rows: ShardRows, message: str) -> None:
     with pytest.raises(DataError, match=message):
         data.add((0, 3), rows)
     assert not data.has((0, 3))
+
+
+def test_rows_as_stored_are_converted_a_batch_at_a_time() -> None:
+    data = TrainData(n_train=4, input_shape=(2,), num_classes=3)
+    data.add((0, 1), ShardRows(0, 4, np.arange(8, dtype=np.uint8).reshape(4, 2), np.arange(4) % 3))
+
+    x, y = data.gather(np.array([3, 0]), 1)
+
+    assert (x.dtype, y.dtype) == (np.float32, np.int64)
+    np.testing.assert_array_equal(x, [[6, 7], [0, 1]])
+    np.testing.assert_array_equal(y, [0, 0])
+
+
+def test_labels_outside_the_outputs_fail_the_batch_naming_the_array() -> None:
+    data = TrainData(n_train=4, input_shape=(2,), num_classes=3)
+    data.add((0, 1), ShardRows(0, 4, np.zeros((4, 2), np.float16), np.array([0, 1, 2, 3])))
+
+    with pytest.raises(DataError, match=r"y: labels or tokens outside \[0, 3\)"):
+        data.gather(np.array([3]), 1)

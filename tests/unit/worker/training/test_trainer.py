@@ -176,7 +176,7 @@ def test_buffers_come_back_with_the_running_statistics_of_the_batch() -> None:
     t = Trainer(make_spec(model=BN_MODEL), 0, 3, allowed_models=ALLOWED_MODELS)
     t.set_params(params_of(t), 0)
     rows = batch_indices(1437, 0, 3, 32, 0, 0, 0)
-    x = t.data.rows((0, 3)).x[rows].reshape(32, -1).astype(np.float64)
+    x = t.data.gather(rows, 3)[0].reshape(32, -1).astype(np.float64)
 
     result = t.compute_rows(step_rows(t, 0, 0))
 
