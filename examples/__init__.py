@@ -9,7 +9,8 @@ The daemons never import this package; they build its models through an operator
   and parameter names, written here;
 - ``examples.prepare``: ``python -m examples.prepare`` writes the example data sets
   (``chars.npz`` from Debian's fortunes, ``digits32.npz``, ``diabetes.npz``);
-- ``examples.debian_text``: fetches a Debian package's files without root.
+- ``examples.debian_text``: fetches a Debian package's files without root;
+- ``examples.sample``: ``python -m examples.sample MODEL.pt`` prints a trained GPT's text.
 
 ``configs/examples/coordinator.yaml`` and ``worker.yaml`` list the models for the daemons.
 """
