@@ -14,8 +14,8 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
 .PHONY: install protos demo test test-deps test-chaos test-browser test-loaded test-restart-loop lint \
-	bench-train bench-memory bench-replay bench-apex bench-recovery bench-wan bench-sampling bench-data bench-deps clean image \
-	image-base image-check image-deps deploy-check
+	bench-train bench-memory bench-replay bench-apex bench-recovery bench-wan bench-sampling bench-data \
+	bench-deps clean image image-base image-check image-deps deploy-check example-data
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -72,9 +72,9 @@ test-browser: install
 	$(PY) -m pytest -q -m browser tests/browser
 
 lint: install
-	$(VENV)/bin/ruff format --check coordinator worker shared tests deploy
-	$(VENV)/bin/ruff check coordinator worker shared tests deploy
-	$(VENV)/bin/mypy coordinator worker shared
+	$(VENV)/bin/ruff format --check coordinator worker shared examples tests deploy
+	$(VENV)/bin/ruff check coordinator worker shared examples tests deploy
+	$(VENV)/bin/mypy coordinator worker shared examples
 	$(VENV)/bin/lint-imports
 
 # Container image (CPU torch) with docker where its daemon runs, else buildah
@@ -122,8 +122,16 @@ image-check:
 deploy-check: $(STAMP)
 	$(PY) deploy/check.py
 
-bench-train: install
-	$(PY) -m tests.benchmarks.bench_train
+bench-train: install example-data
+	$(PY) -m tests.benchmarks.bench_train --gpt-data $(EXAMPLE_DATA)/chars.npz
+
+# The README's example data sets (examples/prepare.py) in EXAMPLE_DATA: chars.npz, the text of
+# Debian's fortunes package (fetched with `apt-get download` and `dpkg -x`: no root, nothing
+# installed; as root it runs `apt-get update` once when the package lists are missing),
+# digits32.npz and diabetes.npz (scikit-learn's bundled data).
+EXAMPLE_DATA ?= .neuroshard/examples
+example-data: install
+	$(PY) -m examples.prepare all --out-dir $(EXAMPLE_DATA)
 
 # Debian's redis-server is the baseline the memory benchmarks run beside ours (tests/benchmarks/
 # bench_redis.py): installed when missing, so the Redis column is never skipped on a fresh machine.

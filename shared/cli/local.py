@@ -23,6 +23,8 @@ def run_up(
     data_dir: str | None,
     secure: bool = False,
     links: list[LinkSettings | None] | None = None,
+    coordinator_config: str | None = None,
+    worker_config: str | None = None,
 ) -> int:
     """Run ``neuroshard up``: a local cluster in the foreground until Ctrl-C or SIGTERM.
 
@@ -36,6 +38,8 @@ def run_up(
             needs are printed on stderr.
         links: worker i's emulated link, or None for a direct one (``LocalCluster``); each
             worker's link is printed on stderr.
+        coordinator_config: the coordinator's YAML config (``--config``), or None.
+        worker_config: every worker's YAML config, or None.
 
     Returns:
         The exit code: 0 after Ctrl-C or SIGTERM, 1 when a daemon exited by itself.
@@ -49,7 +53,14 @@ def run_up(
     previous_int = signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     cluster = LocalCluster(
-        workers, port=port, data_dir=data_dir, secure=secure, links=links, dashboard=True
+        workers,
+        port=port,
+        data_dir=data_dir,
+        secure=secure,
+        links=links,
+        dashboard=True,
+        coordinator_args=["--config", coordinator_config] if coordinator_config else None,
+        worker_args=["--config", worker_config] if worker_config else None,
     )
     try:
         address = cluster.start()

@@ -257,7 +257,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             "worker (null for a direct link)",
             EXIT_USAGE,
         )
-    return run_up(workers, args.port, args.data_dir, secure=args.secure, links=links)
+    return run_up(
+        workers,
+        args.port,
+        args.data_dir,
+        secure=args.secure,
+        links=links,
+        coordinator_config=args.coordinator_config,
+        worker_config=args.worker_config,
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -318,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--links",
         help="YAML list of link settings, one per worker (null: direct), e.g. "
         "configs/links-wan.yaml; each worker sits behind a neuroshard link",
+    )
+    u.add_argument(
+        "--coordinator-config",
+        help="the coordinator's YAML config, e.g. configs/examples/coordinator.yaml (the "
+        "port, data dir and security flags of up override it)",
+    )
+    u.add_argument(
+        "--worker-config", help="every worker's YAML config, e.g. configs/examples/worker.yaml"
     )
     u.set_defaults(func=cmd_up)
 

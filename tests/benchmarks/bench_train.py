@@ -8,7 +8,10 @@ Three parts (``--parts``):
   ``--repeats`` rounds; medians of the rates and of the per-round ratios;
 - time: wall seconds from submit to test accuracy 0.95 on digits (allreduce, sync);
 - elastic: kill -9 of one of 3 allreduce workers to the next step, next to the start of a
-  fresh 2-process DDP group (what torchrun does on every membership change).
+  fresh 2-process DDP group (what torchrun does on every membership change);
+- gpt: the README's character-level GPT example (``tests.benchmarks.bench_gpt``): tokens/s of
+  allreduce on 2 workers vs DDP on the same batches, time to the stated validation loss, and
+  one process on the same batches (``--gpt-data chars.npz``, ``make example-data`` writes it).
 
 Not collected by pytest; run with ``python -m tests.benchmarks.bench_train``.
 """
@@ -258,6 +261,9 @@ def torch_restart_all_seconds(spec: TrainJobSpec, repeats: int) -> float:
     return statistics.median(times)
 
 
+# The validation loss the README states for configs/jobs/char-gpt.yaml (nats per character).
+GPT_TARGET_LOSS = 1.80
+
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"model": "mlp"},
     "cnn": {"model": "cnn"},
@@ -276,8 +282,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global-batch", type=int, default=96)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--parts", default="throughput,time,elastic")
+    p.add_argument("--parts", default="throughput,time,elastic,gpt")
+    p.add_argument("--gpt-data", help="gpt: the example's chars.npz (python -m examples.prepare)")
+    p.add_argument("--gpt-steps", type=int, default=100, help="gpt: steps per throughput run")
+    p.add_argument("--gpt-rounds", type=int, default=3, help="gpt: throughput rounds")
+    p.add_argument(
+        "--gpt-target", type=float, default=GPT_TARGET_LOSS, help="gpt: validation loss, nats"
+    )
     a = p.parse_args(argv)
+    if "gpt" in a.parts.split(",") and not a.gpt_data:
+        p.error("the gpt part needs --gpt-data chars.npz (make example-data writes it)")
     spec = TrainJobSpec.model_validate({"kind": "train", **MODELS[a.model]})
     b, s, r = a.global_batch, a.steps, a.repeats
     parts = set(a.parts.split(","))
@@ -293,6 +307,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"neuroshard allreduce, next step: {rerendezvous_seconds(spec, 3):.2f} s")
         restart = torch_restart_all_seconds(spec, 3)
         print(f"fresh DDP group of 2 (torchrun restarts all): {restart:.2f} s")
+    if "gpt" in parts:
+        from tests.benchmarks.bench_gpt import main_gpt
+
+        print()
+        main_gpt(Path(a.gpt_data), a.gpt_steps, a.gpt_rounds, a.gpt_target)
 
 
 def _throughput(spec: TrainJobSpec, model: str, b: int, s: int, r: int) -> None:

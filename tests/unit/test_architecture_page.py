@@ -4,9 +4,9 @@ Convention (the page says it too): a module is named by its path from the reposi
 in backticks, `coordinator/placement/slot_map.py`; a package by its directory with a trailing
 slash in a heading, `coordinator/placement/`; a method as `Class.method`.
 
-- every module of coordinator/, worker/ and shared/ has its row in one of the page's tables,
-  its path the row's first cell (``__init__.py`` and the generated ``*_pb2*`` files excepted),
-  and every package has a heading;
+- every module of coordinator/, worker/, shared/ and examples/ has its row in one of the
+  page's tables, its path the row's first cell (``__init__.py`` and the generated ``*_pb2*``
+  files excepted), and every package has a heading;
 - every path the page names exists, and every dotted module name resolves;
 - every `Class.method` the page names is defined in the three packages;
 - every reference in the repository to a section of the page (the page's path, then the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "architecture.md"
-PACKAGES = ("coordinator", "worker", "shared")
+PACKAGES = ("coordinator", "worker", "shared", "examples")
 # Top-level directories whose paths the page may name (checked to exist).
 PATH_ROOTS = (*PACKAGES, "tests", "protos", "configs", "deploy", "docs")
 # Where references to the page (and to the old notes) are looked for.
