@@ -24,6 +24,8 @@ from torch import nn
 
 OBS = 4
 ACTIONS = 2
+# One transition before packing: (obs [O], action, n-step return, next obs [O], discount).
+Step = tuple[np.ndarray, int, float, np.ndarray, float]
 TRANSITION = np.dtype(
     [
         ("obs", "<f4", (OBS,)),
@@ -85,14 +87,14 @@ class NStep:
         next_obs: np.ndarray,
         done: bool,
         cut: bool,
-    ) -> list[tuple]:
+    ) -> list[Step]:
         """Add one step; return the transitions it completes as TRANSITION tuples.
 
         ``done``: the episode terminated (no bootstrap); ``cut``: it was truncated (bootstrap
         from ``next_obs``); both flush the pending steps.
         """
         self._steps.append((obs, action, reward))
-        out = []
+        out: list[Step] = []
         if len(self._steps) == self.n:
             out.append(self._emit(next_obs, done))
             self._steps.popleft()
@@ -102,7 +104,7 @@ class NStep:
                 self._steps.popleft()
         return out
 
-    def _emit(self, next_obs: np.ndarray, done: bool) -> tuple:
+    def _emit(self, next_obs: np.ndarray, done: bool) -> Step:
         ret = 0.0
         for k, (_, _, r) in enumerate(self._steps):
             ret += (self.gamma**k) * r
@@ -153,7 +155,8 @@ class Learner:
                 torch.from_numpy(batch["ret"].copy())
                 + torch.from_numpy(batch["discount"].copy()) * boot
             )
-        return y - q
+        td: torch.Tensor = y - q
+        return td
 
     def step(self, batch: npt.NDArray[np.void], weights: np.ndarray) -> np.ndarray:
         """One gradient step on [B] transitions with importance weights [B]; return |TD| [B]."""
@@ -166,7 +169,7 @@ class Learner:
             )
         ).mean()
         self.opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         nn.utils.clip_grad_norm_(self.net.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.steps += 1
@@ -177,8 +180,9 @@ class Learner:
 
 def importance_weights(probs: np.ndarray, size: int, beta: float) -> np.ndarray:
     """Return (N P(i))^-beta / max_j (N P(j))^-beta for [B] draw probabilities (Schaul 2016)."""
-    w = (size * probs.astype(np.float64)) ** (-beta)
-    return (w / w.max()).astype(np.float32)
+    w: np.ndarray = (size * probs.astype(np.float64)) ** (-beta)
+    out: np.ndarray = (w / w.max()).astype(np.float32)
+    return out
 
 
 def greedy_return(net: nn.Module, env_seed: int, episodes: int) -> list[float]:

@@ -81,7 +81,15 @@ def _actor(
     import gymnasium as gym
     import torch
 
-    from examples.apex.dqn import TRANSITION, Learner, LearnerConfig, NStep, actor_epsilon, pack
+    from examples.apex.dqn import (
+        TRANSITION,
+        Learner,
+        LearnerConfig,
+        NStep,
+        Step,
+        actor_epsilon,
+        pack,
+    )
 
     torch.set_num_threads(1)
     replay = replay_factory()
@@ -90,7 +98,7 @@ def _actor(
     env = gym.make("CartPole-v1")
     obs, _ = env.reset(seed=cfg.seed * 1000 + i)
     nstep, eps = NStep(N_STEP, GAMMA), actor_epsilon(i, cfg.actors)
-    pending: list[tuple] = []
+    pending: list[Step] = []
     next_id, version = 0, -1
     while not stop.is_set():
         if counters["version"].value != version:
@@ -144,7 +152,7 @@ def run(
         torch.nn.utils.parameters_to_vector(learner.net.parameters())
         .detach()
         .clone()
-        .share_memory_()
+        .share_memory_()  # type: ignore[no-untyped-call]
     )
     counters = {
         "env": ctx.Value("q", 0),
