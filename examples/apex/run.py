@@ -8,7 +8,9 @@ their copy of the network, clipped to [1e-3, 1]) and insert them in batches into
 (ids: actor << 40 | counter). The learner draws ``--batch`` transitions with P(i) proportional
 to s_i^alpha (``--sampling uniform``: alpha 0), weights each loss by (N P(i))^-beta / max with
 beta annealed from 0.4 to 1, steps a double DQN and writes back |TD| clipped to [1e-3, 1] as
-strengths; every 100 learner steps it decays the table by ``--decay`` (staleness). It copies its
+strengths; every 100 learner steps it decays the table by ``--decay`` (staleness). The
+learner draws the next batch while it trains on this one and writes priorities back while the
+next step runs (two clients, one thread each). It copies its
 weights to the actors every 25 steps through shared memory.
 
 The replay ratio is held at ``--replay-ratio`` sampled transitions per environment step (both
@@ -27,6 +29,7 @@ import json
 import multiprocessing as mp
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -128,6 +131,34 @@ def _actor(
             replay.insert(ids, prio, pack(recs))
 
 
+def _seed(rng: np.random.Generator) -> int:
+    return int(rng.integers(1 << 62))
+
+
+class _Pipe:
+    """One replay client on its own thread; ``call`` runs a method there and returns a future."""
+
+    def __init__(self, replay_factory: Callable[[], Any]) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._replay = self._pool.submit(replay_factory).result()
+
+    def call(self, method: str, *args: Any) -> Future[Any]:
+        if method == "write_back":
+            return self._pool.submit(self._write_back, *args)
+        return self._pool.submit(getattr(self._replay, method), *args)
+
+    def _write_back(self, ids: np.ndarray, priorities: np.ndarray, decay: float) -> None:
+        self._replay.update(ids, priorities)
+        if decay:
+            self._replay.decay(decay)
+
+    def close(self) -> None:
+        close = getattr(self._replay, "close", None)
+        if close is not None:
+            self._pool.submit(close).result()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def run(
     cfg: RunConfig,
     replay_factory: Callable[[], Any],
@@ -168,9 +199,14 @@ def run(
     ]
     for p in actors:
         p.start()
-    replay = replay_factory()
+    # The learner's two replay clients, each in its own thread (a SyncClient is one thread's):
+    # the next batch is drawn while this one trains, and priorities are written back while
+    # the next step runs (at most one write in flight), as Ape-X's learner does.
+    sampler, writer = _Pipe(replay_factory), _Pipe(replay_factory)
     rng = np.random.default_rng(cfg.seed)
     t0 = time.perf_counter()
+    next_batch: Future[Any] | None = None
+    write: Future[Any] | None = None
     result = RunResult(None, None, 0, 0, 0.0)
     next_eval = cfg.eval_every
     try:
@@ -198,22 +234,29 @@ def run(
             ):
                 time.sleep(0.002)
                 continue
-            drawn = replay.sample(cfg.batch, cfg.alpha, int(rng.integers(1 << 62)), cfg.min_size)
+            if next_batch is None:
+                next_batch = sampler.call("sample", cfg.batch, cfg.alpha, _seed(rng), cfg.min_size)
+            drawn = next_batch.result()
+            next_batch = sampler.call("sample", cfg.batch, cfg.alpha, _seed(rng), cfg.min_size)
             beta = min(1.0, 0.4 + 0.6 * env_steps / cfg.beta_steps)
             td = learner.step(
                 unpack(drawn.payloads), importance_weights(drawn.probs, drawn.size, beta)
             )
-            replay.update(drawn.ids, np.clip(td, PRIORITY_FLOOR, 1.0).astype(np.float32))
+            if write is not None:
+                write.result()
+            priorities = np.clip(td, PRIORITY_FLOOR, 1.0).astype(np.float32)
+            decay = cfg.decay if (learner.steps % 100 == 0 and cfg.decay > 0) else 0.0
+            write = writer.call("write_back", drawn.ids, priorities, decay)
             with counters["sampled"].get_lock():
                 counters["sampled"].value += cfg.batch
-            if learner.steps % 100 == 0 and cfg.decay > 0:
-                replay.decay(cfg.decay)
             if learner.steps % 25 == 0:
                 params.copy_(torch.nn.utils.parameters_to_vector(learner.net.parameters()).detach())
                 with counters["version"].get_lock():
                     counters["version"].value += 1
     finally:
         stop.set()
+        for pipe in (sampler, writer):
+            pipe.close()
         for p in actors:
             p.join(timeout=30)
             if p.is_alive():
