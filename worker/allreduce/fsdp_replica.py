@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from shared.training.activation_checkpointing import find_blocks
 from shared.training.controls import UNLOADABLE
@@ -58,6 +60,7 @@ class FsdpReplica(Replica):
 
     def _place(self, model: nn.Module) -> nn.Module:
         """Shard every block with parameters, then the root, over the default group's ranks."""
+        forget_earlier_meshes()
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         for block in find_blocks(model):
             if any(True for _ in block.parameters()):
@@ -127,6 +130,9 @@ class FsdpReplica(Replica):
                 io.BytesIO(data), map_location="cpu", weights_only=True
             )
             step = int(state["step"])
+        except UNLOADABLE as exc:
+            raise StateError(f"not a checkpoint of this job: {exc}") from None
+        try:
             set_model_state_dict(self.model, state["model"], options=_LOAD)
             if "optimizer" in state:
                 set_optimizer_state_dict(
@@ -135,9 +141,31 @@ class FsdpReplica(Replica):
                 self.scheduler.load_state_dict(state["scheduler"])
             if state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
-        except UNLOADABLE as exc:
-            raise StateError(f"not a checkpoint of this job: {exc}") from None
+        except RuntimeError as exc:
+            if not str(exc).startswith("Error(s) in loading state_dict"):
+                raise  # a collective failed (a peer is gone): the generation ends
+            # load_state_dict lists the keys on several lines: the generation's end reason
+            # keeps the first line only.
+            raise StateError(
+                f"not a checkpoint of this job: {' '.join(str(exc).split())}"
+            ) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"not a checkpoint of this job: {exc!r}") from None
         self.step = step
+
+
+def forget_earlier_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions made on an earlier generation's mesh.
+
+    A ``DeviceMesh`` compares equal to any mesh of the same ranks and device type whatever
+    this process's rank in it (torch 2.13's ``DeviceMesh.__eq__``), so DTensor's sharding
+    propagation and redistribution caches, keyed by specs that hold meshes, hand a new
+    generation's DTensors the mesh of an earlier one, with this process's old coordinate:
+    a rank whose number changed then slices full tensors (state loading, gathers) at its
+    old offset ("The size of tensor a (43) must match the size of tensor b (42)").
+    """
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
+    _gen_transform_infos.cache_clear()
 
 
 def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
