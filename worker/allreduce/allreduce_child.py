@@ -44,7 +44,6 @@ from shared.training.controls import resolve_device
 from shared.training.data import load_dataset
 from worker.allreduce.child_pipe import BlockingPipe, Frame, PipeClosed
 from worker.allreduce.ddp_replica import Replica, StepStats
-from worker.allreduce.fsdp_replica import FsdpReplica
 from worker.allreduce.rendezvous_store import SealedStore, bound_listener, gloo_interface
 
 # Steps between control points (a small all-reduce of the stop flag and progress sums: one
@@ -85,7 +84,13 @@ def _load_replica(init: dict[str, Any]) -> Replica:
     else:
         ds = load_dataset(spec.data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size)
         x, y, num_classes = ds.x_train, ds.y_train, ds.num_classes
-    replica_class = FsdpReplica if spec.sharding == "fsdp" else Replica
+    replica_class = Replica
+    if spec.sharding == "fsdp":
+        # Imported only for FSDP jobs: torch's FSDP, DTensor and distributed-checkpoint
+        # modules double the child's import time, which a DDP job need not wait for.
+        from worker.allreduce.fsdp_replica import FsdpReplica
+
+        replica_class = FsdpReplica
     return replica_class(
         spec,
         x,
