@@ -14,8 +14,8 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 	--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=only_async:.
 
 .PHONY: install protos demo test test-deps test-chaos test-browser test-loaded test-restart-loop lint \
-	bench-train bench-memory bench-replay bench-apex bench-recovery bench-wan bench-sampling bench-data \
-	bench-deps clean image image-base image-check image-deps deploy-check example-data
+	bench-train bench-fsdp bench-memory bench-replay bench-apex bench-recovery bench-wan bench-sampling \
+	bench-data bench-deps clean image image-base image-check image-deps deploy-check example-data
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -132,6 +132,10 @@ bench-train: install example-data
 EXAMPLE_DATA ?= .neuroshard/examples
 example-data: install
 	$(PY) -m examples.prepare all --out-dir $(EXAMPLE_DATA)
+
+# Per-rank parameter and optimizer bytes of sharding: fsdp against DDP on a wider MLP.
+bench-fsdp: install
+	$(PY) -m tests.benchmarks.bench_fsdp
 
 # Debian's redis-server is the baseline the memory benchmarks run beside ours (tests/benchmarks/
 # bench_redis.py): installed when missing, so the Redis column is never skipped on a fresh machine.

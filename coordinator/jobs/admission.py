@@ -39,6 +39,7 @@ from shared.config import (
 )
 from shared.npz import UNREADABLE, NpyHeaderError, npz_members, read_npy_header
 from shared.security.confinement import resolve_data_paths
+from shared.training.activation_checkpointing import model_blocks
 from shared.training.data import synthetic_peak_bytes, worker_steps
 from shared.training.data_files import data_files, open_arrays
 from shared.training.entry_points import EntryPointError, check_entries
@@ -195,6 +196,11 @@ def meta_model(
 
 def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) -> None:
     model, shape = meta_model(spec, path, cfg)
+    if spec.activation_checkpointing:
+        try:
+            model_blocks(model)
+        except ModelError as exc:
+            raise ConfigError(f"activation_checkpointing: {exc}") from None
     _cap("model", count_params(model), cfg.max_model_params, "max_model_params", " parameters")
     _check_output_shape(spec, model, shape, cfg)
     dtype = torch.int64 if shape.input_dtype == "int64" else torch.float32

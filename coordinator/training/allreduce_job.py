@@ -17,6 +17,12 @@ newest state is sent instead. The next step's rows are split over the new ranks
 worker that turns up while the job has fewer than ``workers`` ranks is taken in at the next
 generation, which the coordinator opens by asking the ranks to stop at their next control
 point.
+
+With ``sharding: fsdp`` (``worker.allreduce.fsdp_replica``) no rank holds the whole state:
+rank 0 gathers it for every state it sends, and when a generation stops for a rescale it
+sends one more (a checkpoint). A new generation always starts from the coordinator's newest
+full state, sharded anew over its ranks; after a member died that is the last checkpoint,
+and the steps since are trained again.
 """
 
 from __future__ import annotations
@@ -236,13 +242,22 @@ class AllreduceJob:
     async def _generation(
         self, members: list[WorkerRecord], held: dict[str, int]
     ) -> GenerationOutcome:
-        ranks = sorted(members, key=lambda w: (-held.get(w.name, -1), w.name))
-        newest = held.get(ranks[0].name, -1)
-        state = b"" if newest >= self._state_step and newest >= 0 else self._state
-        if state:
+        if self.spec.sharding == "fsdp":
+            # Shards do not outlive their generation (and a dead rank takes its shards with
+            # it): every generation starts from the coordinator's newest full state, which
+            # rank 0 sent at the last checkpoint or when the last generation stopped.
+            held, newest = {}, -1
+            ranks = sorted(members, key=lambda w: w.name)
+            state = self._state
             self._rollback(self._state_step)
-        elif newest >= 0:
-            self._rollback(newest)
+        else:
+            ranks = sorted(members, key=lambda w: (-held.get(w.name, -1), w.name))
+            newest = held.get(ranks[0].name, -1)
+            state = b"" if newest >= self._state_step and newest >= 0 else self._state
+            if state:
+                self._rollback(self._state_step)
+            elif newest >= 0:
+                self._rollback(newest)
         self._invited.update(w.name for w in ranks)
         for w in ranks:
             self._contributed[w.name] = self._contributed.get(w.name, 0) + 1
@@ -261,7 +276,7 @@ class AllreduceJob:
             job_id=self.job.job_id,
             generation=plan.number,
             ranks=[w.name for w in ranks],
-            from_step=self._state_step if state else max(newest, 0),
+            from_step=self._state_step if state or newest < 0 else newest,
         )
         return await Generation(
             self.job.job_id,

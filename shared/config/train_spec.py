@@ -410,6 +410,19 @@ class TrainJobSpec(ConfigModel):
         description="allreduce: BatchNorm statistics over the global batch "
         "(torch.nn.SyncBatchNorm on cuda, an all-reduce of sums on cpu).",
     )
+    sharding: Literal["none", "fsdp"] = Field(
+        "none",
+        description="allreduce: none: every rank holds the whole model and optimizer state "
+        "(DDP); fsdp: parameters, gradients and optimizer state are sharded across the ranks "
+        "(torch FSDP2 fully_shard, each block of the model and the root), gathered to rank 0 "
+        "for checkpoints.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each block's activations in the backward pass instead of "
+        "keeping them (torch.utils.checkpoint, use_reentrant=False); the blocks are the "
+        "model's `blocks` attribute or the children of an nn.Sequential.",
+    )
     epochs: int | None = Field(
         None, ge=1, le=100000, description="Passes over the training split (default 10)."
     )
@@ -466,8 +479,32 @@ class TrainJobSpec(ConfigModel):
                 f"{self.strategy} (expected one of {', '.join(allowed)})"
             )
         self._diloco_controls()
+        self._sharding_controls()
         self._task_fields()
         return self
+
+    def _sharding_controls(self) -> None:
+        """Refuse what ``sharding: fsdp`` does not do, naming the field.
+
+        FSDP shards the replicas of the workers' process group, which only ``allreduce``
+        has. DDP's communication hooks (the allreduce compressions) do not exist for FSDP's
+        reduce-scatter, and fp16's GradScaler would see only its rank's shard of the
+        gradients when it looks for inf/NaN.
+        """
+        if self.sharding == "none":
+            return
+        if self.strategy != "allreduce":
+            raise ValueError(
+                f"sharding: fsdp needs strategy allreduce, not {self.strategy} (sync and "
+                "diloco keep the whole model on the coordinator)"
+            )
+        if self.compression.name != "none":
+            raise ValueError(
+                f"compression.name: {self.compression.name!r} is not available with sharding "
+                "fsdp (DDP communication hooks only; use none)"
+            )
+        if self.precision == "fp16":
+            raise ValueError("precision: fp16 is not available with sharding fsdp (use bf16)")
 
     def _task_fields(self) -> None:
         """Refuse fields that do not go with the job's task, naming them."""

@@ -86,10 +86,12 @@ async def test_kill9_worker_under_load_loses_no_acknowledged_write(tmp_path: Pat
 
 
 @pytest.mark.parametrize(
-    ("strategy", "epochs", "accuracy"), [("sync", 15, 0.95), ("allreduce", 6, 0.9)]
+    ("strategy", "epochs", "accuracy", "sharding"),
+    [("sync", 15, 0.95, "none"), ("allreduce", 6, 0.9, "none"), ("allreduce", 6, 0.9, "fsdp")],
+    ids=["sync", "allreduce", "allreduce-fsdp"],
 )
 async def test_kill9_coordinator_during_training_resumes_and_succeeds(
-    tmp_path: Path, strategy: str, epochs: int, accuracy: float
+    tmp_path: Path, strategy: str, epochs: int, accuracy: float, sharding: str
 ) -> None:
     # Arrange: 15 steps an epoch, a checkpoint every 20 steps (FAST). The restarted
     # coordinator sends its checkpoint to the new rank 0 (allreduce) or the parameters to
@@ -99,6 +101,8 @@ async def test_kill9_coordinator_during_training_resumes_and_succeeds(
     try:
         spec = yaml.safe_load(DIGITS_MLP.read_text())
         spec.update(strategy=strategy, epochs=epochs)
+        if sharding != "none":  # the checkpoint is FSDP's full state dict, re-sharded
+            spec["sharding"] = sharding
         async with Client(cluster.address) as client:
             job = await client.submit(spec)
             async for _, progress in client.watch(job.job_id):

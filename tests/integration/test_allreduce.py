@@ -37,7 +37,7 @@ def _spec(workers: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-def reference_params(spec_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+def reference_params(spec_dict: dict[str, Any], steps: int = STEPS) -> dict[str, torch.Tensor]:
     """Single-process SGD on each step's whole global batch; written without the job's code.
 
     The global batch of step s (one epoch = ceil(N / G) steps, G = workers x batch_size) is
@@ -56,7 +56,7 @@ def reference_params(spec_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
         spec.model, ds.input_shape, ds.num_classes, spec.seed, allowed_models=ALLOWED_MODELS
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
+    for step in range(steps):
         epoch, s = divmod(step, per_epoch)
         rows = np.random.default_rng((spec.seed, epoch, 7)).permutation(n)[s * g : (s + 1) * g]
         x, y = torch.from_numpy(ds.x_train[rows]), torch.from_numpy(ds.y_train[rows])

@@ -84,7 +84,14 @@ def _load_replica(init: dict[str, Any]) -> Replica:
     else:
         ds = load_dataset(spec.data, spec.seed, spec.test_fraction, spec.task, spec.vocab_size)
         x, y, num_classes = ds.x_train, ds.y_train, ds.num_classes
-    return Replica(
+    replica_class = Replica
+    if spec.sharding == "fsdp":
+        # Imported only for FSDP jobs: torch's FSDP, DTensor and distributed-checkpoint
+        # modules double the child's import time, which a DDP job need not wait for.
+        from worker.allreduce.fsdp_replica import FsdpReplica
+
+        replica_class = FsdpReplica
+    return replica_class(
         spec,
         x,
         y,
@@ -104,7 +111,7 @@ def _backend(replica: Replica) -> str:
 
 
 class _Generation:
-    """One generation: rendezvous, state broadcast, DDP, steps until done, stop or failure."""
+    """One generation: rendezvous, state broadcast, DDP or FSDP, steps to done, stop or failure."""
 
     def __init__(
         self, pipe: BlockingPipe, inbox: _Inbox, replica: Replica, bind_host: str, cmd: Frame
@@ -139,8 +146,8 @@ class _Generation:
                 world_size=self.world,
                 timeout=self.timeout,
             )
-            self._sync_state()
-            done, reason = self._train()
+            model = self.replica.start_generation(self.rank, self.world, self.state)
+            done, reason = self._train(model)
         except Exception as exc:  # a collective failed or timed out: the generation is over
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         finally:
@@ -171,36 +178,15 @@ class _Generation:
         host, port = self.master
         return TCPStore(host, port, None, False, self.timeout)
 
-    def _sync_state(self) -> None:
-        """Rank 0 (which holds the newest state) broadcasts it; every rank loads it."""
+    def _train(self, model: torch.nn.Module) -> tuple[bool, str]:
         r = self.replica
-        if self.rank == 0:
-            if self.state:
-                r.load_state(self.state)
-            data = r.state_bytes()
-            size = torch.tensor([len(data)], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, 0)
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.rank == 0
-            else torch.empty(int(size[0]), dtype=torch.uint8)
-        )
-        dist.broadcast(buf, 0)
-        if self.rank != 0:
-            r.load_state(buf.numpy().tobytes())
-
-    def _train(self) -> tuple[bool, str]:
-        r = self.replica
-        ddp = r.wrap(self.world)
-        if self.rank == 0 and r.step > 0 and (r.step >= r.total_steps or r.step % r.per_epoch == 0):
+        if r.step > 0 and (r.step >= r.total_steps or r.step % r.per_epoch == 0):
             # The last generation may have ended between an epoch's (or the job's) last step
             # and the state it owed: send it again; the coordinator takes it once.
             self._send_state("final" if r.step >= r.total_steps else "epoch")
         sums, steps, t0 = StepStats(), 0, time.perf_counter()
         while r.step < r.total_steps:
-            s = r.train_step(ddp, self.rank, self.world)
+            s = r.train_step(model, self.rank, self.world)
             sums.samples += s.samples
             sums.loss_sum += s.loss_sum
             sums.correct += s.correct
@@ -212,18 +198,29 @@ class _Generation:
             now = time.perf_counter()
             if self.rank == 0:
                 self._progress(totals, steps, now - t0)
-                if reason is not None:  # its time counts in the next report's seconds
-                    self._send_state(reason)
+            if reason is not None:  # its time counts in the next report's seconds
+                self._send_state(reason)
             sums, steps, t0 = StepStats(), 0, now
             if stop and r.step < r.total_steps:
+                if r.sharded and reason != "checkpoint":
+                    # The ranks' shards do not outlive the generation: the next one starts
+                    # from the coordinator's newest state, so rank 0 sends this step's.
+                    self._send_state("checkpoint")
                 return False, "stopped for a new generation"
         return True, ""
 
     def _send_state(self, reason: str) -> None:
-        """Rank 0's state: the full state (checkpoint, final), the model alone (epoch)."""
+        """Rank 0's state: the full state (checkpoint, final), the model alone (epoch).
+
+        Every rank calls it at the same steps; a sharded replica's ranks all take part in
+        gathering the state to rank 0, a whole replica's rank 0 serialises its own.
+        """
         r = self.replica
+        if self.rank != 0 and not r.sharded:
+            return
         payload = r.model_bytes() if reason == "epoch" else r.state_bytes()
-        self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, payload))
+        if self.rank == 0:
+            self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, payload))
 
     def _boundary(self, step: int) -> str | None:
         """Why rank 0 sends its state after ``step`` steps (None: it does not)."""

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shared.config import TrainJobSpec
+from shared.training.activation_checkpointing import checkpoint_blocks
 from shared.training.controls import (
     UNLOADABLE,
     autocast,
@@ -66,6 +67,10 @@ class StepStats:
 class Replica:
     """The state one rank trains; identical on every rank after each step."""
 
+    # Whether the state is split over the ranks: gathering it is then a collective that
+    # every rank joins (``worker.allreduce.fsdp_replica``).
+    sharded = False
+
     def __init__(
         self,
         spec: TrainJobSpec,
@@ -100,19 +105,45 @@ class Replica:
         self.global_batch = global_batch_size(spec)
         self.per_epoch = allreduce_steps_per_epoch(self.n_train, self.global_batch)
         self.total_steps = allreduce_total_steps(spec, self.n_train)
-        model = build_model(
-            spec.model, tuple(x_train.shape[1:]), num_classes, spec.seed, allowed_models, daemon
-        )
-        if spec.sync_batchnorm:
-            model = convert_sync_batchnorm(model, device)
-        self.model: nn.Module = model.to(device)
-        self.optimizer = make_optimizer(spec, self.model.parameters())
-        self.scheduler = make_lr_scheduler(spec, self.optimizer, self.total_steps)
-        self.scaler = make_grad_scaler(spec.precision, device)
-        self.step = 0
-        self.last_lr = self.lr  # the learning rate of the last step taken
+        self._model_args = (tuple(x_train.shape[1:]), num_classes, allowed_models, daemon)
         self._perm_epoch = -1
         self._perm = np.empty(0, np.int64)
+        # A sharded replica builds its model for real at each generation's start; here on
+        # the meta device only, so that a model that cannot be built is refused at once.
+        self._build(on_meta=self.sharded)
+
+    def _build(self, on_meta: bool = False) -> None:
+        """Build the seeded model, its optimizer, lr schedule and grad scaler, at step 0.
+
+        Raises:
+            EntryPointRefused, ModelError: as ``build_model``; ModelError too when
+                ``activation_checkpointing`` finds no blocks.
+        """
+        spec = self.spec
+        input_shape, num_classes, allowed_models, daemon = self._model_args
+        model = build_model(
+            spec.model,
+            input_shape,
+            num_classes,
+            spec.seed,
+            allowed_models,
+            daemon,
+            device="meta" if on_meta else "cpu",
+        )
+        if spec.sync_batchnorm:
+            model = convert_sync_batchnorm(model, self.device)
+        if spec.activation_checkpointing:
+            checkpoint_blocks(model)
+        self.model: nn.Module = model if on_meta else self._place(model.to(self.device))
+        self.optimizer = make_optimizer(spec, self.model.parameters())
+        self.scheduler = make_lr_scheduler(spec, self.optimizer, self.total_steps)
+        self.scaler = make_grad_scaler(spec.precision, self.device)
+        self.step = 0
+        self.last_lr = self.lr  # the learning rate of the last step taken
+
+    def _place(self, model: nn.Module) -> nn.Module:
+        """The model as the replica holds it between steps: whole (sharded: its shards)."""
+        return model
 
     @property
     def lr(self) -> float:
@@ -131,6 +162,30 @@ class Replica:
             self._perm_epoch = epoch
         g = self.global_batch
         return self._perm[in_epoch * g : (in_epoch + 1) * g]
+
+    def start_generation(self, rank: int, world_size: int, state: bytes) -> nn.Module:
+        """Bring every rank to rank 0's state; return the model as the generation trains it.
+
+        Rank 0 (which holds the newest state, or is sent one in ``state``) broadcasts its
+        state; every other rank loads it. Call it on every rank after the process group is
+        initialised.
+
+        Args:
+            rank: this rank.
+            world_size: W.
+            state: torch.save bytes sent to rank 0 to start from (b"": its own).
+
+        Raises:
+            StateError: the state is not a checkpoint of this job.
+            RuntimeError: a collective failed or timed out.
+            CompressionNotSupported: as :meth:`wrap`.
+        """
+        if rank == 0 and state:
+            self.load_state(state)
+        data = broadcast_bytes(rank, self.state_bytes() if rank == 0 else b"")
+        if rank != 0:
+            self.load_state(data)
+        return self.wrap(world_size)
 
     def wrap(self, world_size: int) -> nn.Module:
         """The model as a generation trains it: DDP, or the model itself for one rank.
@@ -201,13 +256,19 @@ class Replica:
         s.correct += self.task.correct(outputs, y)
 
     def model_bytes(self) -> bytes:
-        """torch.save bytes of the model's state_dict alone (parameters and buffers)."""
+        """torch.save bytes of the model's state_dict alone (parameters and buffers).
+
+        Rank 0 calls it (a sharded replica: every rank, and the others get b"").
+        """
         buf = io.BytesIO()
         torch.save(self.model.state_dict(), buf)
         return buf.getvalue()
 
     def state_bytes(self) -> bytes:
-        """torch.save bytes of model, optimizer, lr schedule, grad scaler and step."""
+        """torch.save bytes of model, optimizer, lr schedule, grad scaler and step.
+
+        Rank 0 calls it (a sharded replica: every rank, and the others get b"").
+        """
         buf = io.BytesIO()
         torch.save(
             {
@@ -247,3 +308,31 @@ class Replica:
         except UNLOADABLE as exc:
             raise StateError(f"not a checkpoint of this job: {exc}") from None
         self.step = step
+
+
+def broadcast_bytes(rank: int, data: bytes) -> bytes:
+    """Broadcast rank 0's ``data`` to every rank of the default group (a size, then bytes).
+
+    Args:
+        rank: this rank.
+        data: rank 0's bytes (ignored on the other ranks).
+
+    Returns:
+        Rank 0's bytes, on every rank.
+
+    Raises:
+        RuntimeError: a collective failed or timed out.
+    """
+    size = torch.tensor([len(data) if rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(size, 0)
+    if rank == 0:
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+    else:
+        buf = torch.empty(int(size[0]), dtype=torch.uint8)
+    if int(size[0]):
+        dist.broadcast(buf, 0)
+    return data if rank == 0 else buf.numpy().tobytes()

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shared.config import TrainJobSpec
+from shared.training.activation_checkpointing import checkpoint_blocks
 from shared.training.controls import autocast, resolve_device
 from shared.training.data import shard_bounds
 from shared.training.models import buffer_shapes, build_model, check_param_arrays, param_shapes
@@ -121,6 +122,8 @@ class Trainer:
             allowed_models,
             daemon,
         ).to(self.device)
+        if spec.activation_checkpointing:
+            checkpoint_blocks(self.model)
         self._params = dict(self.model.named_parameters())
         self._buffers = dict(self.model.named_buffers())
         self._shapes = param_shapes(self.model) | buffer_shapes(self.model)

@@ -250,3 +250,16 @@ def test_a_compressed_archive_counts_its_arrays_not_its_file(tmp_path: Path) -> 
 
     with pytest.raises(LimitExceeded, match=r"^data.path: 264000 bytes exceeds"):
         admit(_train(data={"path": "zeros.npz"}), cfg)
+
+
+def test_activation_checkpointing_needs_a_model_with_blocks(tmp_path: Path) -> None:
+    from tests.fixtures import ALLOWED_MODELS
+
+    cfg = _cfg(tmp_path, allowed_models=ALLOWED_MODELS)
+    for entry in ("block_mlp", "small_mlp"):  # a blocks attribute; an nn.Sequential
+        admit(_train(activation_checkpointing=True, model={"entry": entry}), cfg)
+    with pytest.raises(
+        ConfigError, match=r"^activation_checkpointing: model: _FlatLinear exposes no blocks"
+    ):
+        admit(_train(activation_checkpointing=True, model={"entry": "flat_linear"}), cfg)
+    admit(_train(model={"entry": "flat_linear"}), cfg)  # without it: no blocks needed
