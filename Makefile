@@ -160,7 +160,7 @@ bench-replay: install
 	$(PY) -m tests.benchmarks.bench_replay --reverb-python $(REVERB_VENV)/bin/python
 
 # Ape-X on CartPole-v1 through a replay table: prioritized vs uniform, 5 seeds, and runs with a
-# worker killed (about 30-60 min on 2 cores); writes docs/apex-cartpole.png.
+# worker killed (about an hour on 2 cores); writes docs/apex-cartpole.png.
 bench-apex: install
 	$(PY) -m tests.benchmarks.bench_apex
 
