@@ -89,7 +89,7 @@ def test_set_strengths_and_sample(up_cluster: tuple[str, Path], tmp_path: Path) 
     assert [d["id"] for d in doc["draws"]] == want_ids.tolist()
     assert [d["strength"] for d in doc["draws"]] == want_s.tolist()
     assert [d["probability"] for d in doc["draws"]] == want_p.tolist()
-    assert refused.returncode == 1 and "table 'other' not found" in refused.stderr
+    assert refused.returncode == 1 and "table 'other' does not exist" in refused.stderr
     assert bad_alpha.returncode == 2 and "--alpha: -1.0 must be finite and >= 0" in bad_alpha.stderr
 
 

@@ -138,10 +138,15 @@ async def wait_ready(url: str) -> None:
             await asyncio.sleep(0.2)
 
 
+DATA_FILE = "rows.npz"
+
+
 async def drive(cluster: Any, stop: asyncio.Event) -> None:
     """Memory operations, a refused call and short training jobs, until ``stop``.
 
-    In rounds, so every counter grows between scrapes and rates over the window are real.
+    In rounds, so every counter grows between scrapes and rates over the window are real. The
+    jobs train on a file data set (``DATA_FILE`` in the cluster's data root), so the workers'
+    shard rows are counted too (fetched by the first job, from their cache after).
     """
     ids = np.arange(300, dtype=np.uint64)
     job = None
@@ -164,7 +169,9 @@ async def drive(cluster: Any, stop: asyncio.Event) -> None:
                 if job is not None:
                     final = await client.get_job(job.job_id)
                     assert final.state == "SUCCEEDED", final.error
-                job = await client.submit({"kind": "train", "workers": 2, "steps": 20})
+                job = await client.submit(
+                    {"kind": "train", "workers": 2, "steps": 20, "data": {"path": DATA_FILE}}
+                )
             await asyncio.sleep(0.3)
 
 
@@ -178,8 +185,17 @@ async def test_every_dashboard_panel_has_data_in_a_real_prometheus(
     # Arrange: a cluster whose every daemon serves /metrics on a free port, and Prometheus.
     queries = panel_queries()
     assert len(queries) >= 20
+    root = tmp_path / "data"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 8)).astype(np.float32)
+    np.savez(root / DATA_FILE, x=x, y=(x[:, 0] > 0).astype(np.int64))
     cluster = await make_cluster(
-        workers=2, slots=16, metrics_port=0, worker_overrides={"metrics_port": 0}
+        workers=2,
+        slots=16,
+        metrics_port=0,
+        worker_overrides={"metrics_port": 0},
+        data_roots=[str(root)],
     )
     ports = [cluster.coordinator.metrics_port] + [w.metrics_port for w in cluster.workers]
     assert all(ports), ports
