@@ -101,6 +101,18 @@ def one_process(spec: TrainJobSpec, ds: Dataset, loss_of: Any) -> nn.Module:
     return model
 
 
+def fixed_text(n: int) -> str:
+    """``n`` characters of seeded pseudo-words, lines and sentences (the same on every run)."""
+    rng = np.random.default_rng(1234)
+    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
+    p = 1.0 / np.arange(1, 27)
+    words = []
+    while sum(len(w) + 1 for w in words) < n:
+        w = "".join(rng.choice(letters, int(rng.integers(1, 9)), p=p / p.sum()))
+        words.append(w + (". " if rng.random() < 0.1 else "\n" if rng.random() < 0.05 else " "))
+    return "".join(words)[:n]
+
+
 async def run_job(make_cluster, root: Path, spec: dict[str, Any]) -> dict[str, Any]:
     """Run one job on a fresh cluster of the example configs; return its result."""
     operator = {"allowed_models": COORDINATOR.allowed_models}
@@ -119,10 +131,11 @@ async def run_job(make_cluster, root: Path, spec: dict[str, Any]) -> dict[str, A
 async def test_char_gpt_on_three_allreduce_workers_equals_one_process(
     make_cluster, tmp_path: Path
 ) -> None:
-    # Arrange: 40,000 characters of the README, rows of 17 tokens.
+    # Arrange: 40,000 characters of a fixed text (not a repository file, whose edits would
+    # change the data and so the trajectory), rows of 17 tokens.
     root = tmp_path / "data"
     root.mkdir()
-    text = (REPO / "README.md").read_text(encoding="utf-8")[:40_000]
+    text = fixed_text(40_000)
     np.savez(root / "chars.npz", **char_rows(text, BLOCK))
     spec_doc = gpt_job()
     spec = TrainJobSpec.model_validate(spec_doc)
@@ -136,8 +149,11 @@ async def test_char_gpt_on_three_allreduce_workers_equals_one_process(
     # Act
     result = await run_job(make_cluster, root, spec_doc)
 
-    # Assert
-    assert_same_state(load_saved_model(result), model.state_dict())
+    # Assert: the validation loss within 1e-5 (the example's claim); the weights within 1e-4:
+    # gloo's all-reduce sums the ranks' gradients in another order than one process, and
+    # Adam's normalised step turns a last-bit difference of a near-zero gradient element into
+    # a step difference of up to lr (seen: one of 3,104 weights 1.2e-5 apart after 8 steps).
+    assert_same_state(load_saved_model(result), model.state_dict(), tolerance=1e-4)
     assert result["test_loss"] == pytest.approx(expected_loss, abs=1e-5)
     assert result["test_perplexity"] == pytest.approx(np.exp(expected_loss), rel=1e-5)
 

@@ -70,15 +70,19 @@ def reference_state(spec_fields: dict[str, Any], digits: Dataset) -> dict[str, t
     return train_single_process(spec, digits, STEPS).state_dict()
 
 
-def assert_same_state(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Every tensor of ``saved`` equals ``expected``'s within ``TOLERANCE`` (same names)."""
+def assert_same_state(
+    saved: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    tolerance: float = TOLERANCE,
+) -> None:
+    """Every tensor of ``saved`` equals ``expected``'s within ``tolerance`` (same names)."""
     assert list(saved) == list(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(
             saved[name],
             tensor.detach(),
-            rtol=TOLERANCE,
-            atol=TOLERANCE,
+            rtol=tolerance,
+            atol=tolerance,
             msg=lambda detail, name=name: f"{name}: {detail}",
         )
 
