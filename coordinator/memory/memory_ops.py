@@ -27,6 +27,7 @@ from grpc import aio
 
 from coordinator.placement.membership import Membership
 from coordinator.placement.rebalance import Rebalancer
+from coordinator.placement.slot_map import SlotMap
 from shared.memory.stats import Quality, merge_quality, merge_topk, quality_from_pb
 from shared.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from shared.rpc.codec import f32_from_bytes, ids_from_bytes
@@ -75,6 +76,24 @@ class BulkOpError(RuntimeError):
         self.retryable = retryable
 
 
+def primary_stubs(
+    current: SlotMap, membership: Membership, clients: WorkerClients, what: str
+) -> tuple[list[str], list[worker_pb2_grpc.WorkerStub]]:
+    """Return the primaries of the slot map ``current`` (names sorted) and their stubs.
+
+    Raises:
+        BulkOpError: a primary is not in the membership (retryable, UNAVAILABLE).
+    """
+    names = sorted({n for n in current.primary if n})
+    stubs = []
+    for n in names:
+        rec = membership.get(n)
+        if rec is None:
+            raise BulkOpError(f"{what}: primary {n} is unknown", retryable=True)
+        stubs.append(clients.stub(n, rec.address))
+    return names, stubs
+
+
 class MemoryOps:
     """Fan-out of bulk operations over the primaries of the current slot map."""
 
@@ -107,13 +126,7 @@ class MemoryOps:
     ) -> list[T]:
         async with self._rebalancer.map_lock:
             current = self._rebalancer.current
-            names = sorted({n for n in current.primary if n})
-            stubs = []
-            for n in names:
-                rec = self._membership.get(n)
-                if rec is None:
-                    raise BulkOpError(f"{what}: primary {n} is unknown", retryable=True)
-                stubs.append(self._clients.stub(n, rec.address))
+            names, stubs = primary_stubs(current, self._membership, self._clients, what)
             results = await asyncio.gather(
                 *(call(s, current.epoch) for s in stubs), return_exceptions=True
             )

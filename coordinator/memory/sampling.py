@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from grpc import aio
 
-from coordinator.memory.memory_ops import BulkOpError
+from coordinator.memory.memory_ops import BulkOpError, primary_stubs
 from coordinator.placement.membership import Membership
 from coordinator.placement.rebalance import Rebalancer
 from shared.memory.sampling import DEFAULT_TABLE, draw_slots
@@ -175,13 +175,10 @@ class Sampler:
     async def _sums(self, table: str, alpha: float, uniform: bool) -> _Sums:
         """Phase 1 on every primary of the current map (``map_lock`` held)."""
         current = self._rebalancer.current
-        names = sorted({n for n in current.primary if n})
-        stubs = {}
-        for n in names:
-            rec = self._membership.get(n)
-            if rec is None:
-                raise BulkOpError(f"primary {n} is unknown", retryable=True)
-            stubs[n] = self._clients.stub(n, rec.address)
+        names, stub_list = primary_stubs(
+            current, self._membership, self._clients, "sample weight sums"
+        )
+        stubs = dict(zip(names, stub_list, strict=True))
         request = worker_pb2.WorkerSampleSumsRequest(
             epoch=current.epoch, table=table, alpha=alpha, uniform=uniform
         )
