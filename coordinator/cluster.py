@@ -17,6 +17,7 @@ from coordinator.events import EventLog
 from coordinator.forget import WorkerUnknown
 from coordinator.jobs.admission import admit
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord, JobStore
+from coordinator.jobs.pacing import check_paced, grant
 from coordinator.jobs.scheduler import Scheduler
 from coordinator.memory.capped_inserts import CappedInserts
 from coordinator.memory.memory_job import MemoryJob
@@ -322,6 +323,37 @@ class Cluster:
         self.scheduler.wake()
         self._update_gauges()
         return job
+
+    async def run_epochs(self, job: JobRecord, epochs: int) -> int:
+        """Grant a paced job ``epochs`` more epochs (``coordinator.jobs.pacing``), saved.
+
+        Returns:
+            The epochs granted in all.
+
+        Raises:
+            BadGrant: ``epochs`` < 1 (INVALID_ARGUMENT).
+            PacingRefused: not a paced job, ended, finishing, or past its spec's ``epochs``
+                (FAILED_PRECONDITION).
+        """
+        granted = grant(job, epochs)
+        self.state.save_pacing(job.job_id, granted, job.finish_requested)
+        await self.jobs.update(job)  # wakes the job waiting at its epoch boundary
+        return granted
+
+    async def finish(self, job: JobRecord) -> None:
+        """Ask a paced job to end SUCCEEDED at its next epoch boundary; saved.
+
+        The running epoch and the epochs granted are run first; an ended job is left as it is.
+
+        Raises:
+            PacingRefused: not a paced job (FAILED_PRECONDITION).
+        """
+        if job.state.terminal:
+            return
+        check_paced(job)
+        job.finish_requested = True
+        self.state.save_pacing(job.job_id, job.epochs_granted, True)
+        await self.jobs.update(job)
 
     def _check_init_job(self, init: InitSpec) -> None:
         """Refuse an ``init.job`` the caller may not see (``may_see_job``) or without that model.

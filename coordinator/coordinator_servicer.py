@@ -22,6 +22,7 @@ from coordinator.data_servicer import DataServicer
 from coordinator.forget import WorkerNotDead, WorkerUnknown, forget_worker
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded, JobRecord
+from coordinator.jobs.pacing import BadGrant, PacingRefused
 from coordinator.memory.memory_ops import BulkOpError
 from coordinator.memory.sampling import SampleRefused
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable, StoreExport
@@ -94,6 +95,8 @@ _ERRORS = StatusTable(
         (JobQuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (JobNotFound, grpc.StatusCode.NOT_FOUND),
+        (BadGrant, grpc.StatusCode.INVALID_ARGUMENT),
+        (PacingRefused, grpc.StatusCode.FAILED_PRECONDITION),
         (ModelMissing, grpc.StatusCode.NOT_FOUND),
         (WorkerUnknown, grpc.StatusCode.NOT_FOUND),
         (WorkerNotDead, grpc.StatusCode.FAILED_PRECONDITION),
@@ -582,6 +585,40 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self._job(request.job_id)
         job = await self._cluster.scheduler.cancel(request.job_id)
         return job_to_pb(job)
+
+    async def RunEpochs(
+        self, request: coordinator_pb2.RunEpochsRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.RunEpochsResponse:
+        """Grant a paced train job more epochs (``coordinator.jobs.pacing``).
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job
+                (admin may grant any); INVALID_ARGUMENT for epochs < 1; FAILED_PRECONDITION
+                for a job that is not paced, has ended or is finishing, or a grant past its
+                spec's epochs. Nothing changes on a refusal.
+        """
+        reply = coordinator_pb2.RunEpochsResponse()
+        async with _ERRORS.mapped(context):
+            job = self._job(request.job_id)
+            granted = await self._cluster.run_epochs(job, request.epochs)
+            reply = coordinator_pb2.RunEpochsResponse(job=job_to_pb(job), epochs_granted=granted)
+        return reply
+
+    async def FinishJob(
+        self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext[Any, Any]
+    ) -> coordinator_pb2.Job:
+        """Ask a paced job to end SUCCEEDED at its next epoch boundary; answers at once.
+
+        Raises:
+            grpc.aio.AbortError: NOT_FOUND for an unknown id, or another subject's job
+                (admin: any); FAILED_PRECONDITION for a job that is not paced.
+        """
+        reply = coordinator_pb2.Job()
+        async with _ERRORS.mapped(context):
+            job = self._job(request.job_id)
+            await self._cluster.finish(job)
+            reply = job_to_pb(job)
+        return reply
 
     async def WatchJob(
         self, request: coordinator_pb2.JobRequest, context: aio.ServicerContext[Any, Any]

@@ -38,6 +38,9 @@ CREATE TABLE IF NOT EXISTS worker_train_devices (
 CREATE TABLE IF NOT EXISTS memory_progress (
     job_id TEXT PRIMARY KEY, loaded INTEGER NOT NULL, iterations INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS job_pacing (
+    job_id TEXT PRIMARY KEY, granted INTEGER NOT NULL, finish INTEGER NOT NULL
+);
 """
 
 # A job RUNNING when the coordinator crashed this many times in a row is not run again.
@@ -166,7 +169,7 @@ class StateStore:
     def delete_jobs(self, job_ids: list[str]) -> None:
         """Forget jobs (retention): their rows in every job table."""
         rows = [(j,) for j in job_ids]
-        for table in ("jobs", "job_owners", "job_crashes", "memory_progress"):
+        for table in ("jobs", "job_owners", "job_crashes", "memory_progress", "job_pacing"):
             self._db.executemany(f"DELETE FROM {table} WHERE job_id = ?", rows)
 
     def load_jobs(self) -> list[JobRecord]:
@@ -181,6 +184,10 @@ class StateStore:
         out = []
         owners = dict(self._db.execute("SELECT job_id, owner FROM job_owners").fetchall())
         crashes = dict(self._db.execute("SELECT job_id, crashes FROM job_crashes").fetchall())
+        pacing = {
+            r[0]: (int(r[1]), bool(r[2]))
+            for r in self._db.execute("SELECT job_id, granted, finish FROM job_pacing")
+        }
         for row in self._db.execute("SELECT * FROM jobs ORDER BY seq"):
             (
                 job_id,
@@ -207,10 +214,17 @@ class StateStore:
                 result=json.loads(result_json) if result_json else None,
                 owner=owners.get(job_id, ""),
             )
+            job.epochs_granted, job.finish_requested = pacing.get(job_id, (0, False))
             if job.state is JobState.RUNNING:
                 self._resume(job, crashes.get(job_id, 0))
             out.append(job)
         return out
+
+    def save_pacing(self, job_id: str, granted: int, finish: bool) -> None:
+        """Save a paced job's epochs granted and whether its finish was asked for."""
+        self._db.execute(
+            "INSERT OR REPLACE INTO job_pacing VALUES (?, ?, ?)", (job_id, granted, int(finish))
+        )
 
     def save_memory_progress(self, job_id: str, loaded: bool, iterations: int) -> None:
         """Save how far a memory job got: its load done, and iterations completed."""

@@ -68,6 +68,9 @@ class JobRecord:
         task: the asyncio task running it, while it runs in this process.
         seq: submission order, unique per coordinator (survives restarts).
         owner: the submitting token's subject ("" without auth).
+        epochs_granted: a paced train job's epochs its owner granted so far
+            (``coordinator.jobs.pacing``); 0 for others.
+        finish_requested: a paced job is to end SUCCEEDED at its next epoch boundary.
     """
 
     job_id: str
@@ -85,6 +88,8 @@ class JobRecord:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     seq: int = 0
     owner: str = ""  # the submitting token's subject ("" without auth)
+    epochs_granted: int = 0
+    finish_requested: bool = False
 
     @property
     def kind(self) -> str:

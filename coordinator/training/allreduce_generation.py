@@ -49,6 +49,8 @@ class GenerationPlan:
         timeout_s: rendezvous and collective deadline, seconds.
         start_timeout_s: how long a worker may take to start its child and answer, seconds.
         held_before: worker name -> the step its child holds now (survivors).
+        stop_at_step: > 0: the ranks end the generation at this step (a paced job's granted
+            epochs), rank 0 sending its full state there; 0: at the job's end.
     """
 
     number: int
@@ -59,6 +61,7 @@ class GenerationPlan:
     timeout_s: float
     start_timeout_s: float
     held_before: dict[str, int] = field(default_factory=dict)
+    stop_at_step: int = 0
 
 
 @dataclass
@@ -205,6 +208,7 @@ class Generation:
             checkpoint_every_steps=self.plan.checkpoint_every,
             timeout_s=self.plan.timeout_s,
             rendezvous_secret=self._secret,
+            stop_at_step=self.plan.stop_at_step,
         )
         await self._send(w.name, worker_pb2.AllreduceInput(header=header))
         for i in range(0, len(state), self._chunk_bytes):

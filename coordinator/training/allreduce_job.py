@@ -23,6 +23,10 @@ rank 0 gathers it for every state it sends, and when a generation stops for a re
 sends one more (a checkpoint). A new generation always starts from the coordinator's newest
 full state, sharded anew over its ranks; after a member died that is the last checkpoint,
 and the steps since are trained again.
+
+A paced job (``coordinator.jobs.pacing``) runs each generation up to the epochs granted
+(``stop_at_step``): there rank 0 sends its full state (a checkpoint) and the ranks end the
+generation, their children keeping their replicas while the job waits for the next grant.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ from typing import Any
 import torch
 
 from coordinator.jobs.jobs import JobFailed, JobRecord, JobStore
+from coordinator.jobs.pacing import next_epoch
 from coordinator.placement.membership import WorkerRecord
 from coordinator.training.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.training.epoch_figures import EpochFigures
 from coordinator.training.evaluation import evaluate
 from coordinator.training.saved_models import initial_state
 from coordinator.training.tensorboard_log import TrainBoard
@@ -159,6 +165,8 @@ class AllreduceJob:
         self.model_path = data_dir / "models" / f"{job.job_id}.pt"
         self.best_model_path = data_dir / "models" / f"{job.job_id}.best.pt"
         self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
+        self.figures = EpochFigures()
+        self._wire = 0  # bytes of the job's messages through the coordinator, both ways
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
@@ -221,9 +229,13 @@ class AllreduceJob:
         stalled, last_reason = 0, ""
         failed: set[str] = set()
         while not self._final:
+            stop_at = await self._paced() if self.spec.paced else 0
+            if stop_at < 0:  # a paced job's finish: the model as of its last boundary
+                self._final, self._total = self._state, self._progress.applied
+                return
             members = await self._fill(members, failed)
             before = self._progress.applied
-            outcome = await self._generation(members, held)
+            outcome = await self._generation(members, held, stop_at)
             self.generations += 1
             self.failures += len(outcome.failed)
             failed = set(outcome.failed)  # sat out for one generation, in case they are down
@@ -239,8 +251,30 @@ class AllreduceJob:
                     f"{stalled} generations in a row made no progress; last: {last_reason}"
                 )
 
+    async def _paced(self) -> int:
+        """The step a paced job's next generation stops at; -1 when the job is to finish.
+
+        At an epoch boundary with no epoch left granted it waits for a grant (published as
+        ``waiting_for_epoch`` and ``train_rows``) or the finish.
+        """
+        job, applied = self.job, self._progress.applied
+        epoch = applied // self._per_epoch
+        if applied % self._per_epoch == 0 and job.epochs_granted <= epoch:
+            if not job.finish_requested:
+                progress = dict(job.progress) or {"step": applied, "steps": self._total}
+                progress |= {
+                    "waiting_for_epoch": epoch,
+                    "train_rows": self._dataset.n_train,
+                    # the last epoch's entry: evaluated after the last progress event
+                    "history": self._progress.history[-20:],
+                }
+                await self._jobs.update(job, progress=progress)
+            if not await next_epoch(self._jobs, job, epoch):
+                return -1
+        return min(self._total, job.epochs_granted * self._per_epoch)
+
     async def _generation(
-        self, members: list[WorkerRecord], held: dict[str, int]
+        self, members: list[WorkerRecord], held: dict[str, int], stop_at: int = 0
     ) -> GenerationOutcome:
         if self.spec.sharding == "fsdp":
             # Shards do not outlive their generation (and a dead rank takes its shards with
@@ -259,6 +293,7 @@ class AllreduceJob:
             elif newest >= 0:
                 self._rollback(newest)
         self._invited.update(w.name for w in ranks)
+        self._wire += len(state)
         for w in ranks:
             self._contributed[w.name] = self._contributed.get(w.name, 0) + 1
         plan = GenerationPlan(
@@ -270,6 +305,7 @@ class AllreduceJob:
             timeout_s=self.spec.collective_timeout_s,
             start_timeout_s=START_TIMEOUT_S,
             held_before={w.name: held[w.name] for w in ranks if w.name in held},
+            stop_at_step=stop_at,
         )
         log.info(
             "allreduce_generation",
@@ -326,6 +362,7 @@ class AllreduceJob:
     # -- events -----------------------------------------------------------------------------
 
     async def _on_event(self, name: str, event: worker_pb2.AllreduceEvent) -> None:
+        self._wire += event.ByteSize()
         if event.HasField("progress"):
             await self._on_progress(name, event.progress)
         elif event.HasField("state"):
@@ -345,6 +382,10 @@ class AllreduceJob:
         self._advance(int(p.step))
         prog.lr = float(p.lr)
         step_s = float(p.seconds) / max(int(p.steps), 1)
+        if int(p.step) == int(p.steps) == 1:  # the job's first step: L_0
+            self.figures.set_initial(int(p.samples), float(p.loss_sum))
+        for _ in range(int(p.steps)):  # each step counts as its report's mean
+            self.figures.add_step(step_s * 1000, self._wire, self.failures)
         if p.steps:
             self._metrics.train_steps.inc(int(p.steps))
             self._metrics.step_seconds.labels("allreduce").observe(step_s)
@@ -446,6 +487,7 @@ class AllreduceJob:
         }
         if tokens_per_sample:
             entry["tokens_per_s"] = samples_per_s * tokens_per_sample
+        entry |= self.figures.end(entry["train_loss"], self._wire, self.failures)
         prog.history.append(entry)
         self.board.add_epoch(step, entry)
         by_accuracy = self._task.scored_by_accuracy
@@ -463,7 +505,12 @@ class AllreduceJob:
         """
         self.board.flush()
         prog = self._progress
-        run = {"history": prog.history, "best_acc": prog.best_acc, "best_score": prog.best_score}
+        run = {
+            "history": prog.history,
+            "best_acc": prog.best_acc,
+            "best_score": prog.best_score,
+            "initial_loss": self.figures.initial_loss,
+        }
         write_checkpoint(self.run_path, step, json.dumps(run).encode())
         write_checkpoint(self.checkpoint_path, step, data)
 
@@ -495,6 +542,7 @@ class AllreduceJob:
             prog.history = [h for h in doc["history"] if h["step"] <= self._state_step]
             prog.best_acc = float(doc["best_acc"])
             prog.best_score = float(doc.get("best_score", prog.best_acc))
+            self.figures.initial_loss = float(doc.get("initial_loss", math.nan))
             if prog.history:
                 prog.test_loss = prog.history[-1]["test_loss"]
                 prog.test_acc = prog.history[-1]["test_accuracy"]
@@ -502,7 +550,8 @@ class AllreduceJob:
         return self._state_step
 
     def _result(self, resumed: int, seconds: float) -> dict[str, Any]:
-        self._load(self._final)
+        if self._final:  # else a paced job finished before its first epoch: the initial model
+            self._load(self._final)
         save_model(self._model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
         self.run_path.unlink(missing_ok=True)

@@ -35,10 +35,12 @@ from typing import Any, Protocol
 from torch import nn
 
 from coordinator.jobs.jobs import JobFailed, JobRecord, JobStore
+from coordinator.jobs.pacing import next_epoch
 from coordinator.network.link_stats import LinkStats
 from coordinator.placement.membership import WorkerRecord
 from coordinator.training.aggregation import average_buffers
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
+from coordinator.training.epoch_figures import EpochFigures
 from coordinator.training.parameter_server import ParameterServer, StepControls
 from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
 from coordinator.training.saved_models import initial_state
@@ -186,9 +188,13 @@ class TrainJob:
         self.model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.pt"
         self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
         self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
+        self.figures = EpochFigures()
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
+
+        A paced job (``coordinator.jobs.pacing``) waits at each epoch boundary for a grant,
+        and ends early, with the epochs run, when its finish is asked for.
 
         Raises:
             JobFailed: the spec or data was refused, or every worker failed (FAILED).
@@ -253,6 +259,9 @@ class TrainJob:
         run.history.start()
         try:
             for step in range(start_step, run.total):
+                if spec.paced and step % run.per_epoch == 0 and not await self._paced(step, run):
+                    run.total = step  # finished: the result counts the epochs that ran
+                    break
                 await self._train_step(ps, step, run)
         finally:
             self.monitor.release(self.members)
@@ -260,6 +269,25 @@ class TrainJob:
         await asyncio.to_thread(save_model, ps.model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
         return self._result(ps, run, start_step, device)
+
+    async def _paced(self, step: int, run: _Run) -> bool:
+        """Wait at a paced job's epoch boundary: True to run the next epoch, False to finish.
+
+        The wait is published (``waiting_for_epoch``, from 0, and ``train_rows``) and does
+        not count in the next epoch's seconds.
+        """
+        epoch = step // run.per_epoch
+        if self.job.epochs_granted <= epoch and not self.job.finish_requested:
+            progress = dict(self.job.progress) or {"step": step, "steps": run.total}
+            progress |= {"waiting_for_epoch": epoch, "train_rows": run.n_train}
+            await self._jobs.update(self.job, progress=progress)
+        go = await next_epoch(self._jobs, self.job, epoch)
+        run.history.start()
+        return go
+
+    def _wire_bytes(self) -> int:
+        """Bytes of the job's step messages so far, both ways (``StepMonitor.bytes``)."""
+        return self.monitor.bytes["to_workers"] + self.monitor.bytes["from_workers"]
 
     def _result(
         self, ps: ParameterServer, run: _Run, start_step: int, device: str
@@ -300,6 +328,7 @@ class TrainJob:
         spec = self.spec
         epoch, step_in_epoch = divmod(step, run.per_epoch)
         t0 = self._clock()
+        wire0, failures0 = self._wire_bytes(), self.members.failures
         self.members.admit()
         policy = StepPolicy(
             spec.straggler.mode,
@@ -325,15 +354,25 @@ class TrainJob:
         outcome = await self.members.step(order, plan.pieces, policy)
         self.monitor.observe(outcome, step, self.members)
         n, loss_sum, correct = await self._apply(ps, outcome, step)
+        if step == 0:  # L_0: the workers computed it at the initial parameters
+            self.figures.set_initial(n, loss_sum)
+        self.figures.add_step((self._clock() - t0) * 1000, wire0, failures0)
         run.samples += n
         run.history.add_step(n, loss_sum)
         self.board.add_step(step + 1, loss_sum / max(n, 1), lr, worker_times(outcome))
         self._metrics.train_steps.inc()
         self._metrics.step_seconds.labels("coordinator").observe(self._clock() - t0)
-        if step_in_epoch == run.per_epoch - 1 or step == run.total - 1:
+        epoch_end = step_in_epoch == run.per_epoch - 1 or step == run.total - 1
+        if epoch_end:
             await self._end_epoch(ps, epoch, lr, run)
-            await asyncio.to_thread(self.board.add_epoch, step + 1, run.history.entries[-1])
-        if (step + 1) % self.cfg.checkpoint_every_steps == 0 and step + 1 < run.total:
+            entry = run.history.entries[-1]
+            entry |= self.figures.end(
+                entry["train_loss"], self._wire_bytes(), self.members.failures
+            )
+            await asyncio.to_thread(self.board.add_epoch, step + 1, entry)
+        every = (step + 1) % self.cfg.checkpoint_every_steps == 0
+        # a paced job checkpoints at every epoch's end: a restart resumes at its boundary
+        if (every or (spec.paced and epoch_end)) and step + 1 < run.total:
             await asyncio.to_thread(self._checkpoint, ps, step + 1, run.history)
         elapsed = max(self._clock() - run.t_start, 1e-9)
         await self._jobs.update(
@@ -351,6 +390,9 @@ class TrainJob:
                 "lr": lr,
                 "samples_per_s": run.samples / elapsed,
                 "workers": len(self.members.live),
+                "convergence": run.history.entries[-1]["convergence"]
+                if run.history.entries
+                else float("nan"),
                 "history": run.history.recent(),
             },
         )
@@ -413,7 +455,8 @@ class TrainJob:
         The event files are flushed first: a resumed job keeps what they hold up to here.
         """
         self.board.flush()
-        write_checkpoint(self.checkpoint_path, next_step, ps.state({"history": history.to_doc()}))
+        extra = {"history": history.to_doc(), "initial_loss": self.figures.initial_loss}
+        write_checkpoint(self.checkpoint_path, next_step, ps.state(extra))
 
     def _restore(self, ps: ParameterServer, history: TrainHistory) -> int:
         """Load the checkpoint if one exists; return the step to start from."""
@@ -423,6 +466,7 @@ class TrainJob:
         step, state = saved
         run = ps.load_state(state)
         history.load_doc(run.get("history", {}))
+        self.figures.initial_loss = float(run.get("initial_loss", float("nan")))
         log.info("train_resumed", job_id=self.job.job_id, step=step)
         return step
 

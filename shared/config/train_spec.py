@@ -424,7 +424,18 @@ class TrainJobSpec(ConfigModel):
         "model's `blocks` attribute or the children of an nn.Sequential.",
     )
     epochs: int | None = Field(
-        None, ge=1, le=100000, description="Passes over the training split (default 10)."
+        None,
+        ge=1,
+        le=100000,
+        description="Passes over the training split (default 10); paced: the most epochs "
+        "that may be granted, and the horizon of the lr schedule.",
+    )
+    paced: bool = Field(
+        False,
+        description="Run one epoch per grant: the job waits at every epoch boundary (its "
+        "first included) until its owner grants epochs (RunEpochs, DistributedLearner."
+        "run_epoch) and ends SUCCEEDED on FinishJob or after its epochs; no time limit on "
+        "the wait. Not with steps.",
     )
     steps: int | None = Field(
         None,
@@ -477,6 +488,11 @@ class TrainJobSpec(ConfigModel):
             raise ValueError(
                 f"compression.name: {self.compression.name!r} is not available with strategy "
                 f"{self.strategy} (expected one of {', '.join(allowed)})"
+            )
+        if self.paced and self.steps is not None:
+            raise ValueError(
+                "paced: a paced job runs whole epochs; give epochs (the most it may be "
+                "granted), not steps"
             )
         self._diloco_controls()
         self._sharding_controls()

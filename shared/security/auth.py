@@ -19,7 +19,8 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
     ``reader``: GetJob, ListJobs, WatchJob, GetModel, ListModels, GetClusterStatus,
     GetSlotMap, Quality, TopK, Sample, ListDatasets, ExportMemories, ListTables,
     ReportFailure (a suspicion, confirmed by the coordinator before it acts); ``writer``:
-    those and SubmitJob, CancelJob, PutDataset, Insert (a capped table's upsert);
+    those and SubmitJob, CancelJob, RunEpochs and FinishJob (a paced job's grants and
+    end), PutDataset, Insert (a capped table's upsert);
     ``admin``: every Coordinator RPC (Decay and Sweep of a whole table, CreateTable,
     DropTable, DrainWorker, ForgetWorker).
   - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
@@ -74,7 +75,14 @@ _READER_COORDINATOR = frozenset(
         "ListTables",
     }
 )
-_WRITER_COORDINATOR = _READER_COORDINATOR | {"SubmitJob", "CancelJob", "PutDataset", "Insert"}
+_WRITER_COORDINATOR = _READER_COORDINATOR | {
+    "SubmitJob",
+    "CancelJob",
+    "RunEpochs",
+    "FinishJob",
+    "PutDataset",
+    "Insert",
+}
 _WORKER_COORDINATOR = frozenset(
     {"RegisterWorker", "Heartbeat", "ReportFailure", "DrainWorker", "FetchShard"}
 )

@@ -327,6 +327,8 @@ def seeds(method: Method, c: Cluster) -> list[Any]:
         ],
         "GetJob": [coordinator_pb2.JobRequest(job_id=c.finished_job)],
         "CancelJob": [coordinator_pb2.JobRequest(job_id=c.finished_job)],
+        "RunEpochs": [coordinator_pb2.RunEpochsRequest(job_id=c.finished_job, epochs=1)],
+        "FinishJob": [coordinator_pb2.JobRequest(job_id=c.finished_job)],
         "WatchJob": [
             coordinator_pb2.JobRequest(job_id=c.finished_job),
             coordinator_pb2.JobRequest(job_id=c.queued_job),

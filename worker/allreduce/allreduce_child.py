@@ -10,8 +10,9 @@ Frames, daemon to child:
     allowed_losses, daemon, bind_host}: ``bind_host`` is the worker's advertised host, where
     rank 0's store and every rank's gloo listen (``worker.allreduce.rendezvous_store``)
     ``generation`` {generation, rank, world_size, master_addr, master_port, checkpoint_every,
-    timeout_s, secret} with the state to start from as payload (rank 0, when the coordinator
-    sends one); ``secret`` seals the generation's store keys
+    timeout_s, secret, stop_at} with the state to start from as payload (rank 0, when the
+    coordinator sends one); ``secret`` seals the generation's store keys; ``stop_at`` > 0 ends
+    the generation at that step (a paced job's granted epochs), rank 0 sending its full state
     ``stop`` {}: end the generation at the next control point (a rescale)
 Frames, child to daemon:
     ``ready`` {port}: rank 0's store listens (the coordinator tells the other ranks)
@@ -27,6 +28,7 @@ The child exits when its stdin closes (the daemon died or let it go).
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import sys
@@ -48,7 +50,8 @@ from worker.allreduce.rendezvous_store import SealedStore, bound_listener, gloo_
 
 # Steps between control points (a small all-reduce of the stop flag and progress sums: one
 # more latency-bound collective, so not every step);
-# epoch ends, checkpoints and the last step are control points too.
+# epoch ends, checkpoints, the last step and the job's first step (its report is L_0, the
+# loss before the first update) are control points too.
 CONTROL_EVERY = 20
 
 
@@ -125,35 +128,44 @@ class _Generation:
         self.master = (str(f["master_addr"]), int(f["master_port"]))
         self.generation = int(f["generation"])
         self.secret = str(f["secret"])
+        self.stop_at = int(f.get("stop_at", 0))
         self.state = cmd.payload
 
     def run(self) -> None:
         held, done, reason = self.replica.step, False, ""
         try:
-            # gloo (and NCCL's bootstrap) listen on the interface of the advertised host, not
-            # every interface; an operator's own setting wins.
-            interface = gloo_interface(self.bind_host)
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
-            store = SealedStore(self._store(), self.secret, self.generation)
-            # Ranks name their process group's keys by a process-wide counter: every rank
-            # starts a generation from 0, whatever its earlier generations did.
-            _c10d()._world.group_count = 0
-            dist.init_process_group(
-                _backend(self.replica),
-                store=store,
-                rank=self.rank,
-                world_size=self.world,
-                timeout=self.timeout,
-            )
-            model = self.replica.start_generation(self.rank, self.world, self.state)
-            done, reason = self._train(model)
+            done, reason = self._run()
         except Exception as exc:  # a collective failed or timed out: the generation is over
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         finally:
             held = self.replica.step
             _release_group()
+            # The generation's store (its server, on rank 0) is collected before the next
+            # generation can be asked for: a paced job's next one may follow at once, and an
+            # old server collected later left the new store's clients waiting.
+            gc.collect()
         self.pipe.write(Frame("ended", {"held_step": held, "done": done, "reason": reason}))
+
+    def _run(self) -> tuple[bool, str]:
+        """Rendezvous, load the state, train: (done, why the generation ended)."""
+        # gloo (and NCCL's bootstrap) listen on the interface of the advertised host, not
+        # every interface; an operator's own setting wins.
+        interface = gloo_interface(self.bind_host)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        store = SealedStore(self._store(), self.secret, self.generation)
+        # Ranks name their process group's keys by a process-wide counter: every rank
+        # starts a generation from 0, whatever its earlier generations did.
+        _c10d()._world.group_count = 0
+        dist.init_process_group(
+            _backend(self.replica),
+            store=store,
+            rank=self.rank,
+            world_size=self.world,
+            timeout=self.timeout,
+        )
+        model = self.replica.start_generation(self.rank, self.world, self.state)
+        return self._train(model)
 
     def _store(self) -> TCPStore:
         """Rank 0: a store listening on the advertised host only; others: a client of it.
@@ -185,14 +197,15 @@ class _Generation:
             # and the state it owed: send it again; the coordinator takes it once.
             self._send_state("final" if r.step >= r.total_steps else "epoch")
         sums, steps, t0 = StepStats(), 0, time.perf_counter()
-        while r.step < r.total_steps:
+        end = min(r.total_steps, self.stop_at) if self.stop_at > 0 else r.total_steps
+        while r.step < end:
             s = r.train_step(model, self.rank, self.world)
             sums.samples += s.samples
             sums.loss_sum += s.loss_sum
             sums.correct += s.correct
             steps += 1
             reason = self._boundary(r.step)
-            if reason is None and r.step % CONTROL_EVERY:
+            if reason is None and r.step % CONTROL_EVERY and r.step != 1:
                 continue
             stop, totals = self._control(sums)
             now = time.perf_counter()
@@ -207,6 +220,8 @@ class _Generation:
                     # from the coordinator's newest state, so rank 0 sends this step's.
                     self._send_state("checkpoint")
                 return False, "stopped for a new generation"
+        if r.step < r.total_steps:
+            return False, "paused: the epochs granted have run"
         return True, ""
 
     def _send_state(self, reason: str) -> None:
@@ -227,7 +242,7 @@ class _Generation:
         r = self.replica
         if step >= r.total_steps:
             return "final"
-        if step % self.checkpoint_every == 0:
+        if step % self.checkpoint_every == 0 or step == self.stop_at:
             return "checkpoint"
         if step % r.per_epoch == 0:
             return "epoch"

@@ -106,6 +106,7 @@ class AllreduceServicer:
                 max(header.checkpoint_every_steps, 1),
                 header.timeout_s if header.timeout_s > 0 else 60.0,
                 header.rendezvous_secret,
+                int(header.stop_at_step),
             )
             stops = asyncio.create_task(_forward_stops(request_iterator, child))
             ended = False

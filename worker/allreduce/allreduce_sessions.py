@@ -51,6 +51,7 @@ class GenerationOrder:
         checkpoint_every: steps between the checkpoints rank 0 sends.
         timeout_s: deadline of the rendezvous and of each collective, seconds.
         secret: the generation's rendezvous secret, hex (``worker.allreduce.rendezvous_store``).
+        stop_at_step: > 0: end the generation at this step (a paced job); 0: at the job's end.
     """
 
     generation: int
@@ -60,6 +61,7 @@ class GenerationOrder:
     checkpoint_every: int
     timeout_s: float
     secret: str
+    stop_at_step: int = 0
 
 
 class AllreduceChild:
@@ -125,6 +127,7 @@ class AllreduceChild:
             "checkpoint_every": order.checkpoint_every,
             "timeout_s": order.timeout_s,
             "secret": order.secret,
+            "stop_at": order.stop_at_step,
         }
         try:
             await self.pipe.write(Frame("generation", fields, state))

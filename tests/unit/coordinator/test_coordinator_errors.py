@@ -19,6 +19,7 @@ from coordinator.data_servicer import DataServicer
 from coordinator.forget import WorkerNotDead, WorkerUnknown
 from coordinator.jobs.admission import LimitExceeded
 from coordinator.jobs.jobs import JobNotFound, JobQuotaExceeded
+from coordinator.jobs.pacing import BadGrant, PacingRefused
 from coordinator.memory.memory_ops import BulkOpError
 from coordinator.memory.sampling import SampleRefused
 from coordinator.memory.store_export import ExportsBusy, ExportUnavailable
@@ -287,6 +288,28 @@ CASES = [
         stand_in(jobs=SimpleNamespace(get=raising(NO_JOB, False))),
         SC.NOT_FOUND,
         "no job with id 'j9'",  # unquoted, as a KeyError's repr would not be
+    ),
+    Case(
+        BadGrant,
+        "RunEpochs",
+        pb.RunEpochsRequest(job_id="j9", epochs=0),
+        stand_in(
+            jobs=SimpleNamespace(get=lambda _id: SimpleNamespace(owner="")),
+            run_epochs=raising(BadGrant("epochs: must be at least 1, got 0")),
+        ),
+        SC.INVALID_ARGUMENT,
+        "epochs: must be at least 1, got 0",
+    ),
+    Case(
+        PacingRefused,
+        "FinishJob",
+        pb.JobRequest(job_id="j9"),
+        stand_in(
+            jobs=SimpleNamespace(get=lambda _id: SimpleNamespace(owner="")),
+            finish=raising(PacingRefused("job 'j9' is not paced")),
+        ),
+        SC.FAILED_PRECONDITION,
+        "job 'j9' is not paced",
     ),
     Case(
         JobNotFound,

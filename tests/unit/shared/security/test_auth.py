@@ -56,6 +56,8 @@ ALL_COORDINATOR = (
     "ListJobs",
     "WatchJob",
     "CancelJob",
+    "RunEpochs",
+    "FinishJob",
     "GetClusterStatus",
     "GetSlotMap",
     "Quality",
@@ -160,6 +162,8 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("reader", C + "ReportFailure", True),  # a suspicion: the coordinator only probes
         ("reader", C + "SubmitJob", False),
         ("reader", C + "CancelJob", False),
+        ("reader", C + "RunEpochs", False),  # a paced job's grants: writers (their own)
+        ("reader", C + "FinishJob", False),
         ("reader", C + "PutDataset", False),
         ("reader", C + "Decay", False),
         ("reader", C + "RegisterWorker", False),
@@ -168,6 +172,8 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("writer", C + "GetJob", True),
         ("writer", C + "SubmitJob", True),
         ("writer", C + "CancelJob", True),
+        ("writer", C + "RunEpochs", True),
+        ("writer", C + "FinishJob", True),
         ("writer", C + "PutDataset", True),
         ("writer", C + "TopK", True),
         ("writer", C + "ReportFailure", True),
