@@ -1,4 +1,7 @@
-"""The Python client: ``Client`` (async) and ``SyncClient`` (a blocking wrapper for scripts).
+"""The Python client: ``Client`` (async), ``SyncClient`` (blocking) and ``DistributedLearner``.
+
+``SyncClient`` is a blocking wrapper for scripts; ``DistributedLearner`` drives one paced train
+job an epoch at a time (``run_epoch``, ``shared.client.learner``).
 
 ```python
 async with Client("localhost:50051") as c:
@@ -18,12 +21,14 @@ from shared.client.async_client import (
     NeuroshardError,
     default_address,
 )
+from shared.client.learner import DistributedLearner
 from shared.client.sampling import SampleBatch
 from shared.client.sync_client import SyncClient
 
 __all__ = [
     "DEFAULT_ADDRESS",
     "Client",
+    "DistributedLearner",
     "JobInfo",
     "NeuroshardError",
     "SampleBatch",

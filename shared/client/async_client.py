@@ -11,7 +11,7 @@ import asyncio
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,7 +304,35 @@ class Client:
             await self._call(self._stub.CancelJob, coordinator_pb2.JobRequest(job_id=job_id))
         )
 
-    async def watch(self, job_id: str) -> AsyncIterator[tuple[JobInfo, dict[str, Any]]]:
+    async def run_epochs(self, job_id: str, epochs: int = 1) -> int:
+        """Grant a paced train job (spec ``paced: true``) ``epochs`` more epochs.
+
+        Returns:
+            The epochs granted to the job in all.
+
+        Raises:
+            NeuroshardError: NOT_FOUND for an unknown id or another user's job;
+                INVALID_ARGUMENT for epochs < 1; FAILED_PRECONDITION for a job that is not
+                paced, has ended or is finishing, or past its spec's epochs;
+                PERMISSION_DENIED for a reader's token.
+        """
+        reply: coordinator_pb2.RunEpochsResponse = await self._call(
+            self._stub.RunEpochs, coordinator_pb2.RunEpochsRequest(job_id=job_id, epochs=epochs)
+        )
+        return int(reply.epochs_granted)
+
+    async def finish(self, job_id: str) -> JobInfo:
+        """Ask a paced train job to end SUCCEEDED at its next epoch boundary; answers at once.
+
+        Raises:
+            NeuroshardError: NOT_FOUND for an unknown id or another user's job;
+                FAILED_PRECONDITION for a job that is not paced.
+        """
+        return JobInfo.from_pb(
+            await self._call(self._stub.FinishJob, coordinator_pb2.JobRequest(job_id=job_id))
+        )
+
+    async def watch(self, job_id: str) -> AsyncGenerator[tuple[JobInfo, dict[str, Any]], None]:
         """Follow a job until it ends: yield its state and progress at every event.
 
         There is no overall deadline: a training job may run for hours.
@@ -323,6 +351,8 @@ class Client:
                 yield JobInfo.from_pb(event.job), json.loads(event.progress_json or "{}")
         except aio.AioRpcError as exc:
             raise _error(exc, self.address, self._security) from None
+        finally:  # a caller that stops early (aclosing) ends the stream now
+            call.cancel()
 
     async def wait(self, job_id: str) -> JobInfo:
         """Wait until the job ends, without a deadline; return its final state.

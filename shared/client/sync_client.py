@@ -140,6 +140,14 @@ class SyncClient:
         """Cancel a job (see ``Client.cancel``)."""
         return self._run(self._client.cancel(job_id))
 
+    def run_epochs(self, job_id: str, epochs: int = 1) -> int:
+        """Grant a paced job more epochs (see ``Client.run_epochs``)."""
+        return self._run(self._client.run_epochs(job_id, epochs))
+
+    def finish(self, job_id: str) -> JobInfo:
+        """End a paced job at its next epoch boundary (see ``Client.finish``)."""
+        return self._run(self._client.finish(job_id))
+
     def watch(self, job_id: str) -> Iterator[tuple[JobInfo, dict[str, Any]]]:
         """Follow a job until it ends (see ``Client.watch``).
 
