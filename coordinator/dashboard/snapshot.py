@@ -220,6 +220,14 @@ class SnapshotBuilder:
                 "test_accuracy": p.get("test_accuracy"),
                 "samples_per_s": p.get("samples_per_s"),
                 "history": [_history_entry(h) for h in history],
+                # L_0 / L_e per epoch (``coordinator.training.epoch_figures``)
+                "convergence": [
+                    [h["epoch"], h["convergence"]]
+                    for h in history
+                    if isinstance(h.get("convergence"), float) and math.isfinite(h["convergence"])
+                ],
+                # a prioritized job's priority table's strengths, when its progress has them
+                "histogram": p.get("histogram", []),
             }
         else:
             series = self._latency_ms.setdefault(job.job_id, deque(maxlen=LATENCY_POINTS))
@@ -263,4 +271,5 @@ def _history_entry(h: dict[str, Any]) -> dict[str, Any]:
         "test_loss": h.get("test_loss"),
         "test_accuracy": h.get("test_accuracy"),
         "samples_per_s": h.get("samples_per_s"),
+        "convergence": h.get("convergence"),
     }

@@ -54,7 +54,8 @@ class HistoryTable:
     Rows are rich tables of one row with fixed column widths, so that they line up. The
     accuracy column is the task's (``shared.training.tasks``): ``test_acc``, or for a
     regression ``test_mae`` and ``test_r2``, for a language model ``ppl`` and ``tokens/s``,
-    chosen by the keys of the first entry.
+    chosen by the keys of the first entry; ``convergence`` (L_0 / L_e) last, when the entries
+    have it.
     """
 
     # (title, history key, width in characters, format)
@@ -87,11 +88,15 @@ class HistoryTable:
                 self._row(entry, header=self.last_epoch == 0)
                 self.last_epoch = entry["epoch"]
 
+    CONVERGENCE = ("convergence", "convergence", 11, "{:.3f}")
+
     def _row(self, entry: dict[str, Any], header: bool) -> None:
         if header:
             for key, columns in self.TASK_COLUMNS.items():
                 if key in entry:
                     self._columns = (*self.COLUMNS[:3], *columns, *self.COLUMNS[4:])
+            if "convergence" in entry:
+                self._columns = (*self._columns, self.CONVERGENCE)
         table = Table(show_header=header, box=None, pad_edge=False)
         for title, _, width, _ in self._columns:
             table.add_column(title, justify="right", width=width, no_wrap=True)

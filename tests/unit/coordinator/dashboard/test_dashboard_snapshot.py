@@ -63,6 +63,7 @@ async def test_snapshot_shows_workers_slots_jobs_and_events(tmp_path: Path) -> N
                         "test_loss": 1.0,
                         "test_accuracy": 0.7,
                         "samples_per_s": 880.0,
+                        "convergence": 1.9,
                     }
                 ],
             },
@@ -93,6 +94,7 @@ async def test_snapshot_shows_workers_slots_jobs_and_events(tmp_path: Path) -> N
         assert j["state"] == "RUNNING" and j["fraction"] == 0.25
         assert j["test_accuracy"] is None and j["samples_per_s"] == 900.0
         assert j["history"][0]["test_accuracy"] == 0.7
+        assert j["convergence"] == [[1, 1.9]]  # L_0 / L_e by epoch, for the page's chart
         kinds = [e["kind"] for e in snap["events"]]
         assert kinds[0] == "worker_dead" and snap["events"][0]["message"] == "w2 died"
         assert {"job_submitted", "job_running", "worker_alive"} <= set(kinds)

@@ -74,6 +74,17 @@ def test_a_language_models_history_shows_perplexity_and_tokens_per_s(
     assert lines[1].split() == ["1", "1.0000", "0.5000", "3.500", "80,000", "0.001", "12,345"]
 
 
+def test_the_convergence_of_each_epoch_is_a_column(capsys: pytest.CaptureFixture) -> None:
+    rows = [entry(1) | {"convergence": 1.25}, entry(2) | {"convergence": 2.5}]
+    events = [(job("SUCCEEDED", {"history": rows}), {"step": 2, "steps": 2, "history": rows})]
+
+    follow_job(FakeClient(events), job("QUEUED"), as_json=False)  # type: ignore[arg-type]
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "convergence"
+    assert [line.split()[-1] for line in lines[1:3]] == ["1.250", "2.500"]
+
+
 def test_follow_json_prints_only_the_document(capsys: pytest.CaptureFixture) -> None:
     follow_job(FakeClient(EVENTS), job("QUEUED"), as_json=True)  # type: ignore[arg-type]
 
