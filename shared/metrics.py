@@ -54,6 +54,9 @@ class Metrics:
             a worker came to hold: fetched from the coordinator, or found in its shard cache.
         shard_fetched_bytes: ``neuroshard_shard_fetched_bytes_total``, bytes of training rows
             a worker fetched from the coordinator.
+        convergence_ratio: ``neuroshard_convergence_ratio{job_id}``, a memory job's convergence
+            after its last iteration (``shared.memory.stats.convergence_ratio``); labelled
+            ``job_id``, not ``job``, which Prometheus sets on every scraped series.
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -175,6 +178,13 @@ class Metrics:
         self.shard_fetched_bytes = Counter(
             "neuroshard_shard_fetched_bytes_total",
             "Bytes of training rows a worker fetched from the coordinator.",
+            registry=r,
+        )
+        self.convergence_ratio = Gauge(
+            "neuroshard_convergence_ratio",
+            "A memory job's convergence after its last iteration: mean strength of the "
+            "memories accessed in that iteration over the table's mean strength.",
+            ["job_id"],
             registry=r,
         )
 
