@@ -11,8 +11,10 @@ prints every measurement as a Markdown table:
 2. distributed: 5 workers, 100,000 memories, 50 iterations driven from this client, each
    reinforce + sweep (decay + quality + top-k: the aggregate) + a read of the accessed
    memories (convergence), exactly as the memory job's iteration: convergence, iteration
-   latency p50 (target 50 ms) and std dev, network bandwidth (the daemons' own byte counters,
-   ``neuroshard_rpc_sent_bytes_total``, over the iterations' wall time), per-worker CPU
+   latency p50 (target 50 ms) and std dev, network bandwidth over the iterations' wall time
+   from the daemons' own byte counters (``neuroshard_rpc_sent_bytes_total`` and
+   ``_received_bytes_total`` count the RPCs a daemon serves, so their sum over the daemons is
+   every message on the wire, the client's and the daemons' calls to each other), per-worker CPU
    utilisation and the balance max/min of memories and CPU across workers, consistency (the
    top-k's rank order equal to ``tests/memory_reference.py``'s after every iteration), and
    memories lost (the store's count against the memories loaded).
@@ -324,9 +326,12 @@ def distributed_section(run: Run) -> str:
         ),
         ("iteration std dev, ms", f"{float(np.std(np.asarray(run.iteration_s) * 1e3)):.1f}"),
         ("wall time of the iterations, s", f"{run.wall_s:.2f}"),
-        ("network: bytes the daemons sent, Mbit/s", f"{run.sent_bytes * 8 / run.wall_s / 1e6:.1f}"),
         (
-            "network: every RPC message (daemons' sent + received), Mbit/s",
+            "network: responses the daemons sent (their sent counters), Mbit/s",
+            f"{run.sent_bytes * 8 / run.wall_s / 1e6:.1f}",
+        ),
+        (
+            "network: every RPC message on the wire (daemons' sent + received), Mbit/s",
             f"{(run.sent_bytes + run.received_bytes) * 8 / run.wall_s / 1e6:.1f}",
         ),
     ]
