@@ -12,9 +12,8 @@ prints every measurement as a Markdown table:
    reinforce + sweep (decay + quality + top-k: the aggregate) + a read of the accessed
    memories (convergence), exactly as the memory job's iteration: convergence, iteration
    latency p50 (target 50 ms) and std dev, network bandwidth over the iterations' wall time
-   from the daemons' own byte counters (``neuroshard_rpc_sent_bytes_total`` and
-   ``_received_bytes_total`` count the RPCs a daemon serves, so their sum over the daemons is
-   every message on the wire, the client's and the daemons' calls to each other), per-worker CPU
+   from the daemons' own byte counters (what they sent, as servers and as clients; and every
+   message on the wire, the sum of what they served), per-worker CPU
    utilisation and the balance max/min of memories and CPU across workers, consistency (the
    top-k's rank order equal to ``tests/memory_reference.py``'s after every iteration), and
    memories lost (the store's count against the memories loaded).
@@ -54,7 +53,12 @@ from shared.client import Client, NeuroshardError
 from shared.config import LogConfig
 from shared.logging import configure_logging
 from shared.memory.stats import Quality, convergence_ratio
-from tests.benchmarks.learner_daemons import Daemons, InProcessDaemons, ProcessDaemons
+from tests.benchmarks.learner_daemons import (
+    Daemons,
+    InProcessDaemons,
+    ProcessDaemons,
+    WireTotals,
+)
 from tests.memory_reference import ReferenceStore
 
 TARGET_ITERATION_MS = 50.0  # the roadmap's per-iteration target at 100k, 5 workers
@@ -92,8 +96,7 @@ class Run:
     topk_identical: list[bool] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     wall_s: float = 0.0
-    sent_bytes: float = 0.0
-    received_bytes: float = 0.0
+    wire: WireTotals = field(default_factory=WireTotals)
     cpu_s: dict[str, float] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)
     memories_held: dict[str, int] = field(default_factory=dict)
@@ -248,7 +251,7 @@ async def iterate(daemons: Daemons, client: Client, p: Params, run: Run) -> None
     stream = ScrambledZipfStream(np.unique(ids), p.alpha, p.batch, p.seed)
     boosts = np.full(p.batch, p.boost, np.float32)
     cpu0 = {n: s.cpu_s for n, s in daemons.proc_stats().items()}
-    sent0, received0 = await daemons.rpc_bytes()
+    wire0 = await daemons.rpc_bytes()
     watcher: asyncio.Task[tuple[float, float]] | None = None
     t_start = time.perf_counter()
     for i in range(p.iterations):
@@ -271,10 +274,10 @@ async def iterate(daemons: Daemons, client: Client, p: Params, run: Run) -> None
         ref.decay(p.decay)
         run.topk_identical.append(np.array_equal(top_ids, ref.topk(p.k)[0]))
     run.wall_s = time.perf_counter() - t_start
-    sent1, received1 = await daemons.rpc_bytes()
+    wire1 = await daemons.rpc_bytes()
     stats = daemons.proc_stats()
     # A killed worker's counters went with it: bytes are the survivors' (a lower bound).
-    run.sent_bytes, run.received_bytes = sent1 - sent0, received1 - received0
+    run.wire = wire1 - wire0
     run.cpu_s = {n: s.cpu_s - cpu0[n] for n, s in stats.items() if n in cpu0}
     run.peak_rss = {n: s.peak_rss_bytes for n, s in stats.items()}
     if watcher is not None:
@@ -327,12 +330,12 @@ def distributed_section(run: Run) -> str:
         ("iteration std dev, ms", f"{float(np.std(np.asarray(run.iteration_s) * 1e3)):.1f}"),
         ("wall time of the iterations, s", f"{run.wall_s:.2f}"),
         (
-            "network: responses the daemons sent (their sent counters), Mbit/s",
-            f"{run.sent_bytes * 8 / run.wall_s / 1e6:.1f}",
+            "network: bytes the daemons sent (as servers and as clients), Mbit/s",
+            f"{run.wire.sent * 8 / run.wall_s / 1e6:.1f}",
         ),
         (
-            "network: every RPC message on the wire (daemons' sent + received), Mbit/s",
-            f"{(run.sent_bytes + run.received_bytes) * 8 / run.wall_s / 1e6:.1f}",
+            "network: every RPC message on the wire (what the daemons served), Mbit/s",
+            f"{run.wire.on_the_wire * 8 / run.wall_s / 1e6:.1f}",
         ),
     ]
     rows += [

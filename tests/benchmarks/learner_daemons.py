@@ -1,10 +1,10 @@
 """The daemons ``bench_learner`` measures: real processes, or in-process servers for ``--quick``.
 
 Both give the coordinator's address, what each daemon counted of the bytes it sent and
-received over gRPC (``neuroshard_rpc_sent_bytes_total`` / ``_received_bytes_total``: the
-serialized messages of the RPCs it served, so every RPC between a client and a daemon or
-between two daemons is counted once, by its server), CPU seconds and peak RSS per process,
-and a way to kill one worker as ``kill -9`` would.
+received over gRPC (``WireTotals``: the serialized messages of the RPCs it served,
+``neuroshard_rpc_sent_bytes_total`` / ``_received_bytes_total``, and of its own calls,
+``neuroshard_rpc_client_sent_bytes_total`` / ``_received_bytes_total``), CPU seconds and peak
+RSS per process, and a way to kill one worker as ``kill -9`` would.
 
 - ``ProcessDaemons``: a ``LocalCluster`` (one process per daemon, each with its own
   Prometheus port); CPU from ``/proc/PID/stat`` (utime + stime), peak RSS from
@@ -35,7 +35,12 @@ from shared.cli.local_cluster import LocalCluster
 from shared.config import CoordinatorConfig
 from tests.conftest import InProcessCluster
 
-SENT, RECEIVED = "neuroshard_rpc_sent_bytes", "neuroshard_rpc_received_bytes"
+FAMILIES = {  # WireTotals field: counter family
+    "served_sent": "neuroshard_rpc_sent_bytes",
+    "served_received": "neuroshard_rpc_received_bytes",
+    "client_sent": "neuroshard_rpc_client_sent_bytes",
+    "client_received": "neuroshard_rpc_client_received_bytes",
+}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -64,13 +69,48 @@ def proc_stat(pid: int) -> ProcStat:
     return ProcStat((utime + stime) / CLK_TCK, hwm_kib * 1024)
 
 
-def byte_totals(families: Iterable[Metric]) -> tuple[float, float]:
-    """``(sent, received)`` bytes summed over every method's series of parsed families."""
-    totals = {SENT: 0.0, RECEIVED: 0.0}
+@dataclass(frozen=True)
+class WireTotals:
+    """Bytes daemons counted, summed over methods: of RPCs served, and of their own calls.
+
+    Every RPC is served by exactly one daemon, so ``served_sent + served_received`` over all
+    daemons is every message on the wire; ``sent`` is what the daemons themselves sent.
+    """
+
+    served_sent: float = 0.0
+    served_received: float = 0.0
+    client_sent: float = 0.0
+    client_received: float = 0.0
+
+    @property
+    def sent(self) -> float:
+        """Bytes the daemons sent: responses to the calls they served, requests of their own."""
+        return self.served_sent + self.client_sent
+
+    @property
+    def on_the_wire(self) -> float:
+        """Every message of every RPC a daemon served (requests and responses)."""
+        return self.served_sent + self.served_received
+
+    def __add__(self, o: WireTotals) -> WireTotals:
+        return WireTotals(*(a + b for a, b in zip(_fields(self), _fields(o), strict=True)))
+
+    def __sub__(self, o: WireTotals) -> WireTotals:
+        return WireTotals(*(a - b for a, b in zip(_fields(self), _fields(o), strict=True)))
+
+
+def _fields(t: WireTotals) -> tuple[float, ...]:
+    return (t.served_sent, t.served_received, t.client_sent, t.client_received)
+
+
+def byte_totals(families: Iterable[Metric]) -> WireTotals:
+    """The four byte counters of one daemon, summed over every method's series."""
+    names = {family: field for field, family in FAMILIES.items()}
+    totals = dict.fromkeys(FAMILIES, 0.0)
     for f in families:
-        if f.name in totals:
-            totals[f.name] += sum(s.value for s in f.samples if s.name.endswith("_total"))
-    return totals[SENT], totals[RECEIVED]
+        if f.name in names:
+            totals[names[f.name]] += sum(s.value for s in f.samples if s.name.endswith("_total"))
+    return WireTotals(**totals)
 
 
 def _registry_families(registry: CollectorRegistry) -> list[Metric]:
@@ -133,17 +173,16 @@ class ProcessDaemons:
         """CPU seconds and peak RSS of every live daemon, by name."""
         return {name: proc_stat(pid) for name, pid in self.pids().items()}
 
-    async def rpc_bytes(self) -> tuple[float, float]:
-        """``(sent, received)`` bytes over every live daemon's counters (scraped over HTTP)."""
+    async def rpc_bytes(self) -> WireTotals:
+        """The byte counters summed over every live daemon (scraped over HTTP)."""
 
-        def scrape() -> tuple[float, float]:
-            sent = received = 0.0
+        def scrape() -> WireTotals:
+            total = WireTotals()
             for name in self.pids():
                 url = f"http://127.0.0.1:{self._ports[name]}/metrics"
                 with urllib.request.urlopen(url, timeout=10) as r:
-                    s, rcv = byte_totals(text_string_to_metric_families(r.read().decode()))
-                sent, received = sent + s, received + rcv
-            return sent, received
+                    total += byte_totals(text_string_to_metric_families(r.read().decode()))
+            return total
 
         return await asyncio.to_thread(scrape)
 
@@ -202,17 +241,16 @@ class InProcessDaemons:
         """This process's CPU seconds and peak RSS."""
         return {name: proc_stat(pid) for name, pid in self.pids().items()}
 
-    async def rpc_bytes(self) -> tuple[float, float]:
-        """``(sent, received)`` bytes over every live daemon's registry."""
+    async def rpc_bytes(self) -> WireTotals:
+        """The byte counters summed over every live daemon's registry."""
         assert self.cluster is not None
         registries = [self.cluster.coordinator.metrics.registry] + [
             w.metrics.registry for i, w in enumerate(self.cluster.workers) if i not in self._killed
         ]
-        sent = received = 0.0
+        total = WireTotals()
         for r in registries:
-            s, rcv = byte_totals(_registry_families(r))
-            sent, received = sent + s, received + rcv
-        return sent, received
+            total += byte_totals(_registry_families(r))
+        return total
 
     async def kill_worker(self, index: int) -> str:
         """Stop worker ``index`` serving and heartbeating at once (no drain, no goodbye)."""
