@@ -370,6 +370,7 @@ class Cluster:
             self.memory,
             self.clients.security,
             state=self.state,  # progress saved there: a restart resumes the job
+            metrics=self.metrics,
         ).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from grpc import aio
 
+from shared.channel_bytes import CountingChannel, WireBytes
 from shared.config import AuthConfig, ConfigError, TlsConfig
 from shared.security.identity import COORDINATOR, WORKER, identity_of_pem
 from shared.security.tokens import (
@@ -348,12 +349,15 @@ class ChannelSecurity:
         tls: the CA and this process's certificate and key; None dials in plaintext.
         token: the token presented on every call; None presents none.
         server_name: the name expected in server certificates; None expects the host dialed.
+        wire: where a daemon counts the bytes of its own calls (its ``Metrics``): every
+            channel opened is then a ``CountingChannel``; None counts nothing (clients).
     """
 
     tls: TlsFiles | None = None
     token: TokenFn | None = None
     server_name: str | None = None
     _creds: list[grpc.ChannelCredentials] = field(default_factory=list, repr=False, compare=False)
+    wire: WireBytes | None = field(default=None, repr=False, compare=False)
 
     def open(self, address: str, options: Sequence[tuple[str, int | str]]) -> aio.Channel:
         """Open a grpc.aio channel to ``address`` with this security and ``options``.
@@ -369,6 +373,8 @@ class ChannelSecurity:
             if self.server_name:
                 options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
             ch = aio.secure_channel(address, self._creds[0], options=options)
+        if self.wire is not None:
+            ch = CountingChannel(ch, self.wire)
         if self.token is None:
             return ch
         return TokenChannel(ch, self.token)
