@@ -33,6 +33,7 @@ from coordinator.placement.rebalance import Rebalancer
 from coordinator.placement.slot_map import WireLimits
 from coordinator.training.allreduce_job import AllreduceJob
 from coordinator.training.diloco import DilocoSteps
+from coordinator.training.prioritized import PriorityStore
 from coordinator.training.saved_models import check_init, model_file
 from coordinator.training.sync import SyncSteps
 from coordinator.training.train_job import StepScheme, TrainJob
@@ -387,7 +388,20 @@ class Cluster:
             alive=self.membership.alive,
             train_sets=self.train_sets,
             links=self.links,
+            store=self._priority_store(),
         ).run()
+
+    def _priority_store(self) -> PriorityStore:
+        """The memory store as a ``sampling: prioritized`` train job keeps its table in it."""
+        return PriorityStore(
+            self.tables,
+            self.sampler,
+            self.memory,
+            self._insert_router,
+            self.rebalancer,
+            self.cfg.max_sample_batch,
+            self.cfg.queue_timeout_s,
+        )
 
     # -- status ---------------------------------------------------------------------------
 
