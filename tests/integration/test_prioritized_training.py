@@ -14,6 +14,7 @@ within the job: 10 steps of 16 rows per epoch on 1 worker, 5 on 2 (80-row shards
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -135,6 +136,34 @@ async def test_sync_prioritized_job_with_a_worker_killed_mid_job_equals_the_refe
     assert final.state == "SUCCEEDED", final.error
     assert final.result["worker_failures"] == 1
     assert_matches(final.result, model, trace)
+
+
+async def test_a_cancelled_prioritized_job_drops_its_table(make_cluster) -> None:
+    # Arrange: a long job, cancelled once its table holds strengths written back.
+    cluster = await make_cluster(workers=1, slots=SLOTS)
+    async with cluster.client() as client:
+        job = await client.submit(job_spec(1, steps=100_000))
+        table = f"job-{job.job_id}-priorities"
+        await wait_until_step(client, job.job_id, 2)
+        assert table in [t["name"] for t in await client.list_tables()]
+
+        # Act
+        final = await client.cancel(job.job_id)
+
+        # Assert
+        assert final.state == "CANCELLED"
+        assert table not in [t["name"] for t in await client.list_tables()]
+
+
+async def wait_until_step(client, job_id: str, step: int) -> None:
+    """Follow the job's progress until it reached ``step`` (within 60 s)."""
+
+    async def follow() -> None:
+        async for _job, progress in client.watch(job_id):
+            if int(progress.get("step", 0)) >= step:
+                return
+
+    await asyncio.wait_for(follow(), timeout=60)
 
 
 @pytest.mark.parametrize("every", [None, 4])

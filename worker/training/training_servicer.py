@@ -169,15 +169,17 @@ class TrainingServicer:
         included); streams back the step result, one float32 gradient per parameter (of the
         mean loss over the rows, unscaled by the header's ``loss_scale``; in the compressed
         wire form when the job compresses) and the model's buffers after the step's forward
-        passes (``TrainingSessions.step``). A shard of the rows not held here is fetched
-        from the coordinator first. Answers ``need_params`` alone when the worker holds no
+        passes (``TrainingSessions.step``). With importance weights in the header
+        (prioritized sampling) the loss is their weighted mean and the result carries the
+        rows' per-sample losses. A shard of the rows not held here is fetched from the
+        coordinator first. Answers ``need_params`` alone when the worker holds no
         usable parameters of the header's version.
 
         Raises:
             FAILED_PRECONDITION: unknown job, or a shard not held here.
-            INVALID_ARGUMENT: malformed stream, rows or parameters, ``explicit_rows`` not
-                set, a loss_scale that is negative or not finite, a row outside the training
-                split, or a malformed shard from the coordinator.
+            INVALID_ARGUMENT: malformed stream, rows, weights or parameters,
+                ``explicit_rows`` not set, a loss_scale that is negative or not finite, a
+                row outside the training split, or a malformed shard from the coordinator.
             FetchShard's status: fetching the shard failed.
         """
         async with _ERRORS.mapped(context):
