@@ -90,12 +90,14 @@ async def assert_table_dropped(client, result: dict[str, Any]) -> None:
     assert result["sampling"]["table"] not in names
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("workers", "policy"), [(1, "fixed"), (2, "fixed"), (3, "fixed"), (2, "proportional")]
+)
 async def test_sync_prioritized_job_equals_the_single_process_reference(
-    make_cluster, workers: int
+    make_cluster, workers: int, policy: str
 ) -> None:
-    # Arrange
-    fields = job_spec(workers)
+    # Arrange: proportional cuts the same drawn rows by the workers' speeds instead.
+    fields = job_spec(workers, batch_policy=policy)
     spec = TrainJobSpec.model_validate(fields)
     model, trace = train_prioritized_single_process(spec, dataset_of(spec), SLOTS)
     cluster = await make_cluster(workers=workers, slots=SLOTS)
@@ -226,3 +228,20 @@ async def test_bad_sampling_is_refused_naming_the_field_and_nothing_is_queued(
 
     assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
     assert message in str(err.value)
+
+
+async def test_a_training_set_larger_than_max_memories_per_job_is_refused(make_cluster) -> None:
+    # 160 training rows would be 160 memories of the priority table.
+    cluster = await make_cluster(workers=0, max_memories_per_job=100)
+
+    async with cluster.client() as client:
+        with pytest.raises(NeuroshardError) as err:
+            await client.submit(job_spec(1))
+        assert await client.jobs() == []
+        uniform = await client.submit(job_spec(1, sampling="uniform"))  # no table: admitted
+
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "sampling.name: 160 memories (prioritized: one per training row) exceeds" in str(
+        err.value
+    )
+    assert uniform.state == "QUEUED"
