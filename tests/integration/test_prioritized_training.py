@@ -15,14 +15,16 @@ within the job: 10 steps of 16 rows per epoch on 1 worker, 5 on 2 (80-row shards
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
+from coordinator.server import CoordinatorServer
 from shared.client import NeuroshardError
-from shared.config import TrainJobSpec
+from shared.config import CoordinatorConfig, TrainJobSpec
 from shared.training.data import Dataset, load_dataset
 from tests.conftest import wait_until
 from tests.integration.test_failover import kill_abruptly
@@ -245,3 +247,49 @@ async def test_a_training_set_larger_than_max_memories_per_job_is_refused(make_c
         err.value
     )
     assert uniform.state == "QUEUED"
+
+
+async def test_a_restarted_coordinator_resumes_the_job_with_its_table(
+    make_cluster, tmp_path: Path
+) -> None:
+    # Arrange: a checkpoint every 3 steps; the coordinator stops (as on SIGTERM: the job
+    # stays RUNNING on disk) once the job is past its first checkpoint.
+    options: dict[str, Any] = {"slots": SLOTS, "checkpoint_every_steps": 3}
+    cluster = await make_cluster(workers=2, **options)
+    async with cluster.client() as client:
+        job_id = (await client.submit(job_spec(2, steps=40))).job_id
+        await wait_until_step(client, job_id, 5)
+    table = f"job-{job_id}-priorities"
+    table_id = cluster.coordinator.cluster.tables.spec(table).id
+
+    # Act: a new coordinator on the same address and data dir; the workers register again.
+    await cluster.coordinator.stop()
+    coordinator = CoordinatorServer(
+        CoordinatorConfig(
+            listen=cluster.address,
+            data_dir=str(tmp_path / "coord"),
+            metrics_port=None,
+            grace_s=0.5,
+            **options,
+        )
+    )
+    cluster.coordinator = coordinator
+    assert await coordinator.start() == cluster.address
+    jobs = coordinator.cluster.jobs
+    await wait_until(
+        lambda: jobs.get(job_id).progress.get("step", 0) > 0,
+        timeout_s=60,
+        what="a step of the resumed job",
+    )
+    resumed_table_id = coordinator.cluster.tables.spec(table).id
+    await wait_until(
+        lambda: jobs.get(job_id).state.terminal, timeout_s=60, what="the resumed job to end"
+    )
+
+    # Assert: the same table (not made afresh), the job resumed from a checkpoint and ended,
+    # the table dropped then.
+    job = jobs.get(job_id)
+    assert job.state.value == "SUCCEEDED", job.error
+    assert job.result is not None and job.result["resumed_from_step"] > 0
+    assert resumed_table_id == table_id
+    assert table not in [t.name for t in coordinator.cluster.tables.specs()]
