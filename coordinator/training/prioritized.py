@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,6 +85,22 @@ _STORE_ERRORS = (
 def priority_table(job_id: str) -> str:
     """The name of a job's priority table: ``job-<id>-priorities``."""
     return f"job-{job_id}-priorities"
+
+
+def left_tables(tables: Iterable[str], ended_jobs: Iterable[str]) -> list[str]:
+    """The priority tables of jobs that ended, found among ``tables`` (by name, sorted).
+
+    A job's table is dropped when it ends; one is left behind when the drop failed, or when
+    a job that was running is failed by the next coordinator process ("crashed the
+    coordinator twice"). Only the tables of the jobs named are returned, so a table a user
+    made under another name is never taken for one.
+
+    Args:
+        tables: the names of the cluster's tables.
+        ended_jobs: the ids of prioritized train jobs in a terminal state.
+    """
+    names = set(tables)
+    return sorted(n for n in (priority_table(j) for j in ended_jobs) if n in names)
 
 
 @dataclass(frozen=True)

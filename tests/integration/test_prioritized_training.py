@@ -293,3 +293,25 @@ async def test_a_restarted_coordinator_resumes_the_job_with_its_table(
     assert job.result is not None and job.result["resumed_from_step"] > 0
     assert resumed_table_id == table_id
     assert table not in [t.name for t in coordinator.cluster.tables.specs()]
+
+
+async def test_a_table_left_by_an_ended_job_is_dropped_at_start_and_no_other(
+    make_cluster,
+) -> None:
+    # Arrange: an ended prioritized job whose table is there again (as a failed drop, or a
+    # job failed by a restarted coordinator, leaves it), and a user's table of the same form.
+    cluster = await make_cluster(workers=1, slots=SLOTS)
+    async with cluster.client() as client:
+        job = await client.submit(job_spec(1, steps=2))
+        assert (await client.wait(job.job_id)).state == "SUCCEEDED"
+        left = f"job-{job.job_id}-priorities"
+        await client.create_table(left)
+        await client.create_table("job-mine-priorities")
+
+        # Act: what a coordinator does once when it starts
+        dropped = await cluster.coordinator.cluster.drop_left_priority_tables()
+
+        # Assert
+        names = [t["name"] for t in await client.list_tables()]
+    assert dropped == [left]
+    assert left not in names and "job-mine-priorities" in names

@@ -10,7 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from coordinator.training.prioritized import PrioritizedSampling, PriorityStore, priority_table
+from coordinator.training.prioritized import (
+    PrioritizedSampling,
+    PriorityStore,
+    left_tables,
+    priority_table,
+)
 from coordinator.training.priority_rules import draw_seed
 from coordinator.training.step_types import Piece, ShardResult, StepOutcome, StepPlan
 from shared.config import TrainJobSpec
@@ -157,3 +162,10 @@ async def test_a_draw_larger_than_max_sample_batch_goes_in_parts() -> None:
     assert [c[1] for c in samples] == [4, 4, 1]  # max_sample_batch 4
     assert [c[3] for c in samples] == [draw_seed(5, 0, 0, k) for k in range(3)]
     assert sum(len(p.rows) for p in filled.pieces) == 9 and s.drawn == 9
+
+
+def test_left_tables_are_those_of_the_ended_jobs_only() -> None:
+    tables = ["default", "job-a-priorities", "job-b-priorities", "job-mine-priorities", "t"]
+
+    assert left_tables(tables, ["b", "a", "gone"]) == ["job-a-priorities", "job-b-priorities"]
+    assert left_tables(tables, []) == []
