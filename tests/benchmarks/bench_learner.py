@@ -23,12 +23,16 @@ prints every measurement as a Markdown table:
    (``100 * (c_undisturbed - c_killed) / c_undisturbed`` after the last iteration; 0 when
    every write is applied exactly once), latency p50 before and after the kill, consistency.
 
+4. training (``tests/benchmarks/learner_training.py``): the digits job with ``strategy: sync``
+   on 2 workers, prioritized vs uniform sampling, ``--seeds`` (5) each: steps, epochs and wall
+   seconds to test accuracy ``--target-accuracy`` (0.95), medians.
+
 Convergence (README, "Memory jobs: convergence and quality";
 ``shared.memory.stats.convergence_ratio``): after an iteration's reinforce and decay, the mean
 strength of the distinct memories that iteration reinforced over the table's mean strength.
 
 Daemons are processes (``LocalCluster``; SIGKILL, ``/proc`` figures per process) unless
-``--inprocess``; ``--quick`` runs all three parts at small sizes with in-process daemons (a
+``--inprocess``; ``--quick`` runs all four parts at small sizes with in-process daemons (a
 smoke run: its figures say nothing about performance; ``--quick --processes`` with processes).
 """
 
@@ -53,6 +57,7 @@ from shared.client import Client, NeuroshardError
 from shared.config import LogConfig
 from shared.logging import configure_logging
 from shared.memory.stats import Quality, convergence_ratio
+from tests.benchmarks import learner_training
 from tests.benchmarks.learner_daemons import (
     Daemons,
     InProcessDaemons,
@@ -436,13 +441,15 @@ async def run_all(parts: set[str], quick: bool, inprocess: bool, emit: Any) -> N
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, run, print (and with ``--out`` write) the report."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="scale,distributed,fault")
+    ap.add_argument("--parts", default="scale,distributed,fault,training")
     ap.add_argument("--quick", action="store_true", help="small sizes, in-process daemons")
     ap.add_argument("--inprocess", action="store_true", help="daemons in this process")
     ap.add_argument(
         "--processes", action="store_true", help="with --quick: daemons as processes all the same"
     )
     ap.add_argument("--out", help="also write the report (Markdown) to this file")
+    ap.add_argument("--seeds", type=int, default=5, help="training: seeds per sampling")
+    ap.add_argument("--target-accuracy", type=float, default=0.95, help="training: digits")
     args = ap.parse_args(argv)
     command = " ".join(
         ["python -m tests.benchmarks.bench_learner", *(argv if argv is not None else sys.argv[1:])]
@@ -459,7 +466,15 @@ def main(argv: list[str] | None = None) -> None:
     inprocess = args.inprocess or (args.quick and not args.processes)
     if inprocess:  # the daemons would log every RPC on this output
         configure_logging(LogConfig(level="warning"))
-    asyncio.run(run_all(set(args.parts.split(",")), args.quick, inprocess, emit))
+    parts = set(args.parts.split(","))
+    asyncio.run(run_all(parts, args.quick, inprocess, emit))
+    if "training" in parts:
+        # --quick: one seed to a low target, so the run ends at its first evaluation
+        seeds, epochs, target = (
+            (1, 3, 0.3) if args.quick else (args.seeds, 30, args.target_accuracy)
+        )
+        runs = learner_training.run(seeds, 2, epochs, target)
+        emit(learner_training.section(runs, seeds, 2, epochs, target))
     if args.out:
         Path(args.out).write_text("\n".join(report))
 

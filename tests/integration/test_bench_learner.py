@@ -1,9 +1,10 @@
 """``bench_learner --quick`` runs end to end, so ``make bench-learner`` cannot rot.
 
 A subprocess (the benchmark configures logging for its in-process daemons, which must not
-leak into this test process): all three parts at small sizes, every table printed, and the
-figures that are exact whatever the machine's speed: the top-k equal to the reference after
-every iteration, no memory lost, no convergence lost to the kill.
+leak into this test process): all four parts at small sizes (training: one seed to test
+accuracy 0.3), every table printed, and the figures that are exact whatever the machine's
+speed: the top-k equal to the reference after every iteration, no memory lost, no
+convergence lost to the kill.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bench_learner_quick_prints_its_three_tables(tmp_path: Path) -> None:
+def test_bench_learner_quick_prints_its_four_tables(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
 
     done = subprocess.run(
@@ -39,3 +40,5 @@ def test_bench_learner_quick_prints_its_three_tables(tmp_path: Path) -> None:
     assert "| memories lost, % | 0.000 |" in report
     assert "| convergence degradation, % (last iteration) | 0.000 |" in report
     assert "| GPU (during the job) |" in report
+    assert "### 4. Training" in report
+    assert "| prioritized | 1/1 |" in report and "| uniform | 1/1 |" in report
