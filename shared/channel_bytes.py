@@ -12,11 +12,11 @@ are not counted (the server side does not count them either).
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, TypeVar
 
-import grpc
 from grpc import aio
+
+from shared.rpc.delegating_channel import DelegatingChannel
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -55,7 +55,7 @@ def _counted(
     return count_out, count_in
 
 
-class CountingChannel(aio.Channel):
+class CountingChannel(DelegatingChannel):
     """Wraps a grpc.aio channel; every call's request and response bytes are counted.
 
     Like ``shared.security.transport.TokenChannel``, it wraps the multi-callables' factories
@@ -65,7 +65,8 @@ class CountingChannel(aio.Channel):
 
     def __init__(self, channel: aio.Channel, wire: WireBytes) -> None:
         """Wrap ``channel``; bytes go to ``wire.client_bytes(method)``."""
-        self._channel, self._wire = channel, wire
+        super().__init__(channel)
+        self._wire = wire
 
     def unary_unary(
         self,
@@ -110,32 +111,3 @@ class CountingChannel(aio.Channel):
         """The wrapped channel's multi-callable, its (de)serializers counting bytes."""
         ser, deser = _counted(self._wire, method, request_serializer, response_deserializer)
         return self._channel.stream_stream(method, ser, deser, **kwargs)
-
-    async def close(self, grace: float | None = None) -> None:
-        """Close the wrapped channel; calls still running get ``grace`` seconds to finish."""
-        await self._channel.close(grace)
-
-    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
-        """Return the wrapped channel's connectivity state."""
-        return self._channel.get_state(try_to_connect)
-
-    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
-        """Wait until the wrapped channel leaves ``last_observed_state``."""
-        await self._channel.wait_for_state_change(last_observed_state)
-
-    async def channel_ready(self) -> None:
-        """Wait until the wrapped channel is READY."""
-        await self._channel.channel_ready()
-
-    async def __aenter__(self) -> Self:
-        """Use the channel as an async context manager that closes it on exit."""
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        """Close the wrapped channel."""
-        await self._channel.close()

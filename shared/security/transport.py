@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from cryptography import x509
@@ -28,6 +27,7 @@ from grpc import aio
 
 from shared.channel_bytes import CountingChannel, WireBytes
 from shared.config import AuthConfig, ConfigError, TlsConfig
+from shared.rpc.delegating_channel import DelegatingChannel
 from shared.security.identity import COORDINATOR, WORKER, identity_of_pem
 from shared.security.tokens import (
     AUD_COORDINATOR,
@@ -244,7 +244,7 @@ class _StreamStream(aio.StreamStreamMultiCallable[Req, Resp]):
         )
 
 
-class TokenChannel(aio.Channel):
+class TokenChannel(DelegatingChannel):
     """A grpc.aio channel whose every call carries the bearer token.
 
     Stubs get their multi-callables from ``unary_unary`` and friends; wrapping those costs a
@@ -254,7 +254,8 @@ class TokenChannel(aio.Channel):
 
     def __init__(self, channel: aio.Channel, token: TokenFn) -> None:
         """Wrap ``channel``; ``token()`` is asked for the token at every call (it may renew)."""
-        self._channel, self._token = channel, token
+        super().__init__(channel)
+        self._token = token
 
     def unary_unary(
         self,
@@ -310,35 +311,6 @@ class TokenChannel(aio.Channel):
             method, request_serializer, response_deserializer, **kwargs
         )
         return _StreamStream(call, self._token)
-
-    async def close(self, grace: float | None = None) -> None:
-        """Close the wrapped channel; calls still running get ``grace`` seconds to finish."""
-        await self._channel.close(grace)
-
-    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
-        """Return the wrapped channel's connectivity state."""
-        return self._channel.get_state(try_to_connect)
-
-    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
-        """Wait until the wrapped channel leaves ``last_observed_state``."""
-        await self._channel.wait_for_state_change(last_observed_state)
-
-    async def channel_ready(self) -> None:
-        """Wait until the wrapped channel is READY."""
-        await self._channel.channel_ready()
-
-    async def __aenter__(self) -> Self:
-        """Use the channel as an async context manager that closes it on exit."""
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        """Close the wrapped channel."""
-        await self._channel.close()
 
 
 @dataclass(frozen=True)
