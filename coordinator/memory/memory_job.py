@@ -215,23 +215,15 @@ class MemoryJob:
         )
 
     async def _wait_settled(self) -> None:
-        """Wait until the published map matches the membership and no slot lacks a copy."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.queue_timeout_s
-        while True:
-            summary = self._rebalancer.slot_summary()
-            if (
-                self._rebalancer.settled.is_set()
-                and summary["epoch"] > 0
-                and summary["under_replicated_slots"] == 0
-            ):
-                return
-            if loop.time() > deadline:
-                raise JobFailed(
-                    f"the slot map did not settle within {self.cfg.queue_timeout_s:g} s "
-                    f"({summary['under_replicated_slots']} slots under-replicated)"
-                )
-            await asyncio.sleep(0.05)
+        """Wait until the published map matches the membership and no slot lacks a copy.
+
+        Raises:
+            JobFailed: not within ``queue_timeout_s`` (FAILED).
+        """
+        try:
+            await self._rebalancer.wait_settled(self.cfg.queue_timeout_s)
+        except TimeoutError as exc:
+            raise JobFailed(str(exc)) from None
 
     async def _load(self, ids: np.ndarray, strengths: np.ndarray) -> float:
         """Upsert every memory in batches; return the seconds it took."""

@@ -43,7 +43,6 @@ Shape letters: K rows of a draw, R rows of one piece.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -365,20 +364,7 @@ class PrioritizedSampling:
         Raises:
             JobFailed: not within ``settle_timeout_s`` (FAILED).
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.store.settle_timeout_s
-        rebalancer = self.store.rebalancer
-        while True:
-            summary = rebalancer.slot_summary()
-            if (
-                rebalancer.settled.is_set()
-                and summary["epoch"] > 0
-                and summary["under_replicated_slots"] == 0
-            ):
-                return
-            if loop.time() > deadline:
-                raise JobFailed(
-                    f"sampling: the slot map did not settle within "
-                    f"{self.store.settle_timeout_s:g} s"
-                )
-            await asyncio.sleep(0.05)
+        try:
+            await self.store.rebalancer.wait_settled(self.store.settle_timeout_s)
+        except TimeoutError as exc:
+            raise JobFailed(f"sampling: {exc}") from None

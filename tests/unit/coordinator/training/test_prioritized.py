@@ -28,7 +28,6 @@ class FakeStore:
         self.names = {"job-j-priorities"} if existing else set()
         self.calls: list[tuple[Any, ...]] = []
         self.next_id = 7
-        self.settled = SimpleNamespace(is_set=lambda: True)
 
     # Tables
     def specs(self) -> list[Any]:
@@ -67,8 +66,8 @@ class FakeStore:
         return 10
 
     # Rebalancer
-    def slot_summary(self) -> dict[str, int]:
-        return {"epoch": 1, "under_replicated_slots": 0}
+    async def wait_settled(self, timeout_s: float) -> None:
+        return None
 
 
 class FakeSteps:
