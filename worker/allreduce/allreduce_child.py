@@ -15,6 +15,8 @@ Frames, daemon to child:
     ``stop`` {}: end the generation at the next control point (a rescale)
 Frames, child to daemon:
     ``ready`` {port}: rank 0's store listens (the coordinator tells the other ranks)
+    ``joined`` {}: this rank is in the group and holds rank 0's state (every rank; the
+    coordinator gives up on a rank that has not joined in time)
     ``progress`` {step, epoch, samples, loss_sum, correct, steps, seconds, lr} (rank 0)
     ``state`` {step, reason} + torch.save bytes (rank 0): the full state (reason checkpoint,
     final) or the model's state_dict alone (epoch, for evaluation)
@@ -147,6 +149,7 @@ class _Generation:
                 timeout=self.timeout,
             )
             model = self.replica.start_generation(self.rank, self.world, self.state)
+            self.pipe.write(Frame("joined"))
             done, reason = self._train(model)
         except Exception as exc:  # a collective failed or timed out: the generation is over
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
