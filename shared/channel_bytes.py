@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 from grpc import aio
 
-from shared.rpc.delegating_channel import DelegatingChannel
+from shared.delegating_channel import DelegatingChannel
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")

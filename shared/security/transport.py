@@ -27,7 +27,7 @@ from grpc import aio
 
 from shared.channel_bytes import CountingChannel, WireBytes
 from shared.config import AuthConfig, ConfigError, TlsConfig
-from shared.rpc.delegating_channel import DelegatingChannel
+from shared.delegating_channel import DelegatingChannel
 from shared.security.identity import COORDINATOR, WORKER, identity_of_pem
 from shared.security.tokens import (
     AUD_COORDINATOR,
