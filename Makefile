@@ -15,7 +15,7 @@ PROTOC = $(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=.
 
 .PHONY: install protos demo test test-deps test-chaos test-browser test-loaded test-restart-loop lint \
 	bench-train bench-fsdp bench-memory bench-replay bench-apex bench-recovery bench-wan bench-sampling \
-	bench-data bench-deps clean image image-base image-check image-deps deploy-check example-data
+	bench-data bench-learner bench-deps clean image image-base image-check image-deps deploy-check example-data
 
 install: $(STAMP) $(PROTO_OUT)
 
@@ -181,6 +181,12 @@ bench-wan: install
 # 3-worker cluster of 100k memories: p50/p99 per call, samples/s, updates/s.
 bench-sampling: install
 	$(PY) -m tests.benchmarks.bench_sampling
+
+# The seed roadmap's three validations of the memory store: 10M memories x 20 iterations (a
+# memory job), 5 workers x 100k memories x 50 iterations against the reference, and the same
+# with a worker killed (SIGKILL) at iteration 25. --quick: all three small, in-process.
+bench-learner: install
+	$(PY) -m tests.benchmarks.bench_learner
 
 clean:
 	rm -rf $(VENV) shared/proto/*_pb2*.py shared/proto/*_pb2*.pyi .pytest_cache .mypy_cache .ruff_cache

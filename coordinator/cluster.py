@@ -34,6 +34,7 @@ from coordinator.placement.rebalance import Rebalancer
 from coordinator.placement.slot_map import WireLimits
 from coordinator.training.allreduce_job import AllreduceJob
 from coordinator.training.diloco import DilocoSteps
+from coordinator.training.prioritized import PriorityStore, left_tables
 from coordinator.training.saved_models import check_init, model_file
 from coordinator.training.sync import SyncSteps
 from coordinator.training.train_job import StepScheme, TrainJob
@@ -402,6 +403,7 @@ class Cluster:
             self.memory,
             self.clients.security,
             state=self.state,  # progress saved there: a restart resumes the job
+            metrics=self.metrics,
         ).run()
 
     async def _run_train(self, job: JobRecord, workers: list[WorkerRecord]) -> dict[str, Any]:
@@ -419,7 +421,20 @@ class Cluster:
             alive=self.membership.alive,
             train_sets=self.train_sets,
             links=self.links,
+            store=self._priority_store(),
         ).run()
+
+    def _priority_store(self) -> PriorityStore:
+        """The memory store as a ``sampling: prioritized`` train job keeps its table in it."""
+        return PriorityStore(
+            self.tables,
+            self.sampler,
+            self.memory,
+            self._insert_router,
+            self.rebalancer,
+            self.cfg.max_sample_batch,
+            self.cfg.queue_timeout_s,
+        )
 
     # -- status ---------------------------------------------------------------------------
 
@@ -461,6 +476,28 @@ class Cluster:
             tg.create_task(self.scheduler.run(), name="scheduler")
             tg.create_task(self.rebalancer.run(), name="rebalancer")
             tg.create_task(self._refresh_gauges(), name="gauges")
+            tg.create_task(self.drop_left_priority_tables(), name="left-priority-tables")
+
+    async def drop_left_priority_tables(self) -> list[str]:
+        """Drop the priority tables of prioritized train jobs that ended; return their names.
+
+        Run once when the coordinator starts (``left_tables``); a failed drop is logged.
+        """
+        ended = [
+            j.job_id
+            for j in self.jobs.list()
+            if j.state.terminal
+            and isinstance(j.spec, TrainJobSpec)
+            and j.spec.sampling.name == "prioritized"
+        ]
+        dropped = []
+        for name in left_tables((t.name for t in self.tables.specs()), ended):
+            try:
+                await self.tables.drop(name)
+                dropped.append(name)
+            except Exception as exc:
+                log.warning("priority_table_not_dropped", table=name, error=str(exc))
+        return dropped
 
     async def _refresh_gauges(self) -> None:
         while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -48,6 +49,8 @@ class CoordinatorServer:
         self.security = DaemonSecurity.from_config(
             cfg.tls, cfg.auth, "coordinator", coordinator=True
         )
+        # The coordinator's own calls (to the workers) count their bytes in its metrics.
+        self.security.channel = replace(self.security.channel, wire=self.metrics)
         torch.set_num_threads(cfg.torch_threads)  # process-wide: the parameter server's ops
         self.cluster = Cluster(cfg, self.metrics, self.security.channel)
         servicer = CoordinatorServicer(

@@ -6,6 +6,7 @@ in one process (tests, ``neuroshard up`` runs them as processes anyway).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
@@ -27,6 +28,10 @@ class Metrics:
         step_seconds: ``neuroshard_train_step_seconds{role}``, duration of a step.
         rpc_sent_bytes: ``neuroshard_rpc_sent_bytes_total{method}``, serialized responses.
         rpc_received_bytes: ``neuroshard_rpc_received_bytes_total{method}``, requests.
+        rpc_client_sent_bytes: ``neuroshard_rpc_client_sent_bytes_total{method}``, serialized
+            requests of the daemon's own calls (``shared.channel_bytes.CountingChannel``).
+        rpc_client_received_bytes: ``neuroshard_rpc_client_received_bytes_total{method}``,
+            the responses to them.
         rpcs: ``neuroshard_rpcs_total{method,code}``, RPCs served by status.
         memories: ``neuroshard_memories{role}``, memories a worker holds as primary or
             replica.
@@ -54,6 +59,9 @@ class Metrics:
             a worker came to hold: fetched from the coordinator, or found in its shard cache.
         shard_fetched_bytes: ``neuroshard_shard_fetched_bytes_total``, bytes of training rows
             a worker fetched from the coordinator.
+        convergence_ratio: ``neuroshard_convergence_ratio{job_id}``, a memory job's convergence
+            after its last iteration (``shared.memory.stats.convergence_ratio``); labelled
+            ``job_id``, not ``job``, which Prometheus sets on every scraped series.
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -88,6 +96,18 @@ class Metrics:
         self.rpc_received_bytes = Counter(
             "neuroshard_rpc_received_bytes_total",
             "Serialized bytes of RPC requests received.",
+            ["method"],
+            registry=r,
+        )
+        self.rpc_client_sent_bytes = Counter(
+            "neuroshard_rpc_client_sent_bytes_total",
+            "Serialized bytes of the requests of this daemon's own RPCs (as a client).",
+            ["method"],
+            registry=r,
+        )
+        self.rpc_client_received_bytes = Counter(
+            "neuroshard_rpc_client_received_bytes_total",
+            "Serialized bytes of the responses to this daemon's own RPCs (as a client).",
             ["method"],
             registry=r,
         )
@@ -176,6 +196,24 @@ class Metrics:
             "neuroshard_shard_fetched_bytes_total",
             "Bytes of training rows a worker fetched from the coordinator.",
             registry=r,
+        )
+        self.convergence_ratio = Gauge(
+            "neuroshard_convergence_ratio",
+            "A memory job's convergence after its last iteration: mean strength of the "
+            "memories accessed in that iteration over the table's mean strength.",
+            ["job_id"],
+            registry=r,
+        )
+
+    def client_bytes(self, method: str) -> tuple[Callable[[int], None], Callable[[int], None]]:
+        """``(count sent, count received)`` of this daemon's calls of ``method`` (``WireBytes``).
+
+        Args:
+            method: the RPC's short name, e.g. ``Sweep``.
+        """
+        return (
+            self.rpc_client_sent_bytes.labels(method).inc,
+            self.rpc_client_received_bytes.labels(method).inc,
         )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 from grpc import aio
@@ -58,6 +59,8 @@ class WorkerServer:
         self.metrics = Metrics()
         check_listen("worker", cfg.listen, cfg.tls is not None, cfg.auth is not None, cfg.insecure)
         self.security = DaemonSecurity.from_config(cfg.tls, cfg.auth, self.name)
+        # The worker's own calls (heartbeats, replication, copies) count their bytes.
+        self.security.channel = replace(self.security.channel, wire=self.metrics)
         self.coordinator_channel = rpc.channel(
             cfg.coordinator, cfg.max_message_bytes, self.security.channel
         )

@@ -9,7 +9,8 @@ the data set's bytes (``max_dataset_bytes``) and what generating a synthetic one
 (``max_synthetic_bytes``), the model's parameters (``max_model_params``) and one
 micro-batch's activations (``max_activation_bytes``), both from a model built and run on
 torch's ``meta`` device, which allocates no storage, the training steps or memory iterations
-(``max_steps``), the memories (``max_memories_per_job``) and one access batch
+(``max_steps``), the memories (``max_memories_per_job``; a prioritized train job's priority
+table holds one per training row) and one access batch
 (``max_access_batch_bytes``). Nothing is imported, opened or allocated for a spec that an
 earlier check refused.
 """
@@ -218,6 +219,15 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
     steps = worker_steps(spec, max(n_train, 1))
     key = "steps" if spec.steps is not None else "epochs"
     _cap(key, steps, cfg.max_steps, "max_steps", " steps")
+    if spec.sampling.name == "prioritized":  # one memory per training row
+        _cap(
+            "sampling.name",
+            n_train,
+            cfg.max_memories_per_job,
+            "max_memories_per_job",
+            " memories",
+            " (prioritized: one per training row)",
+        )
 
 
 def _check_output_shape(

@@ -1,8 +1,16 @@
 """The ``memory`` job (docs/architecture.md, "Invariants").
 
 Load memories, then iterations of reinforce from an access stream, decay, quality and top-k
-over the whole store, timed per iteration. Decay, quality and top-k are one sweep
-(``MemoryOps.sweep``: one RPC per worker, one pass over its strengths).
+over the whole store, and the iteration's convergence, timed per iteration. Decay, quality and
+top-k are one sweep (``MemoryOps.sweep``: one RPC per worker, one pass over its strengths).
+
+Convergence (README, "Memory jobs: convergence and quality"): the window is one iteration.
+After iteration i's reinforce and decay, the job reads the strengths of the distinct ids that
+iteration reinforced (one ``Get`` routed to their primaries, timed as the ``convergence``
+phase) and divides their mean by the table's mean strength from the same sweep
+(``shared.memory.stats.convergence_ratio``). Every iteration's progress event carries it and
+the table's quality (count, mean, min, max, 10-bin histogram); the coordinator's
+``neuroshard_convergence_ratio{job}`` gauge holds the last one.
 
 The coordinator acts as a client of its own store: keyed operations (upsert, reinforce) go
 through ``shared.client.memory.MemoryRouter`` fed with the coordinator's current slot map,
@@ -39,8 +47,9 @@ from shared.client.memory import MemoryRouter, RoutingError
 from shared.config import CoordinatorConfig, MemoryJobSpec, TraceAccess
 from shared.logging import get_logger
 from shared.memory.files import MemoryFileError, load_memories, load_trace
-from shared.memory.stats import Quality
+from shared.memory.stats import Quality, convergence_ratio
 from shared.memory.validation import validate_rate
+from shared.metrics import Metrics
 from shared.proto import common_pb2
 from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.security.transport import ChannelSecurity
@@ -50,8 +59,9 @@ log = get_logger(__name__)
 UPSERT_BATCH = 100_000  # memories per upsert call while loading
 PROGRESS_INTERVAL_S = 0.1  # publish progress at most ~10 times a second
 TOPK_SHOWN = 10  # top-k entries kept in the result document
-# Timed phases of an iteration: the sweep is decay, quality and top-k in one RPC per worker.
-PHASES = ("reinforce", "sweep")
+# Timed phases of an iteration: the sweep is decay, quality and top-k in one RPC per worker;
+# convergence reads the strengths of the ids the iteration reinforced.
+PHASES = ("reinforce", "sweep", "convergence")
 CHECKPOINT_INTERVAL_S = 1.0  # progress saved at most this often (and at the end), seconds
 
 
@@ -63,18 +73,24 @@ def iteration_op_id(job_id: str, iteration: int, phase: str) -> bytes:
     return f"{job_id}/{iteration}/{phase}".encode()
 
 
-def skip_batches(stream: ScrambledZipfStream | TraceStream, count: int) -> None:
+def skip_batches(stream: ScrambledZipfStream | TraceStream, count: int) -> np.ndarray | None:
     """Draw and drop the first ``count`` batches of ``stream`` (a resumed run's skipped ones).
 
-    Each batch is dropped as soon as it is drawn, so skipping holds one batch ([B] uint64,
-    8B bytes) at a time whatever ``count`` is.
+    Each batch is dropped as soon as the next is drawn, so skipping holds one batch ([B]
+    uint64, 8B bytes) at a time whatever ``count`` is.
 
     Args:
         stream: the job's access stream, not drawn from yet.
         count: iterations completed by earlier runs.
+
+    Returns:
+        The last batch drawn ([B] uint64: a run resumed after its last iteration reports that
+        iteration's convergence), None when ``count`` is 0.
     """
+    last = None
     for i in range(count):
-        stream.next_batch(i)
+        last = stream.next_batch(i)
+    return last
 
 
 @dataclass
@@ -86,6 +102,8 @@ class _Timings:
     accesses: int = 0
     hits: int = 0
     quality: Quality | None = None
+    convergence: float = 0.0
+    accessed_mean: float = 0.0  # mean strength of the last iteration's accessed memories
     topk: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.uint64), np.empty(0, np.float32))
 
 
@@ -101,6 +119,7 @@ class MemoryJob:
         memory: MemoryOps,
         security: ChannelSecurity | None = None,
         state: StateStore | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """Prepare the job; nothing runs until ``run``.
 
@@ -116,6 +135,8 @@ class MemoryJob:
                 plaintext.
             state: where progress is saved and a resumed run finds it; None: not saved
                 (the job starts from the load on every run).
+            metrics: the coordinator's metrics (``convergence_ratio`` is set per iteration);
+                None: not exported.
         """
         assert isinstance(job.spec, MemoryJobSpec)
         self.job, self.spec, self.cfg = job, job.spec, cfg
@@ -125,6 +146,7 @@ class MemoryJob:
         )
         self._last_progress = 0.0
         self._state = state
+        self._metrics = metrics
         self._last_checkpoint = 0.0
         loaded, done = state.load_memory_progress(job.job_id) if state else (False, 0)
         self.resumed_at = done if loaded else 0  # iterations completed by earlier runs
@@ -145,11 +167,11 @@ class MemoryJob:
         try:
             ids, strengths, stream = await asyncio.to_thread(self._prepare)
             # The access stream draws in order: a resumed run skips the batches drawn before.
-            await asyncio.to_thread(skip_batches, stream, self.resumed_at)
+            skipped = await asyncio.to_thread(skip_batches, stream, self.resumed_at)
             await self._wait_settled()
             load_s = 0.0 if self._loaded else await self._load(ids, strengths)
             self._checkpoint(self.resumed_at, force=True)
-            t = await self._iterate(stream)
+            t = await self._iterate(stream, skipped)
         except (RoutingError, BulkOpError) as exc:
             raise JobFailed(f"memory store: {exc}") from None
         finally:
@@ -193,23 +215,15 @@ class MemoryJob:
         )
 
     async def _wait_settled(self) -> None:
-        """Wait until the published map matches the membership and no slot lacks a copy."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.cfg.queue_timeout_s
-        while True:
-            summary = self._rebalancer.slot_summary()
-            if (
-                self._rebalancer.settled.is_set()
-                and summary["epoch"] > 0
-                and summary["under_replicated_slots"] == 0
-            ):
-                return
-            if loop.time() > deadline:
-                raise JobFailed(
-                    f"the slot map did not settle within {self.cfg.queue_timeout_s:g} s "
-                    f"({summary['under_replicated_slots']} slots under-replicated)"
-                )
-            await asyncio.sleep(0.05)
+        """Wait until the published map matches the membership and no slot lacks a copy.
+
+        Raises:
+            JobFailed: not within ``queue_timeout_s`` (FAILED).
+        """
+        try:
+            await self._rebalancer.wait_settled(self.cfg.queue_timeout_s)
+        except TimeoutError as exc:
+            raise JobFailed(str(exc)) from None
 
     async def _load(self, ids: np.ndarray, strengths: np.ndarray) -> float:
         """Upsert every memory in batches; return the seconds it took."""
@@ -223,10 +237,31 @@ class MemoryJob:
         log.info("memory_job_loaded", job_id=self.job.job_id, memories=n, seconds=round(load_s, 3))
         return load_s
 
-    async def _iterate(self, stream: ScrambledZipfStream | TraceStream) -> _Timings:
-        """Run the iterations: reinforce, then one sweep (decay, quality, top-k), each timed.
+    async def _convergence(self, accessed: np.ndarray, t: _Timings) -> None:
+        """Read the strengths of the distinct ``accessed`` ids ([B] uint64) into ``t``.
 
-        Times are ``time.perf_counter`` seconds; drawing the access batch is not counted.
+        Sets ``t.accessed_mean`` and ``t.convergence`` against ``t.quality`` (the same
+        iteration's sweep), and the job's ``neuroshard_convergence_ratio``.
+        """
+        assert t.quality is not None
+        found, strengths, _ = await self._router.get(np.unique(accessed), False)
+        hit = strengths[found]
+        t.accessed_mean = float(np.mean(hit, dtype=np.float64)) if len(hit) else 0.0
+        t.convergence = convergence_ratio(t.accessed_mean, len(hit), t.quality)
+        if self._metrics is not None:
+            self._metrics.convergence_ratio.labels(self.job.job_id).set(t.convergence)
+
+    async def _iterate(
+        self, stream: ScrambledZipfStream | TraceStream, skipped: np.ndarray | None
+    ) -> _Timings:
+        """Run the iterations: reinforce, one sweep (decay, quality, top-k), convergence.
+
+        Each phase is timed in ``time.perf_counter`` seconds; drawing the access batch is
+        not counted.
+
+        Args:
+            stream: the access stream, its first ``resumed_at`` batches drawn.
+            skipped: the last batch drawn before (``skip_batches``), None on a fresh run.
         """
         spec, t = self.spec, _Timings()
         boosts = np.full(stream.batch, spec.access.boost, np.float32)
@@ -244,26 +279,33 @@ class MemoryJob:
             swept = await memory.sweep(rate, iteration_op_id(job_id, i, "decay"), spec.topk, True)
             t2 = time.perf_counter()
             t.quality, t.topk = swept.quality, (swept.ids, swept.strengths)
-            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1), strict=True):
-                t.phase_s[phase].append(seconds)
-            t.iteration_s.append(t2 - t0)
-            t.accesses += len(accessed)
             assert t.quality is not None  # asked for
+            await self._convergence(accessed, t)
+            t3 = time.perf_counter()
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                t.phase_s[phase].append(seconds)
+            t.iteration_s.append(t3 - t0)
+            t.accesses += len(accessed)
             await self._publish(
                 {
                     "phase": "iterate",
                     "iteration": i + 1,
                     "iterations": spec.iterations,
-                    "iteration_ms": round((t2 - t0) * 1e3, 3),
+                    "iteration_ms": round((t3 - t0) * 1e3, 3),
                     "memories": t.quality.count,
                     "mean_strength": t.quality.mean,
                     "histogram": [int(c) for c in t.quality.histogram],
+                    "convergence": t.convergence,
+                    "accessed_mean_strength": t.accessed_mean,
+                    "quality": quality_doc(t.quality),
                 },
                 i + 1 == spec.iterations,
             )
             self._checkpoint(i + 1, force=i + 1 == spec.iterations)
         if t.quality is None:  # resumed after its last iteration: report the store as it is
             t.quality, t.topk = await memory.quality(), await memory.topk(spec.topk)
+            if skipped is not None:
+                await self._convergence(skipped, t)
         return t
 
     def _checkpoint(self, iterations: int, force: bool = False) -> None:
@@ -296,6 +338,7 @@ class MemoryJob:
             "memories": memories,
             "iteration_ms_p50": float(np.percentile(ms, 50)),
             "iteration_ms_p99": float(np.percentile(ms, 99)),
+            "iteration_ms_std": float(np.std(ms)),
             "phase_ms_p50": {
                 p: float(np.median(s) * 1e3) if s else 0.0 for p, s in t.phase_s.items()
             },
@@ -304,13 +347,9 @@ class MemoryJob:
             "reinforces_per_s": t.accesses / (sum(t.phase_s["reinforce"]) or 1.0),
             "reinforce_hits": t.hits,
             "accesses": t.accesses,
-            "quality": {
-                "count": q.count,
-                "mean": q.mean,
-                "min": q.min,
-                "max": q.max,
-                "histogram": list(q.histogram),
-            },
+            "convergence": t.convergence,
+            "accessed_mean_strength": t.accessed_mean,
+            "quality": quality_doc(q),
             "topk_k": self.spec.topk,
             "topk": [
                 {"id": int(i), "strength": float(s)}
@@ -319,3 +358,18 @@ class MemoryJob:
                 )
             ],
         }
+
+
+def quality_doc(q: Quality) -> dict[str, Any]:
+    """A table's strength statistics as the job's documents show them (``quality``).
+
+    count (memories), mean (float64), min and max (float32 values), histogram (10 counts of
+    bins of width 0.1 over [0, 1], the last closed).
+    """
+    return {
+        "count": q.count,
+        "mean": q.mean,
+        "min": q.min,
+        "max": q.max,
+        "histogram": [int(c) for c in q.histogram],
+    }

@@ -369,6 +369,36 @@ class Rebalancer:
                 except Exception as exc:
                     log.warning("slot_map_push_failed", worker=w.name, error=str(exc))
 
+    async def wait_settled(self, timeout_s: float) -> None:
+        """Wait until the published map matches the membership and no slot lacks a copy.
+
+        Polls every 50 ms (the settled event is cleared and set again as maps come and go, and
+        under-replication is a property of the map, not an event).
+
+        Args:
+            timeout_s: the longest wait, seconds.
+
+        Raises:
+            TimeoutError: not within ``timeout_s``; the message gives the slots still
+                under-replicated (the caller maps it to its own error).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            summary = self.slot_summary()
+            if (
+                self.settled.is_set()
+                and summary["epoch"] > 0
+                and summary["under_replicated_slots"] == 0
+            ):
+                return
+            if loop.time() > deadline:
+                raise TimeoutError(
+                    f"the slot map did not settle within {timeout_s:g} s "
+                    f"({summary['under_replicated_slots']} slots under-replicated)"
+                )
+            await asyncio.sleep(0.05)
+
     def slot_summary(self) -> dict[str, Any]:
         """Cluster-wide slot figures of the current map and per-worker slot counts.
 

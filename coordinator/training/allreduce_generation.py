@@ -10,6 +10,15 @@ the ranks train, their events (progress, rank 0's states, each rank's end) reach
 ``on_event``; a rank whose call breaks, or whose worker the coordinator declares DEAD, has
 failed. The generation is over when every call has ended or failed: the survivors say which
 step their replica holds.
+
+Liveness: every wait of a live rank's child (the store, each collective) gives up after the
+job's ``collective_timeout_s``, T, and the rank then ends; a rank that stays silent much
+longer is stuck (a hung or stopped process) and would hold the generation, and the job, open
+forever. So each rank must report ``joined`` (in the group, holding rank 0's state) within
+``liveness_s`` = 2 T + 10 s of the rendezvous, and may not stay silent for ``liveness_s``
+once a rank has ended or failed (it may still stream, e.g. rank 0's final state). A rank
+that misses either has failed: its call is cancelled (its worker kills the child) and the
+generation is over.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +44,12 @@ log = get_logger(__name__)
 
 # A worker that answers these refused the job itself: retrying elsewhere cannot help.
 _REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+
+# A rank must join the group, or end once another rank has ended, within this many
+# collective timeouts plus LIVENESS_SLACK_S: one timeout for its own wait to give up, one
+# for what follows (tearing the group down, a state broadcast, a step's compute).
+LIVENESS_TIMEOUTS = 2
+LIVENESS_SLACK_S = 10.0  # process start-up and scheduling on a loaded machine, seconds
 
 
 @dataclass
@@ -118,13 +134,26 @@ class Generation:
         # that reaches the store cannot read or forge them (worker/allreduce/rendezvous_store.py).
         self._secret = secrets.token_hex(32)
         self.outcome = GenerationOutcome()
+        self._joined: set[str] = set()
+        self._first_end: tuple[str, float] | None = None  # (worker, time.monotonic())
+        self._heard: dict[str, float] = {}  # worker -> time.monotonic() of its last event
+
+    @property
+    def liveness_s(self) -> float:
+        """How long a rank may stay silent at the two points it must answer, seconds.
+
+        Within this of the rendezvous it joins the group; once a rank has ended, it may not
+        be silent for this long (``LIVENESS_TIMEOUTS`` x ``timeout_s`` + ``LIVENESS_SLACK_S``).
+        """
+        return LIVENESS_TIMEOUTS * self.plan.timeout_s + LIVENESS_SLACK_S
 
     async def run(self) -> GenerationOutcome:
         """Load every rank, rendezvous, then follow every rank until all have ended or failed.
 
         A rank that cannot load (its call fails before the rendezvous) ends the generation
         before it begins: the others' calls are dropped, their children keep their state
-        (``held`` says which step, from ``plan.held_before``).
+        (``held`` says which step, from ``plan.held_before``). A rank that misses a liveness
+        deadline (``liveness_s``) fails: its call is cancelled, so the generation always ends.
 
         Raises:
             JobFailed: a worker refused the job (INVALID_ARGUMENT, PERMISSION_DENIED).
@@ -228,20 +257,48 @@ class Generation:
             asyncio.create_task(self._read(name, call)): name for name, call in self._calls.items()
         }
         rescaling = False
+        join_by = time.monotonic() + self.liveness_s
         while tasks:
             done, _ = await asyncio.wait(tasks, timeout=1.0)
             for t in done:
                 tasks.pop(t)
                 t.result()  # JobFailed propagates
             for name in [n for n in self._calls if not self._is_alive(n)]:
-                if name not in self.outcome.held and name not in self.outcome.failed:
-                    self._fail(name, RuntimeError("the coordinator declared the worker DEAD"))
-                    self._calls[name].cancel()
+                self._give_up(name, "the coordinator declared the worker DEAD")
+            self._check_liveness(time.monotonic(), join_by)
             if not rescaling and self._want_rescale():
                 rescaling = True
                 log.info("allreduce_rescale", job_id=self.job_id, generation=self.plan.number)
                 for name in self._calls:
                     await self._send(name, worker_pb2.AllreduceInput(stop=True))
+
+    def _check_liveness(self, now: float, join_by: float) -> None:
+        """Give up on the ranks not joined by ``join_by``, or silent too long after an end.
+
+        Args:
+            now: time.monotonic(), seconds.
+            join_by: when every rank should have joined (rendezvous + ``liveness_s``).
+        """
+        bound = (
+            f"{self.liveness_s:g} s ({LIVENESS_TIMEOUTS} x collective_timeout_s "
+            f"{self.plan.timeout_s:g} s + {LIVENESS_SLACK_S:g} s)"
+        )
+        for name in self._calls:
+            if name not in self._joined and now >= join_by:
+                self._give_up(
+                    name, f"{name} did not join the group within {bound} of the rendezvous"
+                )
+            elif self._first_end is not None:
+                first, ended_at = self._first_end
+                if now >= max(ended_at, self._heard.get(name, 0.0)) + self.liveness_s:
+                    self._give_up(name, f"{name} was silent for {bound} after {first} ended")
+
+    def _give_up(self, name: str, why: str) -> None:
+        """Fail a rank that is still running and cancel its call (its worker kills the child)."""
+        if name in self.outcome.held or name in self.outcome.failed:
+            return
+        self._fail(name, RuntimeError(why))
+        self._calls[name].cancel()
 
     async def _read(self, name: str, call: Any) -> None:
         try:
@@ -251,8 +308,11 @@ class Generation:
                     if name not in self.outcome.held:
                         self._fail(name, RuntimeError("the call ended without an end event"))
                     return
+                self._heard[name] = time.monotonic()
                 if event.HasField("ended"):
                     self._ended(name, event.ended)
+                elif event.HasField("joined"):
+                    self._joined.add(name)
                 else:
                     await self._on_event(name, event)
         except asyncio.CancelledError:
@@ -264,6 +324,7 @@ class Generation:
             self._fail(name, exc)
 
     def _ended(self, name: str, ended: worker_pb2.AllreduceEnded) -> None:
+        self._first_end = self._first_end or (name, time.monotonic())
         self.outcome.held[name] = int(ended.held_step)
         self.outcome.done |= ended.done
         if not ended.done and ended.reason:
@@ -272,6 +333,7 @@ class Generation:
     def _fail(self, name: str, exc: BaseException) -> None:
         if name in self.outcome.failed or name in self.outcome.held:
             return
+        self._first_end = self._first_end or (name, time.monotonic())
         self.outcome.failed[name] = error_message(exc)
         log.warning(
             "allreduce_member_failed",

@@ -13,7 +13,12 @@ opens a new generation with the survivors plus idle ALIVE workers, up to ``worke
 least ``min_workers`` (waiting up to ``queue_timeout_s`` for them). The survivor holding the
 newest step becomes rank 0 and broadcasts its state; with no survivor, the coordinator's
 newest state is sent instead. The next step's rows are split over the new ranks
-(``shared.training.partition``), so every row of an epoch is trained on exactly once. A
+(``shared.training.partition``), so every row of an epoch is trained on exactly once.
+A generation never waits forever: a rank that does not join the group, or stays silent
+once another rank has ended, for ``2 x collective_timeout_s + 10 s``
+(``Generation.liveness_s``) is given up on like a dead one, and after
+``MAX_STALLED_GENERATIONS`` generations in a row without a step of progress the job fails
+with the last generation's reasons. A
 worker that turns up while the job has fewer than ``workers`` ranks is taken in at the next
 generation, which the coordinator opens by asking the ranks to stop at their next control
 point.
@@ -346,9 +351,12 @@ class AllreduceJob:
             if len(kept) >= min_workers:
                 return kept
             if self._clock() >= deadline:
+                out = (
+                    f", besides {sorted(failed)} (failed in the last generation)" if failed else ""
+                )
                 raise JobFailed(
-                    f"only {len(kept)} workers ALIVE for the job, min_workers is {min_workers} "
-                    f"(waited {self.cfg.queue_timeout_s:g} s, queue_timeout_s)"
+                    f"only {len(kept)} workers ALIVE for the job{out}, min_workers is "
+                    f"{min_workers} (waited {self.cfg.queue_timeout_s:g} s, queue_timeout_s)"
                 )
             await asyncio.sleep(0.2)
 

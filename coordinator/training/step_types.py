@@ -86,6 +86,8 @@ class Piece:
         member: the member the piece was sized for (proportional), None: round-robin.
         inner_rows: diloco: ``rows`` cut into the local steps' batches, these many rows
             each (summing to R); empty for sync.
+        weights: prioritized sampling: [R] float32 importance weights aligned with
+            ``rows`` (``coordinator.training.prioritized``); None: uniform (all 1).
     """
 
     index: int
@@ -93,6 +95,7 @@ class Piece:
     shard: int = -1
     member: str | None = None
     inner_rows: tuple[int, ...] = ()
+    weights: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class ShardResult:
         compute_s: seconds of forward and backward on the worker.
         bytes_to_worker: bytes sent to the worker (header and parameters).
         bytes_from_worker: bytes received from it (result, gradients, buffers).
+        losses: prioritized sampling: [R] float32 the rows' unweighted per-sample losses,
+            aligned with the piece's rows; None: uniform.
     """
 
     samples: int
@@ -161,6 +166,7 @@ class ShardResult:
     compute_s: float = 0.0
     bytes_to_worker: int = 0
     bytes_from_worker: int = 0
+    losses: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass

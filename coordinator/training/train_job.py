@@ -20,7 +20,9 @@ et al. 2023) is ``coordinator.training.diloco.DilocoSteps``, where a step is an 
 pieces are a shard's rows of ``inner_steps`` consecutive inner steps, the worker answers the
 pseudo-gradient of its local steps on them, and the parameter server's step is the outer
 Nesterov step on their sample-weighted average. The coordinator picks the scheme in one place
-(``coordinator.cluster``).
+(``coordinator.cluster``). With ``sampling: prioritized`` the planned pieces' rows are drawn
+from the job's priority table and the workers' per-sample losses written back to it
+(``coordinator.training.prioritized``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from coordinator.training.aggregation import average_buffers
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.epoch_figures import EpochFigures
 from coordinator.training.parameter_server import ParameterServer, StepControls
+from coordinator.training.prioritized import PrioritizedSampling, PriorityStore
 from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
 from coordinator.training.saved_models import initial_state
 from coordinator.training.step_monitor import StepMonitor
@@ -108,6 +111,8 @@ class _Run:
             for tasks other than classification).
         test_metrics: the task's other metrics at the last evaluation (``test_mse``, ...).
         n_train: training rows of the data set.
+        sampling: ``sampling: prioritized``: the job's priority table and draws; None:
+            uniform.
     """
 
     scheme: StepScheme
@@ -120,6 +125,7 @@ class _Run:
     test_loss: float = float("nan")
     test_acc: float = float("nan")
     test_metrics: dict[str, float] = field(default_factory=dict)
+    sampling: PrioritizedSampling | None = None
 
     @property
     def epochs(self) -> int:
@@ -143,6 +149,7 @@ class TrainJob:
         clock: Callable[[], float] = time.perf_counter,
         train_sets: TrainSets | None = None,
         links: LinkStats | None = None,
+        store: PriorityStore | None = None,
     ) -> None:
         """Prepare the job; nothing runs until ``run``.
 
@@ -161,6 +168,8 @@ class TrainJob:
             train_sets: where the job's workers fetch their shards' rows; None: a private one.
             links: the cluster's per-worker link telemetry (RTT, step times, health), updated
                 by the job; None: a private one.
+            store: the memory store a ``sampling: prioritized`` job keeps its priority table
+                in; None: such a job fails.
         """
         assert isinstance(job.spec, TrainJobSpec)
         self.job, self.spec, self.cfg = job, job.spec, cfg
@@ -189,6 +198,9 @@ class TrainJob:
         self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
         self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
         self.figures = EpochFigures()
+        self._store = store
+        self._sampling: PrioritizedSampling | None = None
+        self._restored_run: dict[str, Any] = {}  # the checkpoint's run data, when resumed
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
@@ -203,7 +215,21 @@ class TrainJob:
             return await self._run()
         finally:
             self._train_sets.close(self.job.job_id)
+            await self._close_sampling()
             await asyncio.to_thread(self.board.close)
+
+    async def _close_sampling(self) -> None:
+        """Drop the priority table, unless a coordinator shutdown interrupted the job.
+
+        A shutdown leaves the job RUNNING on disk (``JobStore.on_change`` is cleared first,
+        ``coordinator.server``), for the next process to resume with its table.
+        """
+        if self._sampling is None or self._jobs.on_change is None:
+            return
+        try:
+            await self._sampling.close()
+        except Exception as exc:  # the job's outcome stands; the table is left behind
+            log.warning("priority_table_not_dropped", job_id=self.job.job_id, error=str(exc))
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec
@@ -251,6 +277,7 @@ class TrainJob:
                 await asyncio.to_thread(initial_state, spec, ps.model, self.cfg)
             except ConfigError as exc:
                 raise JobFailed(str(exc)) from None
+        run.sampling = await self._open_sampling(scheme, n_train, start_step)
         await asyncio.to_thread(self.board.open, start_step)
         self._train_sets.open(
             self.job.job_id, dataset, spec.workers, self.members.invited.__contains__
@@ -268,7 +295,27 @@ class TrainJob:
             await self.members.stop()
         await asyncio.to_thread(save_model, ps.model, self.model_path)
         self.checkpoint_path.unlink(missing_ok=True)
-        return self._result(ps, run, start_step, device)
+        sampled = await run.sampling.result_fields() if run.sampling is not None else {}
+        return self._result(ps, run, start_step, device) | sampled
+
+    async def _open_sampling(
+        self, scheme: StepScheme, n_train: int, start_step: int
+    ) -> PrioritizedSampling | None:
+        """The job's priority table and draws (``sampling: prioritized``); None: uniform.
+
+        Raises:
+            JobFailed: no store, or the table could not be made or found (FAILED).
+        """
+        if self.spec.sampling.name != "prioritized":
+            return None
+        if self._store is None:
+            raise JobFailed("sampling.name: prioritized needs the coordinator's memory store")
+        self._sampling = PrioritizedSampling(
+            self.job.job_id, self.spec, scheme, n_train, self._store
+        )
+        self._sampling.load_doc(self._restored_run.get("sampling"))
+        await self._sampling.open(fresh=start_step == 0)
+        return self._sampling
 
     async def _paced(self, step: int, run: _Run) -> bool:
         """Wait at a paced job's epoch boundary: True to run the next epoch, False to finish.
@@ -341,6 +388,8 @@ class TrainJob:
         active = [m.name for m in self.members.active()]
         rates = {n: self.links.get(n).samples_per_s for n in active}
         plan = run.scheme.plan(step, active, rates)
+        if run.sampling is not None:
+            plan = await run.sampling.fill(step, plan)
         order = StepOrder(
             step,
             epoch,
@@ -354,6 +403,8 @@ class TrainJob:
         outcome = await self.members.step(order, plan.pieces, policy)
         self.monitor.observe(outcome, step, self.members)
         n, loss_sum, correct = await self._apply(ps, outcome, step)
+        if run.sampling is not None:
+            await run.sampling.record(step, plan, outcome)
         if step == 0:  # L_0: the workers computed it at the initial parameters
             self.figures.set_initial(n, loss_sum)
         self.figures.add_step((self._clock() - t0) * 1000, wire0, failures0)
@@ -364,6 +415,8 @@ class TrainJob:
         self._metrics.step_seconds.labels("coordinator").observe(self._clock() - t0)
         epoch_end = step_in_epoch == run.per_epoch - 1 or step == run.total - 1
         if epoch_end:
+            if run.sampling is not None:
+                await run.sampling.end_epoch(epoch)
             await self._end_epoch(ps, epoch, lr, run)
             entry = run.history.entries[-1]
             entry |= self.figures.end(
@@ -373,7 +426,7 @@ class TrainJob:
         every = (step + 1) % self.cfg.checkpoint_every_steps == 0
         # a paced job checkpoints at every epoch's end: a restart resumes at its boundary
         if (every or (spec.paced and epoch_end)) and step + 1 < run.total:
-            await asyncio.to_thread(self._checkpoint, ps, step + 1, run.history)
+            await asyncio.to_thread(self._checkpoint, ps, step + 1, run)
         elapsed = max(self._clock() - run.t_start, 1e-9)
         await self._jobs.update(
             self.job,
@@ -449,14 +502,20 @@ class TrainJob:
             sum(r.correct for r in results.values()),
         )
 
-    def _checkpoint(self, ps: ParameterServer, next_step: int, history: TrainHistory) -> None:
+    def _checkpoint(self, ps: ParameterServer, next_step: int, run: _Run) -> None:
         """Atomically write (next step, parameter-server state, history) to the checkpoint.
 
         The event files are flushed first: a resumed job keeps what they hold up to here.
+        A prioritized job's running mean loss goes with it.
         """
         self.board.flush()
-        extra = {"history": history.to_doc(), "initial_loss": self.figures.initial_loss}
-        write_checkpoint(self.checkpoint_path, next_step, ps.state(extra))
+        kept: dict[str, Any] = {
+            "history": run.history.to_doc(),
+            "initial_loss": self.figures.initial_loss,
+        }
+        if run.sampling is not None:
+            kept["sampling"] = run.sampling.to_doc()
+        write_checkpoint(self.checkpoint_path, next_step, ps.state(kept))
 
     def _restore(self, ps: ParameterServer, history: TrainHistory) -> int:
         """Load the checkpoint if one exists; return the step to start from."""
@@ -467,6 +526,7 @@ class TrainJob:
         run = ps.load_state(state)
         history.load_doc(run.get("history", {}))
         self.figures.initial_loss = float(run.get("initial_loss", float("nan")))
+        self._restored_run = run
         log.info("train_resumed", job_id=self.job.job_id, step=step)
         return step
 

@@ -34,7 +34,14 @@ from coordinator.training.step_types import (
 from shared.logging import get_logger
 from shared.proto import worker_pb2
 from shared.rpc import error_message
-from shared.rpc.codec import read_header_and_tensors, rows_to_bytes, tensors_to_chunks
+from shared.rpc.codec import (
+    CodecError,
+    f32_from_bytes,
+    f32_to_bytes,
+    read_header_and_tensors,
+    rows_to_bytes,
+    tensors_to_chunks,
+)
 from shared.rpc.peers import WorkerClients
 from shared.training.compression import Compressor, downlink_compressor
 from shared.training.error_feedback import DeltaSender
@@ -256,6 +263,7 @@ class Members:
                 rows=rows_to_bytes(piece.rows),
                 inner_rows=piece.inner_rows,
                 inner_steps=_inner_steps(order),
+                weights=b"" if piece.weights is None else f32_to_bytes(piece.weights),
             )
             tensors = self._outgoing(m, order, header) if include else None
             requests = list(self._requests(header, tensors))
@@ -288,6 +296,7 @@ class Members:
                 compute_s=result.compute_s,
                 bytes_to_worker=bytes_up,
                 bytes_from_worker=bytes_down,
+                losses=_losses(piece, result),
             )
         raise RuntimeError(f"worker {m.name} kept asking for parameters")
 
@@ -362,6 +371,20 @@ async def read_gradients(
     if result is None:
         raise RuntimeError("worker closed the gradient stream without a result")
     return result, grads
+
+
+def _losses(piece: Piece, result: worker_pb2.StepResult) -> np.ndarray | None:
+    """The per-sample losses of a prioritized piece's answer; None for a uniform piece.
+
+    Raises:
+        CodecError: not one float32 per row of the piece (the member fails).
+    """
+    if piece.weights is None:
+        return None
+    losses = f32_from_bytes(result.losses, "losses")
+    if len(losses) != len(piece.rows):
+        raise CodecError(f"losses: {len(losses)} values for {len(piece.rows)} rows")
+    return losses
 
 
 def _inner_steps(order: StepOrder) -> worker_pb2.InnerSteps | None:

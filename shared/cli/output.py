@@ -43,6 +43,8 @@ def _describe(progress: dict[str, Any]) -> str:
         parts.append(f"{progress['samples_per_s']:.0f} samples/s")
     if "iteration_ms" in progress:
         parts.append(f"{progress['iteration_ms']:.1f} ms/iter")
+    if "convergence" in progress:  # a memory job's iteration
+        parts.append(f"convergence {progress['convergence']:.3f}")
     if progress.get("phase") == "load":  # a memory job upserting before its iterations
         parts.append(f"loading {progress.get('loaded', 0)}/{progress.get('memories', '?')}")
     return "  ".join(parts)
@@ -106,11 +108,49 @@ class HistoryTable:
         out_console.print(table)
 
 
+class IterationTable:
+    """Prints a memory job's iterations on stdout as their progress events arrive.
+
+    One row per event received (events are coalesced to about 10 a second, so a fast job
+    shows a sample of its iterations; the last one always): iteration, milliseconds,
+    convergence, and the table's quality (count, mean, min, max strength).
+    """
+
+    # (title, width in characters, format, how to read it from a progress event)
+    COLUMNS: tuple[tuple[str, int, str, Callable[[dict[str, Any]], Any]], ...] = (
+        ("iteration", 9, "{}", lambda p: p["iteration"]),
+        ("ms", 9, "{:.1f}", lambda p: p["iteration_ms"]),
+        ("convergence", 11, "{:.4f}", lambda p: p["convergence"]),
+        ("memories", 12, "{:,}", lambda p: p["quality"]["count"]),
+        ("mean", 7, "{:.4f}", lambda p: p["quality"]["mean"]),
+        ("min", 7, "{:.4f}", lambda p: p["quality"]["min"]),
+        ("max", 7, "{:.4f}", lambda p: p["quality"]["max"]),
+    )
+
+    def __init__(self) -> None:
+        """Nothing printed yet."""
+        self.last_iteration = 0
+
+    def update(self, progress: dict[str, Any]) -> None:
+        """Print a row for an iterate event later than the last one printed."""
+        if progress.get("phase") != "iterate" or "convergence" not in progress:
+            return
+        if progress["iteration"] <= self.last_iteration:
+            return
+        table = Table(show_header=self.last_iteration == 0, box=None, pad_edge=False)
+        for title, width, _, _ in self.COLUMNS:
+            table.add_column(title, justify="right", width=width, no_wrap=True)
+        table.add_row(*(fmt.format(read(progress)) for _, _, fmt, read in self.COLUMNS))
+        out_console.print(table)
+        self.last_iteration = progress["iteration"]
+
+
 def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
     """Show a progress bar (on stderr, when it is a terminal) until the job ends.
 
-    A train job's history is printed on stdout as a table as its epochs end (not with
-    ``--json``, whose document holds it). Then prints the final JSON document (``--json``)
+    A train job's history is printed on stdout as a table as its epochs end, a memory job's
+    iterations as their events arrive (``IterationTable``), not with ``--json``, whose
+    document holds the result. Then prints the final JSON document (``--json``)
     or a short summary on stdout.
 
     Args:
@@ -126,6 +166,7 @@ def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
     """
     final = job
     history = HistoryTable()
+    iterations = IterationTable()
     columns = [
         TextColumn("{task.description}"),
         BarColumn(),
@@ -147,6 +188,7 @@ def follow_job(client: SyncClient, job: JobInfo, as_json: bool) -> JobInfo:
             )
             if not as_json:
                 history.update(progress.get("history", []))
+                iterations.update(progress)
     if final.state not in TERMINAL_STATES:  # the stream ended early: ask for the final state
         final = client.get_job(job.job_id)
     if as_json:

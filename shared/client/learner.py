@@ -78,7 +78,7 @@ class DistributedLearner:
         data: str | dict[str, Any] = "digits",
         task: str = "classification",
         strategy: str = "sync",
-        sampling: dict[str, Any] | None = None,
+        sampling: str | dict[str, Any] | None = None,
         max_epochs: int = 100,
         spec: dict[str, Any] | None = None,
         security: ChannelSecurity | None = None,
@@ -102,8 +102,9 @@ class DistributedLearner:
             data: the spec's ``data`` (``digits``, ``{path: F.npz}``).
             task: ``classification``, ``regression`` or ``language_model``.
             strategy: ``sync``, ``allreduce`` or ``diloco``.
-            sampling: the spec's ``sampling`` block as a dict (prioritized training), passed
-                through as is with ``decay_rate`` set; None: uniform sampling.
+            sampling: the spec's ``sampling`` block (``prioritized``, or a dict with its
+                keys: ``alpha``, ``beta``, ...), passed through with ``decay_rate`` set; None:
+                uniform sampling.
             max_epochs: the most epochs ``run_epoch`` may run (the spec's ``epochs``, also
                 the horizon of a decaying lr schedule).
             spec: more spec keys (``batch_size``, ``optimizer``, ``seed``, ...); they win
@@ -328,7 +329,7 @@ def _learner_spec(
     data: str | dict[str, Any],
     task: str,
     strategy: str,
-    sampling: dict[str, Any] | None,
+    sampling: str | dict[str, Any] | None,
     max_epochs: int,
     spec: dict[str, Any] | None,
 ) -> dict[str, Any]:
@@ -356,6 +357,8 @@ def _learner_spec(
         "device": "cuda" if gpu_enabled else "cpu",
         "epochs": max_epochs,
     }
+    if isinstance(sampling, str):  # the spec's short form
+        sampling = {"name": sampling}
     if sampling is not None:
         given = sampling.get("decay_rate")
         if given is not None and given != decay_rate:

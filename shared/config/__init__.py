@@ -52,6 +52,7 @@ from shared.config.train_spec import (
     LrScheduleSpec,
     MlpSpec,
     OptimizerSpec,
+    SamplingSpec,
     StragglerSpec,
     TrainJobSpec,
 )
@@ -82,6 +83,7 @@ __all__ = [
     "MemoryJobSpec",
     "MlpSpec",
     "OptimizerSpec",
+    "SamplingSpec",
     "StragglerSpec",
     "TlsConfig",
     "TraceAccess",

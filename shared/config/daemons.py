@@ -340,7 +340,8 @@ class CoordinatorConfig(_DaemonConfig):
     max_memories_per_job: int = Field(
         20_000_000,
         ge=1,
-        description="Most memories one memory job may generate or load.",
+        description="Most memories one memory job may generate or load, and most training "
+        "rows of a prioritized train job (one memory each in its priority table).",
     )
     max_model_params: int = Field(
         50_000_000,

@@ -208,6 +208,68 @@ class CompressionSpec(ConfigModel):
     rank: int = Field(2, ge=1, le=64, description="powersgd: the low-rank approximation's rank.")
 
 
+class SamplingSpec(ConfigModel):
+    """Which rows each step trains on: the data order (``uniform``) or prioritized by loss.
+
+    ``prioritized`` keeps one memory per training row in a table of the job's own (strength
+    1 at the start); each step's global batch is drawn from it with P(i) = s_i^alpha /
+    sum_j s_j^alpha (Schaul et al. 2016), every sample's loss weighted by (N P(i))^-beta /
+    max over the batch, beta annealed linearly to ``beta_final``; the drawn rows' strengths
+    are then set from their losses and every epoch decayed by ``decay_rate``
+    (``coordinator.training.prioritized``; README "Prioritized training").
+    """
+
+    name: Literal["uniform", "prioritized"] = Field(
+        "uniform",
+        description="uniform: every shard's rows in the seeded data order (each row once an "
+        "epoch); prioritized: each step's rows drawn from the job's priority table.",
+    )
+    alpha: float = Field(
+        0.6,
+        ge=0,
+        allow_inf_nan=False,
+        description="prioritized: the priority exponent, P(i) proportional to s_i^alpha "
+        "(0: uniform over the rows of non-zero strength), finite and >= 0.",
+    )
+    beta: float = Field(
+        0.4,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="prioritized: the importance-sampling exponent at the first step, in "
+        "[0, 1] (0: no correction).",
+    )
+    beta_final: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="prioritized: the exponent at the job's last step, reached linearly, "
+        "in [0, 1].",
+    )
+    decay_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="prioritized: subtracted from every row's strength at each epoch end "
+        "(the store's decay), in [0, 1]; a row decayed to 0 is not drawn again.",
+    )
+    priority: Literal["loss"] = Field(
+        "loss",
+        description="prioritized: what sets a drawn row's strength: loss, its per-sample "
+        "loss mapped into [0, 1] by 0.01 + 0.99 (1 - exp(-loss / running mean loss)).",
+    )
+    resample_every_steps: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="diloco: inner steps whose rows are drawn at once, at the start of "
+        "each window, a multiple of inner_steps; null: inner_steps (one draw per outer "
+        "step). sync draws every step.",
+    )
+
+
 _COMPRESSION_BY_STRATEGY = {
     "sync": ("none", "fp16", "int8", "topk"),
     "diloco": ("none", "fp16", "int8", "topk"),
@@ -322,6 +384,12 @@ class TrainJobSpec(ConfigModel):
         description="sync, diloco: fixed: every worker computes batch_size rows a step; "
         "proportional: the global batch (workers x batch_size) is split by each worker's "
         "measured samples/s (transfer included).",
+    )
+    sampling: SamplingSpec = Field(
+        default_factory=SamplingSpec,
+        description="sync, diloco: 'uniform', 'prioritized' or {name: uniform|prioritized, "
+        "alpha, beta, beta_final, decay_rate, priority: loss, resample_every_steps}: "
+        "which rows each step trains on (README, Prioritized training).",
     )
     compression: CompressionSpec = Field(
         default_factory=CompressionSpec,
@@ -452,7 +520,7 @@ class TrainJobSpec(ConfigModel):
         description="Held-out share of the data (unused when the data set has x_test).",
     )
 
-    _strings = field_validator("model", "data", mode="before")(
+    _strings = field_validator("model", "data", "sampling", mode="before")(
         classmethod(lambda cls, v: _name_to_dict(v))
     )
 
@@ -495,6 +563,7 @@ class TrainJobSpec(ConfigModel):
                 "granted), not steps"
             )
         self._diloco_controls()
+        self._sampling_controls()
         self._sharding_controls()
         self._task_fields()
         return self
@@ -521,6 +590,36 @@ class TrainJobSpec(ConfigModel):
             )
         if self.precision == "fp16":
             raise ValueError("precision: fp16 is not available with sharding fsdp (use bf16)")
+
+    def _sampling_controls(self) -> None:
+        """Refuse what ``sampling: prioritized`` does not do, naming the field.
+
+        allreduce's ranks read their shards themselves inside DDP, where the coordinator
+        cannot hand them drawn rows and weights (not supported yet). sync draws each step's
+        batch, so a window is for diloco only, and there it must cover whole outer steps:
+        the rows of an outer step are sent with its call, its losses come back at its end.
+        """
+        sampling = self.sampling
+        if sampling.name == "uniform":
+            return
+        if self.strategy == "allreduce":
+            raise ValueError(
+                "sampling.name: prioritized is not supported with strategy allreduce yet "
+                "(use sync or diloco, or sampling uniform)"
+            )
+        every = sampling.resample_every_steps
+        if every is None:
+            return
+        if self.strategy == "sync":
+            raise ValueError(
+                "sampling.resample_every_steps: only for strategy diloco (sync draws every "
+                "step's batch)"
+            )
+        if every % self.inner_steps:
+            raise ValueError(
+                f"sampling.resample_every_steps: {every} is not a multiple of inner_steps "
+                f"({self.inner_steps}): a window covers whole outer steps"
+            )
 
     def _task_fields(self) -> None:
         """Refuse fields that do not go with the job's task, naming them."""

@@ -21,6 +21,7 @@ __all__ = [
     "EMPTY_QUALITY",
     "HIST_BINS",
     "Quality",
+    "convergence_ratio",
     "merge_quality",
     "merge_topk",
     "quality_from_pb",
@@ -56,6 +57,31 @@ class Quality:
 
 
 EMPTY_QUALITY = Quality(0, 0.0, 0.0, 0.0, 0.0, (0,) * HIST_BINS)
+
+
+def convergence_ratio(accessed_mean: float, accessed: int, table: Quality) -> float:
+    """How far the memories in use stand above the store: their mean strength over the table's.
+
+    A memory job's ``convergence`` (README, "Memory jobs: convergence and quality"): the mean
+    strength of the distinct memories reinforced in the last iteration, read after that
+    iteration's reinforce and decay, over the mean strength of the whole table at the same
+    moment. 1 means the accesses leave no mark (used and unused memories alike); above 1 the
+    store separates what is used from what is not; the ratio is at most ``1 / table.mean``.
+
+    Args:
+        accessed_mean: mean strength of the accessed memories found, float64.
+        accessed: how many distinct accessed memories were found (0: none).
+        table: the whole table's statistics, read after the same decay.
+
+    Returns:
+        The ratio; 0.0 when no accessed memory was found, 1.0 when every strength of the table
+        is 0 (nothing to separate).
+    """
+    if accessed == 0:
+        return 0.0
+    if table.mean <= 0.0:
+        return 1.0
+    return float(accessed_mean / table.mean)
 
 
 def merge_quality(parts: list[Quality]) -> Quality:

@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from cryptography import x509
@@ -26,7 +25,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from grpc import aio
 
+from shared.channel_bytes import CountingChannel, WireBytes
 from shared.config import AuthConfig, ConfigError, TlsConfig
+from shared.delegating_channel import DelegatingChannel
 from shared.security.identity import COORDINATOR, WORKER, identity_of_pem
 from shared.security.tokens import (
     AUD_COORDINATOR,
@@ -243,7 +244,7 @@ class _StreamStream(aio.StreamStreamMultiCallable[Req, Resp]):
         )
 
 
-class TokenChannel(aio.Channel):
+class TokenChannel(DelegatingChannel):
     """A grpc.aio channel whose every call carries the bearer token.
 
     Stubs get their multi-callables from ``unary_unary`` and friends; wrapping those costs a
@@ -253,7 +254,8 @@ class TokenChannel(aio.Channel):
 
     def __init__(self, channel: aio.Channel, token: TokenFn) -> None:
         """Wrap ``channel``; ``token()`` is asked for the token at every call (it may renew)."""
-        self._channel, self._token = channel, token
+        super().__init__(channel)
+        self._token = token
 
     def unary_unary(
         self,
@@ -310,35 +312,6 @@ class TokenChannel(aio.Channel):
         )
         return _StreamStream(call, self._token)
 
-    async def close(self, grace: float | None = None) -> None:
-        """Close the wrapped channel; calls still running get ``grace`` seconds to finish."""
-        await self._channel.close(grace)
-
-    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
-        """Return the wrapped channel's connectivity state."""
-        return self._channel.get_state(try_to_connect)
-
-    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
-        """Wait until the wrapped channel leaves ``last_observed_state``."""
-        await self._channel.wait_for_state_change(last_observed_state)
-
-    async def channel_ready(self) -> None:
-        """Wait until the wrapped channel is READY."""
-        await self._channel.channel_ready()
-
-    async def __aenter__(self) -> Self:
-        """Use the channel as an async context manager that closes it on exit."""
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_val: BaseException | None,
-        exc_tb: TracebackType | None,
-    ) -> None:
-        """Close the wrapped channel."""
-        await self._channel.close()
-
 
 @dataclass(frozen=True)
 class ChannelSecurity:
@@ -348,12 +321,15 @@ class ChannelSecurity:
         tls: the CA and this process's certificate and key; None dials in plaintext.
         token: the token presented on every call; None presents none.
         server_name: the name expected in server certificates; None expects the host dialed.
+        wire: where a daemon counts the bytes of its own calls (its ``Metrics``): every
+            channel opened is then a ``CountingChannel``; None counts nothing (clients).
     """
 
     tls: TlsFiles | None = None
     token: TokenFn | None = None
     server_name: str | None = None
     _creds: list[grpc.ChannelCredentials] = field(default_factory=list, repr=False, compare=False)
+    wire: WireBytes | None = field(default=None, repr=False, compare=False)
 
     def open(self, address: str, options: Sequence[tuple[str, int | str]]) -> aio.Channel:
         """Open a grpc.aio channel to ``address`` with this security and ``options``.
@@ -369,6 +345,8 @@ class ChannelSecurity:
             if self.server_name:
                 options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
             ch = aio.secure_channel(address, self._creds[0], options=options)
+        if self.wire is not None:
+            ch = CountingChannel(ch, self.wire)
         if self.token is None:
             return ch
         return TokenChannel(ch, self.token)

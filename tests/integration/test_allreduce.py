@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.fixtures import ALLOWED_MODELS
-from tests.integration.test_failover import FAST_HEARTBEATS, kill_abruptly
+from tests.integration.test_failover import kill_abruptly
 from worker.allreduce.allreduce_sessions import CHILD_MODULE
 
 pytestmark = pytest.mark.integration
@@ -135,7 +135,10 @@ async def test_worker_killed_mid_epoch_new_generation_loses_no_row(make_cluster)
     # next generation's rank 0) in 1 KiB chunks, dozens per transfer: a dropped chunk leaves a
     # state torch cannot load and the job fails (issue 20 #4).
     tiny: dict[str, object] = {"chunk_bytes": 1024}
-    cluster = await make_cluster(workers=3, **FAST_HEARTBEATS, **tiny, worker_overrides=tiny)
+    # Heartbeats slower than FAST_HEARTBEATS: a 0.6 s timeout declared a survivor dead under
+    # CI load (worker_failures 2); the killed worker is found by the failed calls' probe.
+    beats = {"heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 2.0}
+    cluster = await make_cluster(workers=3, **beats, **tiny, worker_overrides=tiny)
     spec = yaml.safe_load(DIGITS_ALLREDUCE.read_text())  # min_workers: 2
     async with cluster.client() as client:
         job = await client.submit(spec)

@@ -115,6 +115,7 @@ def test_memory_job_follow_json(up_cluster: tuple[str, Path], tmp_path: Path) ->
     strengths = [t["strength"] for t in r["topk"]]
     assert strengths == sorted(strengths, reverse=True)
     assert r["quality"]["count"] >= 50_000 and len(r["quality"]["histogram"]) == 10
+    assert r["convergence"] > 1 and r["iteration_ms_std"] >= 0
 
 
 def test_bad_input_exits_2_with_one_line(up_cluster: tuple[str, Path], tmp_path: Path) -> None:

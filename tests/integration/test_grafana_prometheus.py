@@ -142,7 +142,8 @@ DATA_FILE = "rows.npz"
 
 
 async def drive(cluster: Any, stop: asyncio.Event) -> None:
-    """Memory operations, a refused call and short training jobs, until ``stop``.
+    """A memory job, then memory operations, a refused call and short training jobs, until
+    ``stop``.
 
     In rounds, so every counter grows between scrapes and rates over the window are real. The
     jobs train on a file data set (``DATA_FILE`` in the cluster's data root), so the workers'
@@ -152,6 +153,15 @@ async def drive(cluster: Any, stop: asyncio.Event) -> None:
     job = None
     async with cluster.client() as client:
         await client.wait_ready()
+        # One short memory job: its convergence gauge keeps the value of its last iteration.
+        mem = await client.wait(
+            (
+                await client.submit(
+                    {"kind": "memory", "memories": 300, "iterations": 2, "access": {"batch": 50}}
+                )
+            ).job_id
+        )
+        assert mem.state == "SUCCEEDED", mem.error
         while not stop.is_set():
             await client.upsert(ids, np.full(len(ids), 0.5, np.float32))
             await client.reinforce(ids[:100], np.full(100, 0.1, np.float32))

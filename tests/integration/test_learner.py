@@ -109,6 +109,25 @@ async def test_three_epochs_are_one_job_equal_to_a_plain_one(
         torch.testing.assert_close(tensor, plain_model[name], atol=1e-5, rtol=0)
 
 
+async def test_a_prioritized_learner_reports_its_priority_tables_quality(make_cluster):
+    # Arrange
+    cluster = await make_cluster(workers=2)
+    learner = await asyncio.to_thread(_learner, cluster.address, sampling="prioritized")
+
+    # Act
+    figures = [await asyncio.to_thread(learner.run_epoch) for _ in range(2)]
+    final = await asyncio.to_thread(learner.close)
+
+    # Assert: one memory per training row, strengths in [0, 1], 10 bins
+    for f in figures:
+        q = f["quality"]
+        assert q is not None and q["count"] == TRAIN_ROWS
+        assert 0.0 <= q["min"] <= q["mean"] <= q["max"] <= 1.0
+        assert len(q["histogram"]) == 10 and sum(q["histogram"]) == TRAIN_ROWS
+    assert final is not None and final.state == "SUCCEEDED", final and final.error
+    assert final.spec["sampling"]["decay_rate"] == 0.01
+
+
 async def test_a_coordinator_restart_between_epochs_resumes_the_job(
     make_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

@@ -58,10 +58,12 @@ async def test_zipf_job_equals_reference_replay(make_cluster) -> None:
     assert r["iterations"] == 5 and r["memories"] == 20_000 and r["accesses"] == 25_000
     assert 0 < r["iteration_ms_p50"] <= r["iteration_ms_p99"]
     assert r["load_s"] > 0 and r["upserts_per_s"] > 0 and r["reinforces_per_s"] > 0
-    assert set(r["phase_ms_p50"]) == {"reinforce", "sweep"}
+    assert set(r["phase_ms_p50"]) == {"reinforce", "sweep", "convergence"}
+    assert r["iteration_ms_std"] >= 0
     assert r["topk_k"] == 50 and len(r["topk"]) == 10
     last = events[-1]
     assert last["iteration"] == last["iterations"] == 5 and last["iteration_ms"] > 0
+    assert last["quality"] == r["quality"] and last["convergence"] == r["convergence"]
     # Replay the same operations on the reference: same seed, same streams, same order.
     ref = ReferenceStore(slots=SLOTS)
     ids, strengths = generate_memories(20_000, seed=3)
@@ -69,10 +71,17 @@ async def test_zipf_job_equals_reference_replay(make_cluster) -> None:
     stream = ScrambledZipfStream(np.unique(ids), 0.99, 5_000, seed=3)
     boosts = np.full(5_000, 0.05, np.float32)
     for i in range(5):
-        ref.reinforce(stream.next_batch(i), boosts)
+        accessed = stream.next_batch(i)
+        ref.reinforce(accessed, boosts)
         ref.decay(0.01)
     _assert_topk_matches(r, ref)
     rq = ref.quality()
+    # Convergence: the last iteration's distinct accessed ids' mean strength over the table's.
+    _, accessed_s, _ = ref.get(np.unique(accessed))
+    want = float(np.mean(accessed_s, dtype=np.float64)) / rq.mean
+    assert r["convergence"] == pytest.approx(want, rel=1e-9) and r["convergence"] > 1
+    gauge = cluster.coordinator.metrics.convergence_ratio.labels(job.job_id)._value.get()
+    assert gauge == r["convergence"]
     assert r["quality"]["count"] == rq.count and r["quality"]["histogram"] == list(rq.histogram)
     assert (r["quality"]["min"], r["quality"]["max"]) == (rq.min, rq.max)
     await assert_cluster_equals(cluster, ref)

@@ -63,7 +63,8 @@ async def test_every_declared_metric_is_set_by_the_daemons(make_cluster) -> None
     assert len(declared) >= 10 and all(n.startswith("neuroshard_") for n in declared)
     cluster = await make_cluster(workers=2, slots=16)
 
-    # Act: memory operations and a two-step training job through the public client.
+    # Act: memory operations, a two-step training job and a one-iteration memory job
+    # (neuroshard_convergence_ratio) through the public client.
     ids = np.arange(200, dtype=np.uint64)
     async with cluster.client() as client:
         await client.wait_ready()
@@ -75,7 +76,12 @@ async def test_every_declared_metric_is_set_by_the_daemons(make_cluster) -> None
         await client.topk(5)
         job = await client.submit({"kind": "train", "workers": 1, "steps": 2})
         final = await client.wait(job.job_id)
+        mem = await client.submit(
+            {"kind": "memory", "memories": 300, "iterations": 1, "access": {"batch": 50}}
+        )
+        mem_final = await client.wait(mem.job_id)
     assert final.state == "SUCCEEDED", final.error
+    assert mem_final.state == "SUCCEEDED", mem_final.error
     registries = [cluster.coordinator.metrics.registry] + [
         w.metrics.registry for w in cluster.workers
     ]

@@ -16,6 +16,8 @@ Frames, daemon to child:
     ``stop`` {}: end the generation at the next control point (a rescale)
 Frames, child to daemon:
     ``ready`` {port}: rank 0's store listens (the coordinator tells the other ranks)
+    ``joined`` {}: this rank is in the group and holds rank 0's state (every rank; the
+    coordinator gives up on a rank that has not joined in time)
     ``progress`` {step, epoch, samples, loss_sum, correct, steps, seconds, lr} (rank 0)
     ``state`` {step, reason} + torch.save bytes (rank 0): the full state (reason checkpoint,
     final) or the model's state_dict alone (epoch, for evaluation)
@@ -46,7 +48,12 @@ from shared.training.controls import resolve_device
 from shared.training.data import load_dataset
 from worker.allreduce.child_pipe import BlockingPipe, Frame, PipeClosed
 from worker.allreduce.ddp_replica import Replica, StepStats
-from worker.allreduce.rendezvous_store import SealedStore, bound_listener, gloo_interface
+from worker.allreduce.rendezvous_store import (
+    SealedStore,
+    bound_listener,
+    client_store,
+    gloo_interface,
+)
 
 # Steps between control points (a small all-reduce of the stop flag and progress sums: one
 # more latency-bound collective, so not every step);
@@ -165,13 +172,15 @@ class _Generation:
             timeout=self.timeout,
         )
         model = self.replica.start_generation(self.rank, self.world, self.state)
+        self.pipe.write(Frame("joined"))
         return self._train(model)
 
     def _store(self) -> TCPStore:
         """Rank 0: a store listening on the advertised host only; others: a client of it.
 
         TCPStore's own server would listen on every interface whatever host it is given,
-        so rank 0 binds the socket and hands its descriptor over (``master_listen_fd``).
+        so rank 0 binds the socket and hands its descriptor over (``master_listen_fd``). A
+        client waits for the store's answer no longer than the timeout (``client_store``).
         """
         if self.rank == 0:
             sock = bound_listener(self.bind_host)
@@ -188,7 +197,7 @@ class _Generation:
             self.pipe.write(Frame("ready", {"port": port}))
             return store
         host, port = self.master
-        return TCPStore(host, port, None, False, self.timeout)
+        return client_store(host, port, self.timeout)
 
     def _train(self, model: torch.nn.Module) -> tuple[bool, str]:
         r = self.replica
@@ -327,6 +336,11 @@ def main() -> None:
         if cmd.type == "generation":
             inbox.stop.clear()
             _Generation(pipe, inbox, replica, str(init.fields["bind_host"]), cmd).run()
+            # The generation's DDP wrapper, process group and store (rank 0: its server,
+            # still listening) sit in reference cycles that only the cyclic collector frees:
+            # free them now, before the next generation's rendezvous, not at whatever point
+            # of it the collector would next run (seconds with the GIL held, under load).
+            gc.collect()
 
 
 if __name__ == "__main__":

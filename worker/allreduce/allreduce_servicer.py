@@ -82,9 +82,10 @@ class AllreduceServicer:
         Receives an ``AllreduceHeader`` (then state chunks and ``state_done`` when
         ``state_follows``) and answers ``loaded`` once the job's child process is ready;
         then receives the ``rendezvous`` (rank 0's store, or "" on rank 0) and possibly
-        ``stop``. Streams rank 0's ``store_port``, ``progress`` and ``state`` chunks (rank
-        0), and last ``ended``. A call dropped before its rendezvous leaves the child as it
-        was; one cancelled during the generation kills it.
+        ``stop``. Streams rank 0's ``store_port``, ``joined`` once the rank is in the group,
+        ``progress`` and ``state`` chunks (rank 0), and last ``ended``. A call dropped
+        before its rendezvous leaves the child as it was; one cancelled during the
+        generation kills it.
 
         Raises:
             INVALID_ARGUMENT: no header first, a rank outside [0, world_size), no
@@ -183,6 +184,8 @@ class AllreduceServicer:
         f = frame.fields
         if frame.type == "ready":
             return [worker_pb2.AllreduceEvent(store_port=int(f["port"]))]
+        if frame.type == "joined":
+            return [worker_pb2.AllreduceEvent(joined=True)]
         if frame.type == "progress":
             return [worker_pb2.AllreduceEvent(progress=worker_pb2.AllreduceProgress(**f))]
         if frame.type == "state":

@@ -40,12 +40,13 @@ import hmac
 import ipaddress
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from torch.distributed import Store  # type: ignore[attr-defined]
+from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]
 
 NONCE_BYTES = 12  # AES-GCM's 96-bit nonce, drawn at random for every value
 MIN_SECRET_HEX = 32  # a secret shorter than 128 bits is refused
@@ -165,6 +166,48 @@ class SealedStore(Store):
         twin._name_key, twin._aead = self._name_key, self._aead
         twin._generation = self._generation
         return twin
+
+
+def client_store(host: str, port: int, timeout: datetime.timedelta) -> TCPStore:
+    """A client of rank 0's store at ``host:port`` that has answered, within ``timeout``.
+
+    torch's ``TCPStore`` client retries its connect for ``timeout``, then pings the server
+    and waits for the answer with no deadline at all (torch 2.13: a blocking ``recv`` in
+    ``TCPStore::ping``). A store host that accepts the connection (the kernel does, from the
+    listen backlog) but never answers, a stopped or wedged process, would hold this rank,
+    and with it the generation, forever. So the client is made on a helper thread and given
+    up on after ``timeout``; that thread stays in its ``recv`` until the host's socket closes
+    (the host's worker kills it when the coordinator gives up on it).
+
+    Args:
+        host: rank 0's advertised host.
+        port: its store's port.
+        timeout: the generation's rendezvous deadline (``collective_timeout_s``).
+
+    Raises:
+        TimeoutError: the store did not answer within ``timeout``.
+        RuntimeError: torch's own connect failed or timed out (``DistStoreError``).
+    """
+    made: list[TCPStore] = []
+    failed: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            made.append(TCPStore(host, port, None, False, timeout))
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=connect, name="store-client", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds())
+    if failed:
+        raise failed[0]
+    if not made:
+        raise TimeoutError(
+            f"rank 0's store at {host}:{port} did not answer within "
+            f"{timeout.total_seconds():g} s (collective_timeout_s)"
+        )
+    return made[0]
 
 
 def bound_listener(host: str) -> socket.socket:

@@ -83,7 +83,13 @@ class LocalSteps:
         self.trainer = trainer
         self._inner: torch.optim.Optimizer | None = None
 
-    def run(self, rows: np.ndarray, inner_rows: Sequence[int], steps: InnerSteps) -> GradResult:
+    def run(
+        self,
+        rows: np.ndarray,
+        inner_rows: Sequence[int],
+        steps: InnerSteps,
+        weights: np.ndarray | None = None,
+    ) -> GradResult:
         """Local optimizer steps from the set parameters, then Δ; the parameters are put back.
 
         ``rows`` is cut into consecutive inner batches of ``inner_rows[i]`` rows; each is one
@@ -93,12 +99,15 @@ class LocalSteps:
         ``grads`` is the pseudo-gradient Δ = θ_start − θ_end (algorithm 1), float32;
         ``buffers`` are those after the steps; ``loss_sum``/``correct`` are summed over the
         inner steps and ``samples`` is R. A non-finite Δ is reported (``finite`` False) and
-        the inner optimizer's state is dropped with it.
+        the inner optimizer's state is dropped with it. With ``weights`` (prioritized
+        sampling) each inner step's loss is mean_i(w_i * l_i) over its batch and ``losses``
+        gives every row's unweighted loss, as computed in its inner step.
 
         Args:
             rows: [R] int64 global row indices into the training split.
             inner_rows: the inner batches' row counts, summing to R; 0 skips a step.
             steps: the call's first inner step and the job's inner steps.
+            weights: [R] float32 importance weights aligned with ``rows``; None: all 1.
 
         Raises:
             TrainerError: no parameters were set yet (FAILED_PRECONDITION).
@@ -112,6 +121,8 @@ class LocalSteps:
             raise TrainerError("no parameters set: call set_params before local steps")
         if sum(inner_rows) != len(rows) or min(inner_rows, default=0) < 0:
             raise ValueError(f"inner_rows: {list(inner_rows)} do not split {len(rows)} rows")
+        if weights is not None and len(weights) != len(rows):
+            raise ValueError(f"weights: {len(weights)} values for {len(rows)} rows")
         t0 = time.perf_counter()
         params = dict(t.model.named_parameters())
         state = [*params.items(), *t.model.named_buffers()]
@@ -119,7 +130,7 @@ class LocalSteps:
         if self._inner is None:
             self._inner = make_optimizer(t.spec, params.values())
         try:
-            loss_sum, correct = self._steps(self._inner, rows, inner_rows, steps)
+            loss_sum, correct, losses = self._steps(self._inner, rows, inner_rows, steps, weights)
             delta = {
                 n: (start[n].to(torch.float32) - p.detach().to(torch.float32)).cpu().numpy()
                 for n, p in params.items()
@@ -133,7 +144,7 @@ class LocalSteps:
         if not finite:
             self._inner = None  # its moments may hold the NaN: start afresh
         compute_s = time.perf_counter() - t0
-        return GradResult(delta, buffers, len(rows), loss_sum, correct, compute_s, finite)
+        return GradResult(delta, buffers, len(rows), loss_sum, correct, compute_s, finite, losses)
 
     def _steps(
         self,
@@ -141,12 +152,18 @@ class LocalSteps:
         rows: np.ndarray,
         inner_rows: Sequence[int],
         steps: InnerSteps,
-    ) -> tuple[float, int]:
-        """Take the inner steps; return the loss summed over their rows and the rows right."""
+        weights: np.ndarray | None,
+    ) -> tuple[float, int, np.ndarray | None]:
+        """Take the inner steps; return loss sum, rows right and (weights) per-sample losses.
+
+        The per-sample losses are [R] float32 in the rows' order; None without ``weights``.
+        """
         t = self.trainer
         spec = t.spec
         loss_sum, correct, offset = 0.0, 0, 0
+        parts: list[np.ndarray] = []
         for i, count in enumerate(inner_rows):
+            start = offset
             batch, offset = rows[offset : offset + count], offset + count
             if count == 0:
                 continue
@@ -155,9 +172,14 @@ class LocalSteps:
                     spec, steps.first + i, max(steps.total, 1)
                 )
             inner.zero_grad(set_to_none=True)
-            step_loss, step_correct = t.backward(batch, 1.0)
+            w = None if weights is None else weights[start:offset]
+            step_loss, step_correct, step_losses = t.backward(batch, 1.0, w)
+            if step_losses is not None:
+                parts.append(step_losses)
             if spec.clip_grad_norm is not None:
                 nn.utils.clip_grad_norm_(t.model.parameters(), spec.clip_grad_norm)
             inner.step()
             loss_sum, correct = loss_sum + step_loss, correct + step_correct
-        return loss_sum, correct
+        if weights is None:
+            return loss_sum, correct, None
+        return loss_sum, correct, np.concatenate([np.empty(0, np.float32), *parts])

@@ -55,6 +55,8 @@ class GradResult:
         correct: rows whose arg-max logit equals the label (classification; else 0).
         compute_s: wall-clock seconds spent in forward and backward.
         finite: every gradient element is finite (after unscaling).
+        losses: prioritized sampling (the call had importance weights): [R] float32 the
+            unweighted per-sample losses of the rows, in their order; None otherwise.
     """
 
     grads: dict[str, np.ndarray]
@@ -64,6 +66,7 @@ class GradResult:
     correct: int
     compute_s: float
     finite: bool = True
+    losses: np.ndarray | None = None
 
 
 class Trainer:
@@ -161,18 +164,23 @@ class Trainer:
                 t.copy_(torch.tensor(np.asarray(params[name]), dtype=t.dtype))
         self.params_version = version
 
-    def compute_rows(self, rows: np.ndarray, loss_scale: float = 1.0) -> GradResult:
+    def compute_rows(
+        self, rows: np.ndarray, loss_scale: float = 1.0, weights: np.ndarray | None = None
+    ) -> GradResult:
         """Gradients of the mean per-sample loss over the given global training rows.
 
         The rows are run in micro-batches of ``batch_size`` in their order; each backward
         pass adds the gradient of its rows' loss sum divided by ``len(rows)``, so the total
-        is the gradient of the mean over all of them (sample-weighted).
+        is the gradient of the mean over all of them (sample-weighted). With ``weights``
+        (prioritized sampling) the loss is mean_i(w_i * l_i) instead and the result carries
+        the unweighted per-sample losses.
 
         Args:
             rows: [R] int64 global row indices into the training split (any shards held
                 here; R may be any size, 0 gives zero gradients).
             loss_scale: S > 0; the loss is multiplied by S before backward and the gradients
                 divided by S in float32 (fp16 loss scaling; 1.0 otherwise).
+            weights: [R] float32 importance weights aligned with ``rows``; None: all 1.
 
         Raises:
             TrainerError: no parameters were set yet (FAILED_PRECONDITION).
@@ -182,33 +190,42 @@ class Trainer:
         """
         if self.params_version is None:
             raise TrainerError("no parameters set: call set_params before compute_rows")
+        if weights is not None and len(weights) != len(rows):
+            raise ValueError(f"weights: {len(weights)} values for {len(rows)} rows")
         if len(rows) == 0:
             zeros = {n: np.zeros(tuple(p.shape), np.float32) for n, p in self._params.items()}
-            return GradResult(zeros, self._buffer_arrays(), 0, 0.0, 0, 0.0)
+            losses = None if weights is None else np.empty(0, np.float32)
+            return GradResult(zeros, self._buffer_arrays(), 0, 0.0, 0, 0.0, losses=losses)
         t0 = time.perf_counter()
         self.model.zero_grad(set_to_none=True)
-        loss_sum, correct = self.backward(rows, loss_scale)
+        loss_sum, correct, losses = self.backward(rows, loss_scale, weights)
         grads = {n: _grad_array(p, loss_scale) for n, p in self._params.items()}
         finite = all(np.isfinite(g).all() for g in grads.values())
         compute_s = time.perf_counter() - t0
         return GradResult(
-            grads, self._buffer_arrays(), len(rows), loss_sum, correct, compute_s, finite
+            grads, self._buffer_arrays(), len(rows), loss_sum, correct, compute_s, finite, losses
         )
 
-    def backward(self, rows: np.ndarray, loss_scale: float) -> tuple[float, int]:
+    def backward(
+        self, rows: np.ndarray, loss_scale: float, weights: np.ndarray | None = None
+    ) -> tuple[float, int, np.ndarray | None]:
         """Add the gradient of the mean loss over ``rows`` (R >= 1) times ``loss_scale``.
 
         Micro-batches of ``batch_size`` in the rows' order; each backward pass adds the
-        gradient of its rows' loss sum divided by R (sample-weighted mean). The parameters'
+        gradient of its rows' loss sum divided by R (sample-weighted mean). With ``weights``
+        each per-sample loss l_i is multiplied by w_i first, so the gradient is that of
+        mean_i(w_i * l_i) (importance-weighted, Schaul et al. 2016). The parameters'
         ``grad`` must be cleared before (``compute_rows``, DiLoCo's inner steps).
 
         Args:
             rows: [R] int64 global row indices into the training split, R >= 1.
             loss_scale: as ``compute_rows``.
+            weights: [R] float32 importance weights aligned with ``rows``; None: all 1.
 
         Returns:
-            The per-sample losses summed over the rows and the rows predicted right
-            (classification; else 0).
+            The unweighted per-sample losses summed over the rows, the rows predicted right
+            (classification; else 0), and with ``weights`` the per-sample losses [R] float32
+            (None without).
 
         Raises:
             ValueError: the model's outputs do not fit the task's targets (names both
@@ -217,17 +234,25 @@ class Trainer:
         spec = self.spec
         x_all, y_all = self.data.gather(rows, self.shard_count)
         loss_sum, correct = 0.0, 0
+        parts: list[np.ndarray] = []
         for i in range(0, len(rows), spec.batch_size):
             x = torch.from_numpy(x_all[i : i + spec.batch_size]).to(self.device)
             y = torch.from_numpy(y_all[i : i + spec.batch_size]).to(self.device)
             with autocast(spec.precision, self.device):
                 outputs = self.model(x)
-                loss = self.task.per_sample_loss(outputs, y).sum()
+                per = self.task.per_sample_loss(outputs, y)
+                loss = per.sum()
+            objective = loss
+            if weights is not None:
+                w = torch.from_numpy(np.array(weights[i : i + spec.batch_size], np.float32))
+                objective = (per.float() * w.to(self.device)).sum()
+                parts.append(per.detach().float().cpu().numpy())
             # torch leaves Tensor.backward unannotated
-            (loss * (loss_scale / len(rows))).backward()  # type: ignore[no-untyped-call]
+            (objective * (loss_scale / len(rows))).backward()  # type: ignore[no-untyped-call]
             loss_sum += float(loss.detach())
             correct += self.task.correct(outputs, y)
-        return loss_sum, correct
+        losses = np.concatenate(parts).astype(np.float32) if weights is not None else None
+        return loss_sum, correct, losses
 
     def _named_state(self) -> list[tuple[str, torch.Tensor]]:
         """The model's parameters and buffers by name (``set_params``'s names)."""

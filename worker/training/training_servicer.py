@@ -12,12 +12,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import numpy as np
 from grpc import aio
 
 from shared.config import ConfigError
 from shared.proto import worker_pb2
 from shared.rpc.codec import (
     CodecError,
+    f32_from_bytes,
+    f32_to_bytes,
     read_header_and_tensors,
     rows_from_bytes,
     tensors_to_chunks,
@@ -65,15 +68,18 @@ def _step_input(header: worker_pb2.StepHeader, params: dict[str, Any]) -> StepIn
     """A step header and the tensors that came with it, as ``TrainingSessions.step`` takes.
 
     Raises:
-        BadRequest: a loss_scale negative or not finite, or no explicit rows
-            (INVALID_ARGUMENT).
-        CodecError: ``rows`` is not int64 little-endian bytes (INVALID_ARGUMENT).
+        BadRequest: a loss_scale negative or not finite, no explicit rows, or weights not
+            one finite value >= 0 per row (INVALID_ARGUMENT).
+        CodecError: ``rows`` is not int64 little-endian bytes, or ``weights`` not float32
+            ones (INVALID_ARGUMENT).
     """
     if not (math.isfinite(header.loss_scale) and header.loss_scale >= 0):
         raise BadRequest(f"loss_scale: must be finite and >= 0, got {header.loss_scale}")
     if not header.explicit_rows:
         # The worker no longer chooses a step's rows itself: the coordinator names them.
         raise BadRequest("explicit_rows: must be true, with the step's rows in rows")
+    rows = rows_from_bytes(header.rows)
+    weights = _weights(header, len(rows))
     return StepInput(
         job_id=header.job_id,
         epoch=header.epoch,
@@ -82,11 +88,29 @@ def _step_input(header: worker_pb2.StepHeader, params: dict[str, Any]) -> StepIn
         params=params if header.params_included else None,
         params_delta=header.params_delta,
         base_version=header.base_version,
-        rows=rows_from_bytes(header.rows),
+        rows=rows,
         inner_rows=tuple(header.inner_rows),
         loss_scale=header.loss_scale or 1.0,
         inner_steps=_inner_steps(header),
+        weights=weights,
     )
+
+
+def _weights(header: worker_pb2.StepHeader, n_rows: int) -> np.ndarray | None:
+    """The header's importance weights [R] float32 (prioritized sampling); None when empty.
+
+    Raises:
+        BadRequest: not one finite value >= 0 per row (INVALID_ARGUMENT).
+        CodecError: not float32 little-endian bytes (INVALID_ARGUMENT).
+    """
+    if not header.weights:
+        return None
+    weights = f32_from_bytes(header.weights, "weights")
+    if len(weights) != n_rows:
+        raise BadRequest(f"weights: {len(weights)} values for {n_rows} rows")
+    if not bool(np.isfinite(weights).all()) or bool((weights < 0).any()):
+        raise BadRequest("weights: every importance weight must be finite and >= 0")
+    return weights
 
 
 def _inner_steps(header: worker_pb2.StepHeader) -> InnerSteps | None:
@@ -145,15 +169,17 @@ class TrainingServicer:
         included); streams back the step result, one float32 gradient per parameter (of the
         mean loss over the rows, unscaled by the header's ``loss_scale``; in the compressed
         wire form when the job compresses) and the model's buffers after the step's forward
-        passes (``TrainingSessions.step``). A shard of the rows not held here is fetched
-        from the coordinator first. Answers ``need_params`` alone when the worker holds no
+        passes (``TrainingSessions.step``). With importance weights in the header
+        (prioritized sampling) the loss is their weighted mean and the result carries the
+        rows' per-sample losses. A shard of the rows not held here is fetched from the
+        coordinator first. Answers ``need_params`` alone when the worker holds no
         usable parameters of the header's version.
 
         Raises:
             FAILED_PRECONDITION: unknown job, or a shard not held here.
-            INVALID_ARGUMENT: malformed stream, rows or parameters, ``explicit_rows`` not
-                set, a loss_scale that is negative or not finite, a row outside the training
-                split, or a malformed shard from the coordinator.
+            INVALID_ARGUMENT: malformed stream, rows, weights or parameters,
+                ``explicit_rows`` not set, a loss_scale that is negative or not finite, a
+                row outside the training split, or a malformed shard from the coordinator.
             FetchShard's status: fetching the shard failed.
         """
         async with _ERRORS.mapped(context):
@@ -171,6 +197,7 @@ class TrainingServicer:
                 correct=res.correct,
                 nonfinite=not res.finite,
                 compute_s=res.compute_s,
+                losses=f32_to_bytes(res.losses) if res.losses is not None else b"",
             )
         )
         tensors = [*res.grads.items(), *res.buffers.items()]

@@ -67,6 +67,8 @@ class StepInput:
         loss_scale: the coordinator's fp16 loss scale, > 0 (1.0: none).
         inner_steps: diloco: run local steps, these (None: gradients, or from a coordinator
             of the release before, ``legacy_inner_steps``).
+        weights: prioritized sampling: [R] float32 importance weights aligned with ``rows``
+            (the loss is mean_i(w_i * l_i) and the per-sample losses go back); None: all 1.
     """
 
     job_id: str
@@ -80,6 +82,7 @@ class StepInput:
     inner_rows: tuple[int, ...] = ()
     loss_scale: float = 1.0
     inner_steps: InnerSteps | None = None
+    weights: np.ndarray | None = None
 
 
 class TrainingSessions:
@@ -218,6 +221,7 @@ class TrainingSessions:
             call.loss_scale,
             call.inner_rows,
             call.inner_steps,
+            call.weights,
         )
         if link is not None and res.finite:
             res = dataclasses.replace(res, grads=link.send(res.grads))
@@ -250,6 +254,7 @@ class TrainingSessions:
         loss_scale: float = 1.0,
         inner_rows: Sequence[int] = (),
         inner_steps: InnerSteps | None = None,
+        weights: np.ndarray | None = None,
     ) -> GradResult:
         """Gradients of the mean loss over ``rows`` on the torch thread (``compute_rows``).
 
@@ -271,6 +276,7 @@ class TrainingSessions:
             loss_scale: the coordinator's fp16 loss scale (1.0: none).
             inner_rows: diloco: the inner batches' row counts, summing to R.
             inner_steps: diloco: the call's first inner step and the job's inner steps.
+            weights: prioritized sampling: [R] float32 importance weights; None: all 1.
 
         Raises:
             ShardFetchError, DataError: as :meth:`start`.
@@ -283,13 +289,13 @@ class TrainingSessions:
                 got, _rows = await self._fetch(job_id, s)
                 trainer.data.merge(got)
         loop = asyncio.get_running_loop()
-        work = partial(trainer.compute_rows, rows, loss_scale)
+        work = partial(trainer.compute_rows, rows, loss_scale, weights)
         inner = inner_steps or legacy_inner_steps(
             trainer.spec, trainer.n_train, epoch, step_in_epoch
         )
         if inner is not None:
             local = self._local_steps(job_id, trainer)
-            work = partial(local.run, rows, list(inner_rows) or [len(rows)], inner)
+            work = partial(local.run, rows, list(inner_rows) or [len(rows)], inner, weights)
         return await loop.run_in_executor(self._executor, work)
 
     def _local_steps(self, job_id: str, trainer: Trainer) -> LocalSteps:

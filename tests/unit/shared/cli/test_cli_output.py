@@ -1,4 +1,5 @@
-"""What the CLI prints: a train job's history as epochs end, the workers' training device."""
+"""What the CLI prints: a train job's history as epochs end, a memory job's iterations, the
+workers' training device."""
 
 from __future__ import annotations
 
@@ -90,6 +91,38 @@ def test_follow_json_prints_only_the_document(capsys: pytest.CaptureFixture) -> 
 
     doc = json.loads(capsys.readouterr().out)
     assert [e["epoch"] for e in doc["result"]["history"]] == [1, 2, 3]
+
+
+def iterate(i: int) -> dict[str, Any]:
+    quality = {"count": 20_000, "mean": 0.5 - i / 100, "min": 0.0, "max": 1.0}
+    return {
+        "phase": "iterate",
+        "iteration": i,
+        "iterations": 5,
+        "iteration_ms": 12.5,
+        "convergence": 1.5 + i / 10,
+        "quality": quality | {"histogram": [2_000] * 10},
+    }
+
+
+def test_follow_prints_a_memory_jobs_iterations_once_each(capsys: pytest.CaptureFixture) -> None:
+    mem = JobInfo("memory-1", "memory", "RUNNING", {}, None, "")
+    done = JobInfo("memory-1", "memory", "SUCCEEDED", {}, {"convergence": 2.0}, "")
+    events = [
+        (mem, {"phase": "load", "loaded": 10, "memories": 20}),
+        (mem, iterate(1)),
+        (mem, iterate(1)),  # the same event again (a reconnect): no second row
+        (mem, iterate(3)),  # iteration 2 coalesced away
+        (done, iterate(5)),
+    ]
+
+    follow_job(FakeClient(events), mem, as_json=False)  # type: ignore[arg-type]
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["iteration", "ms", "convergence", "memories", "mean", "min", "max"]
+    assert lines[1].split() == ["1", "12.5", "1.6000", "20,000", "0.4900", "0.0000", "1.0000"]
+    assert [line.split()[0] for line in lines[2:4]] == ["3", "5"]
+    assert lines[4:] == ["memory-1 SUCCEEDED", "  convergence: 2"]
 
 
 def test_status_shows_the_training_device(capsys: pytest.CaptureFixture) -> None:

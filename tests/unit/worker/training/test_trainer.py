@@ -206,3 +206,34 @@ def test_the_model_and_batches_live_on_cuda() -> None:
 
     assert all(p.is_cuda for p in t.model.parameters())
     assert result.samples == 32 and all(g.dtype == np.float32 for g in result.grads.values())
+
+
+def test_importance_weights_give_the_gradient_of_the_weighted_mean_and_the_losses(
+    trainer: Trainer,
+) -> None:
+    # 70 rows from several shards: three micro-batches of 32, 32 and 6.
+    rows = np.arange(100, 170, dtype=np.int64)
+    weights = np.linspace(0.1, 1.0, len(rows)).astype(np.float32)
+    model = build_model(make_spec().model, (1, 8, 8), 10, seed=0)
+    full = load_dataset(make_spec().data, seed=0, test_fraction=make_spec().test_fraction)
+    x, y = torch.from_numpy(full.x_train[rows]), torch.from_numpy(full.y_train[rows])
+    per = nn.functional.cross_entropy(model(x), y, reduction="none")
+    (per * torch.from_numpy(weights)).mean().backward()
+
+    result = trainer.compute_rows(rows, weights=weights)
+
+    assert result.losses is not None and result.losses.dtype == np.float32
+    np.testing.assert_allclose(result.losses, per.detach().numpy(), rtol=1e-5)
+    assert result.loss_sum == pytest.approx(float(per.detach().sum()), rel=1e-5)  # unweighted
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(result.grads[name], p.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_without_weights_no_losses_come_back_and_a_misaligned_weighting_is_refused(
+    trainer: Trainer,
+) -> None:
+    rows = step_rows(trainer, 0, 0)
+
+    assert trainer.compute_rows(rows).losses is None
+    with pytest.raises(ValueError, match="weights: 3 values for 32 rows"):
+        trainer.compute_rows(rows, weights=np.ones(3, np.float32))

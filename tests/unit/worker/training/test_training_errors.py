@@ -13,7 +13,7 @@ import pytest
 
 from shared.config import ConfigError
 from shared.proto import worker_pb2 as pb
-from shared.rpc.codec import CodecError, rows_to_bytes
+from shared.rpc.codec import CodecError, f32_to_bytes, rows_to_bytes
 from shared.rpc.status_table import BadRequest
 from shared.training.data import DataError
 from shared.training.entry_points import EntryPointRefused
@@ -138,8 +138,30 @@ async def test_compute_gradients_maps_each_domain_error_of_the_step(
             "loss_scale: must be finite and >= 0, got nan",
         ),
         ([pb.GradientRequest(header=header(rows=b"\x01\x02\x03"))], "rows: "),
+        (
+            [pb.GradientRequest(header=header(weights=f32_to_bytes([1.0, 0.5])))],
+            "weights: 2 values for 3 rows",
+        ),
+        (
+            [pb.GradientRequest(header=header(weights=f32_to_bytes([1.0, -0.5, 1.0])))],
+            "weights: every importance weight must be finite and >= 0",
+        ),
+        (
+            [pb.GradientRequest(header=header(weights=f32_to_bytes([1.0, np.nan, 1.0])))],
+            "weights: every importance weight must be finite and >= 0",
+        ),
+        ([pb.GradientRequest(header=header(weights=b"\x01\x02"))], "weights: "),
     ],
-    ids=["no-header", "implicit-rows", "loss-scale", "rows"],
+    ids=[
+        "no-header",
+        "implicit-rows",
+        "loss-scale",
+        "rows",
+        "weights-misaligned",
+        "weights-negative",
+        "weights-nan",
+        "weights-bytes",
+    ],
 )
 async def test_compute_gradients_refuses_a_malformed_request_before_the_step(
     messages: list[pb.GradientRequest], message: str
@@ -169,3 +191,15 @@ def test_every_rule_of_the_table_has_a_case_here() -> None:
     raised = {type(c.values[0]) for c in START_CASES + STEP_CASES}
     checked_here = {BadRequest, CodecError}  # the malformed requests above
     assert {cls for cls, _rule in _ERRORS.rules} == raised | checked_here
+
+
+async def test_importance_weights_reach_the_step_aligned_with_the_rows() -> None:
+    sessions = Sessions()
+    weights = np.array([1.0, 0.25, 0.5], np.float32)
+
+    await compute(sessions, pb.GradientRequest(header=header(weights=f32_to_bytes(weights))))
+
+    (call,) = sessions.steps
+    assert call.weights is not None and call.weights.tolist() == weights.tolist()
+    await compute(sessions, pb.GradientRequest(header=header()))
+    assert sessions.steps[1].weights is None  # uniform: no weights

@@ -1,0 +1,44 @@
+"""``bench_learner --quick`` runs end to end, so ``make bench-learner`` cannot rot.
+
+A subprocess (the benchmark configures logging for its in-process daemons, which must not
+leak into this test process): all four parts at small sizes (training: one seed to test
+accuracy 0.3), every table printed, and the figures that are exact whatever the machine's
+speed: the top-k equal to the reference after every iteration, no memory lost, no
+convergence lost to the kill.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_learner_quick_prints_its_four_tables(tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.benchmarks.bench_learner", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = out.read_text()
+    for title in ("### 1. Scale", "### 2. Distributed", "### 3. Fault tolerance"):
+        assert title in report
+    assert report.count("| top-k rank order equal to the reference | 8/8 iterations |") == 2
+    assert "| memories lost (count after the last iteration) | 0 |" in report
+    assert "| memories lost, % | 0.000 |" in report
+    assert "| convergence degradation, % (last iteration) | 0.000 |" in report
+    assert "| GPU (during the job) |" in report
+    assert "### 4. Training" in report
+    assert "| prioritized | 1/1 |" in report and "| uniform | 1/1 |" in report
