@@ -147,9 +147,11 @@ class _Generation:
         finally:
             held = self.replica.step
             _release_group()
-            # The generation's store (its server, on rank 0) is collected before the next
-            # generation can be asked for: a paced job's next one may follow at once, and an
-            # old server collected later left the new store's clients waiting.
+            # The generation's DDP wrapper, process group and store (rank 0: its server,
+            # still listening) sit in reference cycles that only the cyclic collector frees:
+            # free them before "ended", so before the next generation can be asked for (a
+            # paced job's may follow at once, and an old server collected later, at some
+            # point of the next rendezvous, left the new store's clients waiting).
             gc.collect()
         self.pipe.write(Frame("ended", {"held_step": held, "done": done, "reason": reason}))
 
@@ -336,11 +338,6 @@ def main() -> None:
         if cmd.type == "generation":
             inbox.stop.clear()
             _Generation(pipe, inbox, replica, str(init.fields["bind_host"]), cmd).run()
-            # The generation's DDP wrapper, process group and store (rank 0: its server,
-            # still listening) sit in reference cycles that only the cyclic collector frees:
-            # free them now, before the next generation's rendezvous, not at whatever point
-            # of it the collector would next run (seconds with the GIL held, under load).
-            gc.collect()
 
 
 if __name__ == "__main__":
