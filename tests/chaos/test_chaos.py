@@ -163,16 +163,33 @@ async def test_kill9_worker_during_training_succeeds(tmp_path: Path) -> None:
     assert final.result["test_accuracy"] >= 0.95
 
 
-def _training_children() -> int:
-    """Processes running an allreduce job's training child (any left behind is a leak)."""
+# Set in this test's cluster's environment, which workers hand on to their training children:
+# only those count (other test runs on the machine have children of their own, and a child
+# orphaned by its worker's kill is no longer this process's descendant).
+CLUSTER_TAG = "NEUROSHARD_CHAOS_TAG"
+
+
+def _training_children(tag: str) -> int:
+    """This cluster's processes running an allreduce job's training child (tagged ``tag``)."""
     import subprocess
 
     out = subprocess.run(["pgrep", "-f", CHILD_MODULE], capture_output=True)
-    return len(out.stdout.split())
+    mine = 0
+    for pid in out.stdout.split():
+        try:
+            environ = Path(f"/proc/{int(pid)}/environ").read_bytes().split(b"\0")
+        except OSError:  # it exited meanwhile
+            continue
+        mine += f"{CLUSTER_TAG}={tag}".encode() in environ
+    return mine
 
 
-async def test_kill9_worker_during_allreduce_new_generation_succeeds(tmp_path: Path) -> None:
+async def test_kill9_worker_during_allreduce_new_generation_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Arrange: 3 worker processes train digits with DDP; kill -9 one mid-epoch.
+    tag = str(tmp_path)
+    monkeypatch.setenv(CLUSTER_TAG, tag)
     cluster = make_cluster(tmp_path)
     await asyncio.to_thread(cluster.start)
     try:
@@ -185,7 +202,7 @@ async def test_kill9_worker_during_allreduce_new_generation_succeeds(tmp_path: P
                 if progress and progress["step"] >= 2 * per_epoch + per_epoch // 2:
                     break
             # The pattern finds the children while they run (else "none left" means nothing).
-            assert _training_children() == 3
+            assert _training_children(tag) == 3
             # Act
             await asyncio.to_thread(cluster.kill_worker, 1)
             final = await client.wait(job.job_id)
@@ -200,11 +217,11 @@ async def test_kill9_worker_during_allreduce_new_generation_succeeds(tmp_path: P
     n_train = 1797 - int(np.ceil(1797 * 0.2))
     assert [h["samples"] for h in result["history"]] == [n_train] * result["epochs"]
     # The killed daemon's child exited with it (its stdin closed), like every other child.
-    await wait_for(lambda: _no_children(), 10.0, "training children to exit")
+    await wait_for(lambda: _no_children(tag), 10.0, "training children to exit")
 
 
-async def _no_children() -> bool:
-    return _training_children() == 0
+async def _no_children(tag: str) -> bool:
+    return _training_children(tag) == 0
 
 
 async def test_sigterm_worker_drains_and_no_request_fails(tmp_path: Path) -> None:
