@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +63,7 @@ from coordinator.training.priority_rules import (
     importance_weights,
     strengths_of_losses,
 )
-from coordinator.training.step_types import StepOutcome, StepPlan
+from coordinator.training.step_types import StepOutcome, StepPlan, StepPlanner
 from shared.client.memory import MemoryRouter, RoutingError
 from shared.config import TrainJobSpec
 from shared.memory.tables import TableNotFound
@@ -125,26 +125,6 @@ class PriorityStore:
     settle_timeout_s: float
 
 
-class Steps(Protocol):
-    """What this module asks of the job's strategy (``StepScheme``)."""
-
-    @property
-    def per_epoch(self) -> int:
-        """Global steps in one epoch."""
-        ...
-
-    @property
-    def total(self) -> int:
-        """Global steps of the job."""
-        ...
-
-    def plan(
-        self, step: int, members: Sequence[str], rates: Mapping[str, float | None]
-    ) -> StepPlan:
-        """A step's pieces (with no members: one per shard)."""
-        ...
-
-
 @dataclass(frozen=True)
 class _Window:
     """One draw and the steps it serves: step -> (offset, rows) in the draw."""
@@ -159,7 +139,12 @@ class PrioritizedSampling:
     """A prioritized job's table, draws, priority updates and decays."""
 
     def __init__(
-        self, job_id: str, spec: TrainJobSpec, scheme: Steps, n_train: int, store: PriorityStore
+        self,
+        job_id: str,
+        spec: TrainJobSpec,
+        scheme: StepPlanner,
+        n_train: int,
+        store: PriorityStore,
     ) -> None:
         """Nothing is made until ``open``.
 

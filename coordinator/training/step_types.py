@@ -8,7 +8,9 @@ and ``Member`` (one worker's seat in a job).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -188,3 +190,27 @@ class StepOutcome:
     dropped: list[int] = field(default_factory=list)
     backups: int = 0
     late: dict[str, float] = field(default_factory=dict)
+
+
+class StepPlanner(Protocol):
+    """A strategy's step counts and plans: what the prioritized sampler asks of it.
+
+    ``coordinator.training.train_job.StepScheme`` (what the parameter-server loop asks)
+    extends it.
+    """
+
+    @property
+    def per_epoch(self) -> int:
+        """Global steps in one epoch (diloco: outer steps)."""
+        ...
+
+    @property
+    def total(self) -> int:
+        """Global steps of the job (diloco: outer steps)."""
+        ...
+
+    def plan(
+        self, step: int, members: Sequence[str], rates: Mapping[str, float | None]
+    ) -> StepPlan:
+        """Global step ``step``'s pieces for the active ``members`` (none: one per shard)."""
+        ...

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,7 +48,7 @@ from coordinator.training.prioritized import PrioritizedSampling, PriorityStore
 from coordinator.training.robust_aggregation import aggregate, global_norm, norm_outliers
 from coordinator.training.saved_models import initial_state
 from coordinator.training.step_monitor import StepMonitor
-from coordinator.training.step_types import StepPlan
+from coordinator.training.step_types import StepPlanner
 from coordinator.training.tensorboard_log import TrainBoard, worker_times
 from coordinator.training.train_history import TrainHistory, history_task, train_accuracy
 from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
@@ -64,27 +64,12 @@ from shared.training.data import DataError
 log = get_logger(__name__)
 
 
-class StepScheme(Protocol):
+class StepScheme(StepPlanner, Protocol):
     """What the parameter-server loop asks of a job's strategy (sync, diloco).
 
-    Built from the spec and the data set's training rows N once the data is loaded.
+    Built from the spec and the data set's training rows N once the data is loaded; its
+    step counts and plans are ``StepPlanner``'s.
     """
-
-    @property
-    def per_epoch(self) -> int:
-        """Global steps in one epoch (diloco: outer steps)."""
-        ...
-
-    @property
-    def total(self) -> int:
-        """Global steps of the job (diloco: outer steps)."""
-        ...
-
-    def plan(
-        self, step: int, members: Sequence[str], rates: Mapping[str, float | None]
-    ) -> StepPlan:
-        """Global step ``step``'s pieces for the active ``members`` (samples/s ``rates``)."""
-        ...
 
     def controls(self, model: nn.Module) -> StepControls:
         """The parameter server's optimizer, lr schedule and clipping, built on ``model``."""
