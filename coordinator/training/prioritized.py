@@ -163,6 +163,7 @@ class PrioritizedSampling:
         self._window: _Window | None = None
         self._digest = hashlib.sha256()
         self.drawn = 0
+        self.histogram: list[int] = []  # the table's strengths in 10 bins, at the last epoch end
         every = spec.sampling.resample_every_steps or spec.inner_steps
         self._outer_per_window = every // spec.inner_steps if spec.strategy == "diloco" else 1
 
@@ -295,17 +296,21 @@ class PrioritizedSampling:
     async def end_epoch(self, epoch: int) -> None:
         """Decay every strength of the table by ``decay_rate`` (once per epoch; 0: nothing).
 
+        Then reads the table's 10-bin strength histogram into ``histogram`` (the job's
+        progress and the dashboard show it).
+
         Raises:
             JobFailed: the decay failed (FAILED).
         """
         rate = self.spec.sampling.decay_rate
-        if rate <= 0:
-            return
         op_id = f"{self.job_id}/{self._table_id}/e{epoch}".encode()
         try:
-            await self.store.memory.decay(rate, op_id, self.table)
+            if rate > 0:
+                await self.store.memory.decay(rate, op_id, self.table)
+            q = await self.store.memory.quality(self.table)
         except _STORE_ERRORS as exc:
             raise JobFailed(f"sampling: decaying epoch {epoch}'s priorities: {exc}") from None
+        self.histogram = [int(c) for c in q.histogram]
 
     async def result_fields(self) -> dict[str, Any]:
         """The result's ``sampling``: the draws and the table's strengths at the end.

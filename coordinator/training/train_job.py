@@ -432,6 +432,8 @@ class TrainJob:
                 if run.history.entries
                 else float("nan"),
                 "history": run.history.recent(),
+                # prioritized: the priority table's strengths (10 bins) at the last epoch end
+                **({"histogram": run.sampling.histogram} if run.sampling is not None else {}),
             },
         )
 

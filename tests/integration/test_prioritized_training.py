@@ -107,6 +107,9 @@ async def test_sync_prioritized_job_equals_the_single_process_reference(
     # Act
     async with cluster.client() as client:
         job = await client.submit(fields)
+        histogram: list[int] = []
+        async for _info, progress in client.watch(job.job_id):
+            histogram = progress.get("histogram", histogram)
         final = await client.wait(job.job_id)
 
         # Assert
@@ -114,6 +117,8 @@ async def test_sync_prioritized_job_equals_the_single_process_reference(
         assert final.result["steps"] == STEPS
         assert_matches(final.result, model, trace)
         await assert_table_dropped(client, final.result)
+        # the progress shows the table's strengths (10 bins, every training row) per epoch
+        assert len(histogram) == 10 and sum(histogram) == trace.table.quality().count
 
 
 async def test_sync_prioritized_job_with_a_worker_killed_mid_job_equals_the_reference(

@@ -61,6 +61,9 @@ class FakeStore:
         return SimpleNamespace(ids=ids, probabilities=np.full(n, 0.1), size=10)
 
     # MemoryOps
+    async def quality(self, table):
+        return SimpleNamespace(histogram=[0] * 9 + [3], count=3, mean=1.0, min=1.0, max=1.0)
+
     async def decay(self, rate, op_id, table):
         self.calls.append(("decay", rate, op_id, table))
         return 10
@@ -143,6 +146,7 @@ async def test_the_decay_runs_once_per_epoch_by_its_op_id() -> None:
     await s.end_epoch(2)
 
     assert store.calls[-1] == ("decay", 0.25, b"j/7/e2", "job-j-priorities")
+    assert s.histogram == [0] * 9 + [3]  # read after the decay, for the progress
 
 
 async def test_a_draw_larger_than_max_sample_batch_goes_in_parts() -> None:
