@@ -60,7 +60,8 @@ class Metrics:
         shard_fetched_bytes: ``neuroshard_shard_fetched_bytes_total``, bytes of training rows
             a worker fetched from the coordinator.
         convergence_ratio: ``neuroshard_convergence_ratio{job_id}``, a memory job's convergence
-            after its last iteration (``shared.memory.stats.convergence_ratio``); labelled
+            after its last iteration (``shared.memory.stats.convergence_ratio``), a train
+            job's after its last epoch (``coordinator.training.epoch_figures``); labelled
             ``job_id``, not ``job``, which Prometheus sets on every scraped series.
     """
 
@@ -199,8 +200,9 @@ class Metrics:
         )
         self.convergence_ratio = Gauge(
             "neuroshard_convergence_ratio",
-            "A memory job's convergence after its last iteration: mean strength of the "
-            "memories accessed in that iteration over the table's mean strength.",
+            "A job's convergence: a memory job's after its last iteration (mean strength of "
+            "the memories accessed in that iteration over the table's mean strength), a train "
+            "job's after its last epoch (L_0 / L_e, mean per-sample training losses).",
             ["job_id"],
             registry=r,
         )

@@ -496,6 +496,7 @@ class AllreduceJob:
         if tokens_per_sample:
             entry["tokens_per_s"] = samples_per_s * tokens_per_sample
         entry |= self.figures.end(entry["train_loss"], self._wire, self.failures)
+        self._metrics.convergence_ratio.labels(self.job.job_id).set(entry["convergence"])
         prog.history.append(entry)
         self.board.add_epoch(step, entry)
         by_accuracy = self._task.scored_by_accuracy

@@ -407,6 +407,7 @@ class TrainJob:
             entry |= self.figures.end(
                 entry["train_loss"], self._wire_bytes(), self.members.failures
             )
+            self._metrics.convergence_ratio.labels(self.job.job_id).set(entry["convergence"])
             await asyncio.to_thread(self.board.add_epoch, step + 1, entry)
         every = (step + 1) % self.cfg.checkpoint_every_steps == 0
         # a paced job checkpoints at every epoch's end: a restart resumes at its boundary

@@ -102,6 +102,9 @@ async def test_three_epochs_are_one_job_equal_to_a_plain_one(
         assert f["failures"] == 0 and f["quality"] is None
     assert figures[0]["initial_loss"] > 2.0  # ln(10) at initialisation, about
     assert figures[2]["convergence"] > 1.0
+    # Prometheus: neuroshard_convergence_ratio{job_id} holds the last epoch's
+    gauge = cluster.coordinator.metrics.convergence_ratio.labels(learner.job_id)._value.get()
+    assert gauge == pytest.approx(figures[2]["convergence"], rel=1e-9)
     assert final is not None and final.state == "SUCCEEDED", final and final.error
     assert final.result["epochs"] == 3 and final.result["steps"] == plain.result["steps"]
     assert model.keys() == plain_model.keys()
