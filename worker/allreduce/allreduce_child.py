@@ -14,6 +14,9 @@ Frames, daemon to child:
     coordinator sends one); ``secret`` seals the generation's store keys; ``stop_at`` > 0 ends
     the generation at that step (a paced job's granted epochs), rank 0 sending its full state
     ``stop`` {}: end the generation at the next control point (a rescale)
+    ``window`` {first_step, rows_bytes} + rows (int64) then weights (float32), little-endian:
+    sampling prioritized, the drawn rows of the next generation's window (it says
+    ``windowed``; ``send_start_state``: rank 0 sends its full state before its first step)
 Frames, child to daemon:
     ``ready`` {port}: rank 0's store listens (the coordinator tells the other ranks)
     ``joined`` {}: this rank is in the group and holds rank 0's state (every rank; the
@@ -21,7 +24,9 @@ Frames, child to daemon:
     ``progress`` {step, epoch, samples, loss_sum, correct, steps, seconds, lr} (rank 0)
     ``state`` {step, reason} + torch.save bytes (rank 0): the full state (reason checkpoint,
     final) or the model's state_dict alone (epoch, for evaluation)
-    ``ended`` {held_step, done, reason}: the generation is over; the replica holds held_step
+    ``ended`` {held_step, done, reason[, losses_from_step]}: the generation is over; the
+    replica holds held_step; windowed: the payload is this rank's unweighted per-sample
+    losses (float32) of the steps trained from losses_from_step
     ``fatal`` {message}: the child cannot train this job, and exits
 
 The child exits when its stdin closes (the daemon died or let it go).
@@ -136,10 +141,21 @@ class _Generation:
         self.generation = int(f["generation"])
         self.secret = str(f["secret"])
         self.stop_at = int(f.get("stop_at", 0))
+        self.send_start_state = bool(f.get("send_start_state", False))
+        self.windowed = bool(f.get("windowed", False))
         self.state = cmd.payload
+        self.start_step = -1  # the replica's step once the generation has rank 0's state
 
-    def run(self) -> None:
+    def run(self, window: Frame | None) -> None:
+        if self.windowed and window is not None:
+            k = int(window.fields["rows_bytes"])
+            rows = np.frombuffer(window.payload[:k], "<i8").astype(np.int64)
+            weights = np.frombuffer(window.payload[k:], "<f4").astype(np.float32)
+            self.replica.set_window(int(window.fields["first_step"]), rows, weights)
+        else:
+            self.replica.clear_window()
         held, done, reason = self.replica.step, False, ""
+        from_step = held
         try:
             done, reason = self._run()
         except Exception as exc:  # a collective failed or timed out: the generation is over
@@ -153,7 +169,14 @@ class _Generation:
             # paced job's may follow at once, and an old server collected later, at some
             # point of the next rendezvous, left the new store's clients waiting).
             gc.collect()
-        self.pipe.write(Frame("ended", {"held_step": held, "done": done, "reason": reason}))
+        ended: dict[str, Any] = {"held_step": held, "done": done, "reason": reason}
+        payload = b""
+        if self.windowed:
+            # from the step the generation started at (a load of the coordinator's state
+            # moves the replica there)
+            ended["losses_from_step"] = self.start_step if self.start_step >= 0 else from_step
+            payload = self.replica.take_losses().astype("<f4").tobytes()
+        self.pipe.write(Frame("ended", ended, payload))
 
     def _run(self) -> tuple[bool, str]:
         """Rendezvous, load the state, train: (done, why the generation ended)."""
@@ -174,7 +197,11 @@ class _Generation:
             timeout=self.timeout,
         )
         model = self.replica.start_generation(self.rank, self.world, self.state)
+        self.start_step = self.replica.step
+        self.replica.take_losses()  # nothing before this generation's first step counts
         self.pipe.write(Frame("joined"))
+        if self.send_start_state:
+            self._send_state("checkpoint")
         return self._train(model)
 
     def _store(self) -> TCPStore:
@@ -333,11 +360,15 @@ def main() -> None:
         return
     inbox = _Inbox(pipe)
     pipe.write(Frame("loaded", {"total_steps": replica.total_steps}))
+    window: Frame | None = None  # the last ``window`` frame, for the generation after it
     while True:
         cmd = inbox.frames.get()
-        if cmd.type == "generation":
+        if cmd.type == "window":
+            window = cmd
+        elif cmd.type == "generation":
             inbox.stop.clear()
-            _Generation(pipe, inbox, replica, str(init.fields["bind_host"]), cmd).run()
+            _Generation(pipe, inbox, replica, str(init.fields["bind_host"]), cmd).run(window)
+            window = None
 
 
 if __name__ == "__main__":

@@ -108,6 +108,10 @@ class AllreduceServicer:
                 header.timeout_s if header.timeout_s > 0 else 60.0,
                 header.rendezvous_secret,
                 int(header.stop_at_step),
+                header.window_rows,
+                header.window_weights,
+                int(header.window_first_step),
+                header.send_start_state,
             )
             stops = asyncio.create_task(_forward_stops(request_iterator, child))
             ended = False
@@ -156,7 +160,8 @@ class AllreduceServicer:
 
         Raises:
             BadRequest: no header first, a rank outside [0, world_size), a malformed
-                rendezvous_secret, or something else than state chunks after a header with
+                rendezvous_secret, window_rows not whole int64s or window_weights not one
+                float32 each, or something else than state chunks after a header with
                 ``state_follows`` (INVALID_ARGUMENT).
         """
         first = await anext(requests, None)
@@ -169,6 +174,12 @@ class AllreduceServicer:
             raise BadRequest(
                 f"rendezvous_secret: expected at least {MIN_SECRET_HEX} hex digits (an even "
                 f"number), got {len(header.rendezvous_secret)} characters"
+            )
+        rows, weights = len(header.window_rows), len(header.window_weights)
+        if rows % 8 or weights * 2 != rows:
+            raise BadRequest(
+                f"window_rows, window_weights: {rows} and {weights} bytes are not K int64 "
+                "rows and K float32 weights"
             )
         chunks: list[bytes] = []
         if header.state_follows:
@@ -203,7 +214,8 @@ class AllreduceServicer:
                 for i in starts
             ]
         if frame.type == "ended":
-            return [worker_pb2.AllreduceEvent(ended=worker_pb2.AllreduceEnded(**f))]
+            ended = worker_pb2.AllreduceEnded(**f, losses=frame.payload)
+            return [worker_pb2.AllreduceEvent(ended=ended)]
         return []
 
 

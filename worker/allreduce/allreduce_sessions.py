@@ -52,6 +52,11 @@ class GenerationOrder:
         timeout_s: deadline of the rendezvous and of each collective, seconds.
         secret: the generation's rendezvous secret, hex (``worker.allreduce.rendezvous_store``).
         stop_at_step: > 0: end the generation at this step (a paced job); 0: at the job's end.
+        window_rows: prioritized sampling: the window's drawn rows, int64 little-endian bytes
+            (b"": uniform sampling).
+        window_weights: their importance weights, float32 little-endian bytes.
+        window_first_step: the window's first global step.
+        send_start_state: rank 0 sends its full state before its first step.
     """
 
     generation: int
@@ -62,6 +67,10 @@ class GenerationOrder:
     timeout_s: float
     secret: str
     stop_at_step: int = 0
+    window_rows: bytes = b""
+    window_weights: bytes = b""
+    window_first_step: int = 0
+    send_start_state: bool = False
 
 
 class AllreduceChild:
@@ -128,8 +137,18 @@ class AllreduceChild:
             "timeout_s": order.timeout_s,
             "secret": order.secret,
             "stop_at": order.stop_at_step,
+            "windowed": bool(order.window_rows),
+            "send_start_state": order.send_start_state,
         }
         try:
+            if order.window_rows:  # the child keeps it for the generation that follows
+                window = {
+                    "first_step": order.window_first_step,
+                    "rows_bytes": len(order.window_rows),
+                }
+                await self.pipe.write(
+                    Frame("window", window, order.window_rows + order.window_weights)
+                )
             await self.pipe.write(Frame("generation", fields, state))
             while True:
                 frame = await self.pipe.read()

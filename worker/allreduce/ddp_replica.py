@@ -10,6 +10,12 @@ Each step the ranks train on their parts of the step's global batch
 over the whole global batch, even when the ranks hold different numbers of rows: the step
 equals single-process training on the global batch (Goyal et al. 2017, section 2).
 Micro-batches (``grad_accum_steps``) skip DDP's all-reduce until the last one (``no_sync``).
+
+With ``sampling: prioritized`` the coordinator sends each generation the drawn rows of its
+window of steps and their importance weights (``set_window``): a step's global batch is the
+window's next G' rows, and a rank's loss is ``sum(w_i l_i) x W / G'`` over its rows, so the
+step is single-process training on mean_i(w_i l_i) over the drawn batch; the unweighted l_i
+are kept (``take_losses``) for the coordinator to set the rows' priorities.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from shared.training.partition import (
     global_batch_size,
     micro_batches,
     rank_rows,
+    step_rows,
 )
 from shared.training.tasks import task_of
 from worker.allreduce.ddp_hooks import register_compression_hook
@@ -108,6 +115,10 @@ class Replica:
         self._model_args = (tuple(x_train.shape[1:]), num_classes, allowed_models, daemon)
         self._perm_epoch = -1
         self._perm = np.empty(0, np.int64)
+        # sampling: prioritized: (first step, rows [K] int64, weights [K] float32) of the
+        # generation's window, and the unweighted per-sample losses of its steps trained
+        self._window: tuple[int, npt.NDArray[np.int64], npt.NDArray[np.float32]] | None = None
+        self._losses: list[npt.NDArray[np.float32]] = []
         # A sharded replica builds its model for real at each generation's start; here on
         # the meta device only, so that a model that cannot be built is refused at once.
         self._build(on_meta=self.sharded)
@@ -162,6 +173,53 @@ class Replica:
             self._perm_epoch = epoch
         g = self.global_batch
         return self._perm[in_epoch * g : (in_epoch + 1) * g]
+
+    def set_window(
+        self, first_step: int, rows: npt.NDArray[np.int64], weights: npt.NDArray[np.float32]
+    ) -> None:
+        """Train the next steps on a prioritized window's drawn rows (module docstring).
+
+        Args:
+            first_step: the window's first global step (within one epoch).
+            rows: [K] int64, the global batches of the window's steps in turn.
+            weights: [K] float32 importance weights aligned with ``rows``.
+        """
+        self._window = (first_step, rows, weights)
+        self._losses = []
+
+    def clear_window(self) -> None:
+        """Back to the uniform order (a generation without a window)."""
+        self._window = None
+        self._losses = []
+
+    def take_losses(self) -> npt.NDArray[np.float32]:
+        """This rank's unweighted losses since the window was set; then forgets them.
+
+        Returns:
+            [R] float32, its rows of each step trained in turn.
+        """
+        out = np.concatenate(self._losses) if self._losses else np.empty(0, np.float32)
+        self._losses = []
+        return out.astype(np.float32)
+
+    def _window_batch(
+        self, step: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32] | None]:
+        """The rows of ``step`` (and their weights when a window is set).
+
+        Raises:
+            ValueError: the step is outside the window (FAILED_PRECONDITION upstream: the
+                coordinator sent a window that does not cover the generation).
+        """
+        if self._window is None:
+            return self._rows(step), None
+        first, rows, weights = self._window
+        _, in_epoch = self.epoch_of(step)
+        start = (step - first) * self.global_batch  # only an epoch's last step is short
+        stop = start + step_rows(self.n_train, self.global_batch, in_epoch)
+        if step < first or stop > len(rows):
+            raise ValueError(f"step {step} is outside the window of {len(rows)} rows from {first}")
+        return rows[start:stop], weights[start:stop]
 
     def start_generation(self, rank: int, world_size: int, state: bytes) -> nn.Module:
         """Bring every rank to rank 0's state; return the model as the generation trains it.
@@ -219,19 +277,25 @@ class Replica:
                 failed or timed out; the replica keeps the state of ``self.step``.
         """
         self.last_lr = self.lr
-        rows = self._rows(self.step)
+        rows, weights = self._window_batch(self.step)
         mine = rank_rows(rows, rank, world_size)
+        mine_w = None
+        if weights is not None:  # the same contiguous part as the rows (rank_rows)
+            mine_w = weights[rank_rows(np.arange(len(rows)), rank, world_size)]
         scale = world_size / max(len(rows), 1)
         stats = StepStats()
         self.optimizer.zero_grad(set_to_none=True)
         parts = micro_batches(mine, self.spec.grad_accum_steps)
+        done = 0
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
             if not last and isinstance(ddp, DistributedDataParallel):
                 ctx = ddp.no_sync()  # accumulate locally; all-reduce on the last micro-batch
+            w = mine_w[done : done + len(part)] if mine_w is not None else None
+            done += len(part)
             with ctx:
-                self._backward(ddp, part, scale, stats)
+                self._backward(ddp, part, scale, stats, w)
         self.scaler.unscale_(self.optimizer)
         if self.spec.clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.clip_grad_norm)
@@ -242,15 +306,27 @@ class Replica:
         return stats
 
     def _backward(
-        self, ddp: nn.Module, part: npt.NDArray[np.int64], scale: float, s: StepStats
+        self,
+        ddp: nn.Module,
+        part: npt.NDArray[np.int64],
+        scale: float,
+        s: StepStats,
+        weights: npt.NDArray[np.float32] | None = None,
     ) -> None:
         index = torch.from_numpy(part)
         x = self.x[index].to(self.device, non_blocking=True)
         y = self.y[index].to(self.device, non_blocking=True)
         with autocast(self.spec.precision, self.device):
             outputs = ddp(x)
-        losses = self.task.per_sample_loss(outputs, y).sum()
-        self.scaler.scale(losses * scale).backward()  # type: ignore[no-untyped-call]
+        per_sample = self.task.per_sample_loss(outputs, y)
+        losses = per_sample.sum()
+        if weights is None:
+            loss = losses
+        else:  # prioritized: sum(w_i l_i); the unweighted l_i go back to the coordinator
+            w = torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
+            loss = (per_sample * w).sum()
+            self._losses.append(per_sample.detach().float().cpu().numpy())
+        self.scaler.scale(loss * scale).backward()  # type: ignore[no-untyped-call]
         s.samples += len(part)
         s.loss_sum += float(losses.detach())
         s.correct += self.task.correct(outputs, y)
