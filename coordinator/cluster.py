@@ -412,7 +412,10 @@ class Cluster:
         args = (job, workers, self.cfg, self.clients, self.jobs, self.metrics)
         if job.spec.strategy == "allreduce":  # DDP in the workers' processes
             return await AllreduceJob(
-                *args, alive=self.membership.alive, train_sets=self.train_sets
+                *args,
+                alive=self.membership.alive,
+                train_sets=self.train_sets,
+                store=self._priority_store(),
             ).run()
         # sync and diloco: the parameter-server loop (which measures the links), their steps
         return await TrainJob(

@@ -25,6 +25,12 @@ the shards in order: shard 0's rows of each of the outer step's inner steps, the
 and so on; each inner step's loss is mean_i(w_i l_i) over its batch, and the outer step's
 losses (shard by shard, in that order) set the strengths after it.
 
+allreduce draws the rows of each window of ``resample_every_steps`` steps (default: one
+epoch), cut at epoch ends, at its first step (seed of that step), as many as its steps' global
+batches have (G = workers x batch_size, fewer at an epoch's last step), with beta_t at that
+step; each step trains on its G' rows in turn, loss mean_i(w_i l_i), and its losses then set
+the strengths (running mean included) as sync's do; the decay at each epoch's end.
+
 Each reference returns the model and a ``Trace``: the SHA-256 of every drawn row (int64
 little-endian, in draw order), the running mean loss and the table at the end.
 """
@@ -232,5 +238,40 @@ def train_prioritized_diloco_single_process(
         outer.step()
         trace.write_back(rows, np.concatenate(losses))
         if (j == outer_per_epoch - 1 or o == outer_total - 1) and s.decay_rate > 0:
+            trace.table.decay(s.decay_rate)
+    return model, trace
+
+
+def train_prioritized_allreduce_single_process(
+    spec: TrainJobSpec, dataset: Dataset, slots: int
+) -> tuple[nn.Module, Trace]:
+    """A ``strategy: allreduce`` prioritized job of ``spec.steps`` steps, in this process."""
+    assert spec.steps is not None
+    _refuse_unmodelled(spec)
+    n_train, s = len(dataset.y_train), spec.sampling
+    g = spec.workers * spec.batch_size * spec.grad_accum_steps
+    per_epoch = -(-n_train // g)
+    every = s.resample_every_steps or per_epoch
+    model = build_model(spec.model, dataset.input_shape, dataset.num_classes, spec.seed)
+    opt = _optimizer(spec, model)
+    trace = Trace(table=_table(n_train, slots))
+
+    def size(t: int) -> int:
+        return max(0, min(g, n_train - (t % per_epoch) * g))
+
+    rows = weights = np.empty(0)
+    offset = 0
+    for t in range(spec.steps):
+        epoch, in_epoch = divmod(t, per_epoch)
+        if in_epoch % every == 0:  # a window starts
+            stop = min(t + every, (epoch + 1) * per_epoch, spec.steps)
+            n = sum(size(u) for u in range(t, stop))
+            rows, probabilities = trace.draw(n, spec.seed, epoch, t, s.alpha)
+            weights = weights_of(probabilities, n_train, beta_at(spec, t, spec.steps))
+            offset = 0
+        batch, w = rows[offset : offset + size(t)], weights[offset : offset + size(t)]
+        offset += size(t)
+        trace.write_back(batch, weighted_step(model, opt, dataset, batch, w))
+        if (in_epoch == per_epoch - 1 or t == spec.steps - 1) and s.decay_rate > 0:
             trace.table.decay(s.decay_rate)
     return model, trace

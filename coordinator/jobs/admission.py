@@ -46,6 +46,7 @@ from shared.training.data_files import data_files, open_arrays
 from shared.training.entry_points import EntryPointError, check_entries
 from shared.training.file_sets import check_file_layout, check_values
 from shared.training.models import ModelError, activation_bytes, build_model, count_params
+from shared.training.partition import allreduce_steps_per_epoch, global_batch_size
 from shared.training.tasks import DataError, task_of
 
 DIGITS_SAMPLES, DIGITS_SHAPE, DIGITS_CLASSES = 1797, (1, 8, 8), 10
@@ -227,6 +228,43 @@ def _admit_train(spec: TrainJobSpec, path: Path | None, cfg: CoordinatorConfig) 
             "max_memories_per_job",
             " memories",
             " (prioritized: one per training row)",
+        )
+    if spec.sampling.name == "prioritized" and spec.strategy == "allreduce":
+        _check_window_bytes(spec, max(n_train, 1), len(spec_json_of(spec)), cfg)
+
+
+# What a generation's header holds besides its spec and window, bytes (a generous bound).
+HEADER_SLACK_BYTES = 64 * 1024
+
+
+def spec_json_of(spec: TrainJobSpec) -> str:
+    """The spec as a generation's header carries it (``AllreduceJob._spec_json``)."""
+    return spec.model_dump_json(by_alias=True)
+
+
+def _check_window_bytes(
+    spec: TrainJobSpec, n_train: int, spec_bytes: int, cfg: CoordinatorConfig
+) -> None:
+    """Refuse a prioritized allreduce job whose window cannot travel in one header.
+
+    A window's rows (int64) and weights (float32), 12 bytes a row, go to every rank in the
+    generation's header, one gRPC message (``max_message_bytes``).
+
+    Raises:
+        LimitExceeded: the largest window's header would pass max_message_bytes
+            (RESOURCE_EXHAUSTED).
+    """
+    g = global_batch_size(spec)
+    per_epoch = allreduce_steps_per_epoch(n_train, g)
+    every = spec.sampling.resample_every_steps or per_epoch
+    rows = min(every, per_epoch) * g if every < per_epoch else n_train
+    size = 12 * rows + spec_bytes + HEADER_SLACK_BYTES
+    if size > cfg.max_message_bytes:
+        raise LimitExceeded(
+            f"sampling.resample_every_steps: a window of {min(every, per_epoch)} steps draws "
+            f"{rows} rows, {size} bytes with their weights in a generation's header, which "
+            f"exceeds the coordinator's max_message_bytes {cfg.max_message_bytes} (set "
+            "resample_every_steps lower)"
         )
 
 

@@ -66,7 +66,11 @@ class GenerationPlan:
         start_timeout_s: how long a worker may take to start its child and answer, seconds.
         held_before: worker name -> the step its child holds now (survivors).
         stop_at_step: > 0: the ranks end the generation at this step (a paced job's granted
-            epochs), rank 0 sending its full state there; 0: at the job's end.
+            epochs, a prioritized window's end), rank 0 sending its full state there; 0: at
+            the job's end.
+        window: sampling prioritized: (first step, rows [K] int64 bytes, weights [K] float32
+            bytes), little-endian, sent to every rank; None: uniform.
+        send_start_state: rank 0 sends its full state before its first step.
     """
 
     number: int
@@ -78,6 +82,8 @@ class GenerationPlan:
     start_timeout_s: float
     held_before: dict[str, int] = field(default_factory=dict)
     stop_at_step: int = 0
+    window: tuple[int, bytes, bytes] | None = None
+    send_start_state: bool = False
 
 
 @dataclass
@@ -89,12 +95,15 @@ class GenerationOutcome:
         failed: worker name -> why its call failed.
         done: a rank reported that training finished.
         reasons: the ranks' reasons for ending, when not done.
+        losses: sampling prioritized: worker name -> (the step its losses start at, its
+            unweighted per-sample losses, float32 little-endian bytes) of the ranks that ended.
     """
 
     held: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     done: bool = False
     reasons: list[str] = field(default_factory=list)
+    losses: dict[str, tuple[int, bytes]] = field(default_factory=dict)
 
 
 EventHandler = Callable[[str, worker_pb2.AllreduceEvent], Awaitable[None]]
@@ -238,7 +247,12 @@ class Generation:
             timeout_s=self.plan.timeout_s,
             rendezvous_secret=self._secret,
             stop_at_step=self.plan.stop_at_step,
+            send_start_state=self.plan.send_start_state,
         )
+        if self.plan.window is not None:
+            first, rows, weights = self.plan.window
+            header.window_first_step, header.window_rows = first, rows
+            header.window_weights = weights
         await self._send(w.name, worker_pb2.AllreduceInput(header=header))
         for i in range(0, len(state), self._chunk_bytes):
             await self._send(
@@ -327,6 +341,8 @@ class Generation:
         self._first_end = self._first_end or (name, time.monotonic())
         self.outcome.held[name] = int(ended.held_step)
         self.outcome.done |= ended.done
+        if self.plan.window is not None:
+            self.outcome.losses[name] = (int(ended.losses_from_step), ended.losses)
         if not ended.done and ended.reason:
             self.outcome.reasons.append(f"{name}: {ended.reason}")
 

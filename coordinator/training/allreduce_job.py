@@ -32,6 +32,16 @@ and the steps since are trained again.
 A paced job (``coordinator.jobs.pacing``) runs each generation up to the epochs granted
 (``stop_at_step``): there rank 0 sends its full state (a checkpoint) and the ranks end the
 generation, their children keeping their replicas while the job waits for the next grant.
+
+With ``sampling: prioritized`` each window of ``resample_every_steps`` steps (default: one
+epoch) is one generation: the coordinator draws the window's rows and weights at its start
+(``coordinator.training.prioritized``), sends them to every rank with the generation, and
+the generation ends at the window's end (rank 0 sending its full state there). When it ended
+cleanly, the ranks' per-sample losses set the rows' strengths
+(``coordinator.training.allreduce_windows``), and at an epoch's end the strengths decay. A
+generation that ends early (a rank failed, a rescale) is run again from the window's start
+with the coordinator's state of that step: the same rows, weights and state, so the job
+equals an undisturbed run.
 """
 
 from __future__ import annotations
@@ -52,9 +62,11 @@ from coordinator.jobs.jobs import JobFailed, JobRecord, JobStore
 from coordinator.jobs.pacing import next_epoch
 from coordinator.placement.membership import WorkerRecord
 from coordinator.training.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
+from coordinator.training.allreduce_windows import AllreduceSteps, window_losses
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.epoch_figures import EpochFigures
 from coordinator.training.evaluation import evaluate
+from coordinator.training.prioritized import PrioritizedSampling, PriorityStore
 from coordinator.training.saved_models import initial_state
 from coordinator.training.tensorboard_log import TrainBoard
 from coordinator.training.train_history import history_task, train_accuracy
@@ -130,6 +142,7 @@ class AllreduceJob:
         alive: Callable[[], list[WorkerRecord]],
         train_sets: TrainSets,
         clock: Callable[[], float] = time.perf_counter,
+        store: PriorityStore | None = None,
     ) -> None:
         """Prepare the job; nothing runs until ``run``.
 
@@ -144,6 +157,8 @@ class AllreduceJob:
             alive: the ALIVE workers now.
             train_sets: where workers fetch a file data set's rows (all of them, one shard).
             clock: seconds, for throughput.
+            store: the memory store a ``sampling: prioritized`` job keeps its priority
+                table in (None: prioritized jobs fail).
         """
         assert isinstance(job.spec, TrainJobSpec)
         self.job, self.spec, self.cfg = job, job.spec, cfg
@@ -172,6 +187,16 @@ class AllreduceJob:
         self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
         self.figures = EpochFigures()
         self._wire = 0  # bytes of the job's messages through the coordinator, both ways
+        self._store = store
+        self._sampling: PrioritizedSampling | None = None
+        self._steps: AllreduceSteps | None = None
+        self._last_ranks: list[str] = []  # the last generation's workers in rank order
+        # prioritized: the current window's first step and the full state of that step (a
+        # window that did not end whole runs again from it)
+        self._window_first = -1
+        self._window_start: tuple[int, bytes] | None = None
+        self._restored_sampling: dict[str, Any] | None = None  # the checkpoint's running mean
+        self._checkpointed = -1  # the step of the last checkpoint written
 
     async def run(self) -> dict[str, Any]:
         """Train to the spec's epochs/steps and return the result.
@@ -224,9 +249,31 @@ class AllreduceJob:
         await asyncio.to_thread(self.board.open, resumed)
         self._train_sets.open(self.job.job_id, dataset, 1, self._invited.__contains__)
         t0 = self._clock()
+        await self._open_sampling(n_train, resumed)
         await self._generations()
         seconds = max(self._clock() - t0, 1e-9)
-        return await asyncio.to_thread(self._result, resumed, seconds)
+        result = await asyncio.to_thread(self._result, resumed, seconds)
+        if self._sampling is not None:
+            result |= await self._sampling.result_fields()
+            await self._sampling.close()
+        return result
+
+    async def _open_sampling(self, n_train: int, resumed: int) -> None:
+        """The job's priority table and draws (``sampling: prioritized``); nothing: uniform.
+
+        Raises:
+            JobFailed: no store, or the table could not be made or found (FAILED).
+        """
+        if self.spec.sampling.name != "prioritized":
+            return
+        if self._store is None:
+            raise JobFailed("sampling.name: prioritized needs the coordinator's memory store")
+        self._steps = AllreduceSteps(n_train, self._global_batch, self._per_epoch, self._total)
+        self._sampling = PrioritizedSampling(
+            self.job.job_id, self.spec, self._steps, n_train, self._store
+        )
+        self._sampling.load_doc(self._restored_sampling)
+        await self._sampling.open(fresh=resumed == 0)
 
     async def _generations(self) -> None:
         members = list(self._workers)
@@ -238,9 +285,17 @@ class AllreduceJob:
             if stop_at < 0:  # a paced job's finish: the model as of its last boundary
                 self._final, self._total = self._state, self._progress.applied
                 return
+            window = None
+            if self._sampling is not None:
+                window = await self._sampling.window(self._state_step)
+                stop_at = min(stop_at or self._total, window[1])
+                if self._window_first != window[0]:
+                    self._window_first, self._window_start = window[0], None
+                if self._state and self._state_step == window[0]:
+                    self._window_start = (self._state_step, self._state)
             members = await self._fill(members, failed)
             before = self._progress.applied
-            outcome = await self._generation(members, held, stop_at)
+            outcome = await self._generation(members, held, stop_at, window)
             self.generations += 1
             self.failures += len(outcome.failed)
             failed = set(outcome.failed)  # sat out for one generation, in case they are down
@@ -249,12 +304,42 @@ class AllreduceJob:
             if outcome.done and not self._final:
                 raise JobFailed("the workers finished without sending the final state")
             self._advance(max(held.values(), default=self._progress.applied))
+            if window is not None:
+                await self._end_window(window, outcome)
             stalled = 0 if self._progress.applied > before else stalled + 1
             last_reason = "; ".join([*outcome.failed.values(), *outcome.reasons])[:500]
             if stalled >= MAX_STALLED_GENERATIONS and not self._final:
                 raise JobFailed(
                     f"{stalled} generations in a row made no progress; last: {last_reason}"
                 )
+
+    async def _end_window(
+        self, window: tuple[int, int, Any, Any], outcome: GenerationOutcome
+    ) -> None:
+        """Record a window's losses when its generation ran it whole; decay at an epoch end.
+
+        A generation that ended before the window's end (a failure, a rescale) records
+        nothing: the next one runs the window again from its start.
+        """
+        assert self._sampling is not None and self._steps is not None
+        first, stop = window[0], window[1]
+        ranks = self._last_ranks
+        whole = not outcome.failed and all(outcome.held.get(n) == stop for n in ranks)
+        losses = window_losses(self._steps, ranks, outcome.losses, stop) if whole else {}
+        if not whole or set(losses) != set(range(first, stop)):
+            # Some rank's losses are lost: run the window again from its start (the rows
+            # were drawn once; the state of its first step is the coordinator's).
+            if self._window_start is not None:
+                self._state_step, self._state = self._window_start
+                self._final = b""
+            self._rollback(self._state_step)
+            return
+        await self._sampling.record_window(first, losses)
+        if self._checkpointed == stop:
+            # the checkpoint of the window's end came before its losses: add them to it
+            await asyncio.to_thread(self._write_run, stop)
+        if stop % self._per_epoch == 0 or stop >= self._total:
+            await self._sampling.end_epoch((stop - 1) // self._per_epoch)
 
     async def _paced(self) -> int:
         """The step a paced job's next generation stops at; -1 when the job is to finish.
@@ -279,7 +364,11 @@ class AllreduceJob:
         return min(self._total, job.epochs_granted * self._per_epoch)
 
     async def _generation(
-        self, members: list[WorkerRecord], held: dict[str, int], stop_at: int = 0
+        self,
+        members: list[WorkerRecord],
+        held: dict[str, int],
+        stop_at: int = 0,
+        window: tuple[int, int, Any, Any] | None = None,
     ) -> GenerationOutcome:
         if self.spec.sharding == "fsdp":
             # Shards do not outlive their generation (and a dead rank takes its shards with
@@ -288,6 +377,13 @@ class AllreduceJob:
             held, newest = {}, -1
             ranks = sorted(members, key=lambda w: w.name)
             state = self._state
+            self._rollback(self._state_step)
+        elif window is not None and self._state:
+            # prioritized: the window runs from the coordinator's state of its first step;
+            # a rank holding exactly that step (it sent it) need not be sent it
+            ranks = sorted(members, key=lambda w: (held.get(w.name) != self._state_step, w.name))
+            newest = held.get(ranks[0].name, -1)
+            state = b"" if newest == self._state_step else self._state
             self._rollback(self._state_step)
         else:
             ranks = sorted(members, key=lambda w: (-held.get(w.name, -1), w.name))
@@ -312,6 +408,15 @@ class AllreduceJob:
             held_before={w.name: held[w.name] for w in ranks if w.name in held},
             stop_at_step=stop_at,
         )
+        if window is not None:  # every rank gets the whole window (rank_rows splits it)
+            plan.window = (
+                window[0],
+                window[2].astype("<i8").tobytes(),
+                window[3].astype("<f4").tobytes(),
+            )
+            plan.send_start_state = not self._state
+            self._wire += len(ranks) * (len(plan.window[1]) + len(plan.window[2]))
+        self._last_ranks = [w.name for w in ranks]
         log.info(
             "allreduce_generation",
             job_id=self.job.job_id,
@@ -436,9 +541,11 @@ class AllreduceJob:
             self._final = data
         if reason in ("checkpoint", "final"):
             self._state, self._state_step = data, step
+            if step == self._window_first:  # prioritized: the step-0 state a window starts at
+                self._window_start = (step, data)
         if reason == "checkpoint":
             await asyncio.to_thread(self._checkpoint, step, data)
-        at_epoch_end = step % self._per_epoch == 0 or step >= self._total
+        at_epoch_end = step > 0 and (step % self._per_epoch == 0 or step >= self._total)
         if at_epoch_end and step not in {h["step"] for h in self._progress.history}:
             await asyncio.to_thread(self._evaluate, step, data)
 
@@ -513,6 +620,12 @@ class AllreduceJob:
         The event files are flushed first: a resumed job keeps what they hold up to here.
         """
         self.board.flush()
+        self._write_run(step)
+        write_checkpoint(self.checkpoint_path, step, data)
+        self._checkpointed = step
+
+    def _write_run(self, step: int) -> None:
+        """The job's history, best score and (prioritized) running mean loss, as of ``step``."""
         prog = self._progress
         run = {
             "history": prog.history,
@@ -520,8 +633,9 @@ class AllreduceJob:
             "best_score": prog.best_score,
             "initial_loss": self.figures.initial_loss,
         }
+        if self._sampling is not None:  # a window's losses are in it once the window ended
+            run["sampling"] = self._sampling.to_doc()
         write_checkpoint(self.run_path, step, json.dumps(run).encode())
-        write_checkpoint(self.checkpoint_path, step, data)
 
     def _initial_state(self) -> bytes:
         """The ``init`` model as a state of the model and step 0 alone (``DdpReplica.load_state``).
@@ -552,6 +666,7 @@ class AllreduceJob:
             prog.best_acc = float(doc["best_acc"])
             prog.best_score = float(doc.get("best_score", prog.best_acc))
             self.figures.initial_loss = float(doc.get("initial_loss", math.nan))
+            self._restored_sampling = doc.get("sampling")
             if prog.history:
                 prog.test_loss = prog.history[-1]["test_loss"]
                 prog.test_acc = prog.history[-1]["test_accuracy"]

@@ -1,8 +1,8 @@
 """Prioritized training (``sampling: prioritized``): the job's priority table and its draws.
 
-A sync or diloco job with ``sampling: prioritized`` keeps one memory per training row in a
-table of its own, ``job-<id>-priorities`` (id = the row's index, strength 1 at the start),
-in the cluster's memory store (``coordinator.memory``). The parameter-server loop
+A sync, diloco or allreduce job with ``sampling: prioritized`` keeps one memory per training
+row in a table of its own, ``job-<id>-priorities`` (id = the row's index, strength 1 at the
+start), in the cluster's memory store (``coordinator.memory``). The parameter-server loop
 (``coordinator.training.train_job``) asks this module, around each step:
 
 - ``fill``: the step's pieces as its strategy planned them (``StepPlan``: the uniform plan's
@@ -21,6 +21,10 @@ in the cluster's memory store (``coordinator.memory``). The parameter-server loo
   at the first, because an outer step's pieces carry all its inner steps' rows to the workers
   at once and their losses come back only when it ends, so a draw cannot come sooner than
   an outer step's start nor use losses from inside it.
+  ``allreduce``: a window is ``resample_every_steps`` steps (default: one epoch), cut at epoch
+  ends; ``coordinator.training.allreduce_job`` runs one generation per window and sends its
+  rows and weights to the ranks at its start (``window``), the losses come back when the
+  generation ends (``record_window``).
 - ``record``: the per-sample losses the workers returned (unweighted) set the drawn rows'
   strengths, ``strengths_of_losses`` of the running mean loss (this step's included), through
   the store's bulk priority update (``MemoryRouter.update_strengths``) with a request id of the
@@ -166,6 +170,8 @@ class PrioritizedSampling:
         self.histogram: list[int] = []  # the table's strengths in 10 bins, at the last epoch end
         every = spec.sampling.resample_every_steps or spec.inner_steps
         self._outer_per_window = every // spec.inner_steps if spec.strategy == "diloco" else 1
+        if spec.strategy == "allreduce":
+            self._outer_per_window = spec.sampling.resample_every_steps or scheme.per_epoch
 
     async def open(self, fresh: bool) -> None:
         """Wait for the slot map to settle, then make the table (``fresh``) or find it.
@@ -221,6 +227,66 @@ class PrioritizedSampling:
             pieces.append(dataclasses.replace(p, rows=rows, weights=weights, shard=-1))
             offset = stop
         return dataclasses.replace(plan, pieces=pieces)
+
+    async def window(self, step: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """allreduce: the window that contains ``step``, drawn at its first use.
+
+        Args:
+            step: a global step, from 0.
+
+        Returns:
+            (first step, stop step (exclusive), rows [K] int64, weights [K] float32): the
+            global batches of the window's steps in turn.
+
+        Raises:
+            JobFailed: the draw failed (FAILED).
+        """
+        window = self._window
+        if window is None or step not in window.spans:
+            window = self._window = await self._draw(step)
+        return window.first, max(window.spans) + 1, window.rows, window.weights
+
+    async def record_window(self, first: int, losses_by_step: dict[int, np.ndarray]) -> None:
+        """allreduce: set the strengths of the window's rows from their losses, step by step.
+
+        Each step in turn adds its losses to the running mean and maps them to strengths
+        with it (as ``record`` after each step of sync); the window's rows then go in one
+        update (the last occurrence of a row wins). Steps missing from ``losses_by_step``
+        keep their rows' strengths.
+
+        Args:
+            first: the window's first step (the one ``window`` returned).
+            losses_by_step: step -> [G'] float32 unweighted per-sample losses of the step's
+                rows, in draw order.
+
+        Raises:
+            JobFailed: the priority update failed, or the window is not the current one
+                (FAILED).
+        """
+        window = self._window
+        if window is None or window.first != first:
+            raise JobFailed(f"sampling: the window of step {first} is not the current one")
+        ids, strengths = [], []
+        for step in sorted(losses_by_step):
+            offset, size = window.spans[step]
+            loss = losses_by_step[step]
+            if len(loss) != size:
+                raise JobFailed(f"sampling: step {step} has {size} rows, {len(loss)} losses")
+            self.running.add(loss)
+            ids.append(window.rows[offset : offset + size])
+            strengths.append(strengths_of_losses(loss, self.running.mean))
+        if not ids:
+            return
+        request_id = f"{self.job_id}/{self._table_id}/s{first}".encode()
+        try:
+            await self.store.router.update_strengths(
+                np.concatenate(ids).astype(np.uint64),
+                np.concatenate(strengths),
+                request_id,
+                table=self.table,
+            )
+        except _STORE_ERRORS as exc:
+            raise JobFailed(f"sampling: updating window {first}'s priorities: {exc}") from None
 
     async def _draw(self, step: int) -> _Window:
         """Draw the rows of the window that starts at (or contains) ``step``."""

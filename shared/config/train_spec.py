@@ -266,7 +266,8 @@ class SamplingSpec(ConfigModel):
         le=10_000_000,
         description="diloco: inner steps whose rows are drawn at once, at the start of "
         "each window, a multiple of inner_steps; null: inner_steps (one draw per outer "
-        "step). sync draws every step.",
+        "step). allreduce: steps whose rows are drawn at once (one generation each), cut at "
+        "epoch ends; null: one epoch. sync draws every step.",
     )
 
 
@@ -387,8 +388,9 @@ class TrainJobSpec(ConfigModel):
     )
     sampling: SamplingSpec = Field(
         default_factory=SamplingSpec,
-        description="sync, diloco: 'uniform', 'prioritized' or {name: uniform|prioritized, "
-        "alpha, beta, beta_final, decay_rate, priority: loss, resample_every_steps}: "
+        description="sync, diloco, allreduce (sharding none): 'uniform', 'prioritized' or "
+        "{name: uniform|prioritized, alpha, beta, beta_final, decay_rate, priority: loss, "
+        "resample_every_steps}: "
         "which rows each step trains on (README, Prioritized training).",
     )
     compression: CompressionSpec = Field(
@@ -594,28 +596,28 @@ class TrainJobSpec(ConfigModel):
     def _sampling_controls(self) -> None:
         """Refuse what ``sampling: prioritized`` does not do, naming the field.
 
-        allreduce's ranks read their shards themselves inside DDP, where the coordinator
-        cannot hand them drawn rows and weights (not supported yet). sync draws each step's
-        batch, so a window is for diloco only, and there it must cover whole outer steps:
-        the rows of an outer step are sent with its call, its losses come back at its end.
+        sync draws each step's batch, so a window is for diloco and allreduce only; diloco's
+        must cover whole outer steps (the rows of an outer step are sent with its call, its
+        losses come back at its end). allreduce with sharding fsdp is not supported: its
+        ranks' shards do not outlive a generation, so each window would gather the state.
         """
         sampling = self.sampling
         if sampling.name == "uniform":
             return
-        if self.strategy == "allreduce":
+        if self.strategy == "allreduce" and self.sharding == "fsdp":
             raise ValueError(
-                "sampling.name: prioritized is not supported with strategy allreduce yet "
-                "(use sync or diloco, or sampling uniform)"
+                "sampling.name: prioritized is not supported with sharding fsdp (use "
+                "sharding none, or sampling uniform)"
             )
         every = sampling.resample_every_steps
         if every is None:
             return
         if self.strategy == "sync":
             raise ValueError(
-                "sampling.resample_every_steps: only for strategy diloco (sync draws every "
-                "step's batch)"
+                "sampling.resample_every_steps: only for strategy diloco or allreduce (sync "
+                "draws every step's batch)"
             )
-        if every % self.inner_steps:
+        if self.strategy == "diloco" and every % self.inner_steps:
             raise ValueError(
                 f"sampling.resample_every_steps: {every} is not a multiple of inner_steps "
                 f"({self.inner_steps}): a window covers whole outer steps"

@@ -209,8 +209,8 @@ async def test_diloco_prioritized_job_equals_the_single_process_reference(
         ({"decay_rate": 2}, {}, "sampling.decay_rate: Input should be less than or equal to 1"),
         (
             {},
-            {"strategy": "allreduce"},
-            "sampling.name: prioritized is not supported with strategy allreduce yet",
+            {"strategy": "allreduce", "sharding": "fsdp"},
+            "sampling.name: prioritized is not supported with sharding fsdp",
         ),
         ({"resample_every_steps": 2}, {}, "sampling.resample_every_steps: only for strategy"),
         (

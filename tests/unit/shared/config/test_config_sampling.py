@@ -56,7 +56,11 @@ def test_diloco_windows_of_whole_outer_steps() -> None:
         ({"priority": "td"}, {}, "sampling.priority: Input should be 'loss'"),
         ({"name": "rank"}, {}, "sampling.name: Input should be 'uniform' or 'prioritized'"),
         ({"extra": 1}, {}, "sampling.extra: Extra inputs are not permitted"),
-        ({}, {"strategy": "allreduce"}, "sampling.name: prioritized is not supported with"),
+        (
+            {},
+            {"strategy": "allreduce", "sharding": "fsdp"},
+            "sampling.name: prioritized is not supported with sharding fsdp",
+        ),
         ({"resample_every_steps": 4}, {}, "sampling.resample_every_steps: only for strategy"),
         (
             {"resample_every_steps": 4},
@@ -72,6 +76,13 @@ def test_bad_sampling_is_refused_naming_the_field(
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_job_spec(fields)
+
+
+def test_prioritized_allreduce_with_a_window_is_accepted() -> None:
+    fields = {"name": "prioritized", "resample_every_steps": 7}
+    spec = parse_job_spec({"kind": "train", "strategy": "allreduce", "sampling": fields})
+
+    assert isinstance(spec, TrainJobSpec) and spec.sampling.resample_every_steps == 7
 
 
 def test_uniform_with_allreduce_is_accepted() -> None:
