@@ -71,14 +71,12 @@ from coordinator.training.saved_models import initial_state
 from coordinator.training.tensorboard_log import TrainBoard
 from coordinator.training.train_history import history_task, train_accuracy
 from coordinator.training.train_job import job_device
-from coordinator.training.train_sets import TrainSets, open_source
+from coordinator.training.train_sets import TrainSets, open_job_source
 from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.proto import worker_pb2
 from shared.rpc.peers import WorkerClients
-from shared.security.confinement import PathRefused, with_resolved_paths
-from shared.training.data import DataError
 from shared.training.models import build_model
 from shared.training.partition import (
     allreduce_steps_per_epoch,
@@ -215,20 +213,7 @@ class AllreduceJob:
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec
-        try:  # confined again: a symlink may have changed since admission
-            data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
-        except PathRefused as exc:
-            raise JobFailed(str(exc)) from None
-        try:
-            dataset = await asyncio.to_thread(
-                open_source,
-                data,
-                spec,
-                self._train_sets.hashes,
-                self.cfg.max_compressed_array_bytes,
-            )
-        except DataError as exc:
-            raise JobFailed(f"data.path: {exc}") from None
+        dataset = await open_job_source(spec, self.cfg, self._train_sets.hashes)
         self._dataset = dataset
         self._task = await asyncio.to_thread(task_of, spec, self.cfg.allowed_losses)
         self._model = await asyncio.to_thread(

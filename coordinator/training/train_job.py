@@ -52,14 +52,12 @@ from coordinator.training.step_types import StepPlanner
 from coordinator.training.tensorboard_log import TrainBoard, worker_times
 from coordinator.training.train_history import TrainHistory, history_task, train_accuracy
 from coordinator.training.train_members import Members, StepOrder, StepOutcome, StepPolicy
-from coordinator.training.train_sets import TrainSets, open_source
+from coordinator.training.train_sets import TrainSets, open_job_source
 from shared.config import ConfigError, CoordinatorConfig, TrainJobSpec
 from shared.logging import get_logger
 from shared.metrics import Metrics
 from shared.rpc.peers import WorkerClients
-from shared.security.confinement import PathRefused, with_resolved_paths
 from shared.training.compression import sync_compressor
-from shared.training.data import DataError
 
 log = get_logger(__name__)
 
@@ -218,25 +216,12 @@ class TrainJob:
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec
-        try:  # confined again: a symlink may have changed since admission
-            data = with_resolved_paths(spec, self.cfg.dataset_roots()).data
-        except PathRefused as exc:
-            raise JobFailed(str(exc)) from None
         device = job_device(spec.device, self._workers)
         # Workers get the spec with the job's device resolved (``auto`` is decided once, here).
         self.members.spec_json = spec.model_copy(update={"device": device}).model_dump_json(
             by_alias=True
         )
-        try:
-            dataset = await asyncio.to_thread(
-                open_source,
-                data,
-                spec,
-                self._train_sets.hashes,
-                self.cfg.max_compressed_array_bytes,
-            )
-        except DataError as exc:
-            raise JobFailed(f"data.path: {exc}") from None
+        dataset = await open_job_source(spec, self.cfg, self._train_sets.hashes)
         n_train = dataset.n_train
         scheme = self._scheme(spec, n_train)
         run = _Run(

@@ -12,6 +12,7 @@ time, in the dtypes they are stored in, and never held whole.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.datasets.content_hashes import ContentHashes
-from shared.config import BuiltinData, FileData, TrainJobSpec
-from shared.training.data import TrainSource, load_dataset, shard_bounds
+from coordinator.jobs.jobs import JobFailed
+from shared.config import BuiltinData, CoordinatorConfig, FileData, TrainJobSpec
+from shared.security.confinement import PathRefused, with_resolved_paths
+from shared.training.data import DataError, TrainSource, load_dataset, shard_bounds
 from shared.training.file_sets import FileSet, open_file_set
 
 
@@ -99,6 +102,36 @@ def open_source(
     )
     fs.set_content_hash(hashes.get(path))
     return fs
+
+
+async def open_job_source(
+    spec: TrainJobSpec, cfg: CoordinatorConfig, hashes: ContentHashes
+) -> TrainSource:
+    """A running job's data set (``open_source`` in a thread), its path confined again.
+
+    The path was confined at admission; it is resolved again here because a symlink under
+    the data roots may have changed since.
+
+    Args:
+        spec: the job.
+        cfg: the coordinator's config (``data_roots``, ``max_compressed_array_bytes``).
+        hashes: the coordinator's content hashes, by file version.
+
+    Raises:
+        JobFailed: the path now resolves outside the data roots, or the data set cannot be
+            opened or does not fit the task (``data.path: ...``); the job FAILS.
+        OSError: a file cannot be read.
+    """
+    try:
+        data = with_resolved_paths(spec, cfg.dataset_roots()).data
+    except PathRefused as exc:
+        raise JobFailed(str(exc)) from None
+    try:
+        return await asyncio.to_thread(
+            open_source, data, spec, hashes, cfg.max_compressed_array_bytes
+        )
+    except DataError as exc:
+        raise JobFailed(f"data.path: {exc}") from None
 
 
 @dataclass(frozen=True)
