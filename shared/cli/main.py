@@ -239,6 +239,38 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_grant(args: argparse.Namespace) -> int:
+    """Run ``neuroshard grant ID [--epochs N]``: let a paced job run N more epochs (RunEpochs).
+
+    Prints the epochs granted to the job so far.
+
+    Raises:
+        NeuroshardError: NOT_FOUND (unknown, or another client's job), PERMISSION_DENIED (a
+            reader), INVALID_ARGUMENT (N < 1), FAILED_PRECONDITION (not paced, ended,
+            finishing, or past the spec's ``epochs``); exit code 1.
+    """
+    from shared.client import SyncClient
+
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
+        granted = client.run_epochs(args.job_id, args.epochs)
+    print(f"{args.job_id} epochs granted: {granted}")
+    return EXIT_OK
+
+
+def cmd_finish(args: argparse.Namespace) -> int:
+    """Run ``neuroshard finish ID``: end a paced job at its next epoch boundary (FinishJob).
+
+    Raises:
+        NeuroshardError: as ``grant`` (FAILED_PRECONDITION: not paced or ended); exit code 1.
+    """
+    from shared.client import SyncClient
+
+    with SyncClient(args.coordinator, security=client_security_of(args)) as client:
+        job = client.finish(args.job_id)
+    print(f"{job.job_id} {job.state}")
+    return EXIT_OK
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Run ``neuroshard up``: a local cluster in the foreground (see ``local.run_up``).
 
@@ -374,6 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     cn = client_parser("cancel", "cancel a job")
     cn.add_argument("job_id")
     cn.set_defaults(func=cmd_cancel)
+
+    gr = client_parser("grant", "let a paced job run more epochs")
+    gr.add_argument("job_id")
+    gr.add_argument("--epochs", type=int, default=1, help="epochs to grant (default 1)")
+    gr.set_defaults(func=cmd_grant)
+
+    fi = client_parser("finish", "end a paced job at its next epoch boundary")
+    fi.add_argument("job_id")
+    fi.set_defaults(func=cmd_finish)
 
     try:
         from shared.cli.memory import add_memory_commands

@@ -100,3 +100,30 @@ def test_up_stops_on_sigint_even_when_started_with_sigint_ignored(tmp_path: Path
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_grant_and_finish_drive_a_paced_job(up_cluster: tuple[str, Path], tmp_path: Path) -> None:
+    # Arrange: the digits job, paced (it waits at every epoch boundary for a grant)
+    from shared.client import SyncClient
+
+    address, _ = up_cluster
+    spec = tmp_path / "paced.yaml"
+    spec.write_text(Path("configs/jobs/digits-mlp.yaml").read_text() + "paced: true\n")
+    submitted = _cli("submit", str(spec), "--coordinator", address)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+
+    # Act: two epochs granted, then finish
+    granted = _cli("grant", job_id, "--epochs", "2", "--coordinator", address)
+    finished = _cli("finish", job_id, "--coordinator", address)
+    unknown = _cli("grant", "train-00000000", "--coordinator", address)
+    with SyncClient(address, timeout_s=60) as client:
+        final = client.wait(job_id)
+
+    # Assert: the grant counted; the job ran exactly the two granted epochs, then SUCCEEDED
+    assert granted.returncode == 0, granted.stderr
+    assert granted.stdout.strip() == f"{job_id} epochs granted: 2"
+    assert finished.returncode == 0, finished.stderr
+    assert final.state == "SUCCEEDED", final.error
+    assert final.result is not None and final.result["epochs"] == 2
+    assert unknown.returncode == 1 and "no job with id 'train-00000000'" in unknown.stderr
