@@ -194,6 +194,7 @@ async def scale(memories: int, iterations: int, batch: int, workers: int, inproc
         ("table mean strength after the last iteration", f"{r['quality']['mean']:.4f}"),
         ("iteration p50, ms", f"{r['iteration_ms_p50']:.1f}"),
         ("iteration std dev, ms", f"{r['iteration_ms_std']:.1f}"),
+        ("iteration p99, ms (the slowest shows here)", f"{r['iteration_ms_p99']:.1f}"),
         ("load, s", f"{r['load_s']:.1f}"),
     ]
     rows += [
