@@ -56,6 +56,27 @@ async def crash_coordinator(cluster: InProcessCluster) -> None:
     await c.cluster.close()
 
 
+async def restart_coordinator(
+    cluster: InProcessCluster, data_dir: str, **options: object
+) -> CoordinatorServer:
+    """Start a coordinator on the cluster's address and ``data_dir`` (the crashed one's).
+
+    The workers keep running and register with it again; ``options`` are more config fields.
+    """
+    coordinator = CoordinatorServer(
+        CoordinatorConfig(
+            listen=cluster.address,
+            data_dir=data_dir,
+            metrics_port=None,
+            grace_s=0.5,
+            **options,
+        )
+    )
+    cluster.coordinator = coordinator
+    assert await coordinator.start() == cluster.address
+    return coordinator
+
+
 async def settled(cluster: InProcessCluster, workers: int) -> None:
     coord = cluster.coordinator.cluster
     await cluster.wait_alive(workers)

@@ -18,12 +18,10 @@ import grpc
 import pytest
 import torch
 
-from coordinator.server import CoordinatorServer
 from shared.client import Client, DistributedLearner, NeuroshardError
-from shared.config import CoordinatorConfig
 from tests.conftest import InProcessCluster, wait_until
 from tests.integration.security_helpers import Material
-from tests.integration.test_durability import crash_coordinator
+from tests.integration.test_durability import crash_coordinator, restart_coordinator
 from tests.integration.test_memory_job_resume import _Unwritable
 
 pytestmark = pytest.mark.integration
@@ -144,16 +142,7 @@ async def test_a_coordinator_restart_between_epochs_resumes_the_job(
     state = cluster.coordinator.cluster.state
     monkeypatch.setattr(state, "_db", _Unwritable(state._db))
     await crash_coordinator(cluster)
-    coordinator = CoordinatorServer(
-        CoordinatorConfig(
-            listen=cluster.address,
-            data_dir=str(tmp_path / "coord"),
-            metrics_port=None,
-            grace_s=0.5,
-        )
-    )
-    cluster.coordinator = coordinator
-    assert await coordinator.start() == cluster.address
+    await restart_coordinator(cluster, str(tmp_path / "coord"))
     second = await asyncio.to_thread(learner.run_epoch)
     final = await asyncio.to_thread(learner.close)
     history = (await _plain(cluster, 2, 1, tmp_path)).result["history"]

@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 
 from coordinator.memory.access_stream import ScrambledZipfStream, generate_memories
-from coordinator.server import CoordinatorServer
-from shared.config import CoordinatorConfig
 from tests.conftest import wait_until
 from tests.integration.memory_helpers import assert_cluster_equals
-from tests.integration.test_durability import crash_coordinator
+from tests.integration.test_durability import crash_coordinator, restart_coordinator
 from tests.memory_reference import ReferenceStore
 
 pytestmark = pytest.mark.integration
@@ -79,17 +77,7 @@ async def test_a_memory_job_resumes_after_a_coordinator_crash(
     # saved as its outcome, nor later progress.
     monkeypatch.setattr(state, "_db", _Unwritable(state._db))
     await crash_coordinator(cluster)
-    coordinator = CoordinatorServer(
-        CoordinatorConfig(
-            listen=cluster.address,
-            data_dir=str(tmp_path / "coord"),
-            metrics_port=None,
-            grace_s=0.5,
-            slots=SLOTS,
-        )
-    )
-    cluster.coordinator = coordinator
-    assert await coordinator.start() == cluster.address
+    coordinator = await restart_coordinator(cluster, str(tmp_path / "coord"), slots=SLOTS)
     async with cluster.client() as client:
         await wait_until(
             lambda: coordinator.cluster.jobs.get(job_id).state.terminal,

@@ -22,11 +22,11 @@ import grpc
 import pytest
 import torch
 
-from coordinator.server import CoordinatorServer
 from shared.client import NeuroshardError
-from shared.config import CoordinatorConfig, TrainJobSpec
+from shared.config import TrainJobSpec
 from shared.training.data import Dataset, load_dataset
 from tests.conftest import wait_until
+from tests.integration.test_durability import restart_coordinator
 from tests.integration.test_failover import kill_abruptly
 from tests.integration.test_training_equivalence import (
     GradientHold,
@@ -269,17 +269,7 @@ async def test_a_restarted_coordinator_resumes_the_job_with_its_table(
 
     # Act: a new coordinator on the same address and data dir; the workers register again.
     await cluster.coordinator.stop()
-    coordinator = CoordinatorServer(
-        CoordinatorConfig(
-            listen=cluster.address,
-            data_dir=str(tmp_path / "coord"),
-            metrics_port=None,
-            grace_s=0.5,
-            **options,
-        )
-    )
-    cluster.coordinator = coordinator
-    assert await coordinator.start() == cluster.address
+    coordinator = await restart_coordinator(cluster, str(tmp_path / "coord"), **options)
     jobs = coordinator.cluster.jobs
     await wait_until(
         lambda: jobs.get(job_id).progress.get("step", 0) > 0,
