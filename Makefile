@@ -185,8 +185,8 @@ bench-sampling: install
 # The seed roadmap's three validations of the memory store: 10M memories x 20 iterations (a
 # memory job), 5 workers x 100k memories x 50 iterations against the reference, and the same
 # with a worker killed (SIGKILL) at iteration 25. --quick: all three small, in-process.
-bench-learner: install
-	$(PY) -m tests.benchmarks.bench_learner
+bench-learner: install example-data
+	$(PY) -m tests.benchmarks.bench_learner --gpt-data $(EXAMPLE_DATA)/chars.npz
 
 clean:
 	rm -rf $(VENV) shared/proto/*_pb2*.py shared/proto/*_pb2*.pyi .pytest_cache .mypy_cache .ruff_cache

@@ -26,6 +26,10 @@ prints every measurement as a Markdown table:
 4. training (``tests/benchmarks/learner_training.py``): the digits job with ``strategy: sync``
    on 2 workers, prioritized vs uniform sampling, ``--seeds`` (5) each: steps, epochs and wall
    seconds to test accuracy ``--target-accuracy`` (0.95), medians.
+5. gpt (the same module): the GPT example (``strategy: allreduce``, 2 workers) on the first
+   9,600 rows of ``--gpt-data`` (``chars.npz`` of ``make example-data``; the part is skipped
+   without it), prioritized vs uniform, ``--seeds`` each: steps, epochs and wall seconds to
+   validation loss ``--target-loss``, medians.
 
 Convergence (README, "Memory jobs: convergence and quality";
 ``shared.memory.stats.convergence_ratio``): after an iteration's reinforce and decay, the mean
@@ -66,6 +70,7 @@ from tests.benchmarks.learner_daemons import (
 )
 from tests.memory_reference import ReferenceStore
 
+GPT_TARGET_LOSS = 2.3  # nats per character, the GPT part's validation loss
 TARGET_ITERATION_MS = 50.0  # the roadmap's per-iteration target at 100k, 5 workers
 HEARTBEATS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.0}
 LOAD_BATCH = 100_000
@@ -442,7 +447,7 @@ async def run_all(parts: set[str], quick: bool, inprocess: bool, emit: Any) -> N
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, run, print (and with ``--out`` write) the report."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="scale,distributed,fault,training")
+    ap.add_argument("--parts", default="scale,distributed,fault,training,gpt")
     ap.add_argument("--quick", action="store_true", help="small sizes, in-process daemons")
     ap.add_argument("--inprocess", action="store_true", help="daemons in this process")
     ap.add_argument(
@@ -451,6 +456,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="also write the report (Markdown) to this file")
     ap.add_argument("--seeds", type=int, default=5, help="training: seeds per sampling")
     ap.add_argument("--target-accuracy", type=float, default=0.95, help="training: digits")
+    ap.add_argument("--gpt-data", type=Path, help="gpt: the example's chars.npz (else skipped)")
+    ap.add_argument("--target-loss", type=float, default=GPT_TARGET_LOSS, help="gpt")
+    ap.add_argument("--gpt-epochs", type=int, default=12, help="gpt: the most epochs a run")
     args = ap.parse_args(argv)
     command = " ".join(
         ["python -m tests.benchmarks.bench_learner", *(argv if argv is not None else sys.argv[1:])]
@@ -474,8 +482,18 @@ def main(argv: list[str] | None = None) -> None:
         seeds, epochs, target = (
             (1, 3, 0.3) if args.quick else (args.seeds, 30, args.target_accuracy)
         )
-        runs = learner_training.run(seeds, 2, epochs, target)
-        emit(learner_training.section(runs, seeds, 2, epochs, target))
+        work = learner_training.digits(target)
+        runs = learner_training.run(work, seeds, epochs)
+        emit(learner_training.section(4, work, runs, seeds, epochs))
+    if "gpt" in parts and args.gpt_data is None:
+        print("gpt: skipped (no --gpt-data; `make bench-learner` passes the example's)\n")
+    elif "gpt" in parts:
+        seeds, epochs, rows = (
+            (1, 1, 960) if args.quick else (args.seeds, args.gpt_epochs, learner_training.GPT_ROWS)
+        )
+        work = learner_training.gpt(args.gpt_data, args.target_loss, rows)
+        runs = learner_training.run(work, seeds, epochs)
+        emit(learner_training.section(5, work, runs, seeds, epochs))
     if args.out:
         Path(args.out).write_text("\n".join(report))
 

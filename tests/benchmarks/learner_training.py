@@ -1,33 +1,80 @@
-"""``bench_learner --parts training``: time to a test accuracy, prioritized vs uniform sampling.
+"""``bench_learner --parts training,gpt``: time to a test metric, prioritized vs uniform sampling.
 
-The digits job of ``configs/jobs/digits-mlp.yaml`` (MLP 64-128-64-10, Adam 0.003) with
-``strategy: sync`` on 2 workers, global batch 96, up to ``max_epochs`` epochs, once with
-``sampling: prioritized`` (alpha 0.6, beta 0.4 annealed to 1, decay 0; README, "Prioritized
-training") and once with ``sampling: uniform``, interleaved seed by seed on one local cluster.
-A run ends at the first epoch whose test accuracy (evaluated at each epoch end) reaches
-``target``. Reported per sampling: how many seeds reached it, and the medians over seeds of
-the steps, the epochs and the wall seconds from submit (job start included).
+Two workloads, each run once with ``sampling: prioritized`` (alpha 0.6, beta 0.4 annealed to
+1, decay 0; README, "Prioritized training") and once with ``sampling: uniform``, interleaved
+seed by seed on one local cluster; a run ends at the first evaluation (each epoch's end) whose
+test metric reaches the target. Reported per sampling: how many seeds reached it, and the
+medians over seeds of the steps, the epochs and the wall seconds from submit (job start
+included).
+
+- ``digits``: the job of ``configs/jobs/digits-mlp.yaml`` (MLP 64-128-64-10, Adam 0.003) with
+  ``strategy: sync`` on 2 workers, global batch 96; target: test accuracy.
+- ``gpt``: the GPT example (``configs/jobs/char-gpt.yaml``: 216,673 parameters, Adam 0.003,
+  ``strategy: allreduce``) on 2 workers, global batch 96, on the first ``GPT_ROWS`` rows of
+  the example's ``chars.npz`` (so that an epoch, the evaluation interval, is 90 steps instead
+  of 356); target: validation loss. The daemons run with the example configs (the operator
+  lists the model).
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from typing import Any
 
+import numpy as np
 import yaml
 
 from shared.cli.local_cluster import LocalCluster
 from shared.client import SyncClient
 
-JOB = Path(__file__).resolve().parents[2] / "configs" / "jobs" / "digits-mlp.yaml"
+REPO = Path(__file__).resolve().parents[2]
+DIGITS_JOB = REPO / "configs" / "jobs" / "digits-mlp.yaml"
+GPT_JOB = REPO / "configs" / "jobs" / "char-gpt.yaml"
+EXAMPLE_CONFIGS = REPO / "configs" / "examples"
+GPT_ROWS = 9_600  # 8,640 training rows (test_fraction 0.1): 90 steps of 96 rows an epoch
 SAMPLINGS: dict[str, dict[str, Any]] = {
     "prioritized": {"name": "prioritized", "alpha": 0.6, "beta": 0.4, "beta_final": 1.0},
     "uniform": {"name": "uniform"},
 }
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one workload trains, where, and the test metric a run stops at.
+
+    Attributes:
+        name: the workload's short name (job names, printed lines).
+        title: the report section's heading, after its number.
+        setup: one sentence for the report: model, strategy, workers, batch.
+        metric: the progress field compared with ``target`` (``test_accuracy``, ``test_loss``).
+        target: the metric's value a run stops at.
+        lower_is_better: True for a loss (reached when metric <= target).
+        job_doc: (sampling, seed, max_epochs) -> the job document submitted.
+        cluster: the log dir -> the local cluster (not yet started).
+        prepare: called once with the client before the runs (e.g. uploads the data set).
+    """
+
+    name: str
+    title: str
+    setup: str
+    metric: str
+    target: float
+    lower_is_better: bool
+    job_doc: Callable[[str, int, int], dict[str, Any]]
+    cluster: Callable[[str], LocalCluster]
+    prepare: Callable[[SyncClient], None] = lambda _client: None
+
+    def reached(self, value: float) -> bool:
+        """Whether a metric value reaches the target (NaN, before any evaluation: no)."""
+        if math.isnan(value):
+            return False
+        return value <= self.target if self.lower_is_better else value >= self.target
 
 
 @dataclass(frozen=True)
@@ -39,67 +86,147 @@ class Reached:
     step: int | None
     epoch: int | None
     wall_s: float | None
-    best_accuracy: float
+    best: float
 
 
-def job_doc(sampling: str, seed: int, workers: int, max_epochs: int) -> dict[str, Any]:
-    """The digits job of ``configs/jobs/digits-mlp.yaml`` as this benchmark runs it."""
-    doc = yaml.safe_load(JOB.read_text())
-    doc.update(
-        name=f"digits-{sampling}-{seed}",
-        strategy="sync",
-        workers=workers,
-        batch_size=96 // workers,
-        epochs=max_epochs,
-        seed=seed,
-        sampling=SAMPLINGS[sampling],
+def digits(target_accuracy: float) -> Workload:
+    """The digits MLP with ``strategy: sync`` on 2 workers, to a test accuracy."""
+
+    def job_doc(sampling: str, seed: int, max_epochs: int) -> dict[str, Any]:
+        doc = yaml.safe_load(DIGITS_JOB.read_text())
+        doc.update(
+            name=f"digits-{sampling}-{seed}",
+            strategy="sync",
+            workers=2,
+            batch_size=48,
+            epochs=max_epochs,
+            seed=seed,
+            sampling=SAMPLINGS[sampling],
+        )
+        return doc
+
+    return Workload(
+        name="digits",
+        title=f"digits to test accuracy {target_accuracy}",
+        setup="sync, 2 workers, global batch 96, MLP 64-128-64-10, Adam 0.003",
+        metric="test_accuracy",
+        target=target_accuracy,
+        lower_is_better=False,
+        job_doc=job_doc,
+        cluster=lambda logs: LocalCluster(2, log_dir=logs),
     )
-    return doc
+
+
+def gpt(chars: Path, target_loss: float, rows: int = GPT_ROWS) -> Workload:
+    """The GPT example with ``strategy: allreduce`` on 2 workers, to a validation loss.
+
+    Args:
+        chars: the example's ``chars.npz`` (``make example-data``): x [R, 65] int64.
+        target_loss: the validation loss (nats per character) a run stops at.
+        rows: how many of its first rows the runs train and validate on.
+    """
+    subset = f"chars-{rows}.npz"
+
+    def prepare(client: SyncClient) -> None:
+        with np.load(chars, allow_pickle=False) as npz:
+            x = npz["x"][:rows]
+        with tempfile.TemporaryDirectory(prefix="bench-learner-gpt-") as tmp:
+            path = Path(tmp) / subset
+            np.savez(path, x=x)
+            client.put_dataset(path)
+
+    def job_doc(sampling: str, seed: int, max_epochs: int) -> dict[str, Any]:
+        doc = yaml.safe_load(GPT_JOB.read_text())
+        doc.update(
+            name=f"gpt-{sampling}-{seed}",
+            data={"path": subset},
+            workers=2,
+            batch_size=48,
+            epochs=max_epochs,
+            seed=seed,
+            sampling=SAMPLINGS[sampling],
+        )
+        return doc
+
+    def cluster(logs: str) -> LocalCluster:
+        return LocalCluster(
+            2,
+            log_dir=logs,
+            coordinator_args=["--config", str(EXAMPLE_CONFIGS / "coordinator.yaml")],
+            worker_args=["--config", str(EXAMPLE_CONFIGS / "worker.yaml")],
+        )
+
+    return Workload(
+        name="gpt",
+        title=f"the GPT example to validation loss {target_loss}",
+        setup=(
+            f"allreduce, 2 workers, global batch 96 (6,144 tokens), char-gpt (216,673 "
+            f"parameters), Adam 0.003, the first {rows:,} rows of chars.npz (an epoch and the "
+            f"evaluation interval: {int(rows * 0.9) // 96} steps)"
+        ),
+        metric="test_loss",
+        target=target_loss,
+        lower_is_better=True,
+        job_doc=job_doc,
+        cluster=cluster,
+        prepare=prepare,
+    )
 
 
 def one_run(
-    client: SyncClient, sampling: str, seed: int, workers: int, max_epochs: int, target: float
+    client: SyncClient, work: Workload, sampling: str, seed: int, max_epochs: int
 ) -> Reached:
-    """Submit one job and follow it until an epoch's test accuracy reaches ``target``."""
+    """Submit one job and follow it until an evaluation's metric reaches the target."""
     t0 = time.perf_counter()
-    job = client.submit(job_doc(sampling, seed, workers, max_epochs))
-    best = 0.0
+    job = client.submit(work.job_doc(sampling, seed, max_epochs))
+    best = math.inf if work.lower_is_better else -math.inf
+    pick = min if work.lower_is_better else max
     for _info, progress in client.watch(job.job_id):
-        acc = float(progress.get("test_accuracy") or 0.0)
-        best = max(best, acc if acc == acc else 0.0)  # NaN before the first evaluation
-        if acc >= target:
+        value = float(progress.get(work.metric, math.nan))
+        if not math.isnan(value):
+            best = pick(best, value)
+        if work.reached(value):
             wall = time.perf_counter() - t0
             client.cancel(job.job_id)
             return Reached(
                 sampling, seed, int(progress["step"]), int(progress["epoch"]), wall, best
             )
+    final = client.wait(job.job_id)  # the last epoch's evaluation is in the result only
+    for h in (final.result or {}).get("history", []):
+        value = float(h.get(work.metric, math.nan))
+        if work.reached(value):
+            wall = time.perf_counter() - t0
+            return Reached(sampling, seed, int(h["step"]), int(h["epoch"]), wall, value)
+        if not math.isnan(value):
+            best = pick(best, value)
     return Reached(sampling, seed, None, None, None, best)
 
 
-def run(seeds: int, workers: int, max_epochs: int, target: float) -> list[Reached]:
+def run(work: Workload, seeds: int, max_epochs: int) -> list[Reached]:
     """Every seed's prioritized and uniform run, interleaved, on one local cluster."""
     out: list[Reached] = []
     with (
         tempfile.TemporaryDirectory(prefix="bench-learner-train-") as logs,
-        LocalCluster(workers, log_dir=logs) as cluster,
+        work.cluster(logs) as cluster,
         SyncClient(cluster.address, timeout_s=60) as client,
     ):
         client.wait_ready(120)
+        work.prepare(client)
         for seed in range(seeds):
             for sampling in SAMPLINGS:
-                r = one_run(client, sampling, seed, workers, max_epochs, target)
-                print(f"training {sampling} seed {seed}: {r}", flush=True)
+                r = one_run(client, work, sampling, seed, max_epochs)
+                print(f"{work.name} {sampling} seed {seed}: {r}", flush=True)
                 out.append(r)
     return out
 
 
-def section(runs: list[Reached], seeds: int, workers: int, max_epochs: int, target: float) -> str:
+def section(number: int, work: Workload, runs: list[Reached], seeds: int, max_epochs: int) -> str:
     """The Markdown table of the runs (medians over the seeds that reached the target)."""
     lines = [
-        f"### 4. Training: digits to test accuracy {target}, prioritized vs uniform",
+        f"### {number}. Training: {work.title}, prioritized vs uniform",
         "",
-        f"sync, {workers} workers, global batch 96, MLP 64-128-64-10, Adam 0.003, at most "
-        f"{max_epochs} epochs; {seeds} seeds each, interleaved on one local cluster.",
+        f"{work.setup}, at most {max_epochs} epochs; {seeds} seeds each, interleaved on one "
+        "local cluster.",
         "",
         "| sampling | seeds reached | steps (median) | epochs (median) | wall s (median) |",
         "|---|---:|---:|---:|---:|",
@@ -119,9 +246,9 @@ def section(runs: list[Reached], seeds: int, workers: int, max_epochs: int, targ
     per_seed = "; ".join(
         f"{r.sampling} seed {r.seed}: "
         + (
-            f"epoch {r.epoch}"
-            if r.epoch is not None
-            else f"not reached (best {r.best_accuracy:.3f})"
+            f"epoch {r.epoch} ({r.wall_s:.0f} s)"
+            if r.epoch is not None and r.wall_s is not None
+            else f"not reached (best {r.best:.3f})"
         )
         for r in runs
     )
