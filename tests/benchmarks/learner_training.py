@@ -173,33 +173,52 @@ def gpt(chars: Path, target_loss: float, rows: int = GPT_ROWS) -> Workload:
     )
 
 
+def first_reached(work: Workload, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first evaluation (a history entry: step, epoch, metrics) reaching the target."""
+    for h in history:
+        if work.reached(float(h.get(work.metric, math.nan))):
+            return h
+    return None
+
+
 def one_run(
     client: SyncClient, work: Workload, sampling: str, seed: int, max_epochs: int
 ) -> Reached:
-    """Submit one job and follow it until an evaluation's metric reaches the target."""
+    """Submit one job and follow it until an evaluation's metric reaches the target.
+
+    The step and epoch are the evaluation's own (its history entry: an allreduce job reports
+    an evaluation some steps after the epoch end it evaluated); the wall seconds run from the
+    submit until the client saw it.
+    """
     t0 = time.perf_counter()
     job = client.submit(work.job_doc(sampling, seed, max_epochs))
-    best = math.inf if work.lower_is_better else -math.inf
-    pick = min if work.lower_is_better else max
+    history: list[dict[str, Any]] = []
     for _info, progress in client.watch(job.job_id):
-        value = float(progress.get(work.metric, math.nan))
-        if not math.isnan(value):
-            best = pick(best, value)
-        if work.reached(value):
+        history = list(progress.get("history") or history)
+        hit = first_reached(work, history)
+        if hit is not None:
             wall = time.perf_counter() - t0
             client.cancel(job.job_id)
             return Reached(
-                sampling, seed, int(progress["step"]), int(progress["epoch"]), wall, best
+                sampling, seed, int(hit["step"]), int(hit["epoch"]), wall, _best(work, history)
             )
     final = client.wait(job.job_id)  # the last epoch's evaluation is in the result only
-    for h in (final.result or {}).get("history", []):
-        value = float(h.get(work.metric, math.nan))
-        if work.reached(value):
-            wall = time.perf_counter() - t0
-            return Reached(sampling, seed, int(h["step"]), int(h["epoch"]), wall, value)
-        if not math.isnan(value):
-            best = pick(best, value)
-    return Reached(sampling, seed, None, None, None, best)
+    history = list((final.result or {}).get("history") or history)
+    hit = first_reached(work, history)
+    if hit is not None:
+        wall = time.perf_counter() - t0
+        return Reached(
+            sampling, seed, int(hit["step"]), int(hit["epoch"]), wall, _best(work, history)
+        )
+    return Reached(sampling, seed, None, None, None, _best(work, history))
+
+
+def _best(work: Workload, history: list[dict[str, Any]]) -> float:
+    values = [float(h.get(work.metric, math.nan)) for h in history]
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan
+    return min(values) if work.lower_is_better else max(values)
 
 
 def run(work: Workload, seeds: int, max_epochs: int) -> list[Reached]:
