@@ -428,12 +428,20 @@ class AllreduceJob:
         """Survivors plus idle ALIVE workers, up to ``workers``; wait for ``min_workers``.
 
         Workers in ``failed`` (their call failed in the last generation, while the
-        coordinator may not have declared them DEAD yet) are left out this time.
+        coordinator may not have declared them DEAD yet) are left out this time, unless the
+        job would wait for them: one still (or again, readmitted) ALIVE once the failure
+        detector had its chance (``heartbeat_timeout_s`` + 2 heartbeat intervals) may join,
+        so that a worker that missed its heartbeats under load does not fail a job that
+        needs it.
         """
         spec = self.spec
         min_workers = spec.min_workers or spec.workers
-        deadline = self._clock() + self.cfg.queue_timeout_s
+        now = self._clock()
+        deadline = now + self.cfg.queue_timeout_s
+        detected = now + self.cfg.heartbeat_timeout_s + 2 * self.cfg.heartbeat_interval_s
         while True:
+            if failed and self._clock() >= detected:
+                failed = set()
             alive = {w.name: w for w in self._alive() if w.name not in failed}
             kept = [alive[w.name] for w in members if w.name in alive]
             idle = [w for w in self._idle(kept) if w.name not in failed]

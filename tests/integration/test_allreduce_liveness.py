@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+from typing import Any
 
 import pytest
 
@@ -38,14 +39,9 @@ TIMEOUT_S = 3.0  # the job's collective_timeout_s: the rendezvous gives up after
 JOB_BOUND_S = 200.0
 
 
-@pytest.mark.parametrize("stalled_rank", [0, 1])
-async def test_a_stalled_rank_is_given_up_on_and_the_next_generation_trains(
-    make_cluster, monkeypatch: pytest.MonkeyPatch, stalled_rank: int
-) -> None:
-    # Arrange: 2 workers, 1 enough; at generation 0's rendezvous, once rank 0's store is up
-    # and before rank 1 is told where it is, one rank's child is stopped.
-    cluster = await make_cluster(workers=2)
-    spec = _spec(2, min_workers=1, collective_timeout_s=TIMEOUT_S)
+def _stall_at_rendezvous(monkeypatch: pytest.MonkeyPatch, stalled_rank: int) -> list[int]:
+    """At generation 0's rendezvous, once rank 0's store is up and before rank 1 is told
+    where it is, stop (SIGSTOP) one rank's training process; returns the stopped pids."""
     stopped: list[int] = []
     rendezvous = Generation._rendezvous_rank0
 
@@ -60,16 +56,33 @@ async def test_a_stalled_rank_is_given_up_on_and_the_next_generation_trains(
         return port
 
     monkeypatch.setattr(Generation, "_rendezvous_rank0", stall)
+    return stopped
+
+
+async def _run(make_cluster: Any, spec: dict[str, Any], stopped: list[int]) -> Any:
+    """The job on a fresh 2-worker cluster, to its end; the stopped pids let go after."""
+    cluster = await make_cluster(workers=2)
     try:
         async with cluster.client() as client:
-            # Act
             job = await client.submit(spec)
             async with asyncio.timeout(JOB_BOUND_S):
-                final = await client.wait(job.job_id)
+                return await client.wait(job.job_id)
     finally:
         for pid in stopped:  # its worker killed it; should the test fail, let it go on
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("stalled_rank", [0, 1])
+async def test_a_stalled_rank_is_given_up_on_and_the_next_generation_trains(
+    make_cluster, monkeypatch: pytest.MonkeyPatch, stalled_rank: int
+) -> None:
+    # Arrange: 2 workers, 1 enough; one rank's child stopped at generation 0's rendezvous.
+    spec = _spec(2, min_workers=1, collective_timeout_s=TIMEOUT_S)
+    stopped = _stall_at_rendezvous(monkeypatch, stalled_rank)
+
+    # Act
+    final = await _run(make_cluster, spec, stopped)
 
     # Assert: the stalled rank failed generation 0 and sat out; the other trained alone.
     assert len(stopped) == 1
@@ -80,6 +93,28 @@ async def test_a_stalled_rank_is_given_up_on_and_the_next_generation_trains(
     assert _max_diff(result["model_path"], reference_params(spec)) < 1e-5
     # The stopped child was killed by its worker, not left behind.
     assert stopped[0] not in _children()
+
+
+async def test_a_job_that_needs_the_failed_worker_takes_it_back_once_it_is_alive(
+    make_cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Arrange: 2 workers and both needed (min_workers = workers); rank 1's child stopped at
+    # generation 0's rendezvous while its worker daemon stays ALIVE (as a worker declared
+    # DEAD under load and readmitted at once). Before, the job left the failed worker out
+    # of every generation and failed after queue_timeout_s for want of a second worker.
+    spec = _spec(2, collective_timeout_s=TIMEOUT_S)
+    stopped = _stall_at_rendezvous(monkeypatch, 1)
+
+    # Act
+    final = await _run(make_cluster, spec, stopped)
+
+    # Assert: generation 1 had both workers again and trained the job to its reference.
+    assert len(stopped) == 1
+    assert final.state == "SUCCEEDED", final.error
+    result = final.result
+    assert result["generations"] == 2 and result["worker_failures"] == 1
+    assert sorted(g["generations"] for g in result["workers"].values()) == [2, 2]
+    assert _max_diff(result["model_path"], reference_params(spec)) < 1e-5
 
 
 def test_a_store_that_accepts_but_never_answers_times_its_client_out() -> None:
