@@ -455,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", help="also write the report (Markdown) to this file")
     ap.add_argument("--seeds", type=int, default=5, help="training: seeds per sampling")
+    ap.add_argument("--first-seed", type=int, default=0, help="training, gpt: the first seed")
     ap.add_argument("--target-accuracy", type=float, default=0.95, help="training: digits")
     ap.add_argument("--gpt-data", type=Path, help="gpt: the example's chars.npz (else skipped)")
     ap.add_argument("--target-loss", type=float, default=GPT_TARGET_LOSS, help="gpt")
@@ -483,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
             (1, 3, 0.3) if args.quick else (args.seeds, 30, args.target_accuracy)
         )
         work = learner_training.digits(target)
-        runs = learner_training.run(work, seeds, epochs)
+        runs = learner_training.run(work, seeds, epochs, args.first_seed)
         emit(learner_training.section(4, work, runs, seeds, epochs))
     if "gpt" in parts and args.gpt_data is None:
         print("gpt: skipped (no --gpt-data; `make bench-learner` passes the example's)\n")
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
             (1, 1, 960) if args.quick else (args.seeds, args.gpt_epochs, learner_training.GPT_ROWS)
         )
         work = learner_training.gpt(args.gpt_data, args.target_loss, rows)
-        runs = learner_training.run(work, seeds, epochs)
+        runs = learner_training.run(work, seeds, epochs, args.first_seed)
         emit(learner_training.section(5, work, runs, seeds, epochs))
     if args.out:
         Path(args.out).write_text("\n".join(report))

@@ -87,6 +87,7 @@ class Reached:
     epoch: int | None
     wall_s: float | None
     best: float
+    failed: str = ""  # the job's error when it FAILED before reaching the target
 
 
 def digits(target_accuracy: float) -> Workload:
@@ -210,7 +211,8 @@ def one_run(
         return Reached(
             sampling, seed, int(hit["step"]), int(hit["epoch"]), wall, _best(work, history)
         )
-    return Reached(sampling, seed, None, None, None, _best(work, history))
+    failed = final.error if final.state == "FAILED" else ""
+    return Reached(sampling, seed, None, None, None, _best(work, history), failed)
 
 
 def _best(work: Workload, history: list[dict[str, Any]]) -> float:
@@ -221,8 +223,9 @@ def _best(work: Workload, history: list[dict[str, Any]]) -> float:
     return min(values) if work.lower_is_better else max(values)
 
 
-def run(work: Workload, seeds: int, max_epochs: int) -> list[Reached]:
-    """Every seed's prioritized and uniform run, interleaved, on one local cluster."""
+def run(work: Workload, seeds: int, max_epochs: int, first_seed: int = 0) -> list[Reached]:
+    """Seeds ``first_seed`` .. ``first_seed + seeds - 1``, prioritized and uniform run of each,
+    interleaved, on one local cluster."""
     out: list[Reached] = []
     with (
         tempfile.TemporaryDirectory(prefix="bench-learner-train-") as logs,
@@ -231,7 +234,7 @@ def run(work: Workload, seeds: int, max_epochs: int) -> list[Reached]:
     ):
         client.wait_ready(120)
         work.prepare(client)
-        for seed in range(seeds):
+        for seed in range(first_seed, first_seed + seeds):
             for sampling in SAMPLINGS:
                 r = one_run(client, work, sampling, seed, max_epochs)
                 print(f"{work.name} {sampling} seed {seed}: {r}", flush=True)
@@ -267,6 +270,8 @@ def section(number: int, work: Workload, runs: list[Reached], seeds: int, max_ep
         + (
             f"epoch {r.epoch} ({r.wall_s:.0f} s)"
             if r.epoch is not None and r.wall_s is not None
+            else f"FAILED ({r.failed}; best {r.best:.3f})"
+            if r.failed
             else f"not reached (best {r.best:.3f})"
         )
         for r in runs
