@@ -40,7 +40,7 @@ from shared.rpc.codec import (
     f32_to_bytes,
     read_header_and_tensors,
     rows_to_bytes,
-    tensors_to_chunks,
+    tensors_to_messages,
 )
 from shared.rpc.peers import WorkerClients
 from shared.training.compression import Compressor, downlink_compressor
@@ -319,8 +319,9 @@ class Members:
     ) -> Iterator[worker_pb2.GradientRequest]:
         yield worker_pb2.GradientRequest(header=header)
         if params is not None:
-            for chunk in tensors_to_chunks(params.items(), self._chunk_bytes):
-                yield worker_pb2.GradientRequest(param=chunk)
+            yield from tensors_to_messages(
+                params.items(), self._chunk_bytes, worker_pb2.GradientRequest, "param"
+            )
 
     async def stop(self) -> None:
         """Cancel joins in progress and tell every member the job ended (errors ignored)."""
