@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -155,7 +155,7 @@ def _fill_chunks(
     offset = 0
     while True:
         msg = message()
-        chunk = msg if field is None else getattr(msg, field)
+        chunk = cast(common_pb2.TensorChunk, msg if field is None else getattr(msg, field))
         piece = bytes(data[offset : offset + chunk_bytes])
         chunk.name, chunk.dtype, chunk.offset, chunk.total_bytes = name, dtype, offset, total
         chunk.shape.extend(shape)
