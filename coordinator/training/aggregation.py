@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from coordinator.training.aggregation_kernels import weighted_sum
 from shared.training.models import check_param_arrays
 
 
@@ -48,7 +47,11 @@ def weighted_average(
     for name in expected:
         parts = [np.asarray(g[name]) for g, _ in terms]
         if all(p.dtype == np.float32 and p.flags.c_contiguous for p in parts):
-            # One compiled pass, bit-identical to the loop below (aggregation_kernels).
+            # One compiled pass, bit-identical to the loop below. Imported here: numba loads
+            # at a job's first aggregation, not at the coordinator's start
+            # (tests/unit/test_import_direction.py).
+            from coordinator.training.aggregation_kernels import weighted_sum
+
             flat = np.empty(expected[name], np.float32)
             weighted_sum(flat.reshape(-1), tuple(p.reshape(-1) for p in parts), coeffs)
             out[name] = flat

@@ -8,6 +8,8 @@ NaN, infinities, -0.0 and subnormals. numba's default is no fast-math, so LLVM n
 the multiply and add nor reorders the sum. The NumPy path makes four float64 passes over
 memory per worker; on the wide MLP (1.86M parameters, 2 workers) this pass takes 0.3 ms
 instead of about 7 ms of the coordinator's CPU per step (docs/bench-train.md).
+``weighted_average`` imports this module at its first call, so the coordinator loads numba
+only once a job aggregates, not at its start (tests/unit/test_import_direction.py).
 
 Shape letters: W workers, P elements of one parameter.
 """
