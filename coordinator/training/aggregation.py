@@ -41,12 +41,24 @@ def weighted_average(
     """
     expected = check_weighted(grads, samples)
     total = sum(samples)
+    terms = [(g, n / total) for g, n in zip(grads, samples, strict=True) if n]
+    coeffs = np.array([c for _, c in terms], np.float64)
     out: dict[str, np.ndarray] = {}
     for name in expected:
+        parts = [np.asarray(g[name]) for g, _ in terms]
+        if all(p.dtype == np.float32 and p.flags.c_contiguous for p in parts):
+            # One compiled pass, bit-identical to the loop below. Imported here: numba loads
+            # at a job's first aggregation, not at the coordinator's start
+            # (tests/unit/test_import_direction.py).
+            from coordinator.training.aggregation_kernels import weighted_sum
+
+            flat = np.empty(expected[name], np.float32)
+            weighted_sum(flat.reshape(-1), tuple(p.reshape(-1) for p in parts), coeffs)
+            out[name] = flat
+            continue
         acc = np.zeros(expected[name], np.float64)
-        for g, n in zip(grads, samples, strict=True):
-            if n:
-                acc += (n / total) * np.asarray(g[name], np.float64)
+        for p, c in zip(parts, coeffs, strict=True):
+            acc += float(c) * np.asarray(p, np.float64)
         out[name] = acc.astype(np.float32)
     return out
 

@@ -156,8 +156,10 @@ class ParameterServer:
         """
         if grads is not None:
             check_param_arrays(grads, self._shapes)
+            # Clipping scales the gradients in place: then they are copies, not the caller's.
+            view = self._clip_grad_norm is None
             for name, p in self.model.named_parameters():
-                p.grad = torch.tensor(np.asarray(grads[name], dtype=np.float32))
+                p.grad = _grad_tensor(np.asarray(grads[name], dtype=np.float32), view)
             if self._clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._clip_grad_norm)
             self.optimizer.step()
@@ -226,3 +228,17 @@ class ParameterServer:
             return dict(state["run"])
         except UNLOADABLE as exc:
             raise ValueError(f"not a checkpoint of this job's model: {exc}") from None
+
+
+def _grad_tensor(a: np.ndarray, view: bool) -> torch.Tensor:
+    """A float32 gradient as a tensor: a view of ``a`` when ``view`` and NumPy allows it.
+
+    The optimizers read ``grad`` and never write it, so a view saves a copy of the model's
+    size per step; a read-only or negatively strided array is copied.
+    """
+    if view and a.flags.writeable:
+        try:
+            return torch.from_numpy(a)
+        except ValueError:  # negative strides
+            pass
+    return torch.tensor(a)

@@ -87,6 +87,9 @@ class _Run:
         per_epoch: global steps in one epoch (``scheme.per_epoch``).
         total: global steps of the job (``scheme.total``).
         t_start: ``clock()`` seconds when this process started (or resumed) the job.
+        t_steps: ``clock()`` seconds when its step loop started (after the workers loaded
+            their data and built the model): ``samples_per_s`` counts from here, as an
+            allreduce job's (rank 0's training steps) and the history's do.
         history: the per-epoch entries and the best test accuracy.
         samples: training samples whose gradients were applied by this process.
         test_loss: mean loss on the test split at the last evaluation (NaN before one).
@@ -109,6 +112,7 @@ class _Run:
     test_acc: float = float("nan")
     test_metrics: dict[str, float] = field(default_factory=dict)
     sampling: PrioritizedSampling | None = None
+    t_steps: float = 0.0
 
     @property
     def epochs(self) -> int:
@@ -254,6 +258,7 @@ class TrainJob:
         )
         await self.members.start(self._workers)
         run.history.start()
+        run.t_steps = self._clock()
         try:
             for step in range(start_step, run.total):
                 if spec.paced and step % run.per_epoch == 0 and not await self._paced(step, run):
@@ -323,7 +328,7 @@ class TrainJob:
             "steps": run.total,
             "epochs": run.epochs,
             "samples": run.samples,
-            "samples_per_s": run.samples / elapsed,
+            "samples_per_s": run.samples / max(self._clock() - run.t_steps, 1e-9),
             "seconds": elapsed,
             "device": device,
             "skipped_steps": ps.skipped_steps,
@@ -398,7 +403,7 @@ class TrainJob:
         # a paced job checkpoints at every epoch's end: a restart resumes at its boundary
         if (every or (spec.paced and epoch_end)) and step + 1 < run.total:
             await asyncio.to_thread(self._checkpoint, ps, step + 1, run)
-        elapsed = max(self._clock() - run.t_start, 1e-9)
+        stepping = max(self._clock() - run.t_steps, 1e-9)
         await self._jobs.update(
             self.job,
             progress={
@@ -412,7 +417,7 @@ class TrainJob:
                 "test_loss": run.test_loss,
                 **run.test_metrics,
                 "lr": lr,
-                "samples_per_s": run.samples / elapsed,
+                "samples_per_s": run.samples / stepping,
                 "workers": len(self.members.live),
                 "convergence": run.history.entries[-1]["convergence"]
                 if run.history.entries

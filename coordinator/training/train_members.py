@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -40,7 +40,7 @@ from shared.rpc.codec import (
     f32_to_bytes,
     read_header_and_tensors,
     rows_to_bytes,
-    tensors_to_chunks,
+    tensors_to_messages,
 )
 from shared.rpc.peers import WorkerClients
 from shared.training.compression import Compressor, downlink_compressor
@@ -98,6 +98,8 @@ class Members:
         # The spec's compression of parameters (as deltas) and gradients; None: float32.
         self.compressor: Compressor | None = None
         self.failures = 0
+        # The last step's parameter messages, shared by its calls (uncompressed jobs).
+        self._sent: tuple[StepOrder, list[worker_pb2.GradientRequest]] | None = None
 
     async def start(self, workers: list[WorkerRecord]) -> None:
         """StartTraining on the initial workers.
@@ -265,8 +267,9 @@ class Members:
                 inner_steps=_inner_steps(order),
                 weights=b"" if piece.weights is None else f32_to_bytes(piece.weights),
             )
-            tensors = self._outgoing(m, order, header) if include else None
-            requests = list(self._requests(header, tensors))
+            # the parameters first: a compressed send marks the header as a delta
+            params = self._param_messages(m, order, header) if include else []
+            requests = [worker_pb2.GradientRequest(header=header), *params]
             bytes_up += sum(r.ByteSize() for r in requests)
             m.params_version = -1  # unknown until the call answers
             call = m.stub.ComputeGradients(_aiter(requests), timeout=self._step_timeout_s)
@@ -314,13 +317,25 @@ class Members:
         buffers = {n: a for n, a in order.tensors.items() if n in order.buffer_names}
         return {**m.sender.send(params), **buffers}
 
-    def _requests(
-        self, header: worker_pb2.StepHeader, params: dict[str, np.ndarray] | None
-    ) -> Iterator[worker_pb2.GradientRequest]:
-        yield worker_pb2.GradientRequest(header=header)
-        if params is not None:
-            for chunk in tensors_to_chunks(params.items(), self._chunk_bytes):
-                yield worker_pb2.GradientRequest(param=chunk)
+    def _param_messages(
+        self, m: Member, order: StepOrder, header: worker_pb2.StepHeader
+    ) -> list[worker_pb2.GradientRequest]:
+        """The chunk messages of the tensors a step sends ``m`` (``_outgoing``).
+
+        Without compression every member gets the same values, so the step's messages are
+        made once and sent to each (a step's calls only read them).
+        """
+        if self.compressor is None and self._sent is not None and self._sent[0] is order:
+            return self._sent[1]
+        tensors = self._outgoing(m, order, header)
+        messages = list(
+            tensors_to_messages(
+                tensors.items(), self._chunk_bytes, worker_pb2.GradientRequest, "param"
+            )
+        )
+        if self.compressor is None:
+            self._sent = (order, messages)
+        return messages
 
     async def stop(self) -> None:
         """Cancel joins in progress and tell every member the job ended (errors ignored)."""

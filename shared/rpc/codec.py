@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from shared.proto import common_pb2
 from shared.rpc.limits import BudgetExceeded
+
+M = TypeVar("M")  # a protobuf message type of a chunked stream
 
 _WIRE_DTYPES = {
     "float32",
@@ -46,10 +48,15 @@ def _le(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype.newbyteorder("<") if dtype.byteorder not in ("|", "<") else dtype
 
 
-def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+def _wire_dtype(dtype: str) -> np.dtype[Any]:
+    """The little-endian dtype of a wire dtype name. Raises: CodecError (unsupported)."""
     if dtype not in _WIRE_DTYPES:
         raise CodecError(f"tensor dtype {dtype!r} is not supported")
-    dt = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
+    return np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
+
+
+def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    dt = _wire_dtype(dtype)
     if any(d < 0 for d in shape):
         raise CodecError(f"tensor shape {list(shape)} has a negative dimension")
     n = math.prod(shape)  # Python ints: a product of huge dims must not wrap around
@@ -60,6 +67,29 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         )
     try:  # numpy still refuses some empty shapes: over 64 dims, or a size beyond intp
         return np.frombuffer(data, dtype=dt).astype(np.dtype(dtype), copy=True).reshape(shape)
+    except ValueError as exc:
+        raise CodecError(f"tensor shape {list(shape)[:8]}: {exc}") from None
+
+
+def _from_parts(parts: list[bytes], dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """``_from_bytes`` of the concatenated ``parts``, copying each part once into the array.
+
+    Raises:
+        CodecError: as ``_from_bytes``.
+    """
+    if len(parts) == 1:
+        return _from_bytes(parts[0], dtype, shape)
+    size = sum(len(p) for p in parts)
+    dt = _wire_dtype(dtype)
+    if any(d < 0 for d in shape) or size != math.prod(shape) * dt.itemsize:
+        return _from_bytes(b"".join(parts), dtype, shape)  # raises its errors
+    flat = np.empty(size, np.uint8)
+    at = 0
+    for p in parts:
+        flat[at : at + len(p)] = np.frombuffer(p, np.uint8)
+        at += len(p)
+    try:
+        return flat.view(dt).astype(np.dtype(dtype), copy=False).reshape(shape)
     except ValueError as exc:
         raise CodecError(f"tensor shape {list(shape)[:8]}: {exc}") from None
 
@@ -81,24 +111,56 @@ def tensor_to_chunks(
     Yields:
         The chunks in offset order; only one chunk's bytes are copied at a time.
     """
+    yield from _fill_chunks(name, array, chunk_bytes, common_pb2.TensorChunk, None)
+
+
+def tensors_to_messages(
+    tensors: Iterable[tuple[str, np.ndarray]], chunk_bytes: int, message: type[M], field: str
+) -> Iterator[M]:
+    """Chunk named arrays straight into stream messages: ``message`` with its ``field`` set.
+
+    The same chunks as ``tensors_to_chunks``, each written in place into the ``TensorChunk``
+    field ``field`` of a new ``message`` (``GradientRequest``'s ``param``,
+    ``GradientResponse``'s ``grad``): wrapping a ready ``TensorChunk`` instead
+    (``message(field=chunk)``) copies its bytes once more.
+
+    Args:
+        tensors: ``(name, array)`` pairs; names must be distinct; arrays as
+            ``tensor_to_chunks`` takes them.
+        chunk_bytes: most data bytes per message, >= 1.
+        message: the stream's message type.
+        field: the name of its ``TensorChunk`` field.
+
+    Yields:
+        Every message of the first tensor, then of the second, and so on.
+    """
+    for name, array in tensors:
+        yield from _fill_chunks(name, array, chunk_bytes, message, field)
+
+
+def _fill_chunks(
+    name: str, array: np.ndarray, chunk_bytes: int, message: type[M], field: str | None
+) -> Iterator[M]:
+    """One ``message`` per chunk of ``array``, its ``TensorChunk`` filled in place.
+
+    ``field`` names the message's ``TensorChunk`` field; None: the message is one.
+    """
     a = np.asarray(array)  # not ascontiguousarray: it turns a 0-d array into shape (1,)
     # A byte view of the (little-endian) array: each chunk copies only its own bytes, so a
     # large tensor (a data shard) is never copied whole. Flat first: memoryview refuses to
     # cast a view with a zero in its shape, e.g. (0, 64), an empty shard's x.
     flat = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).reshape(-1)
     data = flat.data.cast("B")
-    total = data.nbytes
+    total, dtype, shape = data.nbytes, a.dtype.name, list(a.shape)
     offset = 0
     while True:
+        msg = message()
+        chunk = cast(common_pb2.TensorChunk, msg if field is None else getattr(msg, field))
         piece = bytes(data[offset : offset + chunk_bytes])
-        yield common_pb2.TensorChunk(
-            name=name,
-            dtype=a.dtype.name,
-            shape=list(a.shape),
-            offset=offset,
-            data=piece,
-            total_bytes=total,
-        )
+        chunk.name, chunk.dtype, chunk.offset, chunk.total_bytes = name, dtype, offset, total
+        chunk.shape.extend(shape)
+        chunk.data = piece
+        yield msg
         offset += len(piece)
         if offset >= total:
             return
@@ -259,7 +321,7 @@ class ChunkAssembler:
                 raise CodecError(
                     f"tensor {name!r} incomplete: {self._received[name]}/{total} bytes"
                 )
-            out[name] = _from_bytes(b"".join(parts), dtype, shape)
+            out[name] = _from_parts(parts, dtype, shape)
         return out
 
 

@@ -161,7 +161,7 @@ class Trainer:
         check_param_arrays(params, self._shapes)
         with torch.no_grad():
             for name, t in self._named_state():
-                t.copy_(torch.tensor(np.asarray(params[name]), dtype=t.dtype))
+                _load(t, np.asarray(params[name]))
         self.params_version = version
 
     def compute_rows(
@@ -260,6 +260,21 @@ class Trainer:
 
     def _buffer_arrays(self) -> dict[str, np.ndarray]:
         return {n: b.detach().cpu().numpy().copy() for n, b in self._buffers.items()}
+
+
+def _load(t: torch.Tensor, a: np.ndarray) -> None:
+    """Copy ``a`` into ``t``, cast to its dtype, in one copy when torch can view ``a``.
+
+    A read-only array, or one torch cannot view (a dtype it lacks, negative strides), goes
+    through a torch copy first.
+    """
+    if a.flags.writeable:
+        try:
+            t.copy_(torch.from_numpy(a))
+            return
+        except (TypeError, ValueError):  # a dtype torch has no view of, negative strides
+            pass
+    t.copy_(torch.tensor(a, dtype=t.dtype))
 
 
 def _grad_array(p: torch.Tensor, loss_scale: float) -> np.ndarray:

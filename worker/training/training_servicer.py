@@ -23,7 +23,7 @@ from shared.rpc.codec import (
     f32_to_bytes,
     read_header_and_tensors,
     rows_from_bytes,
-    tensors_to_chunks,
+    tensors_to_messages,
 )
 from shared.rpc.status_table import BadRequest, Status, StatusTable
 from shared.training.data import DataError
@@ -201,8 +201,10 @@ class TrainingServicer:
             )
         )
         tensors = [*res.grads.items(), *res.buffers.items()]
-        for chunk in tensors_to_chunks(tensors, self._chunk_bytes):
-            yield worker_pb2.GradientResponse(grad=chunk)
+        for msg in tensors_to_messages(
+            tensors, self._chunk_bytes, worker_pb2.GradientResponse, "grad"
+        ):
+            yield msg
 
     async def StopTraining(
         self, request: worker_pb2.StopTrainingRequest, context: aio.ServicerContext[Any, Any]

@@ -60,6 +60,40 @@ def test_weighted_average_ignores_empty_workers() -> None:
     np.testing.assert_array_equal(weighted_average(grads, [5, 0])["w"], np.ones(3))
 
 
+def _float64_loop(grads: list[dict[str, np.ndarray]], samples: list[int]) -> np.ndarray:
+    """The reference: acc = 0; acc += (n / N) * float64(g) per worker in order; float32."""
+    acc = np.zeros(np.shape(grads[0]["w"]), np.float64)
+    for g, n in zip(grads, samples, strict=True):
+        if n:
+            acc += (n / sum(samples)) * np.asarray(g["w"], np.float64)
+    return acc.astype(np.float32)
+
+
+@pytest.mark.parametrize("samples", [[48, 48], [10, 0, 86], [1, 2, 3], [7]])
+@pytest.mark.parametrize("shape", [(), (5,), (33, 17)])
+def test_weighted_average_is_bit_identical_to_the_float64_loop(
+    samples: list[int], shape: tuple[int, ...]
+) -> None:
+    rng = np.random.default_rng(len(samples))
+    grads = [{"w": rng.standard_normal(shape).astype(np.float32)} for _ in samples]
+    specials = np.array([-0.0, np.nan, np.inf, -np.inf, 1e-45, 3e38], np.float32)
+    flat = grads[0]["w"].reshape(-1)
+    flat[: len(specials)] = specials[: flat.size]
+
+    got = weighted_average(grads, samples)["w"]  # float32: the compiled pass
+
+    assert got.dtype == np.float32 and got.shape == shape
+    assert got.tobytes() == _float64_loop(grads, samples).tobytes()
+
+
+def test_weighted_average_of_other_dtypes_takes_the_numpy_path() -> None:
+    grads = [{"w": np.arange(6.0).reshape(2, 3)}, {"w": np.ones((3, 2), np.float32).T}]
+
+    got = weighted_average(grads, [1, 2])["w"]  # float64, and a non-contiguous view
+
+    assert got.tobytes() == _float64_loop(grads, [1, 2]).tobytes()
+
+
 @pytest.mark.parametrize(
     ("grads", "samples", "message"),
     [
