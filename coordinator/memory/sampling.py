@@ -84,6 +84,7 @@ class _Sums:
     owner_S: np.ndarray  # index into names, -1 for no owner
     names: list[str]
     size: int
+    total: int  # W, the sum of totals_S, exact
 
 
 class Sampler:
@@ -161,7 +162,7 @@ class Sampler:
                             )
                         pause_s = POLL_INTERVAL_S
                     else:
-                        if not int(sums.totals_S.sum(dtype=np.uint64)):
+                        if not sums.total:
                             sums = await self._sums(table, alpha, uniform=True)  # all weights 0
                         return await self._pick(table, sums, n, seed, with_payloads)
             except (BulkOpError, _Stale) as exc:
@@ -192,7 +193,8 @@ class Sampler:
             slots = np.asarray(replies[n].slots, np.int64)
             totals_S[slots] = ids_from_bytes(replies[n].totals, "totals")
             owner_S[slots] = i
-        if sum(int(t) for t in totals_S.tolist()) >= 2**64:
+        total = _weight_sum(totals_S)
+        if total >= 2**64:
             raise BudgetExceeded("sample: the table's weight sum W overflows 64 bits")
         return _Sums(
             stubs,
@@ -201,6 +203,7 @@ class Sampler:
             owner_S,
             names,
             sum(int(r.memories) for r in replies.values()),
+            total,
         )
 
     async def _pick(
@@ -244,10 +247,16 @@ class Sampler:
             if with_payloads:
                 for j, p in zip(draws.tolist(), r.payloads, strict=True):
                     payloads[j] = p
-        total = sum(int(t) for t in sums.totals_S.tolist())
         return SampleResult(
-            ids, strengths, payloads, weights / float(total), seed, sums.size, total
+            ids, strengths, payloads, weights / float(sums.total), seed, sums.size, sums.total
         )
+
+
+def _weight_sum(totals_S: np.ndarray) -> int:
+    """W = the sum of totals_S [S] uint64, exact (a Python int, never wrapped at 2**64)."""
+    if float(totals_S.sum(dtype=np.float64)) < 2.0**63:  # far from a wrap: uint64 is exact
+        return int(totals_S.sum(dtype=np.uint64))
+    return sum(int(t) for t in totals_S.tolist())
 
 
 async def _all(calls: dict[str, Awaitable[Any]], what: str) -> dict[str, Any]:

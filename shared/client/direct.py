@@ -14,7 +14,7 @@ Shape letters: N items of a request.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
@@ -83,6 +83,19 @@ class DirectFailed(Exception):
         """Keep ``code`` beside the details."""
         super().__init__(details)
         self.code = code
+
+
+def _open_blocking(
+    address: str, options: list[tuple[str, int | str]], security: ChannelSecurity | None
+) -> grpc.Channel:
+    """A blocking channel to ``address`` with ``security``'s TLS (the token goes per call)."""
+    tls = security.tls if security is not None else None
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    options = list(options)
+    if security is not None and security.server_name:
+        options.append(("grpc.ssl_target_name_override", security.server_name))
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 class DirectPath:
@@ -164,16 +177,71 @@ class DirectPath:
 
     def _open(self, address: str) -> grpc.Channel:
         """A blocking channel to ``address`` with the client's TLS (the token goes per call)."""
-        tls = self._security.tls if self._security is not None else None
-        if tls is None:
-            return grpc.insecure_channel(address, options=self._options)
-        options = list(self._options)
-        if self._security is not None and self._security.server_name:
-            options.append(("grpc.ssl_target_name_override", self._security.server_name))
-        return grpc.secure_channel(address, tls.channel_credentials(), options=options)
+        return _open_blocking(address, self._options, self._security)
 
     def close(self) -> None:
         """Close every channel."""
         for _, ch, _ in self._channels.values():
             ch.close()
         self._channels.clear()
+
+
+class CoordinatorPath:
+    """A blocking channel to the coordinator for the one-shot reads of ``SyncClient``.
+
+    ``Quality`` and ``TopK`` through the async client cost the caller a loop run and
+    grpc.aio's per-call tasks, about as much client CPU as the coordinator's fan-out itself;
+    here they are one blocking call from the calling thread, with the client's TLS and token.
+    UNAVAILABLE goes back to the async channel, which gRPC retries with backoff.
+    """
+
+    def __init__(
+        self, address: str, max_message_bytes: int, security: ChannelSecurity | None
+    ) -> None:
+        """Dial ``address`` lazily with ``max_message_bytes`` limits and ``security``."""
+        self._options = message_options(max_message_bytes)
+        self._address = address
+        self._security = security
+        self._channel: grpc.Channel | None = None
+        self._calls: dict[str, grpc.UnaryUnaryMultiCallable[Any, Any]] = {}
+
+    def call(self, method: str, request: Req, reply: type[Resp], timeout_s: float) -> Resp | None:
+        """Call ``neuroshard.v1.Coordinator/<method>``; None after UNAVAILABLE.
+
+        Args:
+            method: the RPC's name (``Quality``, ``TopK``).
+            request: its request message.
+            reply: its reply message type.
+            timeout_s: the call's deadline, seconds.
+
+        Raises:
+            DirectFailed: any other status than OK and UNAVAILABLE (INVALID_ARGUMENT,
+                NOT_FOUND, PERMISSION_DENIED, DEADLINE_EXCEEDED, ...).
+        """
+        multi = self._calls.get(method)
+        if multi is None:
+            if self._channel is None:
+                self._channel = _open_blocking(self._address, self._options, self._security)
+            multi = self._calls[method] = self._channel.unary_unary(  # type: ignore[call-arg]
+                f"/neuroshard.v1.Coordinator/{method}",
+                request_serializer=type(request).SerializeToString,  # type: ignore[attr-defined]
+                response_deserializer=reply.FromString,  # type: ignore[attr-defined]
+                _registered_method=True,
+            )
+        token = self._security.token if self._security is not None else None
+        metadata: Metadata = (("authorization", "Bearer " + token()),) if token else ()
+        try:
+            answer: Resp = multi(request, timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as exc:
+            code: grpc.StatusCode = exc.code()
+            if code is grpc.StatusCode.UNAVAILABLE:
+                return None
+            raise DirectFailed(exc.details() or code.name, code) from None
+        return answer
+
+    def close(self) -> None:
+        """Close the channel."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._calls.clear()

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
@@ -17,10 +18,12 @@ from shared.client.async_client import (
     NeuroshardError,
     _checked_upsert,
     _next,
+    _quality_dict,
     _refused_input,
+    _wire,
 )
 from shared.client.datasets import CHUNK_BYTES as UPLOAD_CHUNK_BYTES
-from shared.client.direct import DirectFailed, DirectPath
+from shared.client.direct import CoordinatorPath, DirectFailed, DirectPath
 from shared.client.memory import (
     RoutingError,
     distinct_ids,
@@ -33,8 +36,8 @@ from shared.client.store_io import ExportProgress
 from shared.memory.export_file import IMPORT_BATCH
 from shared.memory.tables import DEFAULT_TABLE, table_name
 from shared.memory.validation import as_ids, validate_reinforce
-from shared.proto import worker_pb2
-from shared.rpc.codec import ids_to_bytes
+from shared.proto import common_pb2, coordinator_pb2, worker_pb2
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes, ids_to_bytes
 from shared.security.transport import ChannelSecurity
 
 T = TypeVar("T")
@@ -65,6 +68,9 @@ class SyncClient:
         self._direct = DirectPath(
             self._client._max_message_bytes, self._client._router.worker_security
         )
+        self._reads = CoordinatorPath(
+            self._client.address, self._client._max_message_bytes, security
+        )
 
     @staticmethod
     async def _make(
@@ -87,6 +93,7 @@ class SyncClient:
     def close(self) -> None:
         """Close the channels and the event loop."""
         self._direct.close()
+        self._reads.close()
         self._runner.run(self._client.close())
         self._runner.close()
 
@@ -302,14 +309,47 @@ class SyncClient:
         return self._run(self._client.decay(rate, op_id, table))
 
     def quality(self, table: str = DEFAULT_TABLE) -> dict[str, Any]:
-        """Summarize every strength of a table (see ``Client.quality``)."""
-        return self._run(self._client.quality(table))
+        """Summarize every strength of a table (see ``Client.quality``).
+
+        One blocking call to the coordinator (``CoordinatorPath``); the async client's
+        channel, with gRPC's retries, when the coordinator was unreachable.
+        """
+        request = coordinator_pb2.QualityRequest(table=_wire(table))
+        reply = self._read("Quality", request, common_pb2.QualityStats)
+        if reply is None:
+            return self._run(self._client.quality(table))
+        return _quality_dict(reply)
 
     def topk(
         self, k: int, table: str = DEFAULT_TABLE
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
-        """Return the exact global top-k ids and strengths (see ``Client.topk``)."""
-        return self._run(self._client.topk(k, table))
+        """Return the exact global top-k ids and strengths (see ``Client.topk``).
+
+        One blocking call to the coordinator, as ``quality``.
+        """
+        if k < 1:
+            return self._run(self._client.topk(k, table))  # its INVALID_ARGUMENT
+        request = coordinator_pb2.TopKRequest(k=k, table=_wire(table))
+        reply = self._read("TopK", request, common_pb2.TopKResponse)
+        if reply is None:
+            return self._run(self._client.topk(k, table))
+        return ids_from_bytes(reply.ids), f32_from_bytes(reply.strengths)
+
+    def _read(self, method: str, request: Any, reply: type[T]) -> T | None:
+        """A coordinator read on the blocking channel; None: take the async channel.
+
+        Raises:
+            NeuroshardError: the coordinator refused it (a status other than UNAVAILABLE).
+        """
+        try:
+            return self._reads.call(method, request, reply, self._client.timeout_s)
+        except DirectFailed as exc:
+            if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                address = self._client.address
+                raise NeuroshardError(
+                    f"the coordinator at {address} did not answer in time", exc.code
+                ) from None
+            raise NeuroshardError(str(exc), exc.code) from None
 
     def sweep(
         self,

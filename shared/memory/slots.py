@@ -36,13 +36,20 @@ def mix64(x: npt.ArrayLike) -> npt.NDArray[np.uint64]:
         [N] uint64, a new array.
     """
     z = np.asarray(x).astype(_U64, copy=True)
+    if z.ndim:  # array ufuncs wrap silently; np.errstate costs more than a one-id mix
+        return _mix(z)
     # Wraparound is the point of the multiplications; numpy only warns on scalar overflow.
     with np.errstate(over="ignore"):
-        z ^= z >> _U64(30)
-        z *= _C1
-        z ^= z >> _U64(27)
-        z *= _C2
-        z ^= z >> _U64(31)
+        return _mix(z)
+
+
+def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """The splitmix64 finalizer on ``z`` in place (``mix64``); returns ``z``."""
+    z ^= z >> _U64(30)
+    z *= _C1
+    z ^= z >> _U64(27)
+    z *= _C2
+    z ^= z >> _U64(31)
     return z
 
 
@@ -71,7 +78,20 @@ def slot_of(ids: npt.ArrayLike, slots: int) -> npt.NDArray[np.int64]:
         ValueError: ``slots`` is not a power of two.
     """
     slot_bits(slots)
+    if isinstance(ids, np.ndarray) and ids.shape == (1,) and ids.dtype == _U64:
+        # One id (the single-key path): Python integers cost a tenth of five ufunc calls.
+        return np.array([_mix_int(int(ids[0])) & (slots - 1)], np.int64)
     return (mix64(ids) & _U64(slots - 1)).astype(np.int64)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_int(z: int) -> int:
+    """``mix64`` of one integer in [0, 2**64), with Python integers."""
+    z = ((z ^ (z >> 30)) * int(_C1)) & _MASK64
+    z = ((z ^ (z >> 27)) * int(_C2)) & _MASK64
+    return z ^ (z >> 31)
 
 
 def sort_key(ids: npt.ArrayLike, slots: int) -> npt.NDArray[np.uint64]:

@@ -167,6 +167,39 @@ def wrap_handler(handler: Handler[Req, Resp], around: Around) -> Handler[Req, Re
     return _handler(kind, wrapped, handler.request_deserializer, handler.response_serializer)
 
 
+class HandlerCache:
+    """One interceptor's wrapped handler per method, reused while the inner handler is the same.
+
+    grpc.aio asks every interceptor for a handler on every call; rebuilding the wrappers each
+    time cost a worker more GIL time than a one-id read itself. The inner chain answers the
+    same handler object per method (the registered one, or the next interceptor's cached
+    wrapper), so a wrapper built once is reused; ``key`` tells apart the wrappers that
+    depend on more than the method (the caller, for ``AuthInterceptor``). Only methods with a
+    handler are kept, so the cache is bounded by the registered methods.
+    """
+
+    __slots__ = ("_built",)
+
+    def __init__(self) -> None:
+        """Start empty."""
+        self._built: dict[str, tuple[object, object, Handler[Any, Any]]] = {}
+
+    def get(
+        self,
+        method: str,
+        handler: Handler[Req, Resp],
+        build: Callable[[Handler[Req, Resp]], Handler[Req, Resp]],
+        key: object = None,
+    ) -> Handler[Req, Resp]:
+        """The wrapper of ``handler`` for ``method`` (and ``key``), built by ``build`` once."""
+        hit = self._built.get(method)
+        if hit is not None and hit[0] is handler and hit[1] is key:
+            return hit[2]
+        wrapped = build(handler)
+        self._built[method] = (handler, key, wrapped)
+        return wrapped
+
+
 def status_of(context: Context, exc: BaseException | None) -> str:
     """Name the final status of an RPC for logs and the ``code`` label of metrics.
 
@@ -206,6 +239,7 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         # Decided once (logging is configured before servers are built): building the
         # debug line costs more than the rest of the interceptor.
         self._debug = debug_enabled()
+        self._cache = HandlerCache()
 
     async def intercept_service(
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
@@ -215,7 +249,45 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         full = handler_call_details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
-        return wrap_handler(handler, self._around_for(method_name(full)))
+        return self._cache.get(full, handler, lambda h: self._wrap(h, method_name(full)))
+
+    def _wrap(self, handler: Handler[Req, Resp], method: str) -> Handler[Req, Resp]:
+        """``handler`` logged and counted; a unary call without a context manager's cost."""
+        kind, behavior = _kind_of(handler)
+        if kind != "unary_unary":
+            return wrap_handler(handler, self._around_for(method))
+        done = self._done_for(method)
+
+        async def call(request: Any, context: Context) -> Any:
+            self._bind(method, request)
+            start = time.perf_counter()
+            peer = context.peer() if self._debug else ""
+            exc: BaseException | None = None
+            try:
+                return await behavior(request, context)
+            except BaseException as e:
+                exc = e
+                raise
+            finally:
+                done(context, exc, peer, start)
+
+        return _handler(kind, call, handler.request_deserializer, handler.response_serializer)
+
+    def _done_for(self, method: str) -> Callable[[Context, BaseException | None, str, float], None]:
+        """What an RPC of ``method`` does when it ends: count it, and log it on debug."""
+        counter = self._metrics.rpcs
+        by_code: dict[str, Counter] = {}  # counter children by status name
+
+        def done(context: Context, exc: BaseException | None, peer: str, start: float) -> None:
+            code = status_of(context, exc)
+            child = by_code.get(code)
+            if child is None:
+                child = by_code[code] = counter.labels(method, code)
+            child.inc()
+            if self._debug:
+                self._log(method, code, peer, time.perf_counter() - start)
+
+        return done
 
     def _bind(self, method: str, request: Any) -> None:
         fields: dict[str, Any] = {"rpc": method}
@@ -230,8 +302,7 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         structlog.contextvars.bind_contextvars(**fields)
 
     def _around_for(self, method: str) -> Around:
-        counter = self._metrics.rpcs
-        by_code: dict[str, Counter] = {}  # counter children by status name
+        done = self._done_for(method)
 
         @asynccontextmanager
         async def around(request: Any, context: Context) -> AsyncIterator[None]:
@@ -247,13 +318,7 @@ class RequestLogInterceptor(aio.ServerInterceptor):
                 exc = e
                 raise
             finally:
-                code = status_of(context, exc)
-                child = by_code.get(code)
-                if child is None:
-                    child = by_code[code] = counter.labels(method, code)
-                child.inc()
-                if self._debug:
-                    self._log(method, code, peer, time.perf_counter() - start)
+                done(context, exc, peer, start)
 
         return around
 
@@ -295,15 +360,20 @@ class MetricsInterceptor(aio.ServerInterceptor):
     def __init__(self, metrics: Metrics) -> None:
         """Count into ``metrics.rpc_received_bytes`` and ``metrics.rpc_sent_bytes``."""
         self._m = metrics
+        self._cache = HandlerCache()
 
     async def intercept_service(
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
         """Wrap the method's (de)serializers so that they count the bytes they see."""
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+        full = handler_call_details.method
+        if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
-        method = method_name(handler_call_details.method)
+        return self._cache.get(full, handler, lambda h: self._counting(h, method_name(full)))
+
+    def _counting(self, handler: Handler[Req, Resp], method: str) -> Handler[Req, Resp]:
+        """``handler`` with (de)serializers that count bytes into ``method``'s counters."""
         recv = self._m.rpc_received_bytes.labels(method)
         sent = self._m.rpc_sent_bytes.labels(method)
         deser, ser = handler.request_deserializer, handler.response_serializer
@@ -331,6 +401,7 @@ class BatchLimitInterceptor(aio.ServerInterceptor):
     def __init__(self, limit: int = DEFAULT_MAX_BATCH_ITEMS) -> None:
         """Refuse requests with more than ``limit`` ids (the worker's ``max_batch_items``)."""
         self.limit = limit
+        self._cache = HandlerCache()
 
     async def intercept_service(
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
@@ -340,15 +411,30 @@ class BatchLimitInterceptor(aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method not in KEYED_METHODS:
             return handler
+        return self._cache.get(method, handler, self._limited)
 
-        @asynccontextmanager
-        async def around(request: Any, context: Context) -> AsyncIterator[None]:
-            error = batch_error(len(request.ids) // 8, self.limit)
-            if error is not None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-            yield
+    def _limited(self, handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        """``handler`` (a unary keyed method) refusing requests over the limit."""
+        kind, behavior = _kind_of(handler)
+        if kind != "unary_unary":
 
-        return wrap_handler(handler, around)
+            @asynccontextmanager
+            async def around(request: Any, context: Context) -> AsyncIterator[None]:
+                await self._check(request, context)
+                yield
+
+            return wrap_handler(handler, around)
+
+        async def call(request: Any, context: Context) -> Any:
+            await self._check(request, context)
+            return await behavior(request, context)
+
+        return _handler(kind, call, handler.request_deserializer, handler.response_serializer)
+
+    async def _check(self, request: Any, context: Context) -> None:
+        error = batch_error(len(request.ids) // 8, self.limit)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
 
 
 # --- requests that do not parse ---------------------------------------------------------
@@ -439,6 +525,10 @@ class DecodeGuardInterceptor(aio.ServerInterceptor):
     interceptors whose code reads request fields.
     """
 
+    def __init__(self) -> None:
+        """Start with no method's handler guarded yet."""
+        self._cache = HandlerCache()
+
     async def intercept_service(
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
@@ -446,6 +536,12 @@ class DecodeGuardInterceptor(aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
+        return self._cache.get(handler_call_details.method, handler, self._guarded)
+
+    @staticmethod
+    def _guarded(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        """``handler`` with a tolerant deserializer and a behavior refusing what did not parse."""
+        assert handler.request_deserializer is not None  # checked by the caller
         kind, behavior = _kind_of(handler)
         guarded = _one_request(behavior) if kind.startswith("unary_") else _request_stream(behavior)
         return _handler(
@@ -596,6 +692,7 @@ class AuthInterceptor(aio.ServerInterceptor):
         # token (with its signature), so only a token that was verified once can hit.
         self._verified: dict[str, Principal] = {}
         self._cache_size = cache_size
+        self._cache = HandlerCache()
 
     def _verify(self, token: str) -> Principal:
         """Run ``verify_token`` through the cache (a hit is still checked for revocation).
@@ -687,14 +784,25 @@ class AuthInterceptor(aio.ServerInterceptor):
             principal, code, message = self.authorize(handler_call_details)
             if code is not grpc.StatusCode.OK:
                 return refusal_handler(handler, code, message, principal)
+        return self._cache.get(
+            full, handler, lambda h: self._authorized(h, full, principal), key=principal
+        )
+
+    def _authorized(
+        self, handler: Handler[Req, Resp], full: str, principal: Principal | None
+    ) -> Handler[Req, Resp]:
+        """``handler`` run as ``principal`` (None: the daemon its certificate names).
+
+        Built once per method and caller (``HandlerCache``): the token was checked for this
+        call already; a daemon's certificate is read on every call, from its context.
+        """
         method = method_name(full)
         bound = full.startswith(COORDINATOR) and method in BOUND_FIELDS
-        streaming = _kind_of(handler)[0] != "unary_unary"
+        kind = _kind_of(handler)[0]
         if principal is None:  # a daemon's call: known once its certificate is read
             handler = _parse_late(handler, method if bound else None)
 
-        @asynccontextmanager
-        async def around(request: Any, context: Context) -> AsyncIterator[None]:
+        async def caller_of(context: Context) -> Principal | None:
             caller = principal
             if caller is None:  # a daemon, known by its certificate
                 caller, code, refused = self._daemon(context, full)
@@ -703,7 +811,21 @@ class AuthInterceptor(aio.ServerInterceptor):
             # A worker's bound name is checked in _parse_late, once its request is parsed
             # (tokens are never a worker's).
             set_principal(caller)
-            if not streaming or caller is None or math.isinf(caller.expires_at):
+            return caller
+
+        if kind == "unary_unary":  # no stream to end at the token's expiry
+            behavior = _kind_of(handler)[1]
+
+            async def call(request: Any, context: Context) -> Any:
+                await caller_of(context)
+                return await behavior(request, context)
+
+            return _handler(kind, call, handler.request_deserializer, handler.response_serializer)
+
+        @asynccontextmanager
+        async def around(request: Any, context: Context) -> AsyncIterator[None]:
+            caller = await caller_of(context)
+            if caller is None or math.isinf(caller.expires_at):
                 yield
                 return
             try:

@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from shared.client import SyncClient
+from shared.client import NeuroshardError, SyncClient
 from shared.client.direct import DirectPath
 
 pytestmark = pytest.mark.integration
@@ -90,3 +90,35 @@ async def test_a_write_whose_reply_was_lost_is_applied_once(
 
     # Assert: the workers de-duplicated the second send
     assert got == np.float32(0.75)
+
+
+async def test_quality_and_topk_go_blocking_to_the_coordinator(make_cluster) -> None:
+    # Arrange: 40 memories of known strengths
+    cluster = await make_cluster(workers=3, slots=64)
+    ids = np.arange(1, 41, dtype=np.uint64) * 7919
+    strengths = np.linspace(0.1, 0.9, 40, dtype=np.float32)
+
+    def work() -> tuple[dict, np.ndarray, np.ndarray, str, list[str]]:
+        with SyncClient(cluster.address, timeout_s=10) as c:
+            c.wait_ready(30)
+            c.upsert(ids, strengths)
+            # Act
+            q = c.quality()
+            top_ids, top_strengths = c.topk(5)
+            errors = []
+            for call in (lambda: c.topk(5, table="nope"), lambda: c.topk(0)):
+                try:
+                    call()
+                except NeuroshardError as exc:
+                    errors.append(exc.code.name)
+            return q, top_ids, top_strengths, str(c._reads._channel is not None), errors
+
+    q, top_ids, top_strengths, opened, errors = await asyncio.to_thread(work)
+
+    # Assert: answered on the blocking channel, equal to what was written
+    assert opened == "True"
+    assert q["count"] == 40
+    assert q["max"] == pytest.approx(0.9)
+    np.testing.assert_array_equal(top_ids, ids[::-1][:5])
+    np.testing.assert_array_equal(top_strengths, strengths[::-1][:5])
+    assert errors == ["NOT_FOUND", "INVALID_ARGUMENT"]

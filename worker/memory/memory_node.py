@@ -53,6 +53,9 @@ COPY_BATCH_SLOTS = 64
 SlotSender = Callable[[str, str, list[SlotSnapshot]], Awaitable[tuple[int, int]]]
 
 
+INLINE_GET_IDS = 64  # gets of at most this many ids may skip the store thread
+
+
 class CappedTable(Exception):
     """An upsert into a table with a capacity that did not come through the coordinator.
 
@@ -275,9 +278,9 @@ class MemoryNode:
         name = self.table(table).name
         self._place.check_primary(ids)
         with self._ops.op("get"):
-            return await self._data.run(
-                self._store.get_reply, ids, with_payloads, max_reply_bytes, name
-            )
+            # A few ids are read on the loop when the store thread is idle (no hand-off).
+            run = self._data.run_small if len(ids) <= INLINE_GET_IDS else self._data.run
+            return await run(self._store.get_reply, ids, with_payloads, max_reply_bytes, name)
 
     async def quality(self, epoch: int, table: str = DEFAULT_TABLE) -> Quality:
         """Summarize the strengths of one table in this worker's primary slots.

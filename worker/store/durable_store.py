@@ -57,6 +57,10 @@ class DurableStore:
         """Run ``fn(*args)`` on the store thread, after every job submitted before it."""
         return await self._thread.run(fn, *args)
 
+    async def run_small(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a short ``fn(*args)`` now if the store thread is idle (``StoreThread.run_small``)."""
+        return await self._thread.run_small(fn, *args)
+
     async def sync(self, pos: int) -> None:
         """Wait until the journal holds everything up to ``pos`` (bytes) durably."""
         if self.journal is not None:

@@ -219,3 +219,16 @@ def test_group_by_slot_is_stable(values):
     for g, s in enumerate(present):
         members = order[bounds[g] : bounds[g + 1]]
         assert members.tolist() == [i for i, v in enumerate(values) if v == s]
+
+
+@given(st.lists(U64, min_size=1, max_size=50))
+def test_slot_of_one_id_equals_the_batch_path(values):
+    # Arrange: slot_of has a Python-integer path for one-id arrays (the single-key calls).
+    ids = np.array(values, dtype=np.uint64)
+
+    # Act
+    one_by_one = [slot_of(ids[i : i + 1], 1024) for i in range(len(ids))]
+
+    # Assert
+    assert [int(s[0]) for s in one_by_one] == slot_of(ids, 1024).tolist()
+    assert all(s.dtype == np.int64 and s.shape == (1,) for s in one_by_one)

@@ -734,3 +734,40 @@ def test_a_call_without_a_token_is_the_certificates(
         assert principal is not None and (principal.subject, principal.role) == who
         assert principal.is_daemon and principal.audience == "" and refused == ""
         assert "node.example" in principal.hosts and "127.0.0.1" in principal.hosts
+
+
+async def test_a_wrapped_handler_is_reused_per_caller_never_across_callers() -> None:
+    # Arrange: two writers' data tokens and one servicer handler that reports its caller
+    import asyncio
+
+    from shared.rpc.interceptors import AuthInterceptor
+    from shared.security.auth import current_principal
+    from shared.security.tokens import create_token
+
+    key = Ed25519PrivateKey.generate()
+    alice = create_token(key, "writer", "alice", 60, audience=AUD_DATA)
+    bob = create_token(key, "writer", "bob", 60, audience=AUD_DATA)
+
+    async def behavior(request: object, context: object) -> str:
+        caller = current_principal()
+        return caller.subject if caller else ""
+
+    original = grpc.unary_unary_rpc_method_handler(behavior)
+
+    async def continuation(details: object) -> grpc.RpcMethodHandler:
+        return original
+
+    interceptor = AuthInterceptor(key.public_key(), AUD_DATA, tls=False)
+
+    async def call(token: str) -> tuple[object, str]:
+        handler = await interceptor.intercept_service(continuation, _Details(W + "Get", token))
+        # each RPC runs in its own task, as grpc.aio's
+        return handler, await asyncio.create_task(handler.unary_unary(b"", object()))
+
+    # Act
+    a1, a2, b1, a3 = [await call(t) for t in (alice, alice, bob, alice)]
+
+    # Assert: the same wrapper for one caller's calls; each call runs as its own caller
+    assert a1[0] is a2[0]
+    assert b1[0] is not a1[0] and a3[0] is not b1[0]
+    assert [x[1] for x in (a1, a2, b1, a3)] == ["alice", "alice", "bob", "alice"]

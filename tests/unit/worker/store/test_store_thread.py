@@ -54,3 +54,37 @@ async def test_a_cancelled_queued_job_is_skipped_and_shutdown_drops_the_queue() 
     with pytest.raises(RuntimeError, match="shut down"):
         await worker.run(ran.append, "late")
     assert ran == ["kept"]
+
+
+async def test_run_small_reads_inline_only_when_no_job_is_queued_or_running() -> None:
+    # Arrange: a value the store thread's jobs change
+    worker = StoreThread("store-test")
+    state = {"v": 0}
+    gate = threading.Event()
+
+    def write(v: int) -> None:
+        gate.wait(10)
+        state["v"] = v
+
+    def read() -> tuple[int, str]:
+        return state["v"], threading.current_thread().name
+
+    # Act: idle, then behind a queued write held by the gate, then idle again
+    idle = await worker.run_small(read)
+    pending = asyncio.ensure_future(worker.run(write, 7))
+    await asyncio.sleep(0)  # the write is submitted (and may be running, held by the gate)
+    behind = asyncio.ensure_future(worker.run_small(read))
+    await asyncio.sleep(0.01)
+    waited = not behind.done()
+    gate.set()
+    await pending
+    after_write = await behind
+    again = await worker.run_small(read)
+    worker.shutdown()
+
+    # Assert: inline on the caller's thread when idle; after the earlier write otherwise
+    here = threading.current_thread().name
+    assert idle == (0, here)
+    assert waited
+    assert after_write == (7, "store-test")
+    assert again == (7, here)
