@@ -103,11 +103,20 @@ class RecentRequests:
         """
         found: dict[int, list[bytes]] = {s: [] for s in slots}
         wanted = set(found)
-        with self._lock:
-            for rid, applied in self._slots.items():
-                for s in applied & wanted:
-                    found[s].append(rid)
+        for rid, applied in self._held():  # the scan without the lock: see ``_held``
+            for s in applied & wanted:
+                found[s].append(rid)
         return found
+
+    def _held(self) -> list[tuple[bytes, set[int]]]:
+        """The ids and their slot sets, least recently recorded first, taken under the lock.
+
+        Only the store thread changes the sets (``record``, ``replace_slots``), and the
+        scans over this list run on it too; so the event loop's ``fresh`` waits for the
+        lock while the list is taken, not for the scan of thousands of ids.
+        """
+        with self._lock:
+            return list(self._slots.items())
 
     def replace_slot(self, slot: int, rids: list[bytes]) -> None:
         """Make ``rids`` the ids slot ``slot`` applied: a copy of the slot was installed.
@@ -124,13 +133,13 @@ class RecentRequests:
             copies: slot -> the ids its copy applied, least recently recorded first.
         """
         replaced = set(copies)
+        hit = [(rid, a) for rid, a in self._held() if not a.isdisjoint(replaced)]
         with self._lock:
-            for rid, applied in list(self._slots.items()):
-                if not applied.isdisjoint(replaced):
-                    applied.difference_update(replaced)
-                    if not applied:
-                        del self._slots[rid]
-                        self._unconfirmed.pop(rid, None)
+            for rid, applied in hit:
+                applied.difference_update(replaced)
+                if not applied and self._slots.get(rid) is applied:
+                    del self._slots[rid]
+                    self._unconfirmed.pop(rid, None)
             for slot, rids in copies.items():
                 for rid in rids:
                     if rid:
