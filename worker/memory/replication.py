@@ -385,7 +385,9 @@ def _is_repeat(req: worker_pb2.ReplicateRequest, slots: np.ndarray, seq: np.ndar
     Raises:
         OutOfSync: otherwise (a gap, or a mix of both) (ABORTED).
     """
-    seqs, current = np.asarray(req.seqs, np.uint64), seq[slots]
+    # fromiter: np.asarray reads a repeated field item by item through the sequence
+    # protocol (~80 us for 170 seqs, on every forward a replica applies).
+    seqs, current = np.fromiter(req.seqs, np.uint64, len(req.seqs)), seq[slots]
     if (seqs <= current).all():
         return True
     if not (seqs == current + np.uint64(1)).all():

@@ -6,7 +6,7 @@ A client retries a write that failed or timed out, and the first attempt may hav
 that have not (a retried reinforce must not add its boosts twice). Primaries record on apply,
 replicas on applying the primary's forward, so a promoted replica knows the ids too; the
 journal keeps the table in its snapshots (``worker/store/journal_format.py``). A slot copied to
-another worker carries its ids (``of_slot``), and the copy replaces the ids the receiver held
+another worker carries its ids (``of_slots``), and the copy replaces the ids the receiver held
 for that slot (``replace_slot``): a copy made for a new replica or a new primary knows every
 request its data already contains, so a retry that reaches it is not applied twice.
 Decay op ids share the table.
@@ -46,9 +46,10 @@ class RecentRequests:
             capacity: request ids remembered; the oldest is forgotten first.
         """
         self._capacity = capacity
+        # request id -> the slots that applied it, least recently recorded id first. No
+        # per-slot index: a write records hundreds of slots, and keeping one cost a Python
+        # loop over them per write; a copy, which asks per slot (``of_slots``), scans the ids.
         self._slots: OrderedDict[bytes, set[int]] = OrderedDict()
-        # slot -> the ids it applied, in the order first recorded (the index of ``_slots``)
-        self._by_slot: dict[int, dict[bytes, None]] = {}
         self._unconfirmed: dict[bytes, Any] = {}  # request id -> its unconfirmed forwards
         self._lock = threading.Lock()
 
@@ -79,20 +80,43 @@ class RecentRequests:
 
     def _record(self, rid: bytes, slots: list[int]) -> None:
         """``record`` with the lock held."""
-        self._slots.setdefault(rid, set()).update(slots)
-        self._slots.move_to_end(rid)
-        for s in slots:
-            self._by_slot.setdefault(s, {})[rid] = None
+        applied = self._slots.get(rid)
+        if applied is None:
+            self._slots[rid] = set(slots)
+        else:
+            applied.update(slots)
+            self._slots.move_to_end(rid)
         while len(self._slots) > self._capacity:
-            gone, gone_slots = self._slots.popitem(last=False)
+            gone, _ = self._slots.popitem(last=False)
             self._unconfirmed.pop(gone, None)
-            for s in gone_slots:
-                self._by_slot[s].pop(gone, None)
 
     def of_slot(self, slot: int) -> list[bytes]:
-        """Return the ids slot ``slot`` applied, in the order first recorded (a copy's)."""
+        """Return the ids slot ``slot`` applied, least recently recorded first (a copy's)."""
+        return self.of_slots([slot])[slot]
+
+    def of_slots(self, slots: list[int]) -> dict[int, list[bytes]]:
+        """Return, for each of ``slots``, the ids it applied, least recently recorded first.
+
+        The order of this table's LRU, so a copy that records them in turn
+        (``replace_slot``) forgets them in the same order as this worker. One scan of the
+        ids for all the slots (a copy batch's).
+        """
+        found: dict[int, list[bytes]] = {s: [] for s in slots}
+        wanted = set(found)
+        for rid, applied in self._held():  # the scan without the lock: see ``_held``
+            for s in applied & wanted:
+                found[s].append(rid)
+        return found
+
+    def _held(self) -> list[tuple[bytes, set[int]]]:
+        """The ids and their slot sets, least recently recorded first, taken under the lock.
+
+        Only the store thread changes the sets (``record``, ``replace_slots``), and the
+        scans over this list run on it too; so the event loop's ``fresh`` waits for the
+        lock while the list is taken, not for the scan of thousands of ids.
+        """
         with self._lock:
-            return list(self._by_slot.get(slot, ()))
+            return list(self._slots.items())
 
     def replace_slot(self, slot: int, rids: list[bytes]) -> None:
         """Make ``rids`` the ids slot ``slot`` applied: a copy of the slot was installed.
@@ -100,17 +124,26 @@ class RecentRequests:
         The ids recorded for the slot before are forgotten for it: the copy's data is what
         the slot holds now, and it contains exactly the requests of ``rids``.
         """
+        self.replace_slots({slot: rids})
+
+    def replace_slots(self, copies: dict[int, list[bytes]]) -> None:
+        """``replace_slot`` for several slots at once (one scan of the ids, a copy batch's).
+
+        Args:
+            copies: slot -> the ids its copy applied, least recently recorded first.
+        """
+        replaced = set(copies)
+        hit = [(rid, a) for rid, a in self._held() if not a.isdisjoint(replaced)]
         with self._lock:
-            for rid in self._by_slot.pop(slot, {}):
-                applied = self._slots.get(rid)
-                if applied is not None:
-                    applied.discard(slot)
-                    if not applied:
-                        del self._slots[rid]
-                        self._unconfirmed.pop(rid, None)
-            for rid in rids:
-                if rid:
-                    self._record(rid, [slot])
+            for rid, applied in hit:
+                applied.difference_update(replaced)
+                if not applied and self._slots.get(rid) is applied:
+                    del self._slots[rid]
+                    self._unconfirmed.pop(rid, None)
+            for slot, rids in copies.items():
+                for rid in rids:
+                    if rid:
+                        self._record(rid, [slot])
 
     def hold(self, rid: bytes, forwards: Any) -> None:
         """Keep the forwards of applied request ``rid`` that no trusted copy confirmed yet.

@@ -179,9 +179,10 @@ class DurableStore:
         if table is not None:
             return [self.store.export_slot(s, table) for s in slots]
         snaps = [part for s in slots for part in self.store.export_slot_parts(s)]
+        requests = self.recent.of_slots([int(snap.slot) for snap in snaps])
         for snap in snaps:
             if snap.table == DEFAULT_TABLE:
-                snap.requests = self.recent.of_slot(snap.slot)
+                snap.requests = requests[int(snap.slot)]
         return snaps
 
     def import_slots(self, snaps: list[SlotSnapshot]) -> int:
@@ -194,9 +195,9 @@ class DurableStore:
         pos = 0
         snaps = _whole_slots(snaps)
         self.store.import_slots(snaps)  # one merge for the whole batch of slots
-        for snap in snaps:
-            if snap.table == DEFAULT_TABLE:
-                self.recent.replace_slot(snap.slot, snap.requests)
+        self.recent.replace_slots(
+            {int(snap.slot): snap.requests for snap in snaps if snap.table == DEFAULT_TABLE}
+        )
         if self.journal is not None:
             for snap in snaps:
                 pos = self._logged(self.journal.log_import(snap))

@@ -188,7 +188,7 @@ def _replay(
         if op is None or len(req.seqs) != len(slots):
             raise ValueError(f"op {op}, {len(req.seqs)} seqs for {len(slots)} slots")
         rid = apply_op(store, op, getattr(req, op), slots)
-        store.seq[slots] = np.asarray(req.seqs, np.uint64)
+        store.seq[slots] = np.fromiter(req.seqs, np.uint64, len(req.seqs))
         if rid:
             on_request(rid, slots.tolist())
     elif kind == KIND_IMPORT:

@@ -31,7 +31,7 @@ from shared.proto import worker_pb2
 from worker.store import kernels
 from worker.store.sampling import SlotWeights
 from worker.store.slot_rows import SlotRows
-from worker.store.table_store import SlotPart, TableStore, distinct_in_order
+from worker.store.table_store import SlotPart, TableStore, distinct_in_order, distinct_slots
 
 __all__ = ["SlotSnapshot", "SlotStore", "distinct_in_order"]
 
@@ -346,7 +346,7 @@ class SlotStore:
             [len(slots)] uint64, the new sequence number of each slot as given.
         """
         chosen = as_slots(slots, self.slots)
-        self.seq[np.unique(chosen)] += np.uint64(1)
+        self.seq[distinct_slots(chosen)] += np.uint64(1)
         seqs: np.ndarray = self.seq[chosen].copy()
         return seqs
 

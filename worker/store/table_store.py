@@ -46,7 +46,18 @@ from worker.store import row_index_numba as row_index
 from worker.store.sampling import SlotWeights
 from worker.store.slot_rows import SlotRows
 
-__all__ = ["SlotPart", "TableStore", "distinct_in_order"]
+__all__ = ["SlotPart", "TableStore", "distinct_in_order", "distinct_slots"]
+
+
+def distinct_slots(slots: np.ndarray) -> np.ndarray:
+    """Return slots [T] int64 distinct and ascending: as given when they already are.
+
+    A write's and a sweep's slot sets come ascending (``np.flatnonzero``); checking that is
+    O(T), where ``np.unique`` sorts.
+    """
+    if len(slots) < 2 or bool((slots[1:] > slots[:-1]).all()):
+        return slots
+    return np.unique(slots)
 
 
 def distinct_in_order(ids: np.ndarray) -> np.ndarray:
@@ -126,7 +137,7 @@ class TableStore:
         """
         if slots is None:
             return self._rows.runs(None)
-        return self._rows.runs(np.unique(as_slots(slots, self.slots)))
+        return self._rows.runs(distinct_slots(as_slots(slots, self.slots)))
 
     def _slots_of_keys(self, keys: np.ndarray) -> np.ndarray:
         """[K] int64 slots of sort keys [K] uint64 (the slot is a key's top bits)."""

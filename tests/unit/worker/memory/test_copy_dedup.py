@@ -26,19 +26,22 @@ SLOTS = 8
 # -- the table ---------------------------------------------------------------------------------
 
 
-def test_of_slot_lists_the_ids_each_slot_applied_in_order() -> None:
+def test_of_slot_lists_the_ids_each_slot_applied_least_recently_recorded_first() -> None:
     recent = RecentRequests()
 
     recent.record(b"a", np.array([1, 2]))
     recent.record(b"b", np.array([2]))
     recent.record(b"a", np.array([3]))
 
+    # "a" was recorded again after "b": the table's LRU order, which a copy's receiver
+    # reproduces by recording them in turn, so both forget them in the same order.
     assert (recent.of_slot(1), recent.of_slot(2), recent.of_slot(3)) == (
         [b"a"],
-        [b"a", b"b"],
+        [b"b", b"a"],
         [b"a"],
     )
     assert recent.of_slot(4) == []
+    assert recent.of_slots([2, 4, 1]) == {2: [b"b", b"a"], 4: [], 1: [b"a"]}
 
 
 def test_replace_slot_forgets_that_slots_old_ids_and_keeps_the_others() -> None:

@@ -3,7 +3,9 @@ replica applying forwards (in order, repeated, with gaps, across a map change)."
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -485,6 +487,7 @@ async def test_a_failed_fsync_stops_every_later_acknowledgement(
     # Arrange: a primary whose journal fsyncs before each ack; one write is durable.
     peers = FakePeers()
     failures: list[str] = []
+    reported = threading.Event()
     journal = Journal(
         tmp_path,
         lock_data_dir(tmp_path),
@@ -493,7 +496,7 @@ async def test_a_failed_fsync_stops_every_later_acknowledgement(
         "always",
         1.0,
         1 << 30,
-        on_failure=failures.append,
+        on_failure=lambda reason: (failures.append(reason), reported.set()),
     )
     node = MemoryNode("me", SlotStore(slots=SLOTS), peers.forward, peers.report, journal)
     nodes.append(node)
@@ -519,7 +522,9 @@ async def test_a_failed_fsync_stops_every_later_acknowledgement(
         await node.decay(1, 0.1)
 
     # Assert: one fsync tried, never again; reported once; nothing applied after the failed
-    # write (the retry, the later write and the decay changed nothing).
+    # write (the retry, the later write and the decay changed nothing). The report comes
+    # from the fsync thread, which may still be on its way to it when the refusals arrive.
+    await asyncio.to_thread(reported.wait, 10.0)
     assert len(fsyncs) == 1
     assert len(failures) == 1 and "Input/output error" in failures[0]
     assert node.slot_seqs([1, 2, 3]) == [1, 1, 0]
