@@ -188,8 +188,9 @@ def one_run(
     """Submit one job and follow it until an evaluation's metric reaches the target.
 
     The step and epoch are the evaluation's own (its history entry: an allreduce job reports
-    an evaluation some steps after the epoch end it evaluated); the wall seconds run from the
-    submit until the client saw it.
+    an evaluation some steps after the epoch end it evaluated; a sync job's entries have no
+    step, it evaluates at the epoch's last step); the wall seconds run from the submit until
+    the client saw it.
     """
     t0 = time.perf_counter()
     job = client.submit(work.job_doc(sampling, seed, max_epochs))
@@ -200,17 +201,15 @@ def one_run(
         if hit is not None:
             wall = time.perf_counter() - t0
             client.cancel(job.job_id)
-            return Reached(
-                sampling, seed, int(hit["step"]), int(hit["epoch"]), wall, _best(work, history)
-            )
+            step = int(hit.get("step", progress["step"]))  # sync: evaluated at the epoch end
+            return Reached(sampling, seed, step, int(hit["epoch"]), wall, _best(work, history))
     final = client.wait(job.job_id)  # the last epoch's evaluation is in the result only
     history = list((final.result or {}).get("history") or history)
     hit = first_reached(work, history)
-    if hit is not None:
+    if hit is not None:  # the last epoch's (an earlier one came with a progress event)
         wall = time.perf_counter() - t0
-        return Reached(
-            sampling, seed, int(hit["step"]), int(hit["epoch"]), wall, _best(work, history)
-        )
+        step = int(hit.get("step", (final.result or {}).get("steps", 0)))
+        return Reached(sampling, seed, step, int(hit["epoch"]), wall, _best(work, history))
     failed = final.error if final.state == "FAILED" else ""
     return Reached(sampling, seed, None, None, None, _best(work, history), failed)
 
