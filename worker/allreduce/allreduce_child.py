@@ -41,7 +41,6 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,45 +63,10 @@ from worker.allreduce.rendezvous_store import (
 # Most steps between control points (a small all-reduce of the stop flag and progress sums:
 # one more latency-bound collective, so not every step). Epoch ends, checkpoints, the last
 # step and the job's first step (its report is L_0, the loss before the first update) are
-# control points, and so is every CONTROL_EVERY-th step since the last one (so epochs of 20
-# steps or fewer have one control point each, at their end).
+# control points, and so is every CONTROL_EVERY-th step since the last one: an epoch of up
+# to 20 steps has one control point, at its end (at multiples of 20, a 15-step epoch had
+# 1.75).
 CONTROL_EVERY = 20
-
-
-class _Outbox:
-    """A generation's frames to the daemon, written in order by a thread of their own.
-
-    Rank 0's states are serialised here rather than in the step loop: the loop queues a
-    snapshot of the state (``Replica.snapshot``) and trains on while this thread runs
-    ``torch.save`` and waits for the daemon to read the pipe (a state larger than the pipe's
-    buffer blocks its writer until then). Every frame of the generation goes through the
-    queue, so the daemon (and the coordinator) see them in the order they were queued.
-    """
-
-    def __init__(self, pipe: BlockingPipe) -> None:
-        self._pipe = pipe
-        self._queue: queue.Queue[Callable[[], Frame] | None] = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
-        self._thread.start()
-
-    def put(self, frame: Frame | Callable[[], Frame]) -> None:
-        """Queue a frame, or a function making it on the writer thread."""
-        self._queue.put(frame if callable(frame) else lambda: frame)
-
-    def close(self) -> BaseException | None:
-        """Write every queued frame, stop the thread; the error that stopped it early, if any."""
-        self._queue.put(None)
-        self._thread.join()
-        return self._error
-
-    def _run(self) -> None:
-        while (make := self._queue.get()) is not None:
-            if self._error is None:  # after an error, drain the queue without writing
-                try:
-                    self._pipe.write(make())
-                except Exception as exc:  # reported by close
-                    self._error = exc
 
 
 class _Inbox:
@@ -183,7 +147,6 @@ class _Generation:
         self.windowed = bool(f.get("windowed", False))
         self.state = cmd.payload
         self.start_step = -1  # the replica's step once the generation has rank 0's state
-        self.outbox = _Outbox(pipe)
 
     def run(self, window: Frame | None) -> None:
         if self.windowed and window is not None:
@@ -208,9 +171,6 @@ class _Generation:
             # paced job's may follow at once, and an old server collected later, at some
             # point of the next rendezvous, left the new store's clients waiting).
             gc.collect()
-        error = self.outbox.close()  # every frame queued before "ended"
-        if error is not None:  # a state may be lost: the coordinator must not take it as done
-            done, reason = False, f"sending a frame failed: {type(error).__name__}: {error}"
         ended: dict[str, Any] = {"held_step": held, "done": done, "reason": reason}
         payload = b""
         if self.windowed:
@@ -241,7 +201,7 @@ class _Generation:
         model = self.replica.start_generation(self.rank, self.world, self.state)
         self.start_step = self.replica.step
         self.replica.take_losses()  # nothing before this generation's first step counts
-        self.outbox.put(Frame("joined"))
+        self.pipe.write(Frame("joined"))
         if self.send_start_state:
             self._send_state("checkpoint")
         return self._train(model)
@@ -265,7 +225,7 @@ class _Generation:
                 wait_for_workers=False,
                 master_listen_fd=sock.detach(),
             )
-            self.outbox.put(Frame("ready", {"port": port}))
+            self.pipe.write(Frame("ready", {"port": port}))
             return store
         host, port = self.master
         return client_store(host, port, self.timeout)
@@ -308,16 +268,14 @@ class _Generation:
         """Rank 0's state: the full state (checkpoint, final), the model alone (epoch).
 
         Every rank calls it at the same steps; a sharded replica's ranks all take part in
-        gathering the state to rank 0, a whole replica's rank 0 copies its own, and the
-        outbox's thread serialises and sends it while the next steps run.
+        gathering the state to rank 0, a whole replica's rank 0 serialises its own.
         """
         r = self.replica
         if self.rank != 0 and not r.sharded:
             return
-        payload = r.snapshot(model_only=reason == "epoch")
+        payload = r.model_bytes() if reason == "epoch" else r.state_bytes()
         if self.rank == 0:
-            fields = {"step": r.step, "reason": reason}
-            self.outbox.put(lambda: Frame("state", fields, payload()))
+            self.pipe.write(Frame("state", {"step": r.step, "reason": reason}, payload))
 
     def _boundary(self, step: int) -> str | None:
         """Why rank 0 sends its state after ``step`` steps (None: it does not)."""
@@ -355,7 +313,7 @@ class _Generation:
             "seconds": seconds,
             "lr": r.last_lr,
         }
-        self.outbox.put(Frame("progress", fields))
+        self.pipe.write(Frame("progress", fields))
 
 
 def _c10d() -> Any:

@@ -26,7 +26,6 @@ unsharded state dict. The optimizer's state in such a checkpoint is keyed by par
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,14 +115,6 @@ class FsdpReplica(Replica):
                 "step": self.step,
             }
         )
-
-    def snapshot(self, model_only: bool) -> Callable[[], bytes]:
-        """As ``Replica.snapshot``, but the bytes are made now (rank 0's; b"" elsewhere).
-
-        Gathering the shards is a collective every rank joins at the same step.
-        """
-        data = self.model_bytes() if model_only else self.state_bytes()
-        return lambda: data
 
     def load_state(self, data: bytes) -> None:
         """Load a full state (``state_bytes``, or ``init``'s model and step) into the shards.
