@@ -49,7 +49,10 @@ class RunConfig:
     actors: int = 3
     alpha: float = 0.6
     batch: int = 64
-    replay_ratio: float = 8.0
+    replay_ratio: float = 8.0  # samples the learner trains on per env step
+    # Samples the learner may fall behind env_steps x replay_ratio before the actors wait (the
+    # error buffer of Reverb's SampleToInsertRatio rate limiter).
+    rate_limit_slack: int = 20_000
     capacity: int = 50_000
     decay: float = 1e-4
     min_size: int = 1_000
@@ -109,7 +112,10 @@ def _actor(
             torch.nn.utils.vector_to_parameters(params.clone(), local.net.parameters())
             local.target.load_state_dict(local.net.state_dict())
         env_steps, learned = counters["env"].value, counters["sampled"].value
-        if env_steps > cfg.min_size and env_steps * cfg.replay_ratio > learned + 20_000:
+        if (
+            env_steps > cfg.min_size
+            and env_steps * cfg.replay_ratio > learned + cfg.rate_limit_slack
+        ):
             time.sleep(0.002)  # rate limiter: the learner is behind
             continue
         with torch.no_grad():

@@ -24,8 +24,19 @@ async def test_a_short_ape_x_run_fills_the_table_and_learns_from_samples(make_cl
         await client.wait_ready()
         factory = ClusterReplayFactory(cluster.address, "apex")
         await asyncio.to_thread(factory.create, 400)
+        # The rate limiter holds the actors to the learner: past min_size an actor steps only
+        # while env_steps x 0.5 <= samples learned + 200 (the slack lets the table fill past
+        # min_size first), so the run's 1,200 env steps need >= 400 samples (>= 12 learner
+        # steps of 32) whatever the relative speeds.
         cfg = RunConfig(
-            actors=2, max_env_steps=1200, min_size=200, eval_every=10**9, capacity=400, batch=32
+            actors=2,
+            max_env_steps=1200,
+            min_size=200,
+            eval_every=10**9,
+            capacity=400,
+            batch=32,
+            replay_ratio=0.5,
+            rate_limit_slack=200,
         )
         result = await asyncio.to_thread(run, cfg, factory)
         assert result.env_steps >= 1200
