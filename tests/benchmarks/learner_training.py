@@ -90,21 +90,26 @@ class Reached:
     failed: str = ""  # the job's error when it FAILED before reaching the target
 
 
+def _job(path: Path, name: str, sampling: str, seed: int, max_epochs: int) -> dict[str, Any]:
+    """The job file at ``path`` on 2 workers x 48 rows, with the run's sampling and seed."""
+    doc: dict[str, Any] = yaml.safe_load(path.read_text())
+    return doc | {
+        "name": name,
+        "workers": 2,
+        "batch_size": 48,
+        "epochs": max_epochs,
+        "seed": seed,
+        "sampling": SAMPLINGS[sampling],
+    }
+
+
 def digits(target_accuracy: float) -> Workload:
     """The digits MLP with ``strategy: sync`` on 2 workers, to a test accuracy."""
 
     def job_doc(sampling: str, seed: int, max_epochs: int) -> dict[str, Any]:
-        doc = yaml.safe_load(DIGITS_JOB.read_text())
-        doc.update(
-            name=f"digits-{sampling}-{seed}",
-            strategy="sync",
-            workers=2,
-            batch_size=48,
-            epochs=max_epochs,
-            seed=seed,
-            sampling=SAMPLINGS[sampling],
-        )
-        return doc
+        return _job(DIGITS_JOB, f"digits-{sampling}-{seed}", sampling, seed, max_epochs) | {
+            "strategy": "sync"
+        }
 
     return Workload(
         name="digits",
@@ -137,17 +142,9 @@ def gpt(chars: Path, target_loss: float, rows: int = GPT_ROWS) -> Workload:
             client.put_dataset(path)
 
     def job_doc(sampling: str, seed: int, max_epochs: int) -> dict[str, Any]:
-        doc = yaml.safe_load(GPT_JOB.read_text())
-        doc.update(
-            name=f"gpt-{sampling}-{seed}",
-            data={"path": subset},
-            workers=2,
-            batch_size=48,
-            epochs=max_epochs,
-            seed=seed,
-            sampling=SAMPLINGS[sampling],
-        )
-        return doc
+        return _job(GPT_JOB, f"gpt-{sampling}-{seed}", sampling, seed, max_epochs) | {
+            "data": {"path": subset}
+        }
 
     def cluster(logs: str) -> LocalCluster:
         return LocalCluster(
