@@ -192,21 +192,25 @@ def one_run(
     t0 = time.perf_counter()
     job = client.submit(work.job_doc(sampling, seed, max_epochs))
     history: list[dict[str, Any]] = []
+
+    def reached(hit: dict[str, Any], step: int) -> Reached:
+        # A sync job's entries have no step: it evaluated at ``step``, the epoch's last.
+        wall, best = time.perf_counter() - t0, _best(work, history)
+        return Reached(sampling, seed, int(hit.get("step", step)), int(hit["epoch"]), wall, best)
+
     for _info, progress in client.watch(job.job_id):
         history = list(progress.get("history") or history)
         hit = first_reached(work, history)
         if hit is not None:
-            wall = time.perf_counter() - t0
+            run = reached(hit, int(progress["step"]))  # the wall time before the cancel
             client.cancel(job.job_id)
-            step = int(hit.get("step", progress["step"]))  # sync: evaluated at the epoch end
-            return Reached(sampling, seed, step, int(hit["epoch"]), wall, _best(work, history))
+            return run
     final = client.wait(job.job_id)  # the last epoch's evaluation is in the result only
-    history = list((final.result or {}).get("history") or history)
+    result = final.result or {}
+    history = list(result.get("history") or history)
     hit = first_reached(work, history)
     if hit is not None:  # the last epoch's (an earlier one came with a progress event)
-        wall = time.perf_counter() - t0
-        step = int(hit.get("step", (final.result or {}).get("steps", 0)))
-        return Reached(sampling, seed, step, int(hit["epoch"]), wall, _best(work, history))
+        return reached(hit, int(result.get("steps", 0)))
     failed = final.error if final.state == "FAILED" else ""
     return Reached(sampling, seed, None, None, None, _best(work, history), failed)
 
