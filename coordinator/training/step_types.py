@@ -13,9 +13,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+from grpc import aio
 
-from shared.proto import worker_pb2_grpc
+from shared.proto import worker_pb2, worker_pb2_grpc
 from shared.training.error_feedback import DeltaSender
+
+# ComputeGradients taking serialized requests and answering (reply, its size in bytes):
+# ``coordinator.training.train_members.gradient_call``.
+GradientCall = aio.StreamStreamMultiCallable[bytes, tuple[worker_pb2.GradientResponse, int]]
 
 
 @dataclass
@@ -24,6 +29,7 @@ class Member:
 
     name: str
     stub: worker_pb2_grpc.WorkerStub
+    gradients: GradientCall | None = None  # ComputeGradients on the stub's channel
     params_version: int = -1  # the parameter version this worker holds
     sender: DeltaSender | None = None  # compression: what this worker holds, as deltas
     samples: int = 0

@@ -19,11 +19,13 @@ from typing import Any
 
 import grpc
 import numpy as np
+from grpc import aio
 
 from coordinator.jobs.jobs import JobFailed
 from coordinator.placement.membership import WorkerRecord
 from coordinator.training.step_run import StepRun
 from coordinator.training.step_types import (
+    GradientCall,
     Member,
     Piece,
     ShardResult,
@@ -98,8 +100,8 @@ class Members:
         # The spec's compression of parameters (as deltas) and gradients; None: float32.
         self.compressor: Compressor | None = None
         self.failures = 0
-        # The last step's parameter messages, shared by its calls (uncompressed jobs).
-        self._sent: tuple[StepOrder, list[worker_pb2.GradientRequest]] | None = None
+        # The last step's serialized parameter messages, shared by its calls (uncompressed).
+        self._sent: tuple[StepOrder, list[bytes]] | None = None
 
     async def start(self, workers: list[WorkerRecord]) -> None:
         """StartTraining on the initial workers.
@@ -151,6 +153,7 @@ class Members:
             return exc
         member = self.history.get(w.name) or Member(w.name, stub)
         member.stub, member.params_version = stub, -1
+        member.gradients = gradient_call(self._clients.channel(w.name, w.address))
         self.live[w.name] = self.history[w.name] = member
         log.info("train_member_joined", job_id=self.job_id, worker=w.name)
         return None
@@ -269,10 +272,11 @@ class Members:
             )
             # the parameters first: a compressed send marks the header as a delta
             params = self._param_messages(m, order, header) if include else []
-            requests = [worker_pb2.GradientRequest(header=header), *params]
-            bytes_up += sum(r.ByteSize() for r in requests)
+            requests = [worker_pb2.GradientRequest(header=header).SerializeToString(), *params]
+            bytes_up += sum(len(r) for r in requests)
             m.params_version = -1  # unknown until the call answers
-            call = m.stub.ComputeGradients(_aiter(requests), timeout=self._step_timeout_s)
+            assert m.gradients is not None, "a member gets its call in _join"
+            call = m.gradients(_aiter(requests), timeout=self._step_timeout_s)
             counted = _Counted(call)
             result, tensors_in = await read_gradients(counted, order.tensors)
             bytes_down += counted.bytes
@@ -319,20 +323,21 @@ class Members:
 
     def _param_messages(
         self, m: Member, order: StepOrder, header: worker_pb2.StepHeader
-    ) -> list[worker_pb2.GradientRequest]:
-        """The chunk messages of the tensors a step sends ``m`` (``_outgoing``).
+    ) -> list[bytes]:
+        """The serialized chunk messages of the tensors a step sends ``m`` (``_outgoing``).
 
         Without compression every member gets the same values, so the step's messages are
-        made once and sent to each (a step's calls only read them).
+        made and serialized once and sent to each (a step's calls only read them).
         """
         if self.compressor is None and self._sent is not None and self._sent[0] is order:
             return self._sent[1]
         tensors = self._outgoing(m, order, header)
-        messages = list(
-            tensors_to_messages(
+        messages = [
+            msg.SerializeToString()
+            for msg in tensors_to_messages(
                 tensors.items(), self._chunk_bytes, worker_pb2.GradientRequest, "param"
             )
-        )
+        ]
         if self.compressor is None:
             self._sent = (order, messages)
         return messages
@@ -408,13 +413,37 @@ def _inner_steps(order: StepOrder) -> worker_pb2.InnerSteps | None:
     return None if inner is None else worker_pb2.InnerSteps(first=inner.first, total=inner.total)
 
 
-async def _aiter(items: Sequence[worker_pb2.GradientRequest]) -> AsyncIterator[Any]:
+_COMPUTE_GRADIENTS = "/neuroshard.v1.Worker/ComputeGradients"
+
+
+def gradient_call(channel: aio.Channel) -> GradientCall:
+    """ComputeGradients on ``channel``, taking serialized requests, answering their sizes.
+
+    The step's parameter messages are serialized once and sent as they are to every member;
+    each reply comes with its size on the wire (``ShardResult.bytes_from_worker``), read
+    from the bytes received, since ``ByteSize`` of a parsed chunk costs as much as
+    serializing it again.
+    """
+    return channel.stream_stream(
+        _COMPUTE_GRADIENTS, request_serializer=_serialized, response_deserializer=_sized_reply
+    )
+
+
+def _serialized(data: bytes) -> bytes:
+    return data
+
+
+def _sized_reply(data: bytes) -> tuple[worker_pb2.GradientResponse, int]:
+    return worker_pb2.GradientResponse.FromString(data), len(data)
+
+
+async def _aiter(items: Sequence[bytes]) -> AsyncIterator[bytes]:
     for item in items:
         yield item
 
 
 class _Counted:
-    """An async iterator over a response stream that counts the bytes of its messages."""
+    """An async iterator over a ``gradient_call`` reply: its messages, their bytes counted."""
 
     def __init__(self, call: Any) -> None:
         self._it = call.__aiter__()
@@ -423,7 +452,8 @@ class _Counted:
     def __aiter__(self) -> _Counted:
         return self
 
-    async def __anext__(self) -> Any:
-        msg = await self._it.__anext__()
-        self.bytes += msg.ByteSize()
+    async def __anext__(self) -> worker_pb2.GradientResponse:
+        msg: worker_pb2.GradientResponse
+        msg, size = await self._it.__anext__()
+        self.bytes += size
         return msg

@@ -302,10 +302,11 @@ class ChunkAssembler:
             self._meta[chunk.name] = meta
         elif self._meta[chunk.name] != meta:
             raise CodecError(f"chunks of {chunk.name!r} disagree on dtype/shape/size")
-        if got + len(chunk.data) > chunk.total_bytes:
+        data = chunk.data  # each read of a bytes field copies it out of the message
+        if got + len(data) > chunk.total_bytes:
             raise CodecError(f"tensor {chunk.name!r}: data runs past its {chunk.total_bytes} bytes")
-        self._parts.setdefault(chunk.name, []).append(chunk.data)
-        self._received[chunk.name] = got + len(chunk.data)
+        self._parts.setdefault(chunk.name, []).append(data)
+        self._received[chunk.name] = got + len(data)
 
     def result(self) -> dict[str, np.ndarray]:
         """Return the arrays, by name, in the order their first chunk arrived.
