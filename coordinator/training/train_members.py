@@ -36,13 +36,13 @@ from coordinator.training.step_types import (
 from shared.logging import get_logger
 from shared.proto import worker_pb2
 from shared.rpc import error_message
+from shared.rpc.chunk_wire import serialized_chunk_messages
 from shared.rpc.codec import (
     CodecError,
     f32_from_bytes,
     f32_to_bytes,
     read_header_and_tensors,
     rows_to_bytes,
-    tensors_to_messages,
 )
 from shared.rpc.peers import WorkerClients
 from shared.training.compression import Compressor, downlink_compressor
@@ -327,17 +327,13 @@ class Members:
         """The serialized chunk messages of the tensors a step sends ``m`` (``_outgoing``).
 
         Without compression every member gets the same values, so the step's messages are
-        made and serialized once and sent to each (a step's calls only read them).
+        written once, straight to their wire form (``serialized_chunk_messages``), and sent
+        to each (a step's calls only read them).
         """
         if self.compressor is None and self._sent is not None and self._sent[0] is order:
             return self._sent[1]
         tensors = self._outgoing(m, order, header)
-        messages = [
-            msg.SerializeToString()
-            for msg in tensors_to_messages(
-                tensors.items(), self._chunk_bytes, worker_pb2.GradientRequest, "param"
-            )
-        ]
+        messages = list(serialized_chunk_messages(tensors.items(), self._chunk_bytes, _PARAM))
         if self.compressor is None:
             self._sent = (order, messages)
         return messages
@@ -414,6 +410,7 @@ def _inner_steps(order: StepOrder) -> worker_pb2.InnerSteps | None:
 
 
 _COMPUTE_GRADIENTS = "/neuroshard.v1.Worker/ComputeGradients"
+_PARAM = worker_pb2.GradientRequest.DESCRIPTOR.fields_by_name["param"].number
 
 
 def gradient_call(channel: aio.Channel) -> GradientCall:

@@ -138,6 +138,21 @@ def tensors_to_messages(
         yield from _fill_chunks(name, array, chunk_bytes, message, field)
 
 
+def little_endian_bytes(array: npt.ArrayLike) -> memoryview:
+    """A flat byte view of ``array``'s little-endian C-order bytes (copied only if needed).
+
+    Chunks are sliced from it, each copying only its own bytes, so a large tensor (a data
+    shard) is never copied whole. Flat first: memoryview refuses to cast a view with a zero
+    in its shape, e.g. (0, 64), an empty shard's x.
+
+    Args:
+        array: any shape (0-d and empty ones too) of a wire dtype.
+    """
+    a = np.asarray(array)
+    flat = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).reshape(-1)
+    return flat.data.cast("B")
+
+
 def _fill_chunks(
     name: str, array: np.ndarray, chunk_bytes: int, message: type[M], field: str | None
 ) -> Iterator[M]:
@@ -146,11 +161,7 @@ def _fill_chunks(
     ``field`` names the message's ``TensorChunk`` field; None: the message is one.
     """
     a = np.asarray(array)  # not ascontiguousarray: it turns a 0-d array into shape (1,)
-    # A byte view of the (little-endian) array: each chunk copies only its own bytes, so a
-    # large tensor (a data shard) is never copied whole. Flat first: memoryview refuses to
-    # cast a view with a zero in its shape, e.g. (0, 64), an empty shard's x.
-    flat = np.ascontiguousarray(a.astype(_le(a.dtype), copy=False)).reshape(-1)
-    data = flat.data.cast("B")
+    data = little_endian_bytes(a)
     total, dtype, shape = data.nbytes, a.dtype.name, list(a.shape)
     offset = 0
     while True:
