@@ -116,7 +116,7 @@ class Cluster:
             self.clients,
             metrics,
             cfg.rpc_timeout_s,
-            WireLimits(cfg.max_payload_bytes, cfg.max_batch_items),
+            WireLimits(cfg.max_payload_bytes, cfg.max_batch_items, cfg.topk_max),
             copy_chunk_memories=cfg.copy_chunk_memories,
             copy_pause_factor=cfg.copy_pause_factor,
         )

@@ -21,6 +21,7 @@ from shared.memory.stats import quality_to_pb
 from shared.memory.tables import TableNotFound
 from shared.memory.validation import (
     MemoryInputError,
+    validate_k,
     validate_op_id,
     validate_rate,
     validate_request_id,
@@ -36,6 +37,7 @@ from shared.rpc.codec import (
 )
 from shared.rpc.limits import DEFAULT_MAX_RECEIVE_SLOTS_BYTES, BudgetExceeded
 from shared.rpc.status_table import StatusTable
+from shared.security.auth import current_principal
 from worker.memory.memory_node import CappedTable, SlotSender
 from worker.memory.node_holder import NodeHolder, NotReady
 from worker.memory.replication import OutOfSync, ReplicationError, StaleForward
@@ -246,14 +248,27 @@ class MemoryServicer:
         """The k strongest memories of this worker's primary slots (ties: smaller id).
 
         With an ``order`` ("oldest", "weakest"): a capped table's first k memories to evict
-        and its count in the primary slots (the coordinator's insert path).
+        and its count in the primary slots (the coordinator's insert path, never a client's).
+
+        A client's call (a data-plane token; ``SyncClient.topk`` fans out to the primaries)
+        gets what the coordinator's ``TopK`` gives it: k at most the map's ``topk_max``, no
+        ``order``.
 
         Raises:
             INVALID_ARGUMENT: k out of range. FAILED_PRECONDITION: stale epoch.
-            UNAVAILABLE: not registered yet.
+            PERMISSION_DENIED: an ``order`` from a client's token. UNAVAILABLE: not
+            registered yet.
         """
         async with _ERRORS.mapped(context):
             node = self._nodes.get()
+            caller = current_principal()
+            if caller is not None and not caller.is_daemon:
+                if request.order:
+                    await context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"TopK: {caller.describe()} may not ask for eviction candidates",
+                    )
+                validate_k(request.k, node.client_topk_max)
             if request.order:  # a capped table's eviction candidates
                 ids, strengths, stamps, count = await node.candidates(
                     request.epoch, request.k, request.order, request.table

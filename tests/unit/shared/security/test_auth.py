@@ -285,8 +285,9 @@ def test_the_worker_service_is_split_by_caller() -> None:
         return {m for m in ALL_WORKER if may_call(_caller(kind), W + m)}
 
     assert allowed("worker") == set(WORKER_PEER)
-    assert allowed("data-reader") == {"Get"}
-    assert allowed("data-writer") == allowed("data-admin") == set(KEYED)
+    # Quality and TopK: the client's own fan-out of the coordinator's reads of those names
+    assert allowed("data-reader") == {"Get", "Quality", "TopK"}
+    assert allowed("data-writer") == allowed("data-admin") == set(KEYED) | {"Quality", "TopK"}
     for kind in ("reader", "writer", "admin", "client"):
         assert allowed(kind) == set(), kind
 
