@@ -31,11 +31,14 @@ class WireLimits:
         topk_max: largest k of a top-k request (the coordinator's ``topk_max``); workers
             refuse a larger k from a client's data-plane token (INVALID_ARGUMENT). 0: none
             published: workers refuse every client's top-k and clients ask the coordinator.
+        max_sample_batch: most draws of one sample (the coordinator's ``max_sample_batch``);
+            workers refuse more picks from a client's data-plane token. 0: as ``topk_max``.
     """
 
     max_payload_bytes: int
     max_batch_items: int
     topk_max: int = 0
+    max_sample_batch: int = 0
 
 
 @dataclass
@@ -81,6 +84,7 @@ class SlotMap:
             max_payload_bytes=limits.max_payload_bytes,
             max_batch_items=limits.max_batch_items,
             topk_max=limits.topk_max,
+            max_sample_batch=limits.max_sample_batch,
         )
         if not placement:
             return pb

@@ -31,6 +31,7 @@ from shared.client.datasets import (
     put_file,
     upload_timeout_s,
 )
+from shared.client.direct_sample import direct_sample
 from shared.client.memory import MemoryRouter, Progress, RoutingError
 from shared.client.models import ModelStreamError, model_to_file, models_from_pb
 from shared.client.npz_stream import array_files, npz_size
@@ -46,6 +47,7 @@ from shared.client.store_io import (
 from shared.client.table_reads import direct_quality, direct_topk
 from shared.memory.export_file import IMPORT_BATCH
 from shared.memory.files import MemoryFileError
+from shared.memory.sampling import new_seed
 from shared.memory.stats import quality_to_pb
 from shared.memory.tables import DEFAULT_TABLE, table_name
 from shared.memory.validation import (
@@ -828,6 +830,11 @@ class Client:
         is uniform over the memories of non-zero strength. With a seed the draws are a
         function of the seed, alpha and the table's content, whatever the workers.
 
+        Drawn by the client through the primaries of its slot map (``direct_sample``: the
+        coordinator's two phases without the hop through it, the same draws); through the
+        coordinator's ``Sample`` with ``min_size``, without replacement, and whenever the
+        plain case does not hold (an empty table, a map that moved, a refusal).
+
         Args:
             n: draws, 1 .. the coordinator's ``max_sample_batch``.
             alpha: priority exponent, finite and >= 0.
@@ -849,6 +856,13 @@ class Client:
         """
         if n < 1:
             raise NeuroshardError(f"n: {n} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
+        if replacement and not min_size and (seed is None or 0 <= seed < 2**64):
+            drawn = new_seed() if seed is None else seed
+            direct = await direct_sample(
+                self._router, n, alpha, drawn, with_payloads, _wire(table), self.timeout_s
+            )
+            if direct is not None:
+                return direct
         request = sample_request(
             table, n, alpha, replacement, seed, min_size, timeout_s, with_payloads
         )

@@ -25,11 +25,14 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
     DropTable, DrainWorker, ForgetWorker).
   - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
     for at most an hour), on the Worker service's keyed RPCs and whole-table reads only:
-    ``reader`` Get, Quality, TopK; ``writer`` those and Upsert, Reinforce, Delete (an
-    admin's data-plane token is a writer's). Quality and TopK are the coordinator's reads
-    of the same names (a reader's), fanned out by the client itself; a worker gives a
-    token's TopK what the coordinator's gives (k at most the map's ``topk_max``, no
-    eviction ``order``: ``worker/memory/memory_servicer.py``).
+    ``reader`` Get, Quality, TopK, SampleSums, SamplePick; ``writer`` those and Upsert,
+    Reinforce, Delete (an admin's data-plane token is a writer's). The four reads are the
+    coordinator's Quality, TopK and Sample (a reader's), fanned out by the client itself; a
+    worker gives a token what the coordinator gives it (TopK: k at most the map's
+    ``topk_max``, no eviction ``order``; SamplePick: at most the map's ``max_sample_batch``
+    draws: ``worker/memory/memory_servicer.py``). What they show beyond the coordinator's
+    answers (a primary's slots' weight sums, the memories at chosen offsets) a reader can
+    already read whole with ExportMemories.
   So a worker that captures a client's data-plane token can replay it only to workers, with
   the rights its holder has there, and no token a daemon sends exists to be captured.
 
@@ -92,8 +95,9 @@ _WORKER_COORDINATOR = frozenset(
 )
 KEYED_READ = frozenset({"Get"})
 KEYED_WRITE = frozenset({"Get", "Upsert", "Reinforce", "Delete"})
-# Whole-table reads a client fans out to the primaries itself (the coordinator's too).
-TABLE_READ = frozenset({"Quality", "TopK"})
+# Whole-table reads a client fans out to the primaries itself (the coordinator's too):
+# Quality, TopK, and a sample's two phases.
+TABLE_READ = frozenset({"Quality", "TopK", "SampleSums", "SamplePick"})
 # Worker RPCs only the coordinator calls (commands), and those workers call on each other.
 WORKER_CONTROL = frozenset(
     {

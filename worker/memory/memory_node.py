@@ -104,6 +104,8 @@ class MemoryNode:
         self._tables = {DEFAULT_TABLE: default_spec(0)}
         # The largest k a client may ask of the top-k read (the adopted map's topk_max).
         self.client_topk_max = 0
+        # The most draws a client may pick in one call (the adopted map's max_sample_batch).
+        self.client_sample_max = 0
         # Primary writes, slot-map changes and copy snapshots take turns (module docstring).
         self._order = asyncio.Lock()
         self._writes = PrimaryWrites(name, self._data, self._replicator, self._place, self._order)
@@ -234,6 +236,7 @@ class MemoryNode:
             specs = table_specs(m)
             self._tables = specs
             self.client_topk_max = int(m.topk_max)
+            self.client_sample_max = int(m.max_sample_batch)
             await self._data.run(self._adopt_tables, specs)
             return self.epoch
 

@@ -195,18 +195,26 @@ class MemoryServicer:
         """Phase 2 of a sample: the memories at the draws' offsets, as of the version.
 
         ``stale`` (and nothing else) when the version is gone or a drawn memory was deleted
-        since: the coordinator samples again.
+        since: the coordinator (or the client) samples again. A client's call (a data-plane
+        token) picks at most the map's ``max_sample_batch`` draws, as its ``Sample`` would.
 
         Raises:
-            NOT_FOUND: an unknown table. INVALID_ARGUMENT: malformed slots or offsets, or an
-                offset past its slot's sum. FAILED_PRECONDITION: stale epoch, or a slot not
-                primary here. RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes.
+            NOT_FOUND: an unknown table. INVALID_ARGUMENT: malformed slots or offsets, an
+                offset past its slot's sum, or a client's draws over ``max_sample_batch``.
+                FAILED_PRECONDITION: stale epoch, or a slot not primary here.
+                RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes.
         """
         async with _ERRORS.mapped(context):
             slots = rows_from_bytes(request.slots, "slots")
             offsets = ids_from_bytes(request.offsets, "offsets")
             _same_length(slots, offsets=offsets)
-            return await self._nodes.get().sample_pick(
+            node = self._nodes.get()
+            caller = current_principal()
+            if caller is not None and not caller.is_daemon and len(slots) > node.client_sample_max:
+                raise MemoryInputError(
+                    f"n: {len(slots)} draws exceed max_sample_batch {node.client_sample_max}"
+                )
+            return await node.sample_pick(
                 request.epoch,
                 request.version,
                 slots,
