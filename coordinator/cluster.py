@@ -116,7 +116,9 @@ class Cluster:
             self.clients,
             metrics,
             cfg.rpc_timeout_s,
-            WireLimits(cfg.max_payload_bytes, cfg.max_batch_items),
+            WireLimits(
+                cfg.max_payload_bytes, cfg.max_batch_items, cfg.topk_max, cfg.max_sample_batch
+            ),
             copy_chunk_memories=cfg.copy_chunk_memories,
             copy_pause_factor=cfg.copy_pause_factor,
         )

@@ -28,10 +28,17 @@ class WireLimits:
             with it and refuse larger payloads (INVALID_ARGUMENT).
         max_batch_items: most ids in one keyed memory request (upsert, get, delete,
             reinforce); clients split larger batches, workers refuse them.
+        topk_max: largest k of a top-k request (the coordinator's ``topk_max``); workers
+            refuse a larger k from a client's data-plane token (INVALID_ARGUMENT). 0: none
+            published: workers refuse every client's top-k and clients ask the coordinator.
+        max_sample_batch: most draws of one sample (the coordinator's ``max_sample_batch``);
+            workers refuse more picks from a client's data-plane token. 0: as ``topk_max``.
     """
 
     max_payload_bytes: int
     max_batch_items: int
+    topk_max: int = 0
+    max_sample_batch: int = 0
 
 
 @dataclass
@@ -76,6 +83,8 @@ class SlotMap:
             slots=self.slots,
             max_payload_bytes=limits.max_payload_bytes,
             max_batch_items=limits.max_batch_items,
+            topk_max=limits.topk_max,
+            max_sample_batch=limits.max_sample_batch,
         )
         if not placement:
             return pb

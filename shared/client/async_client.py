@@ -31,6 +31,7 @@ from shared.client.datasets import (
     put_file,
     upload_timeout_s,
 )
+from shared.client.direct_sample import direct_sample
 from shared.client.memory import MemoryRouter, Progress, RoutingError
 from shared.client.models import ModelStreamError, model_to_file, models_from_pb
 from shared.client.npz_stream import array_files, npz_size
@@ -43,8 +44,11 @@ from shared.client.store_io import (
     load_export,
     upsert_export,
 )
+from shared.client.table_reads import direct_quality, direct_topk
 from shared.memory.export_file import IMPORT_BATCH
 from shared.memory.files import MemoryFileError
+from shared.memory.sampling import new_seed
+from shared.memory.stats import quality_to_pb
 from shared.memory.tables import DEFAULT_TABLE, table_name
 from shared.memory.validation import (
     MemoryInputError,
@@ -766,6 +770,10 @@ class Client:
     async def quality(self, table: str = DEFAULT_TABLE) -> dict[str, Any]:
         """Summarize every strength of a table, exactly (merged from the primaries).
 
+        Asked of the primaries of the cached slot map at once and merged here
+        (``shared.client.table_reads``); the coordinator's ``Quality`` when the map does not
+        serve (a stale epoch twice, a failover, a table the map lacks).
+
         Returns:
             ``count``, ``sum``, ``mean``, ``min``, ``max`` and ``histogram`` (10 counts of
             bins of width 0.1 over [0, 1]).
@@ -773,6 +781,9 @@ class Client:
         Raises:
             NeuroshardError: UNAVAILABLE, UNAUTHENTICATED, ...
         """
+        direct = await self._routed(direct_quality(self._router, _wire(table), self.timeout_s))
+        if direct is not None:
+            return _quality_dict(quality_to_pb(direct))
         q: common_pb2.QualityStats = await self._call(
             self._stub.Quality, coordinator_pb2.QualityRequest(table=_wire(table))
         )
@@ -783,6 +794,8 @@ class Client:
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """Return the exact global top-k of a table, strongest first, ties by smaller id.
 
+        Each primary's local top-k, merged exactly here, as ``quality``.
+
         Returns:
             ids [k'] uint64 and strengths [k'] float32, k' = min(k, memories).
 
@@ -791,6 +804,9 @@ class Client:
         """
         if k < 1:
             raise NeuroshardError(f"k: {k} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
+        direct = await self._routed(direct_topk(self._router, k, _wire(table), self.timeout_s))
+        if direct is not None:
+            return direct
         r: common_pb2.TopKResponse = await self._call(
             self._stub.TopK, coordinator_pb2.TopKRequest(k=k, table=_wire(table))
         )
@@ -814,6 +830,11 @@ class Client:
         is uniform over the memories of non-zero strength. With a seed the draws are a
         function of the seed, alpha and the table's content, whatever the workers.
 
+        Drawn by the client through the primaries of its slot map (``direct_sample``: the
+        coordinator's two phases without the hop through it, the same draws); through the
+        coordinator's ``Sample`` with ``min_size``, without replacement, and whenever the
+        plain case does not hold (an empty table, a map that moved, a refusal).
+
         Args:
             n: draws, 1 .. the coordinator's ``max_sample_batch``.
             alpha: priority exponent, finite and >= 0.
@@ -835,6 +856,13 @@ class Client:
         """
         if n < 1:
             raise NeuroshardError(f"n: {n} must be >= 1", grpc.StatusCode.INVALID_ARGUMENT)
+        if replacement and not min_size and (seed is None or 0 <= seed < 2**64):
+            drawn = new_seed() if seed is None else seed
+            direct = await direct_sample(
+                self._router, n, alpha, drawn, with_payloads, _wire(table), self.timeout_s
+            )
+            if direct is not None:
+                return direct
         request = sample_request(
             table, n, alpha, replacement, seed, min_size, timeout_s, with_payloads
         )

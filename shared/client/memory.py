@@ -158,6 +158,10 @@ class MemoryRouter:
         self._reports.cancel()
         await self._workers.close()
 
+    def worker_stub(self, name: str, address: str) -> worker_pb2_grpc.WorkerStub:
+        """The stub of worker ``name`` at ``address`` on the router's channels (its token)."""
+        return self._workers.stub(name, address)
+
     @property
     def cached_map(self) -> common_pb2.SlotMap | None:
         """The slot map routed with now, without fetching one (None before the first)."""

@@ -33,7 +33,9 @@ from shared.client.memory import (
     upsert_request,
 )
 from shared.client.store_io import ExportProgress
+from shared.client.table_reads import direct_quality, direct_topk
 from shared.memory.export_file import IMPORT_BATCH
+from shared.memory.stats import quality_to_pb
 from shared.memory.tables import DEFAULT_TABLE, table_name
 from shared.memory.validation import as_ids, validate_reinforce
 from shared.proto import common_pb2, coordinator_pb2, worker_pb2
@@ -311,9 +313,16 @@ class SyncClient:
     def quality(self, table: str = DEFAULT_TABLE) -> dict[str, Any]:
         """Summarize every strength of a table (see ``Client.quality``).
 
-        One blocking call to the coordinator (``CoordinatorPath``); the async client's
-        channel, with gRPC's retries, when the coordinator was unreachable.
+        Fanned out to the primaries of the cached slot map and merged here
+        (``shared.client.table_reads``). When the map does not serve, one blocking call to
+        the coordinator (``CoordinatorPath``); the async client's channel, with gRPC's
+        retries, when the coordinator was unreachable.
         """
+        router = self._client._router
+        timeout_s = self._client.timeout_s
+        direct = self._run(self._client._routed(direct_quality(router, _wire(table), timeout_s)))
+        if direct is not None:
+            return _quality_dict(quality_to_pb(direct))
         request = coordinator_pb2.QualityRequest(table=_wire(table))
         reply = self._read("Quality", request, common_pb2.QualityStats)
         if reply is None:
@@ -325,10 +334,15 @@ class SyncClient:
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]:
         """Return the exact global top-k ids and strengths (see ``Client.topk``).
 
-        One blocking call to the coordinator, as ``quality``.
+        From the primaries, else one blocking call to the coordinator, as ``quality``.
         """
         if k < 1:
             return self._run(self._client.topk(k, table))  # its INVALID_ARGUMENT
+        router = self._client._router
+        timeout_s = self._client.timeout_s
+        direct = self._run(self._client._routed(direct_topk(router, k, _wire(table), timeout_s)))
+        if direct is not None:
+            return direct
         request = coordinator_pb2.TopKRequest(k=k, table=_wire(table))
         reply = self._read("TopK", request, common_pb2.TopKResponse)
         if reply is None:

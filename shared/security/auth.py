@@ -24,8 +24,15 @@ Callers are of two kinds (docs/architecture.md, "Trust boundaries"):
     ``admin``: every Coordinator RPC (Decay and Sweep of a whole table, CreateTable,
     DropTable, DrainWorker, ForgetWorker).
   - data-plane tokens (``aud`` ``neuroshard-data``, minted by the coordinator in GetSlotMap
-    for at most an hour), on the Worker service's keyed RPCs only: ``reader`` Get;
-    ``writer`` Get, Upsert, Reinforce, Delete (an admin's data-plane token is a writer's).
+    for at most an hour), on the Worker service's keyed RPCs and whole-table reads only:
+    ``reader`` Get, Quality, TopK, SampleSums, SamplePick; ``writer`` those and Upsert,
+    Reinforce, Delete (an admin's data-plane token is a writer's). The four reads are the
+    coordinator's Quality, TopK and Sample (a reader's), fanned out by the client itself; a
+    worker gives a token what the coordinator gives it (TopK: k at most the map's
+    ``topk_max``, no eviction ``order``; SamplePick: at most the map's ``max_sample_batch``
+    draws: ``worker/memory/memory_servicer.py``). What they show beyond the coordinator's
+    answers (a primary's slots' weight sums, the memories at chosen offsets) a reader can
+    already read whole with ExportMemories.
   So a worker that captures a client's data-plane token can replay it only to workers, with
   the rights its holder has there, and no token a daemon sends exists to be captured.
 
@@ -88,6 +95,9 @@ _WORKER_COORDINATOR = frozenset(
 )
 KEYED_READ = frozenset({"Get"})
 KEYED_WRITE = frozenset({"Get", "Upsert", "Reinforce", "Delete"})
+# Whole-table reads a client fans out to the primaries itself (the coordinator's too):
+# Quality, TopK, and a sample's two phases.
+TABLE_READ = frozenset({"Quality", "TopK", "SampleSums", "SamplePick"})
 # Worker RPCs only the coordinator calls (commands), and those workers call on each other.
 WORKER_CONTROL = frozenset(
     {
@@ -114,9 +124,9 @@ _TABLE: dict[tuple[str, str], tuple[frozenset[str], frozenset[str]]] = {
     ("worker", ""): (_WORKER_COORDINATOR, WORKER_PEER),
     ("reader", AUD_COORDINATOR): (_READER_COORDINATOR, frozenset()),
     ("writer", AUD_COORDINATOR): (_WRITER_COORDINATOR, frozenset()),
-    ("reader", AUD_DATA): (frozenset(), KEYED_READ),
-    ("writer", AUD_DATA): (frozenset(), KEYED_WRITE),
-    ("admin", AUD_DATA): (frozenset(), KEYED_WRITE),
+    ("reader", AUD_DATA): (frozenset(), KEYED_READ | TABLE_READ),
+    ("writer", AUD_DATA): (frozenset(), KEYED_WRITE | TABLE_READ),
+    ("admin", AUD_DATA): (frozenset(), KEYED_WRITE | TABLE_READ),
 }
 
 # Coordinator methods whose request names a worker: a worker may name only itself.

@@ -21,7 +21,7 @@ from shared.proto import (
     worker_pb2_grpc,
 )
 from shared.rpc import channel
-from shared.rpc.codec import f32_to_bytes, ids_to_bytes
+from shared.rpc.codec import f32_to_bytes, ids_to_bytes, rows_to_bytes
 from shared.security.tokens import AUD_DATA, verify_token
 from shared.security.transport import TlsFiles
 from tests.conftest import wait_until
@@ -480,3 +480,95 @@ async def test_a_refused_request_is_never_deserialized(secure, material: Materia
     assert (coordinator_state(cluster), worker_state(cluster.workers[0])) == before
     counted = cluster.coordinator.metrics.rpcs.labels("SubmitJob", "UNAUTHENTICATED")
     await wait_until(lambda: counted._value.get() == 2, what="two refusals counted")
+
+
+async def test_a_data_token_reads_a_worker_as_the_coordinator_would(
+    secure, material: Material
+) -> None:
+    """Quality, TopK and a sample's phases on a worker (the client's own fan-out) give a
+    reader's data-plane token what the coordinator's Quality, TopK and Sample give its
+    coordinator token, no more: no eviction candidates (their insert stamps), no k above
+    topk_max, no more picks than max_sample_batch, no other worker RPC."""
+    # Arrange: 100 memories; a reader's data-plane token as GetSlotMap mints it
+    cluster = await _seeded(secure, material, workers=1)
+    before = coordinator_state(cluster), worker_state(cluster.workers[0])
+    worker = cluster.workers[0]
+    epoch = worker_state(worker)[0]
+    topk_max = cluster.coordinator.cfg.topk_max
+    batch_max = cluster.coordinator.cfg.max_sample_batch
+    reader = material.client(material.token("reader", "rita"))
+    async with Client(cluster.address, security=reader) as r:
+        await r.get([1])
+        data_token = r._router.data_token()
+        via_client = await r.quality(), await r.topk(5), await r.sample(8, seed=3)
+    reader_data = material.client(data_token)
+
+    # Act: the two reads, then the attacks: eviction candidates, a k above the limit,
+    # the control RPCs beside them
+    async with channel(worker.address, security=reader_data) as ch:
+        wstub = worker_pb2_grpc.WorkerStub(ch)
+        quality = await wstub.Quality(worker_pb2.WorkerQualityRequest(epoch=epoch), timeout=5)
+        top = await wstub.TopK(worker_pb2.WorkerTopKRequest(epoch=epoch, k=5), timeout=5)
+        attacks = {
+            "order": await _code(
+                wstub.TopK(
+                    worker_pb2.WorkerTopKRequest(epoch=epoch, k=5, order="oldest"), timeout=5
+                )
+            ),
+            "k": await _code(
+                wstub.TopK(worker_pb2.WorkerTopKRequest(epoch=epoch, k=topk_max + 1), timeout=5)
+            ),
+            "picks": await _code(
+                wstub.SamplePick(
+                    worker_pb2.WorkerSamplePickRequest(
+                        epoch=epoch,
+                        slots=rows_to_bytes([0] * (batch_max + 1)),
+                        offsets=ids_to_bytes([0] * (batch_max + 1)),
+                    ),
+                    timeout=5,
+                )
+            ),
+            "copy": await _code(
+                wstub.CopySlots(worker_pb2.CopySlotsRequest(target="x", slots=[0]), timeout=5)
+            ),
+            "sweep": await _code(
+                wstub.Sweep(worker_pb2.WorkerSweepRequest(epoch=epoch, rate=1.0), timeout=5)
+            ),
+        }
+
+    # Assert: the reads answer; every attack is refused and changed nothing
+    assert quality.count == 100
+    assert len(top.ids) == 5 * 8
+    assert via_client[0]["count"] == 100 and len(via_client[1][0]) == 5
+    assert len(via_client[2].ids) == 8
+    sums = await _sums(worker.address, reader_data, epoch)
+    assert sums.memories == 100
+    assert attacks["order"] == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "TopK: reader 'rita' may not ask for eviction candidates",
+    )
+    assert attacks["k"] == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"k: {topk_max + 1} exceeds the limit {topk_max}",
+    )
+    assert attacks["picks"] == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"n: {batch_max + 1} draws exceed max_sample_batch {batch_max}",
+    )
+    assert attacks["copy"] == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "reader 'rita' may not call CopySlots",
+    )
+    assert attacks["sweep"] == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "reader 'rita' may not call Sweep",
+    )
+    assert (coordinator_state(cluster), worker_state(cluster.workers[0])) == before
+
+
+async def _sums(address: str, security, epoch: int) -> worker_pb2.WorkerSampleSumsResponse:
+    """A sample's phase 1 on one worker with ``security``'s token."""
+    async with channel(address, security=security) as ch:
+        return await worker_pb2_grpc.WorkerStub(ch).SampleSums(
+            worker_pb2.WorkerSampleSumsRequest(epoch=epoch), timeout=5
+        )

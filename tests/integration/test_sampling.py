@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from shared.client import NeuroshardError
+from shared.client.sampling import sample_from_pb, sample_request
+from shared.proto import common_pb2
 from tests.conftest import wait_until
 from tests.integration.invariant_helpers import start_cluster
 from tests.integration.memory_helpers import assert_cluster_equals
@@ -208,3 +210,71 @@ async def test_samples_in_flight_across_a_kill_equal_the_reference(tmp_path) -> 
             await sampler
     finally:
         await cluster.stop()
+
+
+async def test_a_sample_through_the_primaries_equals_the_coordinators(
+    make_cluster, monkeypatch
+) -> None:
+    """The client draws through the primaries itself (no coordinator hop); a seed gives the
+    same draws, probabilities, size and W as the coordinator's Sample, and the reference's;
+    a stale map or a min_size wait goes the coordinator's way."""
+    # Arrange: 500 memories with payloads; the coordinator's sampler counted
+    cluster = await make_cluster(workers=3, slots=SLOTS)
+    ref = ReferenceStore(slots=SLOTS)
+    rng = np.random.default_rng(7)
+    ids = rng.choice(1 << 50, 500, replace=False).astype(np.uint64)
+    strengths = rng.random(500, dtype=np.float32)
+    payloads = [rng.bytes(int(rng.integers(1, 40))) for _ in range(500)]
+    sampler = cluster.coordinator.cluster.sampler
+    through_coordinator: list[int] = []
+    plain = sampler.sample
+
+    async def counted(*args, **kwargs):
+        through_coordinator.append(1)
+        return await plain(*args, **kwargs)
+
+    monkeypatch.setattr(sampler, "sample", counted)
+    async with cluster.client() as client:
+        await client.wait_ready()
+        await client.upsert(ids, strengths, payloads)
+        ref.upsert(ids, strengths, payloads)
+
+        # Act: direct samples; the coordinator's for the same seeds; a stale map; min_size
+        direct = [await client.sample(128, alpha=0.6, seed=s) for s in range(4)]
+        direct_calls = len(through_coordinator)
+        via = [
+            sample_from_pb(
+                await client._stub.Sample(sample_request("", 128, 0.6, True, s, 0, 30.0, True))
+            )
+            for s in range(4)
+        ]
+        router = client._router
+        stale = common_pb2.SlotMap()
+        stale.CopyFrom(router.cached_map)
+        stale.epoch -= 1
+        router._map = stale
+        after_stale = await client.sample(128, alpha=0.6, seed=0)
+        waited = await client.sample(128, alpha=0.6, seed=1, min_size=1)
+        again = await client.sample(128, alpha=0.6, seed=2)  # direct with the refreshed map
+
+    # Assert
+    assert direct_calls == 0
+    for s, (a, b) in enumerate(zip(direct, via, strict=True)):
+        assert (
+            (a.seed, a.size, a.total_weight)
+            == (b.seed, b.size, b.total_weight)
+            == (
+                s,
+                500,
+                b.total_weight,
+            )
+        )
+        np.testing.assert_array_equal(a.ids, b.ids)
+        assert a.strengths.tobytes() == b.strengths.tobytes()
+        assert a.payloads == b.payloads
+        assert a.probabilities.tobytes() == b.probabilities.tobytes()
+        assert_sample_equals(a, ref.sample(128, 0.6, s))
+    assert len(through_coordinator) == 4 + 2  # the stale map's sample and min_size's
+    np.testing.assert_array_equal(after_stale.ids, direct[0].ids)
+    np.testing.assert_array_equal(waited.ids, direct[1].ids)
+    np.testing.assert_array_equal(again.ids, direct[2].ids)

@@ -1,4 +1,5 @@
-"""SyncClient's direct path: single-primary requests on a blocking channel, and its fallback.
+"""SyncClient's direct path: single-primary requests on a blocking channel, whole-table reads
+fanned out to the primaries, and their fallbacks.
 
 The blocking client runs in a thread (it has its own event loop) against an in-process
 cluster served by the test's loop.
@@ -7,12 +8,16 @@ cluster served by the test's loop.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 
 from shared.client import NeuroshardError, SyncClient
+from shared.client.async_client import _quality_dict
 from shared.client.direct import DirectPath
+from shared.proto import common_pb2, coordinator_pb2
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -92,33 +97,62 @@ async def test_a_write_whose_reply_was_lost_is_applied_once(
     assert got == np.float32(0.75)
 
 
-async def test_quality_and_topk_go_blocking_to_the_coordinator(make_cluster) -> None:
+async def test_quality_and_topk_go_to_the_primaries_and_equal_the_coordinators(
+    make_cluster,
+) -> None:
     # Arrange: 40 memories of known strengths
     cluster = await make_cluster(workers=3, slots=64)
     ids = np.arange(1, 41, dtype=np.uint64) * 7919
     strengths = np.linspace(0.1, 0.9, 40, dtype=np.float32)
 
-    def work() -> tuple[dict, np.ndarray, np.ndarray, str, list[str]]:
+    def work() -> dict[str, Any]:
         with SyncClient(cluster.address, timeout_s=10) as c:
             c.wait_ready(30)
             c.upsert(ids, strengths)
-            # Act
-            q = c.quality()
-            top_ids, top_strengths = c.topk(5)
-            errors = []
+            # Act: direct reads; then after a stale map (the workers refuse its epoch)
+            got: dict[str, Any] = {"q": c.quality(), "top": c.topk(5)}
+            got["coordinator_dialed"] = c._reads._channel is not None
+            router = c._client._router
+            current = router.cached_map
+            stale = common_pb2.SlotMap()
+            stale.CopyFrom(current)
+            stale.epoch -= 1
+            router._map = stale
+            got["after_stale"] = c.quality(), c.topk(5)
+            got["epoch"] = (router.cached_map.epoch, current.epoch)
+            got["coordinator_dialed_after_stale"] = c._reads._channel is not None
+            # the coordinator's answers, and its refusals
+            got["coordinator"] = (
+                c._reads.call(
+                    "Quality", coordinator_pb2.QualityRequest(), common_pb2.QualityStats, 10
+                ),
+                c._reads.call(
+                    "TopK", coordinator_pb2.TopKRequest(k=5), common_pb2.TopKResponse, 10
+                ),
+            )
+            got["errors"] = []
             for call in (lambda: c.topk(5, table="nope"), lambda: c.topk(0)):
                 try:
                     call()
                 except NeuroshardError as exc:
-                    errors.append(exc.code.name)
-            return q, top_ids, top_strengths, str(c._reads._channel is not None), errors
+                    got["errors"].append(exc.code.name)
+            return got
 
-    q, top_ids, top_strengths, opened, errors = await asyncio.to_thread(work)
+    got = await asyncio.to_thread(work)
 
-    # Assert: answered on the blocking channel, equal to what was written
-    assert opened == "True"
+    # Assert: answered by the primaries without the coordinator, equal to what was written
+    # and to the coordinator's merge, bit for bit; a stale map is refreshed, not fatal
+    assert not got["coordinator_dialed"] and not got["coordinator_dialed_after_stale"]
+    q, (top_ids, top_strengths) = got["q"], got["top"]
     assert q["count"] == 40
     assert q["max"] == pytest.approx(0.9)
     np.testing.assert_array_equal(top_ids, ids[::-1][:5])
     np.testing.assert_array_equal(top_strengths, strengths[::-1][:5])
-    assert errors == ["NOT_FOUND", "INVALID_ARGUMENT"]
+    cq, ctop = got["coordinator"]
+    assert q == _quality_dict(cq)
+    np.testing.assert_array_equal(top_ids, ids_from_bytes(ctop.ids))
+    np.testing.assert_array_equal(top_strengths, f32_from_bytes(ctop.strengths))
+    assert got["after_stale"][0] == q
+    np.testing.assert_array_equal(got["after_stale"][1][0], top_ids)
+    assert got["epoch"][0] == got["epoch"][1]
+    assert got["errors"] == ["NOT_FOUND", "INVALID_ARGUMENT"]

@@ -21,6 +21,7 @@ from shared.memory.stats import quality_to_pb
 from shared.memory.tables import TableNotFound
 from shared.memory.validation import (
     MemoryInputError,
+    validate_k,
     validate_op_id,
     validate_rate,
     validate_request_id,
@@ -36,6 +37,7 @@ from shared.rpc.codec import (
 )
 from shared.rpc.limits import DEFAULT_MAX_RECEIVE_SLOTS_BYTES, BudgetExceeded
 from shared.rpc.status_table import StatusTable
+from shared.security.auth import current_principal
 from worker.memory.memory_node import CappedTable, SlotSender
 from worker.memory.node_holder import NodeHolder, NotReady
 from worker.memory.replication import OutOfSync, ReplicationError, StaleForward
@@ -193,18 +195,26 @@ class MemoryServicer:
         """Phase 2 of a sample: the memories at the draws' offsets, as of the version.
 
         ``stale`` (and nothing else) when the version is gone or a drawn memory was deleted
-        since: the coordinator samples again.
+        since: the coordinator (or the client) samples again. A client's call (a data-plane
+        token) picks at most the map's ``max_sample_batch`` draws, as its ``Sample`` would.
 
         Raises:
-            NOT_FOUND: an unknown table. INVALID_ARGUMENT: malformed slots or offsets, or an
-                offset past its slot's sum. FAILED_PRECONDITION: stale epoch, or a slot not
-                primary here. RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes.
+            NOT_FOUND: an unknown table. INVALID_ARGUMENT: malformed slots or offsets, an
+                offset past its slot's sum, or a client's draws over ``max_sample_batch``.
+                FAILED_PRECONDITION: stale epoch, or a slot not primary here.
+                RESOURCE_EXHAUSTED: the reply would exceed max_message_bytes.
         """
         async with _ERRORS.mapped(context):
             slots = rows_from_bytes(request.slots, "slots")
             offsets = ids_from_bytes(request.offsets, "offsets")
             _same_length(slots, offsets=offsets)
-            return await self._nodes.get().sample_pick(
+            node = self._nodes.get()
+            caller = current_principal()
+            if caller is not None and not caller.is_daemon and len(slots) > node.client_sample_max:
+                raise MemoryInputError(
+                    f"n: {len(slots)} draws exceed max_sample_batch {node.client_sample_max}"
+                )
+            return await node.sample_pick(
                 request.epoch,
                 request.version,
                 slots,
@@ -246,14 +256,27 @@ class MemoryServicer:
         """The k strongest memories of this worker's primary slots (ties: smaller id).
 
         With an ``order`` ("oldest", "weakest"): a capped table's first k memories to evict
-        and its count in the primary slots (the coordinator's insert path).
+        and its count in the primary slots (the coordinator's insert path, never a client's).
+
+        A client's call (a data-plane token; ``SyncClient.topk`` fans out to the primaries)
+        gets what the coordinator's ``TopK`` gives it: k at most the map's ``topk_max``, no
+        ``order``.
 
         Raises:
             INVALID_ARGUMENT: k out of range. FAILED_PRECONDITION: stale epoch.
-            UNAVAILABLE: not registered yet.
+            PERMISSION_DENIED: an ``order`` from a client's token. UNAVAILABLE: not
+            registered yet.
         """
         async with _ERRORS.mapped(context):
             node = self._nodes.get()
+            caller = current_principal()
+            if caller is not None and not caller.is_daemon:
+                if request.order:
+                    await context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"TopK: {caller.describe()} may not ask for eviction candidates",
+                    )
+                validate_k(request.k, node.client_topk_max)
             if request.order:  # a capped table's eviction candidates
                 ids, strengths, stamps, count = await node.candidates(
                     request.epoch, request.k, request.order, request.table

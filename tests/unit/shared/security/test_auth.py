@@ -157,7 +157,8 @@ ALL_WORKER = WORKER_CONTROL + WORKER_PEER + KEYED
         ("reader", C + "Quality", True),
         ("reader", C + "TopK", True),
         ("reader", C + "Sample", True),
-        ("data-writer", W + "SamplePick", False),
+        ("data-writer", W + "SamplePick", True),  # the client draws through the primaries
+        ("data-writer", W + "CopySlots", False),
         ("reader", C + "ListDatasets", True),
         ("reader", C + "ReportFailure", True),  # a suspicion: the coordinator only probes
         ("reader", C + "SubmitJob", False),
@@ -285,8 +286,10 @@ def test_the_worker_service_is_split_by_caller() -> None:
         return {m for m in ALL_WORKER if may_call(_caller(kind), W + m)}
 
     assert allowed("worker") == set(WORKER_PEER)
-    assert allowed("data-reader") == {"Get"}
-    assert allowed("data-writer") == allowed("data-admin") == set(KEYED)
+    # The client's own fan-out of the coordinator's Quality, TopK and Sample
+    reads = {"Quality", "TopK", "SampleSums", "SamplePick"}
+    assert allowed("data-reader") == {"Get"} | reads
+    assert allowed("data-writer") == allowed("data-admin") == set(KEYED) | reads
     for kind in ("reader", "writer", "admin", "client"):
         assert allowed(kind) == set(), kind
 
