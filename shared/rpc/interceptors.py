@@ -1,6 +1,8 @@
 """Every server interceptor of both daemons, and ``wrap_handler``, which they build on.
 
-``server_interceptors`` builds a daemon's chain, outermost first:
+``server_interceptors`` builds a daemon's chain, outermost first, run as one interceptor
+(``ChainInterceptor``: one pass of grpc.aio's interceptor pipeline per call, not one per
+layer):
 
 1. ``RequestLogInterceptor``: the ``rpc_served`` debug line and ``neuroshard_rpcs_total`` for
    every outcome, refusals by the interceptors below it included.
@@ -34,9 +36,10 @@ import inspect
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import grpc
 import structlog
@@ -245,8 +248,13 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
         """Wrap the method's handler so that each call binds, logs and counts itself."""
-        handler = await continuation(handler_call_details)
-        full = handler_call_details.method
+        return self.wrap(await continuation(handler_call_details), handler_call_details)
+
+    def wrap(
+        self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
+        full = details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
         return self._cache.get(full, handler, lambda h: self._wrap(h, method_name(full)))
@@ -366,8 +374,13 @@ class MetricsInterceptor(aio.ServerInterceptor):
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
         """Wrap the method's (de)serializers so that they count the bytes they see."""
-        handler = await continuation(handler_call_details)
-        full = handler_call_details.method
+        return self.wrap(await continuation(handler_call_details), handler_call_details)
+
+    def wrap(
+        self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
+        full = details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
         return self._cache.get(full, handler, lambda h: self._counting(h, method_name(full)))
@@ -407,8 +420,13 @@ class BatchLimitInterceptor(aio.ServerInterceptor):
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
         """Wrap keyed memory methods with the size check; pass the others through."""
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
+        return self.wrap(await continuation(handler_call_details), handler_call_details)
+
+    def wrap(
+        self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
+        method = details.method
         if handler is None or method not in KEYED_METHODS:
             return handler
         return self._cache.get(method, handler, self._limited)
@@ -533,10 +551,15 @@ class DecodeGuardInterceptor(aio.ServerInterceptor):
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
         """Give the method's handler a tolerant deserializer and a behavior that refuses."""
-        handler = await continuation(handler_call_details)
+        return self.wrap(await continuation(handler_call_details), handler_call_details)
+
+    def wrap(
+        self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
         if handler is None or handler.request_deserializer is None:
             return handler
-        return self._cache.get(handler_call_details.method, handler, self._guarded)
+        return self._cache.get(details.method, handler, self._guarded)
 
     @staticmethod
     def _guarded(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
@@ -689,8 +712,9 @@ class AuthInterceptor(aio.ServerInterceptor):
         self._identities = PeerIdentities()
         # Verified tokens until they expire: an Ed25519 check through PyJWT costs ~100-300 us,
         # and a client presents the same token on thousands of calls. Keyed by the whole
-        # token (with its signature), so only a token that was verified once can hit.
-        self._verified: dict[str, Principal] = {}
+        # token (with its signature), so only a token that was verified once can hit; the
+        # least recently used is dropped past ``cache_size``.
+        self._verified: OrderedDict[str, Principal] = OrderedDict()
         self._cache_size = cache_size
         self._cache = HandlerCache()
 
@@ -700,17 +724,21 @@ class AuthInterceptor(aio.ServerInterceptor):
         Raises:
             TokenError: as ``verify_token`` (UNAUTHENTICATED).
         """
-        hit = self._verified.get(token)
-        if hit is not None and hit.expires_at > time.time():
-            if hit.token_id in self._revoked:
-                raise TokenError(f"token {hit.token_id} is revoked")
-            return hit
+        verified = self._verified
+        hit = verified.get(token)
+        if hit is not None:
+            if hit.expires_at > time.time():
+                if hit.token_id in self._revoked:
+                    raise TokenError(f"token {hit.token_id} is revoked")
+                verified.move_to_end(token)
+                return hit
+            del verified[token]  # expired: verified again below, which refuses it
         principal = verify_token(
             self._public_key, token, audience=self._audience, revoked=self._revoked
         )
-        if len(self._verified) >= self._cache_size:
-            self._verified.clear()
-        self._verified[token] = principal
+        verified[token] = principal
+        if len(verified) > self._cache_size:
+            verified.popitem(last=False)  # the least recently used
         return principal
 
     def authorize(
@@ -774,14 +802,23 @@ class AuthInterceptor(aio.ServerInterceptor):
         self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
         """Return a refusing stand-in, or the handler wrapped to set the caller per call."""
-        handler = await continuation(handler_call_details)
-        full = handler_call_details.method
+        return self.wrap(await continuation(handler_call_details), handler_call_details)
+
+    def wrap(
+        self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """This layer's part of ``intercept_service``, on the inner layers' ``handler``.
+
+        Runs on every call: the token (or its absence) is checked per call, never cached
+        with the handler.
+        """
+        full = details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
-        has_token = bearer_token(handler_call_details.invocation_metadata) is not None
+        has_token = bearer_token(details.invocation_metadata) is not None
         principal: Principal | None = None
         if has_token or not self._tls:
-            principal, code, message = self.authorize(handler_call_details)
+            principal, code, message = self.authorize(details)
             if code is not grpc.StatusCode.OK:
                 return refusal_handler(handler, code, message, principal)
         return self._cache.get(
@@ -874,15 +911,52 @@ def server_interceptors(
         max_batch_items: a worker's ``max_batch_items`` (None on the coordinator).
 
     Returns:
-        The interceptors, for ``grpc.aio.server(interceptors=...)``.
+        The interceptors, for ``grpc.aio.server(interceptors=...)``: one ``ChainInterceptor``
+        running the layers (grpc.aio's interceptor pipeline costs a pass per interceptor
+        per call, which a one-id read felt).
     """
-    chain: list[aio.ServerInterceptor] = [
+    layers: list[Layer] = [
         RequestLogInterceptor(metrics, worker_name=worker_name),
         DecodeGuardInterceptor(),
     ]
     if auth is not None:
-        chain.append(auth)
+        layers.append(auth)
     if max_batch_items is not None:
-        chain.append(BatchLimitInterceptor(max_batch_items))
-    chain.append(MetricsInterceptor(metrics))
-    return chain
+        layers.append(BatchLimitInterceptor(max_batch_items))
+    layers.append(MetricsInterceptor(metrics))
+    return [ChainInterceptor(layers)]
+
+
+class Layer(Protocol):
+    """One interceptor of a chain, as ``ChainInterceptor`` runs it (each class above is one)."""
+
+    def wrap(
+        self, handler: Handler[Any, Any] | None, details: grpc.HandlerCallDetails
+    ) -> Handler[Any, Any] | None:
+        """The handler this layer answers for a call, given the inner layers' ``handler``."""
+        ...
+
+
+class ChainInterceptor(aio.ServerInterceptor):
+    """A chain of interceptors run as one: a single pass of grpc.aio's interceptor pipeline.
+
+    grpc.aio runs each interceptor of a server through its pipeline on every call (a
+    coroutine and a continuation per interceptor); here the method's handler is looked up
+    once and each layer's ``wrap`` applied to it, innermost first. Each call is what the
+    separate interceptors made of it: the same checks in the same order (the request log
+    outermost, the caller's token verified on every call), and each layer reuses the
+    wrappers it built (``HandlerCache``).
+    """
+
+    def __init__(self, layers: list[Layer]) -> None:
+        """Run ``layers``, outermost first (as ``grpc.aio.server(interceptors=...)`` would)."""
+        self._inner_first = tuple(reversed(layers))
+
+    async def intercept_service(
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """The method's handler wrapped by every layer, innermost first."""
+        handler = await continuation(handler_call_details)
+        for layer in self._inner_first:
+            handler = layer.wrap(handler, handler_call_details)
+        return handler

@@ -40,7 +40,7 @@ from worker.memory.primary import PrimaryWrites, Sweep
 from worker.memory.replication import Forwarder, Replicator, Reporter, check_forward
 from worker.memory.roles import Placement
 from worker.memory.sampling import pick_reply, sums_reply
-from worker.store.durable_store import DurableStore
+from worker.store.durable_store import DurableStore, small_write
 from worker.store.journal import Journal
 from worker.store.journal_format import Request
 from worker.store.store import SlotSnapshot, SlotStore
@@ -596,9 +596,11 @@ class MemoryNode:
             await self._data.sync_all()  # applied by an earlier call: durable as it is
             return
         with self._ops.op("replicate"):
-            # On the store thread, so apply, seq bump, request record and log record happen
-            # together even if the forwarding call is cancelled mid-way.
-            pos = await self._data.run(self._data.apply_forward, *part)
+            # In one store job, so apply, seq bump, request record and log record happen
+            # together even if the forwarding call is cancelled mid-way; a keyed op of a few
+            # ids runs on the loop when the store thread is idle (one synchronous call).
+            run = self._data.run_small if _inline_forward(part[0]) else self._data.run
+            pos = await run(self._data.apply_forward, *part)
             await self._data.sync(pos)
 
     # -- copies ---------------------------------------------------------------------------------
@@ -678,3 +680,9 @@ class MemoryNode:
 def _forget(spec: common_pb2.TableSpec) -> float | None:
     """A table's ``forget_below`` as the store takes it (None: the table forgets nothing)."""
     return None if spec.forget_below < 0 else float(spec.forget_below)
+
+
+def _inline_forward(req: worker_pb2.ReplicateRequest) -> bool:
+    """True for a forwarded keyed op light enough to apply inline (never a decay)."""
+    op = req.WhichOneof("op")
+    return op is not None and small_write(op, getattr(req, op))

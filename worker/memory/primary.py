@@ -3,7 +3,8 @@
 Under this worker's write order (one ``asyncio.Lock`` shared with slot-map changes and copy
 snapshots): check the epoch and that every item's slot is primary here, leave out the items
 whose slot already applied the request id (a client retry), apply and commit (next seqs,
-journal record) in one store-thread job, then forward to every other copy while the record
+journal record) in one store-thread job (on the loop for a few ids when that thread is
+idle: ``DurableStore.run_small``), then forward to every other copy while the record
 becomes durable. Both waits end before the lock is released, so each slot's forwards leave in
 seq order.
 
@@ -30,7 +31,7 @@ from shared.proto import worker_pb2
 from worker.memory.replication import ReplicationError, Replicator
 from worker.memory.roles import Placement
 from worker.memory.wire import sub_request
-from worker.store.durable_store import DurableStore
+from worker.store.durable_store import DurableStore, small_write
 
 __all__ = ["PrimaryWrites", "Sweep"]
 
@@ -144,7 +145,9 @@ class PrimaryWrites:
                 self._data.recent.record(rid, touched)
                 return n, *self._data.commit(op, request, touched, epoch, self._name)
 
-            applied, seqs, pos = await self._data.run(apply_and_commit)
+            # A few ids are applied and logged on the loop when the store thread is idle.
+            run = self._data.run_small if small_write(op, request) else self._data.run
+            applied, seqs, pos = await run(apply_and_commit)
             try:
                 await self._replicate(op, request, slots, ids, touched, seqs, pos)
             except ReplicationError as exc:

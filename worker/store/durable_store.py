@@ -12,6 +12,7 @@ Shape letters: T slots an op touches.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,9 +26,29 @@ from worker.store.journal_format import Request, apply_op
 from worker.store.store import SlotSnapshot, SlotStore
 from worker.store.store_thread import StoreThread
 
-__all__ = ["DurableStore"]
+__all__ = ["INLINE_WRITE_IDS", "DurableStore", "small_write"]
 
 T = TypeVar("T")
+
+# Keyed writes of at most this many ids (and a replica's forwards of them) are applied and
+# logged on the event loop when the store thread is idle (``DurableStore.run_small``): a
+# one-id upsert then costs no hand-off to the thread and back on the primary nor the replica.
+INLINE_WRITE_IDS = 64
+
+
+def small_write(op: str, request: Any) -> bool:
+    """True for a keyed write light enough to run inline (``run_small``).
+
+    Args:
+        op: "upsert", "reinforce", "delete" (anything else, a decay: False).
+        request: the op's request message; ``ids`` holds [N] uint64 little-endian.
+
+    Returns:
+        At most ``INLINE_WRITE_IDS`` ids and no payloads (whose size has no bound here).
+    """
+    if op not in ("upsert", "reinforce", "delete") or len(request.ids) > 8 * INLINE_WRITE_IDS:
+        return False
+    return op != "upsert" or not len(request.payloads)
 
 
 class DurableStore:
@@ -52,14 +73,29 @@ class DurableStore:
         for rid, slots in requests or []:
             self.recent.record(rid, np.asarray(slots, np.int64))
         self._thread = StoreThread("store")
+        # A change run inline (``run_small``) whose record made a snapshot due; and the
+        # store-thread jobs queued to take it.
+        self._snapshot_due = False
+        self._background: set[asyncio.Future[None]] = set()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the store thread, after every job submitted before it."""
         return await self._thread.run(fn, *args)
 
     async def run_small(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a short ``fn(*args)`` now if the store thread is idle (``StoreThread.run_small``)."""
-        return await self._thread.run_small(fn, *args)
+        """Run a short ``fn(*args)`` now if the store thread is idle (``StoreThread.run_small``).
+
+        ``fn`` may change the store and log it (a write of at most ``INLINE_WRITE_IDS`` ids):
+        a snapshot its record makes due is not taken on the calling thread (it copies the
+        whole store) but queued as the store thread's next job.
+        """
+        result = await self._thread.run_small(fn, *args)
+        if self._snapshot_due:
+            self._snapshot_due = False
+            task = asyncio.ensure_future(self.run(self.settled))
+            self._background.add(task)
+            task.add_done_callback(_forget(self._background))
+        return result
 
     async def sync(self, pos: int) -> None:
         """Wait until the journal holds everything up to ``pos`` (bytes) durably."""
@@ -220,13 +256,31 @@ class DurableStore:
     def _logged(self, pos: int) -> int:
         """After a journal append: start its fsync, snapshot if the log grew too long.
 
-        The fsync starts here, on the store thread, so it runs while the event loop forwards
-        the write (``Journal.kick``); returns ``pos``.
+        The fsync starts here, on the store thread (or inline, ``run_small``), so it runs
+        while the event loop forwards the write (``Journal.kick``); returns ``pos``.
         """
         if self.journal is not None:
             self.journal.kick(pos)
-            self.journal.maybe_snapshot(self.store, self.recent.entries)
+            if self._thread.inline:  # run_small: the snapshot is the thread's next job
+                self._snapshot_due = self.journal.snapshot_due()
+            else:
+                self.journal.maybe_snapshot(self.store, self.recent.entries)
         return pos
+
+
+def _forget(tasks: set[asyncio.Future[None]]) -> Callable[[asyncio.Future[None]], None]:
+    """A done callback dropping a background job from ``tasks``, its error seen.
+
+    A snapshot that fails marks the journal failed and logs it (``Journal._fail``); the
+    writes after it are refused, so nothing is left to report here.
+    """
+
+    def done(task: asyncio.Future[None]) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    return done
 
 
 def _whole_slots(snaps: list[SlotSnapshot]) -> list[SlotSnapshot]:

@@ -406,15 +406,18 @@ class Journal:
 
     # -- snapshots --------------------------------------------------------------------------
 
+    def snapshot_due(self) -> bool:
+        """True when the log has outgrown the limit and no snapshot is being written."""
+        return self.since_snapshot >= self._snapshot_log_bytes and not self._snapshotting
+
     def maybe_snapshot(self, store: SlotStore, recent: Callable[[], list[Request]]) -> None:
         """On the store thread: snapshot when the log has outgrown the limit.
 
         Unless a snapshot is being written already: copy the store, start a new segment, and
         write the snapshot on another thread.
         """
-        if self.since_snapshot < self._snapshot_log_bytes or self._snapshotting:
-            return
-        self.snapshot(store, recent)
+        if self.snapshot_due():
+            self.snapshot(store, recent)
 
     def snapshot(self, store: SlotStore, recent: Callable[[], list[Request]]) -> None:
         """Start a snapshot now (store thread); it is written by a background thread."""

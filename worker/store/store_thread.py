@@ -10,9 +10,11 @@ Here a job is one tuple on a ``queue.SimpleQueue`` and its result one
 whose caller was cancelled before it started is skipped; ``shutdown`` finishes the running
 job and drops the queued ones.
 
-``run_small`` runs a short read on the calling thread instead, when every job submitted
-before it has finished and none is running: a one-id get then costs no hand-off to the
-thread and back (two wake-ups, ~40% of a one-id get's wall time on a loaded 2-core machine).
+``run_small`` runs a short job (a read of a few ids, a keyed write of a few) on the calling
+thread instead, when every job submitted before it has finished and none is running: a
+one-id get or upsert then costs no hand-off to the thread and back (two wake-ups, ~40% of a
+one-id get's wall time on a loaded 2-core machine; an upsert crosses twice, on the primary
+and on its replica).
 Jobs are submitted from one event loop's thread (the worker's), which is what makes
 "every job submitted before it has finished" a comparison of two counters, each written by
 one thread.
@@ -44,6 +46,7 @@ class StoreThread:
         self._submitted = 0
         self._finished = 0
         self._running = threading.Lock()
+        self.inline = False  # a job runs inline (``run_small``) on the submitting thread now
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -66,8 +69,8 @@ class StoreThread:
 
         Idle: every job submitted before has finished, and none runs (the store's state is
         the one ``run`` would have shown it, and nothing changes it meanwhile). Otherwise
-        as ``run``. ``fn`` must take microseconds (it holds the event loop): a read of a few
-        ids, not a pass over the store.
+        as ``run``. ``fn`` must take microseconds (it holds the event loop): a read or a
+        write of a few ids, not a pass over the store. ``inline`` is True while it runs.
 
         Raises:
             RuntimeError: after ``shutdown``. Whatever ``fn`` raises.
@@ -75,7 +78,11 @@ class StoreThread:
         if self._finished == self._submitted and self._running.acquire(blocking=False):
             try:
                 if self._finished == self._submitted and not self._closed:
-                    return fn(*args)
+                    self.inline = True
+                    try:
+                        return fn(*args)
+                    finally:
+                        self.inline = False
             finally:
                 self._running.release()
         return await self.run(fn, *args)

@@ -774,3 +774,91 @@ async def test_a_wrapped_handler_is_reused_per_caller_never_across_callers() -> 
     assert a1[0] is a2[0]
     assert b1[0] is not a1[0] and a3[0] is not b1[0]
     assert [x[1] for x in (a1, a2, b1, a3)] == ["alice", "alice", "bob", "alice"]
+
+
+def test_the_token_cache_drops_the_least_recently_used() -> None:
+    from shared.rpc.interceptors import AuthInterceptor
+    from shared.security.tokens import create_token
+
+    key = Ed25519PrivateKey.generate()
+    auth = AuthInterceptor(key.public_key(), cache_size=2)
+    a, b, c = (create_token(key, "reader", name, 60) for name in "abc")
+
+    first = auth._verify(a)
+    auth._verify(b)
+    assert auth._verify(a) is first  # a is now the most recently used
+    auth._verify(c)
+
+    assert list(auth._verified) == [a, c]
+
+
+async def test_the_chain_is_one_interceptor_that_refuses_as_its_layers() -> None:
+    # Arrange: a worker's chain with auth (no TLS: every call needs a token), a limit of 2 ids
+    from shared.metrics import Metrics
+    from shared.proto import worker_pb2
+    from shared.rpc.interceptors import AuthInterceptor, ChainInterceptor, server_interceptors
+    from shared.security.auth import current_principal
+    from shared.security.tokens import create_token
+
+    key = Ed25519PrivateKey.generate()
+    auth = AuthInterceptor(key.public_key(), AUD_DATA, tls=False)
+    chain = server_interceptors(Metrics(), auth, worker_name="w0", max_batch_items=2)
+    reader = create_token(key, "reader", "r", 60, audience=AUD_DATA)
+    callers: list[object] = []
+
+    async def behavior(request: worker_pb2.GetRequest, context: object) -> worker_pb2.GetResponse:
+        callers.append(current_principal())
+        return worker_pb2.GetResponse()
+
+    def handler_of(deser) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            behavior,
+            request_deserializer=deser,
+            response_serializer=worker_pb2.GetResponse.SerializeToString,
+        )
+
+    original = handler_of(worker_pb2.GetRequest.FromString)
+
+    async def continuation(details: object) -> grpc.RpcMethodHandler:
+        return original
+
+    class _Aborted(Exception):
+        pass
+
+    class _Context:
+        def __init__(self) -> None:
+            self._code: grpc.StatusCode | None = None
+
+        async def abort(self, c: grpc.StatusCode, message: str) -> None:
+            self._code = c
+            raise _Aborted(c, message)
+
+        def code(self) -> grpc.StatusCode | None:
+            return self._code
+
+        def peer(self) -> str:
+            return "ipv4:127.0.0.1:1"
+
+    async def call(method: str, token: str | None, ids: int) -> object:
+        got = await chain[0].intercept_service(continuation, _Details(method, token))
+        raw = worker_pb2.GetRequest(ids=np.arange(ids, dtype="<u8").tobytes())
+        data = raw.SerializeToString()
+        request = got.request_deserializer(data) if got.request_deserializer else data
+        try:
+            return await got.unary_unary(request, _Context())
+        except _Aborted as exc:
+            return exc.args[0]
+
+    # Act
+    refused = await call(W + "Upsert", reader, 1)
+    anonymous = await call(W + "Get", None, 1)
+    too_many = await call(W + "Get", reader, 3)
+    served = await call(W + "Get", reader, 2)
+
+    # Assert
+    assert len(chain) == 1 and isinstance(chain[0], ChainInterceptor)
+    assert refused is grpc.StatusCode.PERMISSION_DENIED
+    assert anonymous is grpc.StatusCode.UNAUTHENTICATED
+    assert too_many is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(served, worker_pb2.GetResponse)
+    assert [(p.subject, p.role) for p in callers] == [("r", "reader")]  # type: ignore[attr-defined]
