@@ -80,6 +80,7 @@ from shared.metrics import Metrics
 from shared.proto import worker_pb2
 from shared.rpc.peers import WorkerClients
 from shared.training.models import build_model
+from shared.training.packed_state import is_packed, load_packed
 from shared.training.partition import (
     allreduce_steps_per_epoch,
     allreduce_total_steps,
@@ -569,7 +570,14 @@ class AllreduceJob:
     # -- state, evaluation, files -----------------------------------------------------------
 
     def _load(self, data: bytes) -> None:
-        """Load rank 0's model into the coordinator's copy (from a full state or the model's)."""
+        """Load rank 0's model into the coordinator's copy (from a full state or the model's).
+
+        An epoch's state is the model alone, ``pack_state``'s bytes; a checkpoint's or the
+        final one is torch.save bytes of the full state.
+        """
+        if is_packed(data):
+            load_packed(self._model, data)
+            return
         state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         full = "model" in state and "optimizer" in state and "step" in state
         self._model.load_state_dict(state["model"] if full else state)
