@@ -623,18 +623,20 @@ class AllreduceJob:
     def _checkpoint(self, step: int, data: bytes) -> None:
         """Rank 0's state, and beside it the job's history and best accuracy (JSON).
 
-        The event files are flushed first: a resumed job keeps what they hold up to here;
-        and the best model kept since the last checkpoint is written before the best score
-        the run file records.
+        The event files are flushed first: a resumed job keeps what they hold up to here.
         """
         self.board.flush()
-        self._best.write()
         self._write_run(step)
         write_checkpoint(self.checkpoint_path, step, data)
         self._checkpointed = step
 
     def _write_run(self, step: int) -> None:
-        """The job's history, best score and (prioritized) running mean loss, as of ``step``."""
+        """The job's history, best score and (prioritized) running mean loss, as of ``step``.
+
+        The best model kept since the last write goes to its file first, so the best score
+        the run file records is always the model's in ``JOB.best.pt``.
+        """
+        self._best.write()
         prog = self._progress
         run = {
             "history": prog.history,
