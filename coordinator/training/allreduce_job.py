@@ -215,7 +215,8 @@ class AllreduceJob:
             await self._stop_children()
             await asyncio.to_thread(self.board.close)
             if self._jobs.on_change is not None:  # else a shutdown: resumed from the checkpoint
-                await asyncio.to_thread(self._best.write)  # a failed or cancelled job's too
+                # a failed or cancelled job's too (a succeeded one's is written already)
+                await asyncio.to_thread(self._best.write_at_end, self.job.job_id)
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec

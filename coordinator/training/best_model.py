@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shared.logging import get_logger
 from shared.private_files import private_dir, write_private
+
+log = get_logger(__name__)
 
 
 class BestModel:
@@ -74,3 +77,16 @@ class BestModel:
             private_dir(self.path.parent)
             write_private(self.path, buf.getvalue())
             self._state = None
+
+    def write_at_end(self, job_id: str) -> None:
+        """``write`` when a job failed or was cancelled: a refused write is logged, not raised.
+
+        The job's own error (or cancellation) is what its record keeps.
+
+        Args:
+            job_id: the job, for the log.
+        """
+        try:
+            self.write()
+        except OSError as exc:
+            log.warning("best_model_not_written", job_id=job_id, error=str(exc))

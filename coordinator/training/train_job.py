@@ -208,7 +208,8 @@ class TrainJob:
             await self._close_sampling()
             await asyncio.to_thread(self.board.close)
             if self._jobs.on_change is not None:  # else a shutdown: resumed from the checkpoint
-                await asyncio.to_thread(self._best.write)  # a failed or cancelled job's too
+                # a failed or cancelled job's too (a succeeded one's is written already)
+                await asyncio.to_thread(self._best.write_at_end, self.job.job_id)
 
     async def _close_sampling(self) -> None:
         """Drop the priority table, unless a coordinator shutdown interrupted the job.

@@ -70,3 +70,18 @@ def test_a_write_with_nothing_new_leaves_the_file_alone(tmp_path: Path) -> None:
     # Assert: the last kept model
     assert torch.equal(_saved(path)["0.weight"], torch.full((2, 2), 2.0))
     assert [p.name for p in tmp_path.iterdir()] == ["job.best.pt"]
+
+
+def test_a_refused_write_at_a_jobs_end_is_not_raised_and_the_model_stays_kept(
+    tmp_path: Path,
+) -> None:
+    # Arrange: the models directory's place is taken by a file
+    (tmp_path / "models").write_bytes(b"")
+    best = BestModel(tmp_path / "models" / "job.best.pt")
+    best.keep(_model(1.0))
+
+    # Act: a failed job's cleanup; its own error is what the record keeps
+    best.write_at_end("job")
+
+    # Assert
+    assert best.pending
