@@ -5,7 +5,8 @@ child processes of the worker daemons and train with ``DistributedDataParallel``
 coordinator is their rendezvous (``coordinator.training.allreduce_generation``). Rank 0 sends its
 state (model, optimizer, lr schedule, grad scaler, step) every ``checkpoint_every_steps``
 and at every epoch's end: the coordinator checkpoints it to disk, evaluates it on the test
-split, and keeps the best model.
+split, and keeps the best model (``coordinator.training.best_model``: in memory, written at
+checkpoints and at the job's end).
 
 Elastic membership: when a member dies or drains, the survivors' collectives fail (or time
 out after ``collective_timeout_s``) and their children keep their replicas. The coordinator
@@ -63,6 +64,7 @@ from coordinator.jobs.pacing import next_epoch
 from coordinator.placement.membership import WorkerRecord
 from coordinator.training.allreduce_generation import Generation, GenerationOutcome, GenerationPlan
 from coordinator.training.allreduce_windows import AllreduceSteps, window_losses
+from coordinator.training.best_model import BestModel
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.epoch_figures import EpochFigures
 from coordinator.training.evaluation import evaluate
@@ -78,6 +80,7 @@ from shared.metrics import Metrics
 from shared.proto import worker_pb2
 from shared.rpc.peers import WorkerClients
 from shared.training.models import build_model
+from shared.training.packed_state import is_packed, load_packed
 from shared.training.partition import (
     allreduce_steps_per_epoch,
     allreduce_total_steps,
@@ -182,6 +185,7 @@ class AllreduceJob:
         self.run_path = data_dir / "checkpoints" / f"{job.job_id}.run"  # history, best
         self.model_path = data_dir / "models" / f"{job.job_id}.pt"
         self.best_model_path = data_dir / "models" / f"{job.job_id}.best.pt"
+        self._best = BestModel(self.best_model_path)
         self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
         self.figures = EpochFigures()
         self._wire = 0  # bytes of the job's messages through the coordinator, both ways
@@ -210,6 +214,9 @@ class AllreduceJob:
             self._train_sets.close(self.job.job_id)
             await self._stop_children()
             await asyncio.to_thread(self.board.close)
+            if self._jobs.on_change is not None:  # else a shutdown: resumed from the checkpoint
+                # a failed or cancelled job's too (a succeeded one's is written already)
+                await asyncio.to_thread(self._best.write_at_end, self.job.job_id)
 
     async def _run(self) -> dict[str, Any]:
         spec = self.spec
@@ -564,7 +571,14 @@ class AllreduceJob:
     # -- state, evaluation, files -----------------------------------------------------------
 
     def _load(self, data: bytes) -> None:
-        """Load rank 0's model into the coordinator's copy (from a full state or the model's)."""
+        """Load rank 0's model into the coordinator's copy (from a full state or the model's).
+
+        An epoch's state is the model alone, ``pack_state``'s bytes; a checkpoint's or the
+        final one is torch.save bytes of the full state.
+        """
+        if is_packed(data):
+            load_packed(self._model, data)
+            return
         state: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         full = "model" in state and "optimizer" in state and "step" in state
         self._model.load_state_dict(state["model"] if full else state)
@@ -605,7 +619,7 @@ class AllreduceJob:
             prog.best_score = score
             if by_accuracy:
                 prog.best_acc = prog.test_acc
-            save_model(self._model, self.best_model_path)
+            self._best.keep(self._model)  # written at the next checkpoint or the end
 
     def _checkpoint(self, step: int, data: bytes) -> None:
         """Rank 0's state, and beside it the job's history and best accuracy (JSON).
@@ -618,7 +632,12 @@ class AllreduceJob:
         self._checkpointed = step
 
     def _write_run(self, step: int) -> None:
-        """The job's history, best score and (prioritized) running mean loss, as of ``step``."""
+        """The job's history, best score and (prioritized) running mean loss, as of ``step``.
+
+        The best model kept since the last write goes to its file first, so the best score
+        the run file records is always the model's in ``JOB.best.pt``.
+        """
+        self._best.write()
         prog = self._progress
         run = {
             "history": prog.history,
@@ -670,6 +689,7 @@ class AllreduceJob:
         if self._final:  # else a paced job finished before its first epoch: the initial model
             self._load(self._final)
         save_model(self._model, self.model_path)
+        self._best.write()
         self.checkpoint_path.unlink(missing_ok=True)
         self.run_path.unlink(missing_ok=True)
         prog = self._progress

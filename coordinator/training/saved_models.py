@@ -1,8 +1,9 @@
 """Train jobs' saved models on the coordinator's disk: where, which, streamed out, loaded back.
 
-A train job writes ``DATA_DIR/models/JOB.pt`` when it finishes and ``JOB.best.pt`` each time
-an epoch's test accuracy is the best yet (``coordinator.training.checkpoints.save_model``, a
-``torch.save`` of the state dict). Clients name a model by job id only (``GetModel``,
+A train job writes ``DATA_DIR/models/JOB.pt`` when it finishes
+(``coordinator.training.checkpoints.save_model``, a ``torch.save`` of the state dict) and
+``JOB.best.pt``, its best epoch's state dict, at its checkpoints and when it ends
+(``coordinator.training.best_model``). Clients name a model by job id only (``GetModel``,
 ``ListModels``); the id is looked up in the job store before a path is built from it, so no
 client string becomes a path. A job may start from one of them (``init: {job: ID}``) or from
 a state dict uploaded as a data set (``init: {dataset: NAME}``, ``NAME.pt`` in the data

@@ -18,8 +18,10 @@ ended it, line up on one axis. The tags:
 
 Writing never holds up a step: the step loop only appends (tag, value, step) to a list;
 the board's own thread turns them into events and ``SummaryWriter`` (with its own writer
-thread) writes the file, a batch at a time; the file is flushed to disk at each epoch's end
-and before each checkpoint, and closed when the job ends, fails or is cancelled. A writer
+thread) writes the file, a batch at a time; the file is flushed to disk at an epoch's end
+when the last flush is ``EPOCH_FLUSH_S`` or more ago (the first epoch's end always: a short
+epoch's flush cost the coordinator about as much CPU as the epoch's evaluation, issue 25),
+before each checkpoint, and when the job ends, fails or is cancelled (closed). A writer
 that fails (a full disk) is logged and dropped: the job goes on without its event files.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +49,8 @@ BATCH = 512
 MAX_QUEUE = 1000
 # The writer thread's own flush interval, seconds: within a long epoch.
 FLUSH_S = 60.0
+# An epoch's end flushes the file when the last flush is this many seconds ago or more.
+EPOCH_FLUSH_S = 5.0
 # History fields that are the axis rather than a scalar.
 _AXIS_FIELDS = frozenset({"epoch", "step"})
 
@@ -79,6 +84,7 @@ class TrainBoard:
         self._thread: ThreadPoolExecutor | None = None
         self._pending: list[tuple[str, float, int]] = []
         self._lock = threading.Lock()
+        self._flushed_at = -math.inf  # time.monotonic() of the last flush
 
     def open(self, resumed_step: int = 0) -> None:
         """Start a new event file in the run directory (blocks: it creates the file).
@@ -128,7 +134,9 @@ class TrainBoard:
         self._add(step, scalars)
 
     def add_epoch(self, step: int, entry: Mapping[str, Any]) -> None:
-        """Write an epoch's history entry as ``epoch/FIELD`` scalars, and flush (blocks).
+        """Buffer an epoch's history entry as ``epoch/FIELD`` scalars; maybe flush (blocks).
+
+        The file is flushed when the last flush is ``EPOCH_FLUSH_S`` or more ago.
 
         Args:
             step: global steps applied at the epoch's end.
@@ -143,10 +151,12 @@ class TrainBoard:
                 if k not in _AXIS_FIELDS and isinstance(v, int | float) and not isinstance(v, bool)
             },
         )
-        self.flush()
+        if time.monotonic() - self._flushed_at >= EPOCH_FLUSH_S:
+            self.flush()
 
     def flush(self) -> None:
         """Write every buffered scalar and flush the file to disk (blocks until done)."""
+        self._flushed_at = time.monotonic()
         thread = self._thread
         if thread is not None:
             try:

@@ -10,8 +10,9 @@ loss scale (``coordinator.training.loss_scale``). Failed workers' shards are rec
 survivors (``coordinator.training.train_members``); every ``checkpoint_every_steps`` the parameter
 server's state is checkpointed so a restarted coordinator resumes the job where it was. Every
 epoch the model is evaluated, an entry is added to the history
-(``coordinator.training.train_history``) and the model is saved as the best one when its test
-accuracy improved.
+(``coordinator.training.train_history``) and the model is kept as the best one when its test
+accuracy improved (``coordinator.training.best_model``: written at checkpoints and at the
+job's end).
 
 What a strategy decides is asked of its ``StepScheme``: the step counts, each step's pieces,
 the parameter server's optimizer, schedule and clipping, and its fields of the result.
@@ -41,6 +42,7 @@ from coordinator.jobs.pacing import next_epoch
 from coordinator.network.link_stats import LinkStats
 from coordinator.placement.membership import WorkerRecord
 from coordinator.training.aggregation import average_buffers
+from coordinator.training.best_model import BestModel
 from coordinator.training.checkpoints import read_checkpoint, save_model, write_checkpoint
 from coordinator.training.epoch_figures import EpochFigures
 from coordinator.training.parameter_server import ParameterServer, StepControls
@@ -183,6 +185,7 @@ class TrainJob:
         self.checkpoint_path = Path(cfg.data_dir) / "checkpoints" / f"{job.job_id}.ckpt"
         self.model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.pt"
         self.best_model_path = Path(cfg.data_dir) / "models" / f"{job.job_id}.best.pt"
+        self._best = BestModel(self.best_model_path)
         self.board = TrainBoard(cfg.tensorboard_dir() / job.job_id, job.job_id)
         self.figures = EpochFigures()
         self._store = store
@@ -204,6 +207,9 @@ class TrainJob:
             self._train_sets.close(self.job.job_id)
             await self._close_sampling()
             await asyncio.to_thread(self.board.close)
+            if self._jobs.on_change is not None:  # else a shutdown: resumed from the checkpoint
+                # a failed or cancelled job's too (a succeeded one's is written already)
+                await asyncio.to_thread(self._best.write_at_end, self.job.job_id)
 
     async def _close_sampling(self) -> None:
         """Drop the priority table, unless a coordinator shutdown interrupted the job.
@@ -269,6 +275,7 @@ class TrainJob:
             self.monitor.release(self.members)
             await self.members.stop()
         await asyncio.to_thread(save_model, ps.model, self.model_path)
+        await asyncio.to_thread(self._best.write)
         self.checkpoint_path.unlink(missing_ok=True)
         sampled = await run.sampling.result_fields() if run.sampling is not None else {}
         return self._result(ps, run, start_step, device) | sampled
@@ -429,13 +436,13 @@ class TrainJob:
         )
 
     async def _end_epoch(self, ps: ParameterServer, epoch: int, lr: float, run: _Run) -> None:
-        """Evaluate, add the epoch's history entry, save the model if it is the best yet."""
+        """Evaluate, add the epoch's history entry, keep the model if it is the best yet."""
         metrics = await asyncio.to_thread(ps.evaluate)
         run.test_loss = metrics.pop("test_loss")
         run.test_acc = metrics.pop("test_accuracy", float("nan"))
         run.test_metrics = metrics
         if run.history.end_epoch(epoch + 1, run.test_loss, run.test_acc, lr, metrics):
-            await asyncio.to_thread(save_model, ps.model, self.best_model_path)
+            await asyncio.to_thread(self._best.keep, ps.model)  # written at a checkpoint or the end
 
     async def _apply(
         self, ps: ParameterServer, outcome: StepOutcome, step: int
@@ -483,10 +490,12 @@ class TrainJob:
     def _checkpoint(self, ps: ParameterServer, next_step: int, run: _Run) -> None:
         """Atomically write (next step, parameter-server state, history) to the checkpoint.
 
-        The event files are flushed first: a resumed job keeps what they hold up to here.
-        A prioritized job's running mean loss goes with it.
+        The event files are flushed first: a resumed job keeps what they hold up to here;
+        and the best model kept since the last checkpoint is written before the best score
+        the checkpoint records. A prioritized job's running mean loss goes with it.
         """
         self.board.flush()
+        self._best.write()
         kept: dict[str, Any] = {
             "history": run.history.to_doc(),
             "initial_loss": self.figures.initial_loss,

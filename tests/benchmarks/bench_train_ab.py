@@ -1,17 +1,21 @@
-"""Interleaved A/B of ``strategy: sync`` between source trees, with torch DDP in the same rounds.
+"""Interleaved A/B of a strategy between source trees, with torch DDP in the same rounds.
 
-Each tree (``--trees NAME=PATH,...``, e.g. a worktree at the commit before a change and one
-at the change) gets its own local cluster of 2 workers whose daemons import that tree's code
+``--strategy`` picks what the jobs run (``sync``, the default, or ``allreduce``). Each tree
+(``--trees NAME=PATH,...``, e.g. a worktree at the commit before a change and one at the
+change) gets its own local cluster of 2 workers whose daemons import that tree's code
 (``PYTHONPATH``; the clusters start from an empty working directory, since ``python -m``
 puts the working directory first on ``sys.path``). After one warm-up job per cluster, each
-round runs DDP gloo on 2 processes (``bench_train.run_ddp_gloo``), then one sync job of
+round runs DDP gloo on 2 processes (``bench_train.run_ddp_gloo``), then one job of
 ``--steps`` steps per tree, in an order rotated every round. Printed: each round's rates, the
 medians, the medians of the per-round ratios to DDP, and each tree's CPU milliseconds per
 step per daemon (``/proc/PID/stat`` around each job, its start-up included, divided by its
-steps). docs/bench-train.md keeps the results.
+steps). With ``allreduce`` also per epoch (``--epoch-steps``, 15 for the digits MLP at global
+batch 96), and each worker daemon's reaped children (the job's training processes, their
+start-up included) per job. docs/bench-train.md keeps the results.
 
-``--hold SECONDS`` instead runs back-to-back 200-step jobs on the first tree's cluster for
-that long, printing the daemons' pids first, for a sampling profiler (py-spy) to attach.
+``--hold SECONDS`` instead runs back-to-back jobs of ``--hold-steps`` steps on the first
+tree's cluster for that long, printing the daemons' pids first, for a sampling profiler
+(py-spy) to attach.
 
 Linux only (``/proc``). Not collected by pytest; run with
 ``python -m tests.benchmarks.bench_train_ab --trees base=/path/a,new=/path/b``.
@@ -34,14 +38,36 @@ from tests.benchmarks.bench_train import MODELS, neuroshard_rate, run_ddp_gloo
 
 
 def cpu_ms(cluster: LocalCluster) -> list[float]:
-    """CPU milliseconds (user + system) used so far by the coordinator and each worker."""
-    out = []
+    """CPU milliseconds used so far: the coordinator, each worker, each worker's children.
+
+    User + system time of each daemon, then of each worker daemon's reaped children
+    (``cutime + cstime``: the training processes of the jobs that ended).
+    """
+    own, children = [], []
     for proc in [cluster.coordinator, *cluster.workers]:
         assert proc is not None
         with open(f"/proc/{proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        out.append((int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK"))
-    return out
+            fields = [int(x) for x in f.read().rsplit(")", 1)[1].split()[11:15]]
+        tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+        own.append((fields[0] + fields[1]) * tick_ms)
+        if proc is not cluster.coordinator:
+            children.append((fields[2] + fields[3]) * tick_ms)
+    return own + children
+
+
+def _children_reaped(cluster: LocalCluster, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until no worker daemon has a child left: their CPU is then counted."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = []
+        for proc in cluster.workers:
+            with contextlib.suppress(OSError):
+                for task in os.listdir(f"/proc/{proc.pid}/task"):
+                    with open(f"/proc/{proc.pid}/task/{task}/children") as f:
+                        left += f.read().split()
+        if not left:
+            return
+        time.sleep(0.05)
 
 
 def _clusters(
@@ -76,21 +102,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--global-batch", type=int, default=96)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--strategy", choices=["sync", "allreduce"], default="sync")
+    p.add_argument("--epoch-steps", type=int, default=15, help="allreduce: steps per epoch")
     p.add_argument("--hold", type=float, default=0.0, help="profile mode, seconds")
+    p.add_argument("--hold-steps", type=int, default=200, help="profile mode: steps per job")
     a = p.parse_args(argv)
     trees = [(n, path) for n, _, path in (t.partition("=") for t in a.trees.split(","))]
     spec = TrainJobSpec.model_validate({"kind": "train", **MODELS[a.model]})
-    b, s = a.global_batch, a.steps
+    b, s, strategy = a.global_batch, a.steps, a.strategy
     print(f"load average at the start: {os.getloadavg()}", flush=True)
     with contextlib.ExitStack() as stack:
         clusters = _clusters(stack, trees)
         for _cluster, client in clusters.values():
-            neuroshard_rate(client, "sync", 2, spec, b, s)  # warm-up
+            neuroshard_rate(client, strategy, 2, spec, b, s)  # warm-up
         if a.hold:
             client = clusters[trees[0][0]][1]
             t0 = time.monotonic()
             while time.monotonic() - t0 < a.hold:
-                print(f"{neuroshard_rate(client, 'sync', 2, spec, b, 200):.0f}", flush=True)
+                rate = neuroshard_rate(client, strategy, 2, spec, b, a.hold_steps)
+                print(f"{rate:.0f}", flush=True)
             return
         rates: dict[str, list[float]] = {"ddp": []} | {n: [] for n, _ in trees}
         cpu: dict[str, list[list[float]]] = {n: [] for n, _ in trees}
@@ -99,17 +129,21 @@ def main(argv: list[str] | None = None) -> None:
             rates["ddp"].append(run_ddp_gloo(spec, b, s, 1))
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 cluster, client = clusters[name]
+                _children_reaped(cluster)
                 before = cpu_ms(cluster)
-                rates[name].append(neuroshard_rate(client, "sync", 2, spec, b, s))
-                cpu[name].append(
-                    [(y - x) / s for x, y in zip(before, cpu_ms(cluster), strict=True)]
-                )
+                rates[name].append(neuroshard_rate(client, strategy, 2, spec, b, s))
+                _children_reaped(cluster)
+                cpu[name].append([y - x for x, y in zip(before, cpu_ms(cluster), strict=True)])
             print(f"round {r}: " + "  ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items()))
-    _report(rates, cpu)
+            print(f"  load average: {os.getloadavg()[0]:.1f}", flush=True)
+    _report(rates, cpu, s, s / a.epoch_steps if strategy == "allreduce" else 0.0)
     print(f"load average at the end: {os.getloadavg()}")
 
 
-def _report(rates: dict[str, list[float]], cpu: dict[str, list[list[float]]]) -> None:
+def _report(
+    rates: dict[str, list[float]], cpu: dict[str, list[list[float]]], steps: int, epochs: float
+) -> None:
+    """Rates and ratios; CPU of the daemons per step (and per epoch), of the children per job."""
     ddp = rates["ddp"]
     print(f"{'runner':<10} {'samples/s':>10} {'vs DDP':>8}   per round")
     for name, xs in rates.items():
@@ -121,10 +155,16 @@ def _report(rates: dict[str, list[float]], cpu: dict[str, list[list[float]]]) ->
             ratio = statistics.median(x / y for x, y in zip(rates[name], rates[first], strict=True))
             print(f"{name} / {first}, median of the per-round ratios: {ratio:.2f}")
     for name, per_job in cpu.items():
-        cols = [statistics.median(c) for c in zip(*per_job, strict=True)]
-        total = statistics.median(sum(j) for j in per_job)
-        daemons = ", ".join(f"{c:.1f}" for c in cols)
-        print(f"{name}: CPU ms per step, coordinator and workers: {daemons}; all: {total:.1f}")
+        daemons = [j[:3] for j in per_job]  # the coordinator, 2 workers; then their children
+        cols = [statistics.median(c) / steps for c in zip(*daemons, strict=True)]
+        total = statistics.median(sum(j) for j in daemons) / steps
+        shown = ", ".join(f"{c:.2f}" for c in cols)
+        print(f"{name}: CPU ms per step, coordinator and workers: {shown}; all: {total:.2f}")
+        if epochs:
+            shown = ", ".join(f"{c * steps / epochs:.1f}" for c in cols)
+            print(f"{name}: CPU ms per epoch, coordinator and workers: {shown}")
+            kids = ", ".join(f"{statistics.median(c):.0f}" for c in zip(*per_job, strict=True))
+            print(f"{name}: CPU ms per job, all columns (children last): {kids}")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from shared.client import Client
+from shared.config import TrainJobSpec
+from shared.training.data import load_dataset
+from shared.training.models import build_model
 from tests.chaos.helpers import (
     MapMoved,
     Writer,
@@ -131,6 +135,22 @@ async def test_kill9_coordinator_during_training_resumes_and_succeeds(
     if strategy == "sync":  # every step once (allreduce: a report every few steps)
         steps = [s for s, _ in scalars["train/loss"]]
         assert steps == list(range(1, final.result["steps"] + 1))
+    # The best model: kept in memory, written at checkpoints and at the end; the resumed
+    # job's best score is its checkpoint's, so the file's model scores what the result says.
+    assert _accuracy(final.result["best_model_path"], spec) == pytest.approx(
+        final.result["best_test_accuracy"]
+    )
+
+
+def _accuracy(path: str, spec: dict) -> float:
+    """The test accuracy of a saved state dict, evaluated here in eval mode."""
+    job = TrainJobSpec.model_validate(spec)
+    data = load_dataset(job.data, job.seed, job.test_fraction)
+    model = build_model(job.model, data.input_shape, data.num_classes, job.seed)
+    model.load_state_dict(torch.load(Path(path), weights_only=True))
+    with torch.no_grad():
+        logits = model.eval()(torch.from_numpy(data.x_test))
+    return float((logits.argmax(1) == torch.from_numpy(data.y_test)).float().mean())
 
 
 def _board_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

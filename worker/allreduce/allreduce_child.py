@@ -22,8 +22,9 @@ Frames, child to daemon:
     ``joined`` {}: this rank is in the group and holds rank 0's state (every rank; the
     coordinator gives up on a rank that has not joined in time)
     ``progress`` {step, epoch, samples, loss_sum, correct, steps, seconds, lr} (rank 0)
-    ``state`` {step, reason} + torch.save bytes (rank 0): the full state (reason checkpoint,
-    final) or the model's state_dict alone (epoch, for evaluation)
+    ``state`` {step, reason} + bytes (rank 0): the full state, torch.save bytes (reason
+    checkpoint, final), or the model's state_dict alone, ``shared.training.packed_state``
+    bytes (epoch, for evaluation: cheaper to write and read than torch.save's)
     ``ended`` {held_step, done, reason[, losses_from_step]}: the generation is over; the
     replica holds held_step; windowed: the payload is this rank's unweighted per-sample
     losses (float32) of the steps trained from losses_from_step

@@ -44,6 +44,7 @@ from shared.training.controls import (
     make_optimizer,
 )
 from shared.training.models import build_model
+from shared.training.packed_state import pack_state
 from shared.training.partition import (
     allreduce_steps_per_epoch,
     allreduce_total_steps,
@@ -332,13 +333,11 @@ class Replica:
         s.correct += self.task.correct(outputs, y)
 
     def model_bytes(self) -> bytes:
-        """torch.save bytes of the model's state_dict alone (parameters and buffers).
+        """The model's state_dict alone (parameters and buffers), ``pack_state``'s bytes.
 
         Rank 0 calls it (a sharded replica: every rank, and the others get b"").
         """
-        buf = io.BytesIO()
-        torch.save(self.model.state_dict(), buf)
-        return buf.getvalue()
+        return pack_state(self.model.state_dict())
 
     def state_bytes(self) -> bytes:
         """torch.save bytes of model, optimizer, lr schedule, grad scaler and step.

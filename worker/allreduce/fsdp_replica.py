@@ -26,7 +26,7 @@ unsharded state dict. The optimizer's state in such a checkpoint is keyed by par
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from shared.training.activation_checkpointing import find_blocks
 from shared.training.controls import UNLOADABLE
+from shared.training.packed_state import pack_state
 from worker.allreduce.ddp_replica import Replica, StateError, broadcast_bytes
 
 # Gather to rank 0 only, on the CPU: the other ranks never hold the full state.
@@ -96,9 +97,9 @@ class FsdpReplica(Replica):
         return self.model
 
     def model_bytes(self) -> bytes:
-        """torch.save bytes of the full model state_dict on rank 0, b"" elsewhere (collective)."""
-        full = get_model_state_dict(self.model, options=_GATHER)
-        return _save(full) if dist.get_rank() == 0 else b""
+        """The full model state_dict on rank 0 (``pack_state``), b"" elsewhere (collective)."""
+        full = get_model_state_dict(self.model, options=_GATHER)  # plain CPU tensors
+        return pack_state(cast(dict[str, torch.Tensor], full)) if dist.get_rank() == 0 else b""
 
     def state_bytes(self) -> bytes:
         """The full state on rank 0, b"" elsewhere (collective); as ``Replica.state_bytes``."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from coordinator.training import tensorboard_log
 from coordinator.training.step_types import ShardResult, StepOutcome
 from coordinator.training.tensorboard_log import TrainBoard, worker_times
 
@@ -100,3 +101,24 @@ def test_a_board_never_opened_or_that_cannot_write_does_nothing(tmp_path: Path) 
 
     # Assert
     assert not (tmp_path / "job-2").exists()
+
+
+def test_an_epoch_end_flushes_only_when_the_last_flush_is_old_enough(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Arrange: flushes at most once an hour, but the first epoch's end always
+    monkeypatch.setattr(tensorboard_log, "EPOCH_FLUSH_S", 3600.0)
+    board = TrainBoard(tmp_path / "job-1", "job-1")
+    board.open()
+
+    # Act
+    board.add_epoch(10, {"train_loss": 1.0})
+    board.add_epoch(20, {"train_loss": 0.5})
+    on_disk = _scalars(tmp_path / "job-1")
+    board.flush()  # a checkpoint's
+    at_checkpoint = _scalars(tmp_path / "job-1")
+    board.close()
+
+    # Assert
+    assert on_disk == {"epoch/train_loss": [(10, 1.0)]}
+    assert at_checkpoint == {"epoch/train_loss": [(10, 1.0), (20, 0.5)]}
