@@ -8,13 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared.training.packed_state import (
-    MAGIC,
-    PackedStateError,
-    is_packed,
-    load_packed,
-    pack_state,
-)
+from shared.training.packed_state import PackedStateError, is_packed, load_packed, pack_state
 
 
 def _model(seed: int) -> nn.Module:
@@ -33,7 +27,7 @@ def test_a_packed_state_loads_into_another_model_bit_for_bit() -> None:
     load_packed(target, data)
 
     # Assert: every parameter and buffer, dtypes included
-    assert data.startswith(MAGIC) and is_packed(data)
+    assert is_packed(data)
     got, want = target.state_dict(), source.state_dict()
     assert list(got) == list(want)
     for name, tensor in want.items():
@@ -55,9 +49,23 @@ def test_bytes_that_do_not_fit_the_model_are_refused() -> None:
     data = pack_state(model.state_dict())
     other = pack_state(nn.Linear(3, 4).state_dict())
 
-    with pytest.raises(PackedStateError, match="ends inside tensor"):
+    with pytest.raises(PackedStateError, match="does not parse"):
         load_packed(model, data[:-4])
     with pytest.raises(PackedStateError, match="does not fit the model"):
         load_packed(model, other)
-    with pytest.raises(PackedStateError, match="header does not parse"):
-        load_packed(model, MAGIC + (3).to_bytes(4, "little") + b"{{{")
+    with pytest.raises(PackedStateError, match="does not parse"):
+        load_packed(model, (3).to_bytes(8, "little") + b"{{{")
+    with pytest.raises(PackedStateError, match="does not parse"):  # a header naming 2**40 bytes
+        load_packed(model, (2**40).to_bytes(8, "little") + b"{}")
+
+
+def test_tied_weights_pack_and_load() -> None:
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    model[1].weight = model[0].weight  # tied, as the GPT example's head and embedding
+    target = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    target[1].weight = target[0].weight
+
+    load_packed(target, pack_state(model.state_dict()))
+
+    assert torch.equal(target[0].weight, model[0].weight)
+    assert target[1].weight is target[0].weight
