@@ -39,7 +39,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import grpc
 import structlog
@@ -224,7 +224,26 @@ def status_of(context: Context, exc: BaseException | None) -> str:
     return "CANCELLED" if type(exc).__name__ == "CancelledError" else "UNKNOWN"
 
 
-class RequestLogInterceptor(aio.ServerInterceptor):
+class Layer(aio.ServerInterceptor):
+    """One interceptor of a chain: its work is ``wrap``.
+
+    Run alone (``intercept_service``) or by ``ChainInterceptor`` with the others in one pass.
+    """
+
+    async def intercept_service(
+        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """The inner interceptors' handler for the call, wrapped by this layer."""
+        return self.wrap(await continuation(handler_call_details), handler_call_details)
+
+    def wrap(
+        self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
+    ) -> Handler[Req, Resp] | None:
+        """The handler this layer answers for a call, given the inner layers' ``handler``."""
+        raise NotImplementedError
+
+
+class RequestLogInterceptor(Layer):
     """Log and count every RPC but health checks, whatever its outcome.
 
     Each RPC is counted in ``neuroshard_rpcs_total{method,code}`` and, when debug logging is
@@ -244,16 +263,10 @@ class RequestLogInterceptor(aio.ServerInterceptor):
         self._debug = debug_enabled()
         self._cache = HandlerCache()
 
-    async def intercept_service(
-        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
-    ) -> Handler[Req, Resp] | None:
-        """Wrap the method's handler so that each call binds, logs and counts itself."""
-        return self.wrap(await continuation(handler_call_details), handler_call_details)
-
     def wrap(
         self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
-        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
+        """Wrap the method's handler so that each call binds, logs and counts itself."""
         full = details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
@@ -358,7 +371,7 @@ def debug_enabled() -> bool:
         return True
 
 
-class MetricsInterceptor(aio.ServerInterceptor):
+class MetricsInterceptor(Layer):
     """Count serialized request and response bytes per RPC method.
 
     Into ``neuroshard_rpc_received_bytes_total`` and ``neuroshard_rpc_sent_bytes_total``,
@@ -370,16 +383,10 @@ class MetricsInterceptor(aio.ServerInterceptor):
         self._m = metrics
         self._cache = HandlerCache()
 
-    async def intercept_service(
-        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
-    ) -> Handler[Req, Resp] | None:
-        """Wrap the method's (de)serializers so that they count the bytes they see."""
-        return self.wrap(await continuation(handler_call_details), handler_call_details)
-
     def wrap(
         self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
-        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
+        """Wrap the method's (de)serializers so that they count the bytes they see."""
         full = details.method
         if handler is None or full.startswith(HEALTH_PREFIX):
             return handler
@@ -404,7 +411,7 @@ class MetricsInterceptor(aio.ServerInterceptor):
         return _handler(kind, behavior, count_in, count_out)
 
 
-class BatchLimitInterceptor(aio.ServerInterceptor):
+class BatchLimitInterceptor(Layer):
     """Refuse, on a worker, keyed memory requests that carry more than ``limit`` ids.
 
     Upsert, Get, Delete and Reinforce requests over the limit are INVALID_ARGUMENT before
@@ -416,16 +423,10 @@ class BatchLimitInterceptor(aio.ServerInterceptor):
         self.limit = limit
         self._cache = HandlerCache()
 
-    async def intercept_service(
-        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
-    ) -> Handler[Req, Resp] | None:
-        """Wrap keyed memory methods with the size check; pass the others through."""
-        return self.wrap(await continuation(handler_call_details), handler_call_details)
-
     def wrap(
         self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
-        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
+        """Wrap keyed memory methods with the size check; pass the others through."""
         method = details.method
         if handler is None or method not in KEYED_METHODS:
             return handler
@@ -535,7 +536,7 @@ def _request_stream(behavior: Behavior) -> Behavior:
     return call
 
 
-class DecodeGuardInterceptor(aio.ServerInterceptor):
+class DecodeGuardInterceptor(Layer):
     """Answer INVALID_ARGUMENT, not UNKNOWN, for request bytes that do not parse.
 
     Bytes that are not a valid message of the method's request type reach the behavior as an
@@ -547,16 +548,10 @@ class DecodeGuardInterceptor(aio.ServerInterceptor):
         """Start with no method's handler guarded yet."""
         self._cache = HandlerCache()
 
-    async def intercept_service(
-        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
-    ) -> Handler[Req, Resp] | None:
-        """Give the method's handler a tolerant deserializer and a behavior that refuses."""
-        return self.wrap(await continuation(handler_call_details), handler_call_details)
-
     def wrap(
         self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
-        """This layer's part of ``intercept_service``, on the inner layers' ``handler``."""
+        """Give the method's handler a tolerant deserializer and a behavior that refuses."""
         if handler is None or handler.request_deserializer is None:
             return handler
         return self._cache.get(details.method, handler, self._guarded)
@@ -672,7 +667,7 @@ def _parse_late(handler: Handler[Req, Resp], bound_method: str | None) -> Handle
     return _handler(kind, wrapped, None, handler.response_serializer)
 
 
-class AuthInterceptor(aio.ServerInterceptor):
+class AuthInterceptor(Layer):
     """Authenticate every RPC but health checks and enforce ``shared.security.auth``'s table.
 
     A call with a bearer token is a person's or program's: the token (EdDSA signature, expiry,
@@ -798,16 +793,10 @@ class AuthInterceptor(aio.ServerInterceptor):
         code, message = self._permission(principal, full_method)
         return (principal if code is grpc.StatusCode.OK else None), code, message
 
-    async def intercept_service(
-        self, continuation: Continuation[Req, Resp], handler_call_details: grpc.HandlerCallDetails
-    ) -> Handler[Req, Resp] | None:
-        """Return a refusing stand-in, or the handler wrapped to set the caller per call."""
-        return self.wrap(await continuation(handler_call_details), handler_call_details)
-
     def wrap(
         self, handler: Handler[Req, Resp] | None, details: grpc.HandlerCallDetails
     ) -> Handler[Req, Resp] | None:
-        """This layer's part of ``intercept_service``, on the inner layers' ``handler``.
+        """Return a refusing stand-in, or the handler wrapped to set the caller per call.
 
         Runs on every call: the token (or its absence) is checked per call, never cached
         with the handler.
@@ -925,16 +914,6 @@ def server_interceptors(
         layers.append(BatchLimitInterceptor(max_batch_items))
     layers.append(MetricsInterceptor(metrics))
     return [ChainInterceptor(layers)]
-
-
-class Layer(Protocol):
-    """One interceptor of a chain, as ``ChainInterceptor`` runs it (each class above is one)."""
-
-    def wrap(
-        self, handler: Handler[Any, Any] | None, details: grpc.HandlerCallDetails
-    ) -> Handler[Any, Any] | None:
-        """The handler this layer answers for a call, given the inner layers' ``handler``."""
-        ...
 
 
 class ChainInterceptor(aio.ServerInterceptor):
