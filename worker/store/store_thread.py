@@ -69,8 +69,10 @@ class StoreThread:
 
         Idle: every job submitted before has finished, and none runs (the store's state is
         the one ``run`` would have shown it, and nothing changes it meanwhile). Otherwise
-        as ``run``. ``fn`` must take microseconds (it holds the event loop): a read or a
-        write of a few ids, not a pass over the store. ``inline`` is True while it runs.
+        as ``run``. ``fn`` must be short (it holds the event loop): a read or a write of a
+        few ids, or a pass over a small store (at most ~0.1 ms: ``MemoryNode``'s
+        ``INLINE_SCAN_MEMORIES``), never a pass over a large one. ``inline`` is True while
+        it runs.
 
         Raises:
             RuntimeError: after ``shutdown``. Whatever ``fn`` raises.
