@@ -31,9 +31,9 @@ from grpc import aio
 from coordinator.memory.memory_ops import BulkOpError, primary_stubs
 from coordinator.placement.membership import Membership
 from coordinator.placement.rebalance import Rebalancer
-from shared.memory.sampling import DEFAULT_TABLE, draw_slots
+from shared.memory.sampling import DEFAULT_TABLE, draw_slots, gather_picks, slot_sums
 from shared.proto import worker_pb2, worker_pb2_grpc
-from shared.rpc.codec import f32_from_bytes, ids_from_bytes, ids_to_bytes, rows_to_bytes
+from shared.rpc.codec import ids_to_bytes, rows_to_bytes
 from shared.rpc.limits import BudgetExceeded
 from shared.rpc.peers import WorkerClients
 
@@ -187,12 +187,7 @@ class Sampler:
             {n: s.SampleSums(request, timeout=self._timeout_s) for n, s in stubs.items()},
             "sample weight sums",
         )
-        totals_S = np.zeros(current.slots, np.uint64)
-        owner_S = np.full(current.slots, -1, np.int64)
-        for i, n in enumerate(names):
-            slots = np.asarray(replies[n].slots, np.int64)
-            totals_S[slots] = ids_from_bytes(replies[n].totals, "totals")
-            owner_S[slots] = i
+        totals_S, owner_S = slot_sums([replies[n] for n in names], current.slots)
         total = _weight_sum(totals_S)
         if total >= 2**64:
             raise BudgetExceeded("sample: the table's weight sum W overflows 64 bits")
@@ -235,18 +230,9 @@ class Sampler:
         stale = sorted(name for name, r in replies.items() if r.stale)
         if stale:
             raise _Stale(f"primaries {', '.join(stale)} changed between the phases")
-        ids = np.empty(n, np.uint64)
-        strengths = np.empty(n, np.float32)
-        weights = np.empty(n, np.uint64)
-        payloads = [b""] * n
-        for name, draws in parts.items():
-            r = replies[name]
-            ids[draws] = ids_from_bytes(r.ids)
-            strengths[draws] = f32_from_bytes(r.strengths, "strengths")
-            weights[draws] = ids_from_bytes(r.weights, "weights")
-            if with_payloads:
-                for j, p in zip(draws.tolist(), r.payloads, strict=True):
-                    payloads[j] = p
+        ids, strengths, weights, payloads = gather_picks(
+            n, [(draws, replies[name]) for name, draws in parts.items()], with_payloads
+        )
         return SampleResult(
             ids, strengths, payloads, weights / float(sums.total), seed, sums.size, sums.total
         )

@@ -28,10 +28,10 @@ import numpy as np
 
 from shared.client.memory import MemoryRouter, RoutingError
 from shared.client.sampling import SampleBatch
-from shared.memory.sampling import draw_slots
+from shared.memory.sampling import draw_slots, gather_picks, slot_sums
 from shared.memory.tables import table_specs
 from shared.proto import common_pb2, worker_pb2
-from shared.rpc.codec import f32_from_bytes, ids_from_bytes, ids_to_bytes, rows_to_bytes
+from shared.rpc.codec import ids_to_bytes, rows_to_bytes
 
 __all__ = ["direct_sample"]
 
@@ -82,12 +82,7 @@ async def direct_sample(
     if sums is None:
         await _refresh(router)
         return None
-    totals_S = np.zeros(m.slots, np.uint64)
-    owner_S = np.full(m.slots, -1, np.int64)
-    for i, r in enumerate(sums):
-        slots = np.asarray(r.slots, np.int64)
-        totals_S[slots] = ids_from_bytes(r.totals, "totals")
-        owner_S[slots] = i
+    totals_S, owner_S = slot_sums(sums, m.slots)
     size = sum(int(r.memories) for r in sums)
     # W exact: far from a wrap uint64 is; near one, the coordinator refuses or answers
     if not size or float(totals_S.sum(dtype=np.float64)) >= 2.0**63:
@@ -95,10 +90,17 @@ async def direct_sample(
     total = int(totals_S.sum(dtype=np.uint64))
     if not total:
         return None  # every weight 0: the coordinator samples uniformly
-    batch = await _pick(m, stubs, sums, totals_S, owner_S, n, seed, with_payloads, wire, timeout_s)
-    if batch is None:
-        await _refresh(router)
-    return batch
+    versions = [int(r.version) for r in sums]
+    batch = await _pick(
+        m, stubs, versions, totals_S, owner_S, n, seed, with_payloads, wire, timeout_s
+    )
+    if batch is not None:
+        ids, strengths, weights, payloads = batch
+        return SampleBatch(
+            ids, strengths, [p or None for p in payloads], weights / float(total), seed, size, total
+        )
+    await _refresh(router)
+    return None
 
 
 async def _refresh(router: MemoryRouter) -> None:
@@ -112,7 +114,7 @@ async def _refresh(router: MemoryRouter) -> None:
 async def _pick(
     m: common_pb2.SlotMap,
     stubs: list[Any],
-    sums: list[worker_pb2.WorkerSampleSumsResponse],
+    versions: list[int],
     totals_S: np.ndarray,
     owner_S: np.ndarray,
     n: int,
@@ -120,8 +122,12 @@ async def _pick(
     with_payloads: bool,
     wire: str,
     timeout_s: float,
-) -> SampleBatch | None:
-    """Draw, then phase 2 on the primaries the draws fall on (as the coordinator's ``_pick``)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bytes]] | None:
+    """Draw, then phase 2 on the primaries the draws fall on (as the coordinator's ``_pick``).
+
+    Returns:
+        ``gather_picks``' arrays in draw order; None after a failed call or a stale pick.
+    """
     slots, offsets = draw_slots(totals_S, n, seed)
     owner = owner_S[slots]
     parts = [(i, np.flatnonzero(owner == i)) for i in range(len(stubs))]
@@ -132,7 +138,7 @@ async def _pick(
                 worker_pb2.WorkerSamplePickRequest(
                     epoch=m.epoch,
                     table=wire,
-                    version=sums[i].version,
+                    version=versions[i],
                     slots=rows_to_bytes(slots[draws]),
                     offsets=ids_to_bytes(offsets[draws]),
                     with_payloads=with_payloads,
@@ -144,20 +150,9 @@ async def _pick(
     )
     if replies is None or any(r.stale for r in replies):
         return None
-    ids = np.empty(n, np.uint64)
-    strengths = np.empty(n, np.float32)
-    weights = np.empty(n, np.uint64)
-    payloads: list[bytes | None] = [None] * n
-    for (_, draws), r in zip(parts, replies, strict=True):
-        ids[draws] = ids_from_bytes(r.ids)
-        strengths[draws] = f32_from_bytes(r.strengths, "strengths")
-        weights[draws] = ids_from_bytes(r.weights, "weights")
-        if with_payloads:
-            for j, p in zip(draws.tolist(), r.payloads, strict=True):
-                payloads[j] = p or None
-    total = int(totals_S.sum(dtype=np.uint64))
-    size = sum(int(r.memories) for r in sums)
-    return SampleBatch(ids, strengths, payloads, weights / float(total), seed, size, total)
+    return gather_picks(
+        n, [(draws, r) for (_, draws), r in zip(parts, replies, strict=True)], with_payloads
+    )
 
 
 async def _all(calls: list[Any]) -> list[Any] | None:

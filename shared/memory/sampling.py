@@ -15,17 +15,22 @@ Shape letters: S slots, K draws.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from shared.memory.tables import DEFAULT_TABLE, TableNotFound
 from shared.memory.validation import MemoryInputError
+from shared.rpc.codec import f32_from_bytes, ids_from_bytes
 
 __all__ = [
     "DEFAULT_TABLE",
     "TableNotFound",
     "draw_slots",
+    "gather_picks",
     "new_seed",
+    "slot_sums",
     "validate_sample",
 ]
 
@@ -84,3 +89,59 @@ def draw_slots(totals_S: np.ndarray, n: int, seed: int) -> tuple[np.ndarray, np.
     slots = np.searchsorted(cum_S, u, side="right").astype(np.int64)
     offsets = u - (cum_S[slots] - totals_S[slots])
     return slots, offsets
+
+
+def slot_sums(replies: Sequence[Any], slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Phase 1's answers (``WorkerSampleSumsResponse``, one per primary) as per-slot arrays.
+
+    Args:
+        replies: each primary's answer, in the order its index is to name it: ``slots``
+            (its primary slots) and ``totals`` ([s] uint64 little-endian bytes).
+        slots: S, the map's slot count.
+
+    Returns:
+        (totals_S [S] uint64, 0 for a slot no primary answered; owner_S [S] int64, the index
+        into ``replies`` of each slot's primary, -1 for none).
+
+    Raises:
+        CodecError: a reply's ``totals`` is not whole uint64s (INTERNAL: a worker sent it).
+    """
+    totals_S = np.zeros(slots, np.uint64)
+    owner_S = np.full(slots, -1, np.int64)
+    for i, r in enumerate(replies):
+        held = np.asarray(r.slots, np.int64)
+        totals_S[held] = ids_from_bytes(r.totals, "totals")
+        owner_S[held] = i
+    return totals_S, owner_S
+
+
+def gather_picks(
+    n: int, parts: Sequence[tuple[np.ndarray, Any]], with_payloads: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bytes]]:
+    """Phase 2's answers (``WorkerSamplePickResponse``) put back in draw order.
+
+    Args:
+        n: K, the draws.
+        parts: (draws [k] int64, the primary's answer to those draws) per primary asked;
+            the draws of all parts are 0 .. K-1, each once.
+        with_payloads: the answers carry payloads.
+
+    Returns:
+        (ids [K] uint64, strengths [K] float32, weights [K] uint64, payloads: K bytes, b""
+        for none or when ``with_payloads`` is False).
+
+    Raises:
+        CodecError: an answer's arrays are not whole elements (INTERNAL).
+    """
+    ids = np.empty(n, np.uint64)
+    strengths = np.empty(n, np.float32)
+    weights = np.empty(n, np.uint64)
+    payloads = [b""] * n
+    for draws, r in parts:
+        ids[draws] = ids_from_bytes(r.ids)
+        strengths[draws] = f32_from_bytes(r.strengths, "strengths")
+        weights[draws] = ids_from_bytes(r.weights, "weights")
+        if with_payloads:
+            for j, p in zip(draws.tolist(), r.payloads, strict=True):
+                payloads[j] = p
+    return ids, strengths, weights, payloads
